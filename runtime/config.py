@@ -1,0 +1,273 @@
+"""Job configuration: YAML sections as dataclasses, overrides, and validation.
+
+`load_config(path, overrides)` reads a YAML file with the sections `model`, `data`,
+`train`, `parallel` and `output`, applies `section.key=value` overrides (values
+parsed as YAML), and refuses unknown keys and inconsistent values with a message
+naming the key and the fix. `plan_from_config` turns the parallel section into a
+`Plan`. Both run before any process group exists.
+"""
+from __future__ import annotations
+
+import difflib
+import math
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from planaria.runtime.model import ModelConfig
+from planaria.templates.layout import homogeneous_layout, plan_from_layout
+from planaria.templates.plan import SCHEDULE_NAMES, Plan
+
+DTYPES = ("float32", "float64", "bfloat16")
+
+
+class ConfigError(ValueError):
+    """A configuration a user must fix; the message names the key."""
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    source: str = "synthetic"
+    """'synthetic', 'stdlib' (byte-level corpus of the Python standard library), or a path to a uint16 .bin file."""
+    seed: int = 1234
+    """Seed of the sample permutation: iteration k reads samples [k*B, (k+1)*B) of it."""
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 20
+    """Optimizer steps to run."""
+    global_batch: int = 8
+    """Sequences per step, all pipelines together."""
+    micro_batch: int = 1
+    """Sequences per microbatch."""
+    lr: float = 3e-3
+    """Peak learning rate."""
+    min_lr: float = 3e-4
+    """Learning rate at the end of the cosine decay."""
+    warmup_steps: int = 0
+    """Linear warm-up steps."""
+    lr_schedule: str = "cosine"
+    """'cosine' or 'constant'."""
+    weight_decay: float = 0.1
+    """AdamW weight decay on matrices (not on norm gains)."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this; 0 disables."""
+    seed: int = 0
+    """Seed of the parameter initialisation."""
+    dtype: str = "float32"
+    """'float32' or 'float64' (CPU exactness), 'bfloat16' (autocast over float32 master weights)."""
+    recompute: bool = False
+    """Recompute each block's activations in the backward pass instead of storing them."""
+    log_every: int = 1
+    """Print progress every this many steps."""
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tp: int = 1
+    """Tensor-parallel degree: workers per stage."""
+    pp: int = 1
+    """Pipeline stages per pipeline (ignored when `layout` is given)."""
+    dp: int = 1
+    """Pipelines (data-parallel replicas; ignored when `layout` is given)."""
+    schedule: str = "1f1b"
+    """'gpipe', '1f1b' or 'interleaved'."""
+    virtual_stages: int = 1
+    """Chunks per stage, for the interleaved schedule."""
+    layout: list | None = None
+    """Explicit pipelines: transformer blocks per model stage, e.g. [[4], [2, 2]]."""
+    microbatches: list | None = None
+    """Microbatches per pipeline, e.g. [3, 5]; default: an even split."""
+    backend: str = "auto"
+    """'gloo', 'nccl', or 'auto' (nccl when CUDA is present)."""
+    timeout_s: float = 300.0
+    """Collective timeout in seconds."""
+
+
+@dataclass(frozen=True)
+class OutputConfig:
+    dir: str = "runs/default"
+    """Where metrics.jsonl and the final model go."""
+    save_final: bool = True
+    """Write the final parameters (one file per layer and tp rank) to `dir`/final."""
+
+
+@dataclass(frozen=True)
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    output: OutputConfig = field(default_factory=OutputConfig)
+
+
+SECTIONS = {f.name: f.default_factory for f in fields(Config)}
+
+
+def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
+    raw: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {str(path)!r} not found; give a YAML file such as configs/tiny.yaml")
+        raw = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{path}: the top level must be a mapping of sections {sorted(SECTIONS)}")
+    for item in overrides:
+        _apply_override(raw, item)
+    return check_config(_build(raw))
+
+
+def _apply_override(raw: dict, item: str) -> None:
+    key, sep, value = item.partition("=")
+    if not sep or key.count(".") != 1:
+        raise ConfigError(f"override {item!r} must look like section.key=value, e.g. train.steps=10")
+    section, name = key.split(".")
+    if not isinstance(raw.setdefault(section, {}), dict):
+        raise ConfigError(f"config section {section!r} must be a mapping")
+    raw[section][name] = yaml.safe_load(value)
+
+
+def _build(raw: dict) -> Config:
+    sections = {}
+    for name, value in raw.items():
+        if name not in SECTIONS:
+            raise ConfigError(f"unknown config section {name!r}{_suggest(name, SECTIONS)}; "
+                              f"sections are {sorted(SECTIONS)}")
+        if not isinstance(value, dict):
+            raise ConfigError(f"config section {name!r} must be a mapping of keys to values")
+        sections[name] = _build_section(name, SECTIONS[name], value)
+    return replace(Config(), **sections)
+
+
+def _build_section(section: str, factory, values: dict):
+    default = factory()
+    known = {f.name: f for f in fields(default)}
+    for key, value in values.items():
+        if key not in known:
+            raise ConfigError(f"unknown config key {section}.{key}{_suggest(key, known)}; "
+                              f"keys of {section!r} are {sorted(known)}")
+        expected = type(getattr(default, key))
+        if getattr(default, key) is not None and not _type_ok(value, expected):
+            raise ConfigError(f"{section}.{key} must be a {expected.__name__}, got {value!r}")
+    coerced = {k: float(v) if isinstance(getattr(default, k), float) else v for k, v in values.items()}
+    return replace(default, **coerced)
+
+
+def _type_ok(value, expected: type) -> bool:
+    if expected is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if expected is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, expected)
+
+
+def _suggest(word: str, choices) -> str:
+    close = difflib.get_close_matches(word, list(choices), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def check_config(cfg: Config) -> Config:
+    """Cross-field checks that need no processes. Returns cfg unchanged."""
+    m, t, p = cfg.model, cfg.train, cfg.parallel
+    _positive(cfg, [("model", "n_layers"), ("model", "d_model"), ("model", "n_heads"),
+                    ("model", "vocab_size"), ("model", "seq_len"), ("train", "steps"),
+                    ("train", "global_batch"), ("train", "micro_batch"), ("parallel", "tp"),
+                    ("parallel", "pp"), ("parallel", "dp"), ("parallel", "virtual_stages")])
+    if m.d_model % m.n_heads:
+        raise ConfigError(f"model.n_heads={m.n_heads} does not divide model.d_model={m.d_model}; "
+                          "pick n_heads among the divisors of d_model")
+    if m.head_dim % 2:
+        raise ConfigError(f"head size d_model/n_heads = {m.head_dim} must be even for rotary embeddings")
+    if m.n_heads % p.tp:
+        raise ConfigError(f"model.n_heads={m.n_heads} is not divisible by parallel.tp={p.tp}; "
+                          "each tensor-parallel rank needs whole heads")
+    for key, size in (("model.vocab_size", m.vocab_size), ("model.ffn_hidden", m.ffn_dim)):
+        if size % p.tp:
+            raise ConfigError(f"{key}={size} is not divisible by parallel.tp={p.tp}")
+    if t.dtype not in DTYPES:
+        raise ConfigError(f"train.dtype {t.dtype!r} is unknown; use one of {DTYPES}")
+    if t.lr_schedule not in ("cosine", "constant"):
+        raise ConfigError(f"train.lr_schedule {t.lr_schedule!r} is unknown; use 'cosine' or 'constant'")
+    if t.global_batch % t.micro_batch:
+        raise ConfigError(f"train.global_batch={t.global_batch} is not a multiple of "
+                          f"train.micro_batch={t.micro_batch}")
+    if p.schedule not in SCHEDULE_NAMES:
+        raise ConfigError(f"parallel.schedule {p.schedule!r} is unknown; use one of {SCHEDULE_NAMES}")
+    if p.backend not in ("auto", "gloo", "nccl"):
+        raise ConfigError(f"parallel.backend {p.backend!r} is unknown; use 'auto', 'gloo' or 'nccl'")
+    plan_from_config(cfg)  # layout, microbatch split and schedule shape
+    return cfg
+
+
+def _positive(cfg: Config, keys) -> None:
+    for section, key in keys:
+        value = getattr(getattr(cfg, section), key)
+        if value < 1:
+            raise ConfigError(f"{section}.{key} must be at least 1, got {value}")
+
+
+def plan_from_config(cfg: Config, world_size: int | None = None) -> Plan:
+    """The epoch-0 plan of a config; `world_size`, if given, must match it."""
+    m, t, p = cfg.model, cfg.train, cfg.parallel
+    layout = p.layout if p.layout is not None else homogeneous_layout(m.n_layers, p.pp, p.dp, p.virtual_stages)
+    total = t.global_batch // t.micro_batch
+    if p.microbatches is not None and sum(p.microbatches) != total:
+        raise ConfigError(
+            f"parallel.microbatches={p.microbatches} adds up to {sum(p.microbatches)}, but "
+            f"train.global_batch / train.micro_batch = {t.global_batch} / {t.micro_batch} = {total}; "
+            "make them add up"
+        )
+    try:
+        plan = plan_from_layout(layout, n_blocks=m.n_layers, tp=p.tp, schedule=p.schedule,
+                                virtual_stages=p.virtual_stages, global_batch=t.global_batch,
+                                micro_batch=t.micro_batch, microbatches=p.microbatches)
+        _check_schedules(plan)
+    except ConfigError:
+        raise
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    if world_size is not None and world_size != plan.world_size:
+        raise ConfigError(
+            f"the plan needs {plan.world_size} processes (tp={plan.tp} x {_stage_count(plan)} stages) "
+            f"but the job has {world_size}; launch with torchrun --nproc-per-node={plan.world_size} "
+            "or change parallel.tp/pp/dp or parallel.layout"
+        )
+    return plan
+
+
+def _stage_count(plan: Plan) -> int:
+    return sum(len(pipeline.stages) for pipeline in plan.pipelines)
+
+
+def _check_schedules(plan: Plan) -> None:
+    from planaria.templates.schedules import check_schedule_shape
+
+    for i, pipeline in enumerate(plan.pipelines):
+        try:
+            check_schedule_shape(plan.schedule, len(pipeline.stages), plan.virtual_stages,
+                                 pipeline.num_microbatches)
+        except ValueError as err:
+            raise ConfigError(f"pipeline {i}: {err}") from None
+
+
+def microbatch_tokens(cfg: Config) -> int:
+    return cfg.train.micro_batch * cfg.model.seq_len
+
+
+def describe(cfg: Config, plan: Plan) -> str:
+    params = _parameter_count(cfg.model)
+    return (f"model: {cfg.model.n_layers} blocks, d_model {cfg.model.d_model}, "
+            f"{cfg.model.n_heads} heads, vocab {cfg.model.vocab_size}, {params / 1e6:.2f}M parameters | "
+            f"plan: {len(plan.pipelines)} pipeline(s), stages "
+            f"{[len(pl.stages) for pl in plan.pipelines]}, microbatches "
+            f"{[pl.num_microbatches for pl in plan.pipelines]}, tp {plan.tp}, "
+            f"schedule {plan.schedule} (v={plan.virtual_stages})")
+
+
+def _parameter_count(m: ModelConfig) -> int:
+    block = 4 * m.d_model * m.d_model + 3 * m.d_model * m.ffn_dim + 2 * m.d_model
+    return 2 * m.vocab_size * m.d_model + m.n_layers * block + m.d_model

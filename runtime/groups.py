@@ -1,0 +1,96 @@
+"""The process groups of one epoch, built from a Plan and passed explicitly.
+
+No process-wide registry: an `EpochGroups` is made for one plan and destroyed when
+the plan changes. Every rank creates every group of the plan, in the same order
+(`dist.new_group` is collective over the whole world), and keeps the ones it is in.
+
+Groups of a rank:
+- `pipeline`: the ranks of its pipeline with the same tp rank; activations and
+  their gradients travel along it (one per pipeline "lane").
+- `tensor_parallel`: the workers of its stage.
+- `buckets`: for gradient sync, one group per distinct replica group this rank is in,
+  with the layers whose replica group it is. Layers that share a replica group share
+  one bucket and one all-reduce.
+- `world`: the whole epoch, for the commit all-reduce.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch.distributed as dist
+
+from planaria.runtime.tensor_parallel import TensorParallel
+from planaria.templates.plan import Plan
+
+
+@dataclass
+class GradientBucket:
+    """Layers (of one tp rank) whose replicas live on the same ranks; synced together."""
+
+    ranks: tuple[int, ...]
+    layers: list[int]
+    group: dist.ProcessGroup | None  # None when the layer has a single replica
+
+
+@dataclass
+class EpochGroups:
+    rank: int
+    pipeline: dist.ProcessGroup
+    tensor_parallel: TensorParallel
+    buckets: list[GradientBucket]
+    world: dist.ProcessGroup
+    _owned: list = field(default_factory=list, repr=False)
+
+    @classmethod
+    def build(cls, plan: Plan, rank: int, world: dist.ProcessGroup | None = None,
+              timeout=None) -> "EpochGroups":
+        if dist.get_world_size(world) != plan.world_size:
+            raise ValueError(
+                f"the plan of epoch {plan.epoch} has {plan.world_size} ranks but the process "
+                f"group has {dist.get_world_size(world)}"
+            )
+        owned: list[dist.ProcessGroup] = []
+
+        def new_group(ranks: tuple[int, ...]) -> dist.ProcessGroup | None:
+            group = dist.new_group(list(ranks), timeout=timeout)
+            if rank in ranks:
+                owned.append(group)
+                return group
+            return None
+
+        info = plan.rank_info(rank)
+        pipeline = _mine(rank, [(r, new_group(r)) for r in plan.pipeline_groups()])
+        tp_ranks = plan.stage_of(rank).ranks
+        tp_groups = [(r, new_group(r)) for r in plan.tensor_parallel_groups()]
+        tp = TensorParallel(group=_mine(rank, tp_groups), rank=info.tp_rank, size=plan.tp)
+        assert rank in tp_ranks
+        buckets = _build_buckets(plan, rank, new_group)
+        return cls(rank=rank, pipeline=pipeline, tensor_parallel=tp, buckets=buckets,
+                   world=world or dist.group.WORLD, _owned=owned)
+
+    def destroy(self) -> None:
+        for group in self._owned:
+            dist.destroy_process_group(group)
+        self._owned.clear()
+
+
+def _mine(rank: int, groups: list) -> dist.ProcessGroup:
+    return next(group for ranks, group in groups if rank in ranks)
+
+
+def _build_buckets(plan: Plan, rank: int, new_group) -> list[GradientBucket]:
+    """One bucket per distinct replica group; every rank walks them in the same sorted order.
+
+    The sorted order is a single global order of all-reduces, so two ranks that share
+    several buckets always meet in the same one first: no cycle of waits is possible.
+    """
+    layers_by_ranks: dict[tuple[int, ...], list[int]] = {}
+    for (layer, _tp_rank), ranks in plan.replica_groups().items():
+        layers_by_ranks.setdefault(ranks, []).append(layer)
+    buckets = []
+    for ranks in sorted(layers_by_ranks):
+        group = new_group(ranks) if len(ranks) > 1 else None
+        if rank in ranks:
+            buckets.append(GradientBucket(ranks=ranks, layers=sorted(layers_by_ranks[ranks]),
+                                          group=group))
+    return buckets

@@ -1,0 +1,213 @@
+"""A LLaMA-style decoder, built as an ordered list of layers so any contiguous run is a stage.
+
+Layer 0 is the token embedding, layers 1..n_layers are transformer blocks (RMSNorm,
+causal self-attention with rotary embeddings, RMSNorm, SwiGLU MLP), and the last
+layer is the final norm plus the output head. Each layer is built on its own from a
+generator seeded by (seed, layer index), full size, then sharded for tensor
+parallelism: a layer's initial values do not depend on where it is placed.
+
+Other models plug in through the same protocol: `build_layer(index, tp)` returning
+an `nn.Module`, and a loss over the last layer's output (see `LayerModel`).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from planaria.kernels import apply_rotary_reference, rms_norm_reference, rotary_tables, swiglu_reference
+from planaria.runtime.tensor_parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    TensorParallel,
+    VocabParallelEmbedding,
+    vocab_parallel_cross_entropy,
+)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape of the decoder. Checked by `planaria.runtime.config`."""
+
+    n_layers: int = 4
+    """Transformer blocks (the plan has n_layers + 2 layers: embedding and head too)."""
+    d_model: int = 64
+    """Hidden size."""
+    n_heads: int = 4
+    """Attention heads; must divide d_model and be divisible by parallel.tp."""
+    vocab_size: int = 256
+    """Vocabulary size; must be divisible by parallel.tp."""
+    seq_len: int = 64
+    """Tokens per sequence."""
+    ffn_hidden: int = 0
+    """SwiGLU hidden size; 0 means LLaMA's 8/3 * d_model rounded up to a multiple of 32."""
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    init_std: float = 0.02
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def ffn_dim(self) -> int:
+        if self.ffn_hidden:
+            return self.ffn_hidden
+        return 32 * math.ceil(8 * self.d_model / 3 / 32)
+
+    @property
+    def num_layers(self) -> int:
+        return self.n_layers + 2
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm_reference(x, self.weight, self.eps)
+
+
+class Embedding(nn.Module):
+    """Token ids (B, T) -> hidden states (B, T, C), vocabulary split across tp ranks."""
+
+    TP_SHARD_DIMS = {"embed.weight": 0}
+
+    def __init__(self, cfg: ModelConfig, gen: torch.Generator, tp: TensorParallel):
+        super().__init__()
+        full = torch.randn(cfg.vocab_size, cfg.d_model, generator=gen) * cfg.init_std
+        self.embed = VocabParallelEmbedding(full, tp)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.embed(tokens)
+
+
+class Attention(nn.Module):
+    """Causal self-attention; heads split across tp ranks (q, k, v column-, out row-parallel)."""
+
+    def __init__(self, cfg: ModelConfig, gen: torch.Generator, tp: TensorParallel, out_std: float):
+        super().__init__()
+        c = cfg.d_model
+        self.local_heads = cfg.n_heads // tp.size
+        self.head_dim = cfg.head_dim
+        self.wq = ColumnParallelLinear(torch.randn(c, c, generator=gen) * cfg.init_std, tp)
+        self.wk = ColumnParallelLinear(torch.randn(c, c, generator=gen) * cfg.init_std, tp)
+        self.wv = ColumnParallelLinear(torch.randn(c, c, generator=gen) * cfg.init_std, tp)
+        self.wo = RowParallelLinear(torch.randn(c, c, generator=gen) * out_std, tp)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        shape = (b, t, self.local_heads, self.head_dim)
+        q = apply_rotary_reference(self.wq(x).view(shape), cos, sin)
+        k = apply_rotary_reference(self.wk(x).view(shape), cos, sin)
+        v = self.wv(x).view(shape)
+        # (B, H, T, hd) for scaled_dot_product_attention
+        y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                           is_causal=True)
+        return self.wo(y.transpose(1, 2).reshape(b, t, -1))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU MLP: gate and up column-parallel, down row-parallel."""
+
+    def __init__(self, cfg: ModelConfig, gen: torch.Generator, tp: TensorParallel, out_std: float):
+        super().__init__()
+        c, h = cfg.d_model, cfg.ffn_dim
+        self.w_gate = ColumnParallelLinear(torch.randn(h, c, generator=gen) * cfg.init_std, tp)
+        self.w_up = ColumnParallelLinear(torch.randn(h, c, generator=gen) * cfg.init_std, tp)
+        self.w_down = RowParallelLinear(torch.randn(c, h, generator=gen) * out_std, tp)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w_down(swiglu_reference(self.w_gate(x), self.w_up(x)))
+
+
+class Block(nn.Module):
+    """One transformer block, pre-norm, residual stream (B, T, C) in and out."""
+
+    TP_SHARD_DIMS = {
+        "attn.wq.weight": 0, "attn.wk.weight": 0, "attn.wv.weight": 0, "attn.wo.weight": 1,
+        "mlp.w_gate.weight": 0, "mlp.w_up.weight": 0, "mlp.w_down.weight": 1,
+    }
+
+    def __init__(self, cfg: ModelConfig, gen: torch.Generator, tp: TensorParallel,
+                 recompute: bool = False):
+        super().__init__()
+        # GPT-2's scaling of the residual projections keeps the stream's variance flat in depth.
+        out_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.attn = Attention(cfg, gen, tp, out_std)
+        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.mlp = FeedForward(cfg, gen, tp, out_std)
+        self.recompute = recompute
+        cos, sin = rotary_tables(cfg.seq_len, cfg.head_dim, cfg.rope_theta, torch.float64)
+        # Not parameters and not saved: rebuilt from the config wherever the layer lands.
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), self.rope_cos, self.rope_sin)
+        return x + self.mlp(self.mlp_norm(x))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.recompute and torch.is_grad_enabled():
+            return checkpoint(self._forward, x, use_reentrant=False)
+        return self._forward(x)
+
+
+class Head(nn.Module):
+    """Final norm and output projection: (B, T, C) -> logits (B, T, V/tp), split by vocabulary."""
+
+    TP_SHARD_DIMS = {"output.weight": 0}
+
+    def __init__(self, cfg: ModelConfig, gen: torch.Generator, tp: TensorParallel):
+        super().__init__()
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        full = torch.randn(cfg.vocab_size, cfg.d_model, generator=gen) * cfg.init_std
+        self.output = ColumnParallelLinear(full, tp)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.output(self.norm(x))
+
+
+class LayerModel:
+    """The layer protocol the runtime uses: build layer i for a tp rank, and the loss."""
+
+    def __init__(self, cfg: ModelConfig, seed: int, recompute: bool = False):
+        self.cfg = cfg
+        self.seed = seed
+        self.recompute = recompute
+
+    @property
+    def num_layers(self) -> int:
+        return self.cfg.num_layers
+
+    def layer_class(self, index: int) -> type[nn.Module]:
+        if not 0 <= index < self.num_layers:
+            raise ValueError(f"layer {index} does not exist; the model has {self.num_layers}")
+        if index == 0:
+            return Embedding
+        return Head if index == self.num_layers - 1 else Block
+
+    def shard_dims(self, index: int) -> dict[str, int]:
+        """Parameter name -> the dimension tensor parallelism splits; absent means replicated."""
+        return dict(getattr(self.layer_class(index), "TP_SHARD_DIMS", {}))
+
+    def build_layer(self, index: int, tp: TensorParallel, dtype: torch.dtype,
+                    device: torch.device) -> nn.Module:
+        cls = self.layer_class(index)
+        gen = torch.Generator().manual_seed(self.seed * 100_003 + index)
+        if cls is Block:
+            layer = Block(self.cfg, gen, tp, recompute=self.recompute)
+        else:
+            layer = cls(self.cfg, gen, tp)
+        return layer.to(device=device, dtype=dtype)
+
+    @staticmethod
+    def loss(logits_local: torch.Tensor, target: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+        return vocab_parallel_cross_entropy(logits_local, target, tp)

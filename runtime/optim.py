@@ -1,0 +1,54 @@
+"""Per-layer optimizer state and the learning-rate schedule.
+
+Each layer owns its own AdamW, so a layer moves between workers as one unit:
+parameters, step count, and both moments travel together, and a worker that drops
+a layer drops its optimizer state with it. All replicas of a layer receive the same
+gradient and the same clip coefficient, so their AdamW updates are bit-identical.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class OptimizerSettings:
+    lr: float
+    min_lr: float
+    warmup_steps: int
+    lr_schedule: str
+    total_steps: int
+    weight_decay: float
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+
+
+def learning_rate(iteration: int, s: OptimizerSettings) -> float:
+    """Linear warm-up, then constant or cosine decay to `min_lr` at `total_steps`."""
+    if s.warmup_steps and iteration < s.warmup_steps:
+        return s.lr * (iteration + 1) / s.warmup_steps
+    if s.lr_schedule == "constant":
+        return s.lr
+    span = max(1, s.total_steps - s.warmup_steps)
+    progress = min(1.0, (iteration - s.warmup_steps) / span)
+    return s.min_lr + 0.5 * (s.lr - s.min_lr) * (1 + math.cos(math.pi * progress))
+
+
+def build_optimizer(module: nn.Module, s: OptimizerSettings) -> torch.optim.AdamW:
+    """AdamW with weight decay on matrices only (not on norm gains), as nanoGPT does."""
+    decay = [p for p in module.parameters() if p.dim() >= 2]
+    no_decay = [p for p in module.parameters() if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": s.weight_decay}]
+    if no_decay:
+        groups.append({"params": no_decay, "weight_decay": 0.0})
+    # foreach=False: the same per-tensor arithmetic whatever the set of layers on a
+    # worker, so an update does not depend on which other layers share the optimizer call.
+    return torch.optim.AdamW(groups, lr=s.lr, betas=s.betas, eps=s.eps, foreach=False)
+
+
+def set_learning_rate(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr

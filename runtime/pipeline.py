@@ -1,0 +1,54 @@
+"""Execute one pipeline's schedule with `torch.distributed.pipelining`.
+
+Planaria's schedules are data (`planaria.templates.schedules`): per-rank lists of
+compute actions, checked by a simulator before anything runs. Here they are handed
+to torch's `_PipelineScheduleRuntime`, which inserts the sends and receives and runs
+them against `PipelineStage`s. torch's own schedule classes compute the same kind of
+list, but only from live stages; building the list ourselves is what lets the planner
+and the tests check a schedule without processes.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import _Action, _ComputationType, _PipelineScheduleRuntime
+
+from planaria.templates.schedules import build_schedule
+
+_KINDS = {
+    "F": _ComputationType.FORWARD,
+    "B": _ComputationType.FULL_BACKWARD,
+    "I": _ComputationType.BACKWARD_INPUT,
+    "W": _ComputationType.BACKWARD_WEIGHT,
+}
+
+
+class PlanSchedule(_PipelineScheduleRuntime):
+    """torch's schedule runtime, loaded with an action list from Planaria's generator."""
+
+    def __init__(self, stages: list[PipelineStage], schedule: str, num_microbatches: int,
+                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]):
+        # Gradients are scaled by the loss function (1 / total microbatches of the
+        # iteration, all pipelines together), so the runtime must not scale again.
+        super().__init__(stages, num_microbatches, loss_fn=loss_fn, scale_grads=False)
+        num_ranks = stages[0].group_size
+        virtual_stages = len(stages)
+        actions = build_schedule(schedule, num_ranks, virtual_stages, num_microbatches)
+        self.pipeline_order = {
+            rank: [_Action(a.stage, _KINDS[a.kind], a.microbatch) for a in rank_actions]
+            for rank, rank_actions in actions.items()
+        }
+        self._prepare_schedule_with_comms(self.pipeline_order)
+
+
+def build_stages(chunks: list[tuple[int, nn.Module]], num_model_stages: int,
+                 group: dist.ProcessGroup, device: torch.device) -> list[PipelineStage]:
+    """One `PipelineStage` per local chunk, given as (model stage index, module)."""
+    return [
+        PipelineStage(module, stage_index, num_model_stages, device, group=group)
+        for stage_index, module in chunks
+    ]

@@ -1,0 +1,162 @@
+"""Megatron-style tensor parallelism across the workers of one stage.
+
+Small explicit layers rather than DTensor: a layer's state is then a plain tensor
+shard per tp rank, which is what replica transfer and checkpoints move around.
+
+- `TensorParallel`: the group a stage's workers share. Layers hold a reference to
+  one such object owned by the engine; reconfiguration swaps its group in place.
+- `copy_to_tp` / `reduce_from_tp`: the conjugate pair `f` / `g` of Megatron-LM
+  (identity forward and all-reduce backward, and the reverse).
+- `ColumnParallelLinear` splits the output features, `RowParallelLinear` the input
+  features; a column-parallel layer followed by a row-parallel one needs one
+  all-reduce forward and one backward.
+- `VocabParallelEmbedding` and `vocab_parallel_cross_entropy` split the vocabulary.
+
+This module does no initialisation of its own: layers are created with full-size
+tensors from a seeded generator and then sharded (see `shard`), so every tp degree
+starts from bit-identical parameters.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class TensorParallel:
+    """The tensor-parallel group of one stage. `group=None` means tp = 1."""
+
+    group: dist.ProcessGroup | None = None
+    rank: int = 0
+    size: int = 1
+
+    def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
+        if self.size > 1:
+            dist.all_reduce(tensor, op=op, group=self.group)
+        return tensor
+
+
+def shard(full: torch.Tensor, dim: int, tp: TensorParallel) -> torch.Tensor:
+    """This tp rank's contiguous slice of `full` along `dim`."""
+    if full.shape[dim] % tp.size:
+        raise ValueError(f"dimension {dim} of size {full.shape[dim]} does not split into tp={tp.size}")
+    return full.chunk(tp.size, dim=dim)[tp.rank].clone()
+
+
+class _CopyToTensorParallel(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, tp):
+        ctx.tp = tp
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.tp.all_reduce(grad.contiguous()), None
+
+
+class _ReduceFromTensorParallel(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, tp):
+        return tp.all_reduce(x.clone())
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def copy_to_tp(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    return _CopyToTensorParallel.apply(x, tp) if tp.size > 1 else x
+
+
+def reduce_from_tp(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    return _ReduceFromTensorParallel.apply(x, tp) if tp.size > 1 else x
+
+
+class ColumnParallelLinear(nn.Module):
+    """y_local = x @ W_local^T, W split by output features; the input is replicated."""
+
+    def __init__(self, full_weight: torch.Tensor, tp: TensorParallel):
+        super().__init__()
+        self.tp = tp
+        self.weight = nn.Parameter(shard(full_weight, 0, tp))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(copy_to_tp(x, self.tp), self.weight)
+
+
+class RowParallelLinear(nn.Module):
+    """y = sum over tp ranks of x_local @ W_local^T, W split by input features."""
+
+    def __init__(self, full_weight: torch.Tensor, tp: TensorParallel):
+        super().__init__()
+        self.tp = tp
+        self.weight = nn.Parameter(shard(full_weight, 1, tp))
+
+    def forward(self, x_local: torch.Tensor) -> torch.Tensor:
+        return reduce_from_tp(F.linear(x_local, self.weight), self.tp)
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Each tp rank holds a contiguous slice of the vocabulary's rows."""
+
+    def __init__(self, full_weight: torch.Tensor, tp: TensorParallel):
+        super().__init__()
+        self.tp = tp
+        self.weight = nn.Parameter(shard(full_weight, 0, tp))
+        self.vocab_start = tp.rank * self.weight.shape[0]
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.embedding(tokens, self.weight)
+        local = tokens - self.vocab_start
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        embedded = F.embedding(local.masked_fill(outside, 0), self.weight)
+        embedded = embedded.masked_fill(outside.unsqueeze(-1), 0.0)
+        return reduce_from_tp(embedded, self.tp)
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Mean cross-entropy over logits split by vocabulary; the full softmax never meets one rank."""
+
+    @staticmethod
+    def forward(ctx, logits_local, target, tp):
+        # logits_local: (N, V/tp), target: (N,) global vocabulary ids
+        logits = logits_local.float() if logits_local.dtype in (torch.float16, torch.bfloat16) else logits_local
+        row_max = logits.max(dim=-1).values
+        tp.all_reduce(row_max, op=dist.ReduceOp.MAX)
+        shifted = logits - row_max.unsqueeze(-1)
+        vocab_start = tp.rank * logits.shape[-1]
+        local_target = target - vocab_start
+        outside = (local_target < 0) | (local_target >= logits.shape[-1])
+        local_target = local_target.masked_fill(outside, 0)
+        target_logit = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1)
+        target_logit = tp.all_reduce(target_logit.masked_fill(outside, 0.0))
+        exp = shifted.exp()
+        sum_exp = tp.all_reduce(exp.sum(dim=-1))
+        loss = sum_exp.log() - target_logit  # (N,)
+        ctx.save_for_backward(exp / sum_exp.unsqueeze(-1), local_target, outside)
+        ctx.input_dtype = logits_local.dtype
+        return loss.mean()
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        softmax, local_target, outside = ctx.saved_tensors
+        grad = softmax.clone()
+        rows = torch.arange(grad.shape[0], device=grad.device)
+        grad[rows, local_target] -= (~outside).to(grad.dtype)
+        grad *= grad_output / grad.shape[0]
+        return grad.to(ctx.input_dtype), None, None
+
+
+def vocab_parallel_cross_entropy(logits_local: torch.Tensor, target: torch.Tensor,
+                                 tp: TensorParallel) -> torch.Tensor:
+    """Mean token cross-entropy. logits_local: (..., V/tp), target: (...)."""
+    logits_2d = logits_local.reshape(-1, logits_local.shape[-1])  # (N, V/tp)
+    if tp.size == 1:
+        return F.cross_entropy(logits_2d.float() if logits_2d.dtype == torch.bfloat16 else logits_2d,
+                               target.reshape(-1))
+    return _VocabParallelCrossEntropy.apply(logits_2d, target.reshape(-1), tp)

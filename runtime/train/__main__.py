@@ -1,0 +1,5 @@
+import sys
+
+from planaria.runtime.trainer import main
+
+sys.exit(main())

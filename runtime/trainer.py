@@ -1,0 +1,158 @@
+"""`python -m planaria.train CONFIG.yaml [section.key=value ...]`: the training entry point.
+
+Alone it trains in one process; under `torchrun` it reads RANK / WORLD_SIZE and
+trains with the plan the config describes. Everything that can be checked without
+processes (config, plan, schedules) is checked before the process group is created.
+Rank 0 prints progress and writes `OUTPUT_DIR/metrics.jsonl`, one JSON object per
+step; at the end the final parameters are saved, one file per layer and tp rank.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from rich.console import Console
+
+from planaria.runtime.checkpoint import save_model_shards
+from planaria.runtime.config import Config, ConfigError, describe, load_config, plan_from_config
+from planaria.runtime.data import build_dataset
+from planaria.runtime.engine import Engine, StepResult
+from planaria.runtime.model import LayerModel
+from planaria.runtime.optim import OptimizerSettings
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m planaria.train",
+        description="Train a LLaMA-style model with pipeline, tensor and data parallelism.",
+    )
+    parser.add_argument("config", help="YAML config, e.g. configs/tiny.yaml")
+    parser.add_argument("overrides", nargs="*", help="section.key=value, e.g. train.steps=10")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    console = Console(highlight=False, soft_wrap=True)
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    try:
+        cfg = load_config(args.config, args.overrides)
+        plan = plan_from_config(cfg, world_size=world_size)
+    except ConfigError as err:
+        if rank == 0:
+            console.print(f"[bold red]config error:[/] {err}")
+        return 2
+    device, backend = _device_and_backend(cfg)
+    _init_process_group(backend, rank, world_size, cfg.parallel.timeout_s)
+    try:
+        train(cfg, plan, rank, device, console)
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+def _device_and_backend(cfg: Config) -> tuple[torch.device, str]:
+    backend = cfg.parallel.backend
+    if backend == "auto":
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank), backend
+    return torch.device("cpu"), backend
+
+
+def _init_process_group(backend: str, rank: int, world_size: int, timeout_s: float) -> None:
+    if "MASTER_ADDR" not in os.environ:  # a single process started without torchrun
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    dist.init_process_group(backend, rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=timeout_s))
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def dtypes(name: str) -> tuple[torch.dtype, torch.dtype | None]:
+    """(parameter dtype, autocast dtype) for train.dtype."""
+    if name == "bfloat16":
+        return torch.float32, torch.bfloat16  # fp32 master weights, bf16 compute
+    return getattr(torch, name), None
+
+
+def optimizer_settings(cfg: Config) -> OptimizerSettings:
+    t = cfg.train
+    return OptimizerSettings(lr=t.lr, min_lr=t.min_lr, warmup_steps=t.warmup_steps,
+                             lr_schedule=t.lr_schedule, total_steps=t.steps,
+                             weight_decay=t.weight_decay)
+
+
+def train(cfg: Config, plan, rank: int, device: torch.device, console: Console) -> list[StepResult]:
+    out_dir = Path(cfg.output.dir)
+    dataset = build_dataset(cfg.data.source, seq_len=cfg.model.seq_len,
+                            vocab_size=cfg.model.vocab_size, seed=cfg.data.seed)
+    param_dtype, autocast_dtype = dtypes(cfg.train.dtype)
+    model = LayerModel(cfg.model, seed=cfg.train.seed, recompute=cfg.train.recompute)
+    engine = Engine(plan, model, optimizer_settings(cfg), rank=rank, device=device,
+                    param_dtype=param_dtype, autocast_dtype=autocast_dtype,
+                    grad_clip=cfg.train.grad_clip)
+    log = _MetricsLog(out_dir / "metrics.jsonl") if rank == 0 else None
+    if rank == 0:
+        console.print(describe(cfg, plan))
+        console.print(f"data: {dataset.description}")
+    results = []
+    try:
+        for iteration in range(cfg.train.steps):
+            result = engine.train_step(iteration, dataset, cfg.data.seed)
+            results.append(result)
+            if log is not None:
+                log.write(result)
+                if iteration % cfg.train.log_every == 0 or iteration == cfg.train.steps - 1:
+                    console.print(_progress_line(result, cfg.train.steps))
+        if cfg.output.save_final:
+            save_model_shards(engine, out_dir / "final")
+            if rank == 0:
+                console.print(f"saved final parameters to {out_dir / 'final'}")
+    finally:
+        if log is not None:
+            log.close()
+        engine.destroy()
+    return results
+
+
+def _progress_line(r: StepResult, steps: int) -> str:
+    return (f"step {r.iteration + 1:>5}/{steps} | loss {r.loss:.4f} | grad norm {r.grad_norm:.3f} | "
+            f"lr {r.lr:.2e} | {r.tokens / r.step_time_s:,.0f} tok/s | {r.step_time_s * 1000:.0f} ms")
+
+
+class _MetricsLog:
+    """metrics.jsonl: one complete JSON line per step, flushed, so a crash never leaves half a line."""
+
+    def __init__(self, path: Path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = open(path, "w", encoding="utf-8")
+
+    def write(self, r: StepResult) -> None:
+        record = {"step": r.iteration, "loss": r.loss, "grad_norm": r.grad_norm, "lr": r.lr,
+                  "tokens": r.tokens, "step_time_s": r.step_time_s}
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

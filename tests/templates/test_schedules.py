@@ -1,0 +1,379 @@
+"""Pipeline schedules as data: shapes, deadlock freedom, bubble and memory of the builders,
+and the simulator's own behaviour (dependencies, deadlock detection, completeness)."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+from hypothesis import event, given, settings
+from hypothesis import strategies as st
+
+from planaria.templates.schedules import (
+    SCHEDULES,
+    Action,
+    ScheduleDeadlock,
+    build_schedule,
+    check_schedule_shape,
+    format_schedule,
+    simulate,
+)
+
+
+def accepted(name, p, v, m):
+    try:
+        check_schedule_shape(name, p, v, m)
+    except ValueError:
+        return False
+    return True
+
+
+def virtual_stage_counts(name):
+    return range(1, 5) if name == "interleaved" else (1,)
+
+
+def expected_actions(p, v, m):
+    """Per rank, every action it must run exactly once."""
+    return {
+        rank: Counter(
+            Action(chunk * p + rank, kind, mb)
+            for chunk in range(v)
+            for kind in "FB"
+            for mb in range(m)
+        )
+        for rank in range(p)
+    }
+
+
+def dependencies(action, num_stages):
+    """The spec's data dependencies, written independently of the module."""
+    if action.kind == "F":
+        return [Action(action.stage - 1, "F", action.microbatch)] if action.stage else []
+    deps = [Action(action.stage, "F", action.microbatch)]
+    if action.stage + 1 < num_stages:
+        deps.append(Action(action.stage + 1, "B", action.microbatch))
+    return deps
+
+
+def has_cycle(schedule, num_stages):
+    """Kahn's algorithm over rank-order edges plus dependency edges."""
+    edges = {a: [] for actions in schedule.values() for a in actions}
+    indegree = Counter()
+    for actions in schedule.values():
+        for before, after in zip(actions, actions[1:]):
+            edges[before].append(after)
+            indegree[after] += 1
+    for action in edges:
+        for dep in dependencies(action, num_stages):
+            edges[dep].append(action)
+            indegree[action] += 1
+    ready = [a for a in edges if indegree[a] == 0]
+    done = 0
+    while ready:
+        action = ready.pop()
+        done += 1
+        for nxt in edges[action]:
+            indegree[nxt] -= 1
+            if indegree[nxt] == 0:
+                ready.append(nxt)
+    return done < len(edges)
+
+
+def assert_timeline_obeys_spec(schedule, result, p, v, tf, tb):
+    """Each rank runs its list in order, one at a time, each action as early as allowed."""
+    ends = {action: end for events in result.timeline.values() for _, end, action in events}
+    for rank, events in result.timeline.items():
+        assert [action for _, _, action in events] == schedule[rank]
+        previous_end = 0.0
+        for start, end, action in events:
+            duration = (tf if action.kind == "F" else tb) / v
+            assert end - start == pytest.approx(duration)
+            earliest = max([previous_end] + [ends[d] for d in dependencies(action, p * v)])
+            assert start == pytest.approx(earliest)
+            previous_end = end
+    assert result.makespan == pytest.approx(max(ends.values()))
+
+
+# --- 1. every accepted shape: complete and deadlock-free ---------------------
+
+
+@pytest.mark.parametrize("name", SCHEDULES)
+@pytest.mark.parametrize("p", range(1, 7))
+def test_every_accepted_shape_is_complete_and_deadlock_free(name, p):
+    simulated = 0
+    for v in virtual_stage_counts(name):
+        for m in range(1, 17):
+            if not accepted(name, p, v, m):
+                continue
+            schedule = build_schedule(name, p, v, m)
+            assert {r: Counter(a) for r, a in schedule.items()} == expected_actions(p, v, m)
+            result = simulate(schedule, p, v, m)  # raises ScheduleDeadlock on a hang
+            assert_timeline_obeys_spec(schedule, result, p, v, 1.0, 2.0)
+            assert sum(len(e) for e in result.timeline.values()) == 2 * p * v * m
+            simulated += 1
+    assert simulated > 0
+
+
+def test_interleaved_accepts_few_microbatches_and_multiples_of_ranks():
+    for p in range(1, 7):
+        for m in list(range(1, p + 1)) + [2 * p, 3 * p]:
+            check_schedule_shape("interleaved", p, 3, m)
+
+
+# --- 2. bubble ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backward_time", [2.0, 1.0])
+@pytest.mark.parametrize("p", range(2, 7))
+def test_interleaved_bubble_is_ranks_minus_one_over_chunks_times_microbatches(p, backward_time):
+    for v in range(1, 5):
+        for m in (p, 2 * p, 3 * p, 4 * p):
+            result = simulate(build_schedule("interleaved", p, v, m), p, v, m, 1.0, backward_time)
+            assert abs(result.bubble_fraction - (p - 1) / (v * m)) < 1e-9, (v, m)
+            # Megatron: the bubble is (p-1)(tf+tb)/v per rank.
+            ideal = m * (1.0 + backward_time)
+            assert result.makespan == pytest.approx(ideal + (p - 1) * (1.0 + backward_time) / v)
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("backward_time", [2.0, 1.0])
+def test_gpipe_and_1f1b_bubble_is_ranks_minus_one_over_microbatches(name, backward_time):
+    for p in range(2, 7):
+        for m in range(1, 17):
+            result = simulate(build_schedule(name, p, 1, m), p, 1, m, 1.0, backward_time)
+            assert abs(result.bubble_fraction - (p - 1) / m) < 1e-9, (p, m)
+
+
+def test_busy_time_is_the_same_on_every_rank():
+    result = simulate(build_schedule("interleaved", 4, 3, 8), 4, 3, 8, 1.0, 2.0)
+    assert result.busy_time == pytest.approx({r: 8 * 3.0 for r in range(4)})
+
+
+def test_single_rank_has_no_bubble():
+    for name in SCHEDULES:
+        for v in virtual_stage_counts(name):
+            assert simulate(build_schedule(name, 1, v, 5), 1, v, 5).bubble_fraction == pytest.approx(0.0)
+
+
+# --- the simulator itself ----------------------------------------------------
+
+
+def test_simulated_1f1b_on_two_ranks_matches_hand_computed_timeline():
+    schedule = build_schedule("1f1b", 2, 1, 2)
+    assert format_schedule(schedule).splitlines() == [
+        "rank 0: 0F0 0F1 0B0 0B1",
+        "rank 1: 1F0 1B0 1F1 1B1",
+    ]
+    result = simulate(schedule, 2, 1, 2, forward_time=1.0, backward_time=2.0)
+    spans = {r: [(s, e, str(a)) for s, e, a in events] for r, events in result.timeline.items()}
+    assert spans == {
+        0: [(0, 1, "0F0"), (1, 2, "0F1"), (4, 6, "0B0"), (7, 9, "0B1")],
+        1: [(1, 2, "1F0"), (2, 4, "1B0"), (4, 5, "1F1"), (5, 7, "1B1")],
+    }
+    assert result.makespan == 9
+    assert result.busy_time == {0: 6, 1: 6}
+    assert result.bubble_fraction == pytest.approx(0.5)
+
+
+def test_chunk_times_are_a_fraction_of_the_rank_times():
+    result = simulate(build_schedule("interleaved", 1, 4, 1), 1, 4, 1, 2.0, 4.0)
+    durations = {str(a): e - s for s, e, a in result.timeline[0]}
+    assert durations["0F0"] == pytest.approx(0.5)
+    assert durations["3B0"] == pytest.approx(1.0)
+
+
+@st.composite
+def shapes(draw):
+    name = draw(st.sampled_from(SCHEDULES))
+    p = draw(st.integers(1, 4))
+    v = draw(st.sampled_from(list(virtual_stage_counts(name))))
+    m = draw(st.integers(1, 5).filter(lambda m: accepted(name, p, v, m)))
+    return name, p, v, m
+
+
+@st.composite
+def shuffled_schedules(draw):
+    """Each rank's actions in a random order: mostly deadlocking."""
+    name, p, v, m = draw(shapes())
+    schedule = {r: draw(st.permutations(a)) for r, a in build_schedule(name, p, v, m).items()}
+    return schedule, p, v, m
+
+
+@st.composite
+def topologically_ordered_schedules(draw):
+    """A random order that respects every dependency, split per rank: never deadlocks."""
+    _, p, v, m = draw(shapes())
+    pending = [a for actions in expected_actions(p, v, m).values() for a in actions]
+    done, order = set(), []
+    while pending:
+        ready = [a for a in pending if all(d in done for d in dependencies(a, p * v))]
+        action = ready[draw(st.integers(0, len(ready) - 1))]
+        pending.remove(action)
+        done.add(action)
+        order.append(action)
+    schedule = {r: [a for a in order if a.stage % p == r] for r in range(p)}
+    return schedule, p, v, m
+
+
+@settings(max_examples=150, deadline=None, derandomize=True)
+@given(st.one_of(shuffled_schedules(), topologically_ordered_schedules()),
+       st.sampled_from([1.0, 2.0, 3.0]))
+def test_simulator_deadlocks_exactly_when_orders_and_dependencies_form_a_cycle(case, tb):
+    schedule, p, v, m = case
+    if has_cycle(schedule, p * v):
+        event("deadlock")
+        with pytest.raises(ScheduleDeadlock):
+            simulate(schedule, p, v, m, 1.0, tb)
+    else:
+        event("runs")
+        result = simulate(schedule, p, v, m, 1.0, tb)
+        assert_timeline_obeys_spec(schedule, result, p, v, 1.0, tb)
+        assert result.makespan >= max(result.busy_time.values()) - 1e-9
+
+
+# --- 3. broken schedules -----------------------------------------------------
+
+
+def test_swapped_warmups_deadlock_and_name_every_blocked_action():
+    # Rank 0 takes rank 1's warmup (none) and rank 1 takes rank 0's (one forward):
+    # rank 0 waits for a backward rank 1 only sends after a forward rank 0 never sends.
+    schedule = {
+        0: [Action(0, "F", 0), Action(0, "B", 0), Action(0, "F", 1), Action(0, "B", 1)],
+        1: [Action(1, "F", 0), Action(1, "F", 1), Action(1, "B", 0), Action(1, "B", 1)],
+    }
+    with pytest.raises(ScheduleDeadlock) as info:
+        simulate(schedule, 2, 1, 2)
+    message = str(info.value)
+    assert "rank 0: blocked at 0B0" in message and "waiting for 1B0" in message
+    assert "rank 1: blocked at 1F1" in message and "waiting for 0F1" in message
+    assert info.value.blocked == {0: Action(0, "B", 0), 1: Action(1, "F", 1)}
+
+
+def test_backward_before_its_own_forward_deadlocks():
+    schedule = {0: [Action(0, "B", 0), Action(0, "F", 0)], 1: [Action(1, "F", 0), Action(1, "B", 0)]}
+    with pytest.raises(ScheduleDeadlock) as info:
+        simulate(schedule, 2, 1, 1)
+    message = str(info.value)
+    assert "rank 0: blocked at 0B0" in message and "0F0" in message
+    assert "rank 1: blocked at 1F0" in message
+    assert isinstance(info.value, RuntimeError)
+
+
+def test_missing_action_is_reported_as_incomplete():
+    schedule = build_schedule("1f1b", 2, 1, 3)
+    schedule[1].remove(Action(1, "B", 2))
+    with pytest.raises(ValueError, match=r"incomplete.*1B2"):
+        simulate(schedule, 2, 1, 3)
+
+
+def test_duplicate_action_is_rejected():
+    schedule = build_schedule("gpipe", 2, 1, 2)
+    schedule[0].append(Action(0, "F", 1))
+    with pytest.raises(ValueError, match="more than once"):
+        simulate(schedule, 2, 1, 2)
+
+
+def test_action_on_wrong_rank_is_rejected():
+    schedule = build_schedule("1f1b", 2, 1, 2)
+    schedule[0], schedule[1] = schedule[1], schedule[0]
+    with pytest.raises(ValueError, match="belongs on rank 1"):
+        simulate(schedule, 2, 1, 2)
+
+
+def test_missing_rank_and_out_of_range_and_unknown_kind_are_rejected():
+    schedule = build_schedule("1f1b", 2, 1, 2)
+    with pytest.raises(ValueError, match="one action list per rank"):
+        simulate({0: schedule[0]}, 2, 1, 2)
+    with pytest.raises(ValueError, match="out of range"):
+        simulate({0: schedule[0] + [Action(0, "F", 2)], 1: schedule[1]}, 2, 1, 2)
+    with pytest.raises(ValueError, match="handles F and B only"):
+        simulate({0: schedule[0] + [Action(0, "W", 0)], 1: schedule[1]}, 2, 1, 2)
+
+
+# --- 4. bad shapes -----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "args, fragments",
+    [
+        (("zb", 2, 1, 4), ["unknown schedule 'zb'", "gpipe, 1f1b, interleaved"]),
+        (("1f1b", 0, 1, 4), ["num_ranks must be a positive integer", "got 0"]),
+        (("gpipe", 2, -1, 4), ["virtual_stages must be a positive integer"]),
+        (("interleaved", 2, 2, 0), ["num_microbatches must be a positive integer"]),
+        (("1f1b", 2, 1, True), ["num_microbatches must be a positive integer"]),
+        (("gpipe", 2, 2, 4), ["use schedule 'interleaved' for virtual_stages > 1"]),
+        (("1f1b", 4, 3, 8), ["use schedule 'interleaved' for virtual_stages > 1"]),
+        (("interleaved", 4, 2, 9), ["num_microbatches=9", "use num_microbatches=8 or 10"]),
+        (("interleaved", 4, 2, 13), ["use num_microbatches=12 or 15", "multiple of num_ranks"]),
+        (("interleaved", 2, 3, 5), ["use num_microbatches=4 or 6"]),
+    ],
+)
+def test_bad_shapes_name_the_fix(args, fragments):
+    for call in (check_schedule_shape, build_schedule):
+        with pytest.raises(ValueError) as info:
+            call(*args)
+        for fragment in fragments:
+            assert fragment in str(info.value)
+
+
+def test_suggested_microbatch_counts_are_accepted():
+    for p in range(2, 7):
+        for m in range(1, 40):
+            if accepted("interleaved", p, 2, m):
+                continue
+            with pytest.raises(ValueError) as info:
+                check_schedule_shape("interleaved", p, 2, m)
+            below, above = str(info.value).split("use num_microbatches=")[1].split(" (")[0].split(" or ")
+            assert int(below) < m < int(above)
+            assert accepted("interleaved", p, 2, int(below))
+            assert accepted("interleaved", p, 2, int(above))
+            assert all(not accepted("interleaved", p, 2, k) for k in range(int(below) + 1, int(above)))
+
+
+# --- 5. memory -----------------------------------------------------------------
+
+
+def max_in_flight(actions):
+    in_flight = peak = 0
+    for action in actions:
+        in_flight += 1 if action.kind == "F" else -1
+        peak = max(peak, in_flight)
+    return peak
+
+
+def test_1f1b_keeps_at_most_ranks_to_go_microbatches_in_flight():
+    for p in range(1, 7):
+        for m in range(1, 17):
+            schedule = build_schedule("1f1b", p, 1, m)
+            for rank, actions in schedule.items():
+                assert max_in_flight(actions) == min(p - rank, m), (p, m, rank)
+
+
+def test_interleaved_holds_megatron_warmup_plus_one_chunk_microbatches():
+    # Same footprint as Megatron's and torch's interleaved 1F1B: the last rank holds one
+    # round of every chunk but the last, and each rank upstream two more.
+    for p in range(1, 7):
+        for v in range(1, 5):
+            for m in (1, p, 2 * p, 3 * p):
+                per_round = m // max(1, m // p)
+                schedule = build_schedule("interleaved", p, v, m)
+                for rank, actions in schedule.items():
+                    warmup = (v - 1) * per_round + 2 * (p - 1 - rank)
+                    assert max_in_flight(actions) == min(warmup + 1, m * v), (p, v, m, rank)
+
+
+def test_gpipe_holds_every_microbatch():
+    schedule = build_schedule("gpipe", 3, 1, 5)
+    assert [max_in_flight(a) for a in schedule.values()] == [5, 5, 5]
+
+
+# --- formatting ----------------------------------------------------------------
+
+
+def test_action_prints_compactly_and_schedule_prints_one_line_per_rank():
+    assert str(Action(1, "F", 0)) == "1F0"
+    text = format_schedule(build_schedule("interleaved", 3, 2, 3))
+    lines = text.splitlines()
+    assert len(lines) == 3
+    assert lines[0].startswith("rank 0: 0F0 0F1 0F2 3F0")
+    assert all(f"{r}B2" in line and f"{r + 3}B2" in line for r, line in enumerate(lines))
