@@ -9,7 +9,6 @@ naming the key and the fix. `plan_from_config` turns the parallel section into a
 from __future__ import annotations
 
 import difflib
-import math
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
@@ -150,19 +149,30 @@ def _build_section(section: str, factory, values: dict):
         if key not in known:
             raise ConfigError(f"unknown config key {section}.{key}{_suggest(key, known)}; "
                               f"keys of {section!r} are {sorted(known)}")
-        expected = type(getattr(default, key))
-        if getattr(default, key) is not None and not _type_ok(value, expected):
-            raise ConfigError(f"{section}.{key} must be a {expected.__name__}, got {value!r}")
-    coerced = {k: float(v) if isinstance(getattr(default, k), float) else v for k, v in values.items()}
+    coerced = {key: _coerce(section, key, value, getattr(default, key)) for key, value in values.items()}
     return replace(default, **coerced)
 
 
-def _type_ok(value, expected: type) -> bool:
-    if expected is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if expected is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    return isinstance(value, expected)
+_TYPE_NAMES = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
+
+
+def _coerce(section: str, key: str, value, default):
+    """Check `value` against the type of the key's default; YAML reads 1e-2 as a string."""
+    if default is None:
+        if value is not None and not isinstance(value, list):
+            raise ConfigError(f"{section}.{key} must be a list, got {value!r}")
+        return value
+    expected = type(default)
+    if expected is float and isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            pass
+    ok = (isinstance(value, (int, float)) if expected is float else isinstance(value, expected))
+    if not ok or (isinstance(value, bool) and expected is not bool):
+        raise ConfigError(f"{section}.{key} must be {_TYPE_NAMES.get(expected, expected.__name__)}, "
+                          f"got {value!r}")
+    return float(value) if expected is float else value
 
 
 def _suggest(word: str, choices) -> str:
@@ -213,7 +223,6 @@ def _positive(cfg: Config, keys) -> None:
 def plan_from_config(cfg: Config, world_size: int | None = None) -> Plan:
     """The epoch-0 plan of a config; `world_size`, if given, must match it."""
     m, t, p = cfg.model, cfg.train, cfg.parallel
-    layout = p.layout if p.layout is not None else homogeneous_layout(m.n_layers, p.pp, p.dp, p.virtual_stages)
     total = t.global_batch // t.micro_batch
     if p.microbatches is not None and sum(p.microbatches) != total:
         raise ConfigError(
@@ -222,6 +231,7 @@ def plan_from_config(cfg: Config, world_size: int | None = None) -> Plan:
             "make them add up"
         )
     try:
+        layout = p.layout if p.layout is not None else homogeneous_layout(m.n_layers, p.pp, p.dp, p.virtual_stages)
         plan = plan_from_layout(layout, n_blocks=m.n_layers, tp=p.tp, schedule=p.schedule,
                                 virtual_stages=p.virtual_stages, global_batch=t.global_batch,
                                 micro_batch=t.micro_batch, microbatches=p.microbatches)
@@ -252,10 +262,6 @@ def _check_schedules(plan: Plan) -> None:
                                  pipeline.num_microbatches)
         except ValueError as err:
             raise ConfigError(f"pipeline {i}: {err}") from None
-
-
-def microbatch_tokens(cfg: Config) -> int:
-    return cfg.train.micro_batch * cfg.model.seq_len
 
 
 def describe(cfg: Config, plan: Plan) -> str:

@@ -98,6 +98,11 @@ def plan_from_layout(
 
 
 def check_layout(layout: Sequence[Sequence[int]], *, n_blocks: int, virtual_stages: int) -> None:
+    if not isinstance(layout, (list, tuple)) or not all(isinstance(b, (list, tuple)) for b in layout):
+        raise ValueError(
+            f"parallel.layout must be a list of pipelines, each a list of blocks per stage, "
+            f"e.g. [[4], [2, 2]]; got {layout!r}"
+        )
     if not layout or any(not blocks for blocks in layout):
         raise ValueError("parallel.layout must list at least one pipeline, each with at least one stage")
     for p, blocks in enumerate(layout):

@@ -1,0 +1,110 @@
+"""Bad configurations are refused before any process group exists, with a message naming the key and the fix."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from planaria.runtime.config import ConfigError, load_config, plan_from_config
+from tests.launch import TINY
+
+
+def refused(overrides: list[str], *, world_size: int | None = None) -> str:
+    with pytest.raises(ConfigError) as err:
+        cfg = load_config(TINY, overrides)
+        plan_from_config(cfg, world_size=world_size)
+    return str(err.value)
+
+
+def test_tiny_config_loads_and_plans_one_rank():
+    cfg = load_config(TINY)
+    assert plan_from_config(cfg, world_size=1).world_size == 1
+
+
+def test_overrides_are_parsed_as_yaml():
+    cfg = load_config(TINY, ["parallel.layout=[[4],[2,2]]", "train.lr=1e-2", "train.recompute=true"])
+    assert cfg.parallel.layout == [[4], [2, 2]]
+    assert cfg.train.lr == 0.01 and cfg.train.recompute is True
+
+
+def test_unknown_key_names_it_and_suggests():
+    message = refused(["train.step=3"])
+    assert "train.step" in message and "did you mean 'steps'" in message
+
+
+def test_unknown_section():
+    assert "unknown config section 'modle'" in refused(["modle.n_layers=2"])
+
+
+def test_wrong_type():
+    assert "train.steps must be an integer" in refused(["train.steps=ten"])
+
+
+def test_layout_that_does_not_add_up_to_n_layers():
+    message = refused(["parallel.layout=[[4],[2,1]]"])
+    assert "parallel.layout pipeline 1" in message and "model.n_layers = 4" in message
+
+
+def test_microbatches_that_do_not_add_up():
+    message = refused(["parallel.layout=[[4],[2,2]]", "parallel.microbatches=[1,2]"])
+    assert "parallel.microbatches" in message and "add up" in message
+
+
+def test_world_size_that_does_not_match_the_plan():
+    message = refused(["parallel.pp=2"], world_size=3)
+    assert "needs 2 processes" in message and "--nproc-per-node=2" in message
+
+
+def test_heads_must_divide_d_model():
+    message = refused(["model.n_heads=5"])
+    assert "model.n_heads=5 does not divide model.d_model=64" in message
+
+
+def test_heads_must_be_divisible_by_tp():
+    message = refused(["model.n_heads=2", "parallel.tp=4", "model.vocab_size=256"])
+    assert "model.n_heads=2 is not divisible by parallel.tp=4" in message
+
+
+def test_global_batch_must_split_into_microbatches():
+    assert "train.micro_batch=3" in refused(["train.micro_batch=3"])
+
+
+def test_too_many_stages_for_the_blocks():
+    assert "every model stage needs at least one block" in refused(["parallel.pp=8"])
+
+
+def test_interleaved_shape_names_valid_microbatch_counts():
+    message = refused(["parallel.pp=4", "parallel.schedule=interleaved", "parallel.virtual_stages=1",
+                       "model.n_layers=8", "train.global_batch=18", "train.micro_batch=2"])
+    assert "num_microbatches" in message
+
+
+def test_virtual_stages_need_interleaved():
+    assert "interleaved" in refused(["parallel.pp=2", "parallel.virtual_stages=2"])
+
+
+def test_missing_config_file():
+    with pytest.raises(ConfigError, match="not found"):
+        load_config("no/such/config.yaml")
+
+
+@pytest.mark.timeout(60)
+def test_cli_refuses_before_creating_a_process_group(tmp_path):
+    """A rank of a 3-process job with a 2-rank plan exits at once with the reason.
+
+    Had it created a process group it would wait for its peers (none exist) until the
+    timeout; exiting in seconds with code 2 shows it never got that far.
+    """
+    env = dict(os.environ, WORLD_SIZE="3", RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="1")
+    proc = subprocess.run(
+        [sys.executable, "-m", "planaria.train", str(TINY), "parallel.pp=2", f"output.dir={tmp_path}"],
+        capture_output=True, text=True, timeout=50, env=env)
+    assert proc.returncode == 2
+    assert "config error" in proc.stdout and "needs 2 processes" in proc.stdout
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_layout_must_be_a_list_of_lists():
+    assert "e.g. [[4], [2, 2]]" in refused(["parallel.layout=[4,4]"])
