@@ -1,0 +1,64 @@
+"""The `planaria` command: one entry point for Planaria's tools.
+
+Subcommands available now:
+  planaria train CONFIG.yaml [section.key=value ...]   same as `python -m planaria.train`
+  planaria schedule NAME --stages P [--virtual-stages V] --microbatches M
+                                                       print a schedule and its simulated bubble
+Later subcommands (plan, run, chaos, simulate) are added by their own modules.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _schedule(args: argparse.Namespace) -> int:
+    from planaria.templates.schedules import ScheduleDeadlock, build_schedule, format_schedule, simulate
+
+    try:
+        schedule = build_schedule(args.name, args.stages, args.virtual_stages, args.microbatches)
+        result = simulate(schedule, args.stages, args.virtual_stages, args.microbatches,
+                          forward_time=1.0, backward_time=args.backward_ratio)
+    except (ValueError, ScheduleDeadlock) as err:
+        print(f"planaria schedule: {err}", file=sys.stderr)
+        return 2
+    print(format_schedule(schedule))
+    print(f"\nmakespan {result.makespan:g} (forward = 1, backward = {args.backward_ratio:g}) | "
+          f"bubble fraction {result.bubble_fraction:.4f} | "
+          f"(p-1)/(v*m) = {(args.stages - 1) / (args.virtual_stages * args.microbatches):.4f}")
+    return 0
+
+
+def _train(args: argparse.Namespace) -> int:
+    from planaria.runtime.trainer import main as train_main
+
+    return train_main([args.config, *args.overrides])
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="planaria", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    train = sub.add_parser("train", help="train a model (under torchrun for several processes)")
+    train.add_argument("config")
+    train.add_argument("overrides", nargs="*")
+    train.set_defaults(func=_train)
+
+    schedule = sub.add_parser("schedule", help="print a pipeline schedule and its simulated bubble")
+    schedule.add_argument("name", help="gpipe, 1f1b or interleaved")
+    schedule.add_argument("--stages", type=int, required=True, help="pipeline stages (ranks) p")
+    schedule.add_argument("--virtual-stages", type=int, default=1, help="chunks per stage v")
+    schedule.add_argument("--microbatches", type=int, required=True, help="microbatches m")
+    schedule.add_argument("--backward-ratio", type=float, default=2.0,
+                          help="backward time relative to forward (default 2)")
+    schedule.set_defaults(func=_schedule)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
