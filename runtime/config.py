@@ -73,7 +73,7 @@ class ParallelConfig:
     dp: int = 1
     """Pipelines (data-parallel replicas; ignored when `layout` is given)."""
     schedule: str = "1f1b"
-    """'gpipe', '1f1b' or 'interleaved'."""
+    """'gpipe', '1f1b', 'interleaved' or 'zb1f1b' (1F1B with split backward)."""
     virtual_stages: int = 1
     """Chunks per stage, for the interleaved schedule."""
     layout: list | None = None

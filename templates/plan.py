@@ -21,7 +21,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Iterator
 
-SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved")
+SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved", "zb1f1b")
 
 LayerRange = tuple[int, int]
 Worker = tuple[str, int]  # (node id, local rank on that node)

@@ -28,18 +28,20 @@ from itertools import count
 
 FORWARD = "F"
 BACKWARD = "B"
-_SIMULATED_KINDS = (FORWARD, BACKWARD)
+BACKWARD_INPUT = "I"
+BACKWARD_WEIGHT = "W"
+_SIMULATED_KINDS = (FORWARD, BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT)
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb1f1b")
 
 
 @dataclass(frozen=True)
 class Action:
     """Run `kind` of model stage `stage` on microbatch `microbatch`.
 
-    kind is "F" (forward) or "B" (full backward: input and weight gradients).
-    Zero-bubble schedules will later split "B" into "I" (input gradient) and "W"
-    (weight gradient).
+    kind is "F" (forward), "B" (full backward: input and weight gradients), or, in
+    zero-bubble schedules, "I" (input gradient only, which the previous stage waits
+    for) and "W" (weight gradient, which nobody waits for and so can fill bubbles).
     """
 
     stage: int
@@ -110,7 +112,7 @@ def check_schedule_shape(
     for label, value in sizes:
         if not _is_positive_int(value):
             raise ValueError(f"{label} must be a positive integer, got {value!r}")
-    if name in ("gpipe", "1f1b") and virtual_stages != 1:
+    if name in ("gpipe", "1f1b", "zb1f1b") and virtual_stages != 1:
         raise ValueError(
             f"schedule {name!r} runs one stage per rank, but virtual_stages={virtual_stages}; "
             f"use schedule 'interleaved' for virtual_stages > 1, or set virtual_stages=1"
@@ -196,6 +198,68 @@ def _interleaved(
     return schedule
 
 
+def _zb1f1b(num_ranks: int, num_microbatches: int) -> dict[int, list[Action]]:
+    """1F1B with split backwards, in the spirit of ZB-H1 (Qi et al., "Zero Bubble
+    Pipeline Parallelism", ICLR 2024).
+
+    Each backward is split into I (input gradient, which the previous stage waits for)
+    and W (weight gradient, which nobody waits for). The order comes from list
+    scheduling with unit times: each rank, whenever it is free, runs the ready action
+    that can start first, preferring I (the critical path), then F, then W, so W's fill
+    time that 1F1B spends waiting. Rank r keeps at most `num_ranks - r` microbatches
+    alive (forwarded, weight gradient not yet done): the activation bound of 1F1B,
+    since W still needs the layer inputs. With F = I = W the bubble is 2(p-1)/(3m),
+    two thirds of 1F1B's (p-1)/m. (The paper's ZB-H1 reaches one third by counting
+    a pending W as cheaper than a whole microbatch of activations.)
+
+    A fixed per-rank order that completes once can never deadlock, whatever the real
+    durations turn out to be, so unit times are enough to derive it.
+    """
+    p, m = num_ranks, num_microbatches
+    finish: dict[Action, float] = {}
+    order: dict[int, list[Action]] = {r: [] for r in range(p)}
+    free_at = [0.0] * p
+    next_forward, next_input = [0] * p, [0] * p
+    pending_weight: list[list[int]] = [[] for _ in range(p)]
+    weights_done = [0] * p
+    for _ in range(3 * p * m):
+        best = None
+        for r in range(p):
+            for priority, action, deps in _zb1f1b_candidates(
+                    r, p, m, next_forward, next_input, pending_weight, weights_done):
+                if any(d not in finish for d in deps):
+                    continue
+                start = max([free_at[r]] + [finish[d] for d in deps])
+                if best is None or (start, priority, r) < best[0]:
+                    best = ((start, priority, r), action)
+        (start, _, r), action = best
+        finish[action] = free_at[r] = start + 1.0
+        order[r].append(action)
+        if action.kind == FORWARD:
+            next_forward[r] += 1
+        elif action.kind == BACKWARD_INPUT:
+            next_input[r] += 1
+            pending_weight[r].append(action.microbatch)
+        else:
+            pending_weight[r].pop(0)
+            weights_done[r] += 1
+    return order
+
+
+def _zb1f1b_candidates(r, p, m, next_forward, next_input, pending_weight, weights_done):
+    """(priority, action, dependencies) rank r could run next: I, then F, then W."""
+    if next_input[r] < next_forward[r]:
+        mb = next_input[r]
+        deps = [Action(r, FORWARD, mb)] + ([Action(r + 1, BACKWARD_INPUT, mb)] if r < p - 1 else [])
+        yield 0, Action(r, BACKWARD_INPUT, mb), deps
+    if next_forward[r] < m and next_forward[r] - weights_done[r] < p - r:
+        mb = next_forward[r]
+        yield 1, Action(r, FORWARD, mb), ([Action(r - 1, FORWARD, mb)] if r > 0 else [])
+    if pending_weight[r]:
+        mb = pending_weight[r][0]
+        yield 2, Action(r, BACKWARD_WEIGHT, mb), [Action(r, BACKWARD_INPUT, mb)]
+
+
 def build_schedule(
     name: str, num_ranks: int, virtual_stages: int, num_microbatches: int
 ) -> dict[int, list[Action]]:
@@ -205,6 +269,8 @@ def build_schedule(
         return _gpipe(num_ranks, num_microbatches)
     if name == "1f1b":
         return _1f1b(num_ranks, num_microbatches)
+    if name == "zb1f1b":
+        return _zb1f1b(num_ranks, num_microbatches)
     return _interleaved(num_ranks, virtual_stages, num_microbatches)
 
 
@@ -239,19 +305,31 @@ class ScheduleDeadlock(RuntimeError):
         self.blocked = blocked
 
 
-def _dependencies(action: Action, num_stages: int) -> list[Action]:
-    """Actions that must finish before `action` can start."""
+def _dependencies(action: Action, num_stages: int, split_backward: bool = False) -> list[Action]:
+    """Actions that must finish before `action` can start.
+
+    `split_backward`: the schedule splits backwards into I and W, so the gradient a
+    stage receives comes from the next stage's I rather than its B.
+    """
     if action.kind == FORWARD:
         # The forward needs the previous stage's output activations.
         if action.stage == 0:
             return []
         return [Action(action.stage - 1, FORWARD, action.microbatch)]
+    if action.kind == BACKWARD_WEIGHT:
+        # The weight gradient needs the gradient of the stage's outputs, which I computed.
+        return [Action(action.stage, BACKWARD_INPUT, action.microbatch)]
     # The backward needs its own stage's saved activations and the gradient coming
     # from the next stage.
     deps = [Action(action.stage, FORWARD, action.microbatch)]
     if action.stage < num_stages - 1:
-        deps.append(Action(action.stage + 1, BACKWARD, action.microbatch))
+        upstream_kind = BACKWARD_INPUT if split_backward else BACKWARD
+        deps.append(Action(action.stage + 1, upstream_kind, action.microbatch))
     return deps
+
+
+def _splits_backward(schedule: dict[int, list[Action]]) -> bool:
+    return any(a.kind == BACKWARD_INPUT for actions in schedule.values() for a in actions)
 
 
 def _check_actions(schedule: dict[int, list[Action]], num_ranks: int, num_stages: int,
@@ -283,7 +361,10 @@ def _check_actions(schedule: dict[int, list[Action]], num_ranks: int, num_stages
 
 def _check_complete(schedule: dict[int, list[Action]], num_ranks: int, virtual_stages: int,
                     num_microbatches: int) -> None:
-    """Raise ValueError unless each (stage, microbatch) has exactly one F and one B on its rank."""
+    """Raise ValueError unless each (stage, microbatch) has one F, and one B or one I and one W.
+
+    A schedule either splits all its backwards into I and W or none of them.
+    """
     for label, value in (("num_ranks", num_ranks), ("virtual_stages", virtual_stages),
                          ("num_microbatches", num_microbatches)):
         if not _is_positive_int(value):
@@ -295,10 +376,15 @@ def _check_complete(schedule: dict[int, list[Action]], num_ranks: int, virtual_s
         )
     num_stages = num_ranks * virtual_stages
     seen = _check_actions(schedule, num_ranks, num_stages, num_microbatches)
+    kinds = ((FORWARD, BACKWARD_INPUT, BACKWARD_WEIGHT) if _splits_backward(schedule)
+             else (FORWARD, BACKWARD))
+    unexpected = [a for a in seen if a.kind not in kinds]
+    if unexpected:
+        raise ValueError(f"schedule mixes full backwards (B) with split ones (I, W): {unexpected[0]}")
     missing = [
         Action(stage, kind, mb)
         for stage in range(num_stages)
-        for kind in _SIMULATED_KINDS
+        for kind in kinds
         for mb in range(num_microbatches)
         if Action(stage, kind, mb) not in seen
     ]
@@ -311,7 +397,8 @@ def _check_complete(schedule: dict[int, list[Action]], num_ranks: int, virtual_s
 
 
 def _deadlock(schedule: dict[int, list[Action]], next_index: dict[int, int],
-              finished: dict[Action, float], num_ranks: int, num_stages: int) -> ScheduleDeadlock:
+              finished: dict[Action, float], num_ranks: int, num_stages: int,
+              split_backward: bool) -> ScheduleDeadlock:
     """Build the error naming every rank's blocked action and what it waits for."""
     lines = []
     blocked = {}
@@ -324,7 +411,7 @@ def _deadlock(schedule: dict[int, list[Action]], next_index: dict[int, int],
         blocked[rank] = action
         waiting = ", ".join(
             f"{dep} (rank {dep.stage % num_ranks})"
-            for dep in _dependencies(action, num_stages)
+            for dep in _dependencies(action, num_stages, split_backward)
             if dep not in finished
         )
         lines.append(f"rank {rank}: blocked at {action} (step {i}), waiting for {waiting}")
@@ -345,7 +432,8 @@ def simulate(
     Each rank runs its list strictly in order, one action at a time, starting each as
     soon as the rank is free and the action's dependencies have finished. A chunk holds
     1/virtual_stages of its rank's layers, so one chunk's forward takes
-    forward_time / virtual_stages (likewise backward).
+    forward_time / virtual_stages (likewise backward). A split backward's I and W
+    each take half of backward_time.
 
     Because the order per rank is fixed and ranks share nothing, an action's start time
     is max(end of the rank's previous action, ends of its dependencies), whatever order
@@ -358,7 +446,10 @@ def simulate(
             f"forward_time and backward_time must be positive, got {forward_time}, {backward_time}"
         )
     num_stages = num_ranks * virtual_stages
-    duration = {FORWARD: forward_time / virtual_stages, BACKWARD: backward_time / virtual_stages}
+    split = _splits_backward(schedule)
+    duration = {FORWARD: forward_time / virtual_stages, BACKWARD: backward_time / virtual_stages,
+                BACKWARD_INPUT: backward_time / virtual_stages / 2,
+                BACKWARD_WEIGHT: backward_time / virtual_stages / 2}
     finished: dict[Action, float] = {}
     next_index = {rank: 0 for rank in schedule}
     timeline: dict[int, list[tuple[float, float, Action]]] = {rank: [] for rank in schedule}
@@ -368,7 +459,7 @@ def simulate(
         for rank, actions in schedule.items():
             while next_index[rank] < len(actions):
                 action = actions[next_index[rank]]
-                deps = _dependencies(action, num_stages)
+                deps = _dependencies(action, num_stages, split)
                 if any(dep not in finished for dep in deps):
                     break
                 rank_free = timeline[rank][-1][1] if timeline[rank] else 0.0
@@ -379,7 +470,7 @@ def simulate(
                 next_index[rank] += 1
                 advanced += 1
         if not advanced:
-            raise _deadlock(schedule, next_index, finished, num_ranks, num_stages)
+            raise _deadlock(schedule, next_index, finished, num_ranks, num_stages, split)
         remaining -= advanced
     return _result(timeline)
 

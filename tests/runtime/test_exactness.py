@@ -30,8 +30,11 @@ CASES = {
     "pp2-gpipe": (2, ["parallel.pp=2", "parallel.schedule=gpipe"]),
     "pp2-interleaved-v2": (2, ["parallel.pp=2", "parallel.schedule=interleaved",
                                "parallel.virtual_stages=2"]),
+    "pp2-zb1f1b": (2, ["parallel.pp=2", "parallel.schedule=zb1f1b"]),
     "tp2": (2, ["parallel.tp=2"]),
     "tp2-pp2": (4, ["parallel.tp=2", "parallel.pp=2"]),
+    "tp2-pp2-zb1f1b-recompute": (4, ["parallel.tp=2", "parallel.pp=2", "parallel.schedule=zb1f1b",
+                                     "train.recompute=true"]),
     "heterogeneous-[[4],[2,2]]-mb[3,5]": (3, ["parallel.layout=[[4],[2,2]]",
                                               "parallel.microbatches=[3,5]"]),
 }
@@ -76,3 +79,17 @@ def test_single_process_engine_matches_reference(reference, tmp_path):
     torchrun_train(1, JOB, tmp_path)
     losses = [m["loss"] for m in read_metrics(tmp_path)]
     assert losses == pytest.approx(reference.losses, abs=1e-9)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_bfloat16_autocast_follows_float32(tmp_path):
+    """bf16 compute over fp32 master weights tracks the fp32 run and keeps learning."""
+    job = [o for o in JOB if not o.startswith("train.dtype")] + ["parallel.pp=2", "train.steps=8"]
+    torchrun_train(2, job + ["train.dtype=float32"], tmp_path / "fp32")
+    torchrun_train(2, job + ["train.dtype=bfloat16"], tmp_path / "bf16")
+    fp32 = [m["loss"] for m in read_metrics(tmp_path / "fp32")]
+    bf16 = [m["loss"] for m in read_metrics(tmp_path / "bf16")]
+    assert max(abs(a - b) for a, b in zip(fp32, bf16)) < 0.05 * fp32[0]
+    assert fp32[-1] < fp32[0]
+    assert bf16[0] - bf16[-1] > 0.5 * (fp32[0] - fp32[-1])

@@ -1,5 +1,9 @@
 """Pipeline schedules as data: shapes, deadlock freedom, bubble and memory of the builders,
-and the simulator's own behaviour (dependencies, deadlock detection, completeness)."""
+and the simulator's own behaviour (dependencies, deadlock detection, completeness).
+
+Backwards are either whole ("B") or, in zero-bubble schedules, split into "I" (input
+gradient, which the previous stage waits for) and "W" (weight gradient, which nobody
+waits for); each half takes half of the backward time."""
 
 from __future__ import annotations
 
@@ -32,13 +36,21 @@ def virtual_stage_counts(name):
     return range(1, 5) if name == "interleaved" else (1,)
 
 
-def expected_actions(p, v, m):
+SPLIT_BACKWARD_SCHEDULES = ("zb1f1b",)
+
+
+def action_kinds(name):
+    """The kinds schedule `name` runs: forward plus whole or split backward."""
+    return "FIW" if name in SPLIT_BACKWARD_SCHEDULES else "FB"
+
+
+def expected_actions(p, v, m, kinds="FB"):
     """Per rank, every action it must run exactly once."""
     return {
         rank: Counter(
             Action(chunk * p + rank, kind, mb)
             for chunk in range(v)
-            for kind in "FB"
+            for kind in kinds
             for mb in range(m)
         )
         for rank in range(p)
@@ -46,13 +58,25 @@ def expected_actions(p, v, m):
 
 
 def dependencies(action, num_stages):
-    """The spec's data dependencies, written independently of the module."""
+    """The spec's data dependencies, written independently of the module.
+
+    A schedule never mixes B with I/W, so an action's own kind says which backward
+    its downstream gradient comes from.
+    """
     if action.kind == "F":
         return [Action(action.stage - 1, "F", action.microbatch)] if action.stage else []
+    if action.kind == "W":
+        return [Action(action.stage, "I", action.microbatch)]
     deps = [Action(action.stage, "F", action.microbatch)]
     if action.stage + 1 < num_stages:
-        deps.append(Action(action.stage + 1, "B", action.microbatch))
+        deps.append(Action(action.stage + 1, action.kind, action.microbatch))
     return deps
+
+
+def duration(action, v, tf, tb):
+    if action.kind == "F":
+        return tf / v
+    return (tb if action.kind == "B" else tb / 2) / v
 
 
 def has_cycle(schedule, num_stages):
@@ -86,8 +110,7 @@ def assert_timeline_obeys_spec(schedule, result, p, v, tf, tb):
         assert [action for _, _, action in events] == schedule[rank]
         previous_end = 0.0
         for start, end, action in events:
-            duration = (tf if action.kind == "F" else tb) / v
-            assert end - start == pytest.approx(duration)
+            assert end - start == pytest.approx(duration(action, v, tf, tb))
             earliest = max([previous_end] + [ends[d] for d in dependencies(action, p * v)])
             assert start == pytest.approx(earliest)
             previous_end = end
@@ -106,10 +129,14 @@ def test_every_accepted_shape_is_complete_and_deadlock_free(name, p):
             if not accepted(name, p, v, m):
                 continue
             schedule = build_schedule(name, p, v, m)
-            assert {r: Counter(a) for r, a in schedule.items()} == expected_actions(p, v, m)
+            kinds = action_kinds(name)
+            assert {r: Counter(a) for r, a in schedule.items()} == expected_actions(p, v, m, kinds)
+            assert not has_cycle(schedule, p * v)
             result = simulate(schedule, p, v, m)  # raises ScheduleDeadlock on a hang
             assert_timeline_obeys_spec(schedule, result, p, v, 1.0, 2.0)
-            assert sum(len(e) for e in result.timeline.values()) == 2 * p * v * m
+            assert sum(len(e) for e in result.timeline.values()) == len(kinds) * p * v * m
+            # Every rank does the same work: m microbatches of forward and backward.
+            assert result.busy_time == pytest.approx({r: 3.0 * m for r in range(p)})
             simulated += 1
     assert simulated > 0
 
@@ -202,8 +229,9 @@ def shuffled_schedules(draw):
 @st.composite
 def topologically_ordered_schedules(draw):
     """A random order that respects every dependency, split per rank: never deadlocks."""
-    _, p, v, m = draw(shapes())
-    pending = [a for actions in expected_actions(p, v, m).values() for a in actions]
+    name, p, v, m = draw(shapes())
+    pending = [a for actions in expected_actions(p, v, m, action_kinds(name)).values()
+               for a in actions]
     done, order = set(), []
     while pending:
         ready = [a for a in pending if all(d in done for d in dependencies(a, p * v))]
@@ -286,8 +314,37 @@ def test_missing_rank_and_out_of_range_and_unknown_kind_are_rejected():
         simulate({0: schedule[0]}, 2, 1, 2)
     with pytest.raises(ValueError, match="out of range"):
         simulate({0: schedule[0] + [Action(0, "F", 2)], 1: schedule[1]}, 2, 1, 2)
-    with pytest.raises(ValueError, match="handles F and B only"):
-        simulate({0: schedule[0] + [Action(0, "W", 0)], 1: schedule[1]}, 2, 1, 2)
+    with pytest.raises(ValueError, match="has kind 'X'"):
+        simulate({0: schedule[0] + [Action(0, "X", 0)], 1: schedule[1]}, 2, 1, 2)
+
+
+def test_mixing_whole_and_split_backwards_is_rejected():
+    # 1B1 split into I and W while 0B0, 0B1, 1B0 stay whole: every action is accounted
+    # for once, but the schedule mixes the two kinds of backward.
+    schedule = build_schedule("1f1b", 2, 1, 2)
+    i = schedule[1].index(Action(1, "B", 1))
+    schedule[1][i:i + 1] = [Action(1, "I", 1), Action(1, "W", 1)]
+    with pytest.raises(ValueError, match=r"mixes full backwards \(B\) with split ones"):
+        simulate(schedule, 2, 1, 2)
+    # The other way round: a split schedule with one whole backward added.
+    schedule = build_schedule("zb1f1b", 2, 1, 2)
+    schedule[0].append(Action(0, "B", 0))
+    with pytest.raises(ValueError, match="mixes"):
+        simulate(schedule, 2, 1, 2)
+
+
+def test_split_backward_missing_its_weight_gradient_is_incomplete():
+    schedule = build_schedule("zb1f1b", 2, 1, 3)
+    schedule[0].remove(Action(0, "W", 2))
+    with pytest.raises(ValueError, match=r"incomplete.*0W2"):
+        simulate(schedule, 2, 1, 3)
+
+
+def test_weight_gradient_before_its_input_gradient_deadlocks():
+    schedule = {0: [Action(0, "F", 0), Action(0, "W", 0), Action(0, "I", 0)]}
+    with pytest.raises(ScheduleDeadlock) as info:
+        simulate(schedule, 1, 1, 1)
+    assert "rank 0: blocked at 0W0" in str(info.value) and "waiting for 0I0" in str(info.value)
 
 
 # --- 4. bad shapes -----------------------------------------------------------
@@ -296,7 +353,9 @@ def test_missing_rank_and_out_of_range_and_unknown_kind_are_rejected():
 @pytest.mark.parametrize(
     "args, fragments",
     [
-        (("zb", 2, 1, 4), ["unknown schedule 'zb'", "gpipe, 1f1b, interleaved"]),
+        (("zb", 2, 1, 4), ["unknown schedule 'zb'", "gpipe, 1f1b, interleaved, zb1f1b"]),
+        (("zb1f1b", 2, 2, 4), ["use schedule 'interleaved' for virtual_stages > 1"]),
+        (("zb1f1b", 2, 1, 0), ["num_microbatches must be a positive integer"]),
         (("1f1b", 0, 1, 4), ["num_ranks must be a positive integer", "got 0"]),
         (("gpipe", 2, -1, 4), ["virtual_stages must be a positive integer"]),
         (("interleaved", 2, 2, 0), ["num_microbatches must be a positive integer"]),
@@ -334,9 +393,12 @@ def test_suggested_microbatch_counts_are_accepted():
 
 
 def max_in_flight(actions):
+    """Most microbatches a rank holds activations for: forwarded, and whose backward (for
+    split backwards, whose W: the weight gradient still needs the layer inputs) is not
+    yet done. I frees nothing."""
     in_flight = peak = 0
     for action in actions:
-        in_flight += 1 if action.kind == "F" else -1
+        in_flight += {"F": 1, "B": -1, "I": 0, "W": -1}[action.kind]
         peak = max(peak, in_flight)
     return peak
 
@@ -377,3 +439,85 @@ def test_action_prints_compactly_and_schedule_prints_one_line_per_rank():
     assert len(lines) == 3
     assert lines[0].startswith("rank 0: 0F0 0F1 0F2 3F0")
     assert all(f"{r}B2" in line and f"{r + 3}B2" in line for r, line in enumerate(lines))
+
+
+# --- 6. zb1f1b: 1F1B with split backward ----------------------------------------
+
+
+def zb1f1b_shapes():
+    """p in 2..6 with m a multiple of p up to 4p, and every m < p."""
+    for p in range(2, 7):
+        for m in list(range(1, p)) + [p, 2 * p, 3 * p, 4 * p]:
+            yield p, m
+
+
+@pytest.mark.parametrize("backward_time", [2.0, 1.0, 3.0])
+def test_zb1f1b_never_deadlocks(backward_time):
+    for p, m in zb1f1b_shapes():
+        schedule = build_schedule("zb1f1b", p, 1, m)
+        assert {r: Counter(a) for r, a in schedule.items()} == expected_actions(p, 1, m, "FIW")
+        assert not has_cycle(schedule, p), (p, m)
+        result = simulate(schedule, p, 1, m, 1.0, backward_time)  # raises on a hang
+        assert_timeline_obeys_spec(schedule, result, p, 1, 1.0, backward_time)
+
+
+def test_zb1f1b_bubble_is_two_thirds_of_1f1b():
+    # forward 1, backward 2 makes F = I = W = 1: the bubble is 2(p-1) units in 3m.
+    for p in range(2, 7):
+        for m in range(p, 4 * p + 1):
+            result = simulate(build_schedule("zb1f1b", p, 1, m), p, 1, m, 1.0, 2.0)
+            assert result.bubble_fraction == pytest.approx(2 * (p - 1) / (3 * m), abs=1e-12), (p, m)
+            assert result.makespan == pytest.approx(3 * m + 2 * (p - 1)), (p, m)
+
+
+def test_zb1f1b_bubble_is_smaller_than_1f1b():
+    for p in range(2, 7):
+        for m in range(1, 17):
+            zb = simulate(build_schedule("zb1f1b", p, 1, m), p, 1, m, 1.0, 2.0)
+            plain = simulate(build_schedule("1f1b", p, 1, m), p, 1, m, 1.0, 2.0)
+            assert zb.bubble_fraction < plain.bubble_fraction - 1e-9, (p, m)
+
+
+def test_zb1f1b_keeps_1f1b_activation_bound():
+    # On rank r, microbatches forwarded whose W is not done never exceed p - r.
+    for p in range(1, 7):
+        for m in range(1, 17):
+            schedule = build_schedule("zb1f1b", p, 1, m)
+            for rank, actions in schedule.items():
+                assert max_in_flight(actions) <= p - rank, (p, m, rank)
+
+
+def test_zb1f1b_runs_each_weight_gradient_after_its_input_gradient():
+    for p in range(1, 7):
+        for m in range(1, 17):
+            for rank, actions in build_schedule("zb1f1b", p, 1, m).items():
+                position = {a: i for i, a in enumerate(actions)}
+                for mb in range(m):
+                    f, i, w = (position[Action(rank, kind, mb)] for kind in "FIW")
+                    assert f < i < w, (p, m, rank, mb)
+
+
+def test_zb1f1b_on_one_rank_has_no_bubble():
+    for m in range(1, 9):
+        for backward_time in (1.0, 2.0, 3.0):
+            result = simulate(build_schedule("zb1f1b", 1, 1, m), 1, 1, m, 1.0, backward_time)
+            assert result.bubble_fraction == pytest.approx(0.0)
+            assert result.makespan == pytest.approx(m * (1.0 + backward_time))
+
+
+def test_simulated_zb1f1b_on_two_ranks_matches_hand_computed_timeline():
+    # I and W take half the backward each; 0I0 waits for 1I0 (not 1W0), and rank 1 fills
+    # what would be 1F1B's wait with its W.
+    schedule = build_schedule("zb1f1b", 2, 1, 2)
+    assert format_schedule(schedule).splitlines() == [
+        "rank 0: 0F0 0F1 0I0 0W0 0I1 0W1",
+        "rank 1: 1F0 1I0 1W0 1F1 1I1 1W1",
+    ]
+    result = simulate(schedule, 2, 1, 2, forward_time=1.0, backward_time=2.0)
+    spans = {r: [(s, e, str(a)) for s, e, a in events] for r, events in result.timeline.items()}
+    assert spans == {
+        0: [(0, 1, "0F0"), (1, 2, "0F1"), (3, 4, "0I0"), (4, 5, "0W0"), (6, 7, "0I1"), (7, 8, "0W1")],
+        1: [(1, 2, "1F0"), (2, 3, "1I0"), (3, 4, "1W0"), (4, 5, "1F1"), (5, 6, "1I1"), (6, 7, "1W1")],
+    }
+    assert result.makespan == 8
+    assert result.bubble_fraction == pytest.approx(1 / 3)
