@@ -29,9 +29,18 @@ commit all-reduce, clip, optimizer step; the trainer's metrics line and progress
 print are outside it), for the baselines the same span in their own loop (rank 0
 for direct pp).
 
-`--breakdown` adds a single-process run of Planaria's Engine in this process's
-child with its sections (data, zero_grad, schedule, sync, commit, clip, optimizer)
-timed by wrapping Engine methods here; nothing in the runtime is changed.
+Before each run the script waits (up to --wait-quiet s) for other processes to use
+under --quiet of the CPUs, measures how much they used during the run, and runs it
+again (up to --retries times) if that was more.
+
+`--breakdown` adds, after the table:
+  - where one step's time goes, Planaria's Engine.train_step next to train_reference,
+    one process each, sections timed by wrapping methods in this file's own worker
+    processes (nothing in the runtime is changed);
+  - each pair measured inside the same process(es), alternating blocks of steps:
+    Engine (pp=1) against train_reference in one process, and Engine (pp=2) against
+    the direct pipeline in the same two torchrun processes. Separate processes of the
+    same job differ by a few percent on a noisy VM; this comparison does not.
 
 Worker modes (`--worker-*`) are how this file runs itself in subprocesses; they are
 not meant to be called by hand.
@@ -117,6 +126,19 @@ def _children_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
+def _wait_quiet(threshold: float, limit_s: float) -> float:
+    """Wait (at most limit_s) until other processes use under `threshold` of the CPUs over
+    a one-second sample; return the seconds waited."""
+    start = time.perf_counter()
+    while time.perf_counter() - start < limit_s:
+        busy0, t0 = _busy_seconds(), time.perf_counter()
+        time.sleep(1.0)
+        share = (_busy_seconds() - busy0) / ((time.perf_counter() - t0) * (os.cpu_count() or 1))
+        if not share > threshold:  # also stops on nan (no /proc/stat)
+            break
+    return time.perf_counter() - start
+
+
 def _write_times(path: str, times: list[float], **extra) -> None:
     Path(path).write_text(json.dumps({"step_times_s": times, **extra}))
 
@@ -156,35 +178,31 @@ def stage_ranges(n_blocks: int, pp: int) -> list[tuple[int, int]]:
     return ranges
 
 
-def worker_direct_pp(args) -> None:
-    """(c): torch.distributed.pipelining used directly, one stage per rank, under torchrun."""
-    from datetime import timedelta
+class DirectPipeline:
+    """(c): one rank's stage of `torch.distributed.pipelining` used directly: the same layers
+    (LayerModel.build_layer, tp = 1) in an nn.Sequential, PipelineStage + Schedule1F1B with
+    loss / n_microbatches and scale_grads=False, one AdamW(foreach=False), local clipping."""
 
-    import torch
-    import torch.distributed as dist
-    import torch.nn.functional as F
-    from torch import nn
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+    def __init__(self, cfg, rank: int, world: int):
+        import torch
+        import torch.nn.functional as F
+        from torch import nn
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
-    from planaria.runtime.data import build_dataset
-    from planaria.runtime.model import LayerModel
-    from planaria.runtime.optim import learning_rate
-    from planaria.runtime.tensor_parallel import TensorParallel
-    from planaria.runtime.trainer import dtypes, optimizer_settings
+        from planaria.runtime.data import build_dataset
+        from planaria.runtime.model import LayerModel
+        from planaria.runtime.tensor_parallel import TensorParallel
+        from planaria.runtime.trainer import dtypes, optimizer_settings
 
-    cfg = _load(args.config, args.overrides)
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    dist.init_process_group("gloo", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=cfg.parallel.timeout_s))
-    try:
+        self.cfg, self.rank = cfg, rank
         device = torch.device("cpu")
         param_dtype, autocast_dtype = dtypes(cfg.train.dtype)
         model = LayerModel(cfg.model, seed=cfg.train.seed)
         start, stop = stage_ranges(cfg.model.n_layers, world)[rank]
         single = TensorParallel()  # tp = 1
-        module = nn.Sequential(*(model.build_layer(i, single, param_dtype, device)
-                                 for i in range(start, stop)))
-        stage = PipelineStage(module, rank, world, device)
+        self.module = nn.Sequential(*(model.build_layer(i, single, param_dtype, device)
+                                      for i in range(start, stop)))
+        stage = PipelineStage(self.module, rank, world, device)
         n_micro = cfg.train.global_batch // cfg.train.micro_batch
 
         def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -193,39 +211,181 @@ def worker_direct_pp(args) -> None:
                 logits = logits.float()
             return F.cross_entropy(logits, target.flatten()) / n_micro
 
-        schedule = Schedule1F1B(stage, n_micro, loss_fn=loss_fn, scale_grads=False)
-        optim = optimizer_settings(cfg)
-        params = list(module.parameters())
-        optimizer = torch.optim.AdamW(
-            [{"params": [p for p in params if p.dim() >= 2], "weight_decay": optim.weight_decay},
-             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
-            lr=optim.lr, betas=optim.betas, eps=optim.eps, foreach=False)
-        dataset = build_dataset(cfg.data.source, seq_len=cfg.model.seq_len,
-                                vocab_size=cfg.model.vocab_size, seed=cfg.data.seed)
-        is_first, is_last = rank == 0, rank == world - 1
-        autocast = (torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype
-                    else contextlib.nullcontext())
+        self.schedule = Schedule1F1B(stage, n_micro, loss_fn=loss_fn, scale_grads=False)
+        self.optim = optimizer_settings(cfg)
+        self.params = list(self.module.parameters())
+        self.optimizer = torch.optim.AdamW(
+            [{"params": [p for p in self.params if p.dim() >= 2], "weight_decay": self.optim.weight_decay},
+             {"params": [p for p in self.params if p.dim() < 2], "weight_decay": 0.0}],
+            lr=self.optim.lr, betas=self.optim.betas, eps=self.optim.eps, foreach=False)
+        self.dataset = build_dataset(cfg.data.source, seq_len=cfg.model.seq_len,
+                                     vocab_size=cfg.model.vocab_size, seed=cfg.data.seed)
+        self.is_first, self.is_last = rank == 0, rank == world - 1
+        self.autocast = (lambda: torch.autocast(device.type, dtype=autocast_dtype)) if autocast_dtype \
+            else contextlib.nullcontext
+
+    def step(self, iteration: int) -> tuple[float, float | None]:
+        """One optimizer step; (seconds, loss on the last stage)."""
+        import torch
+
+        from planaria.runtime.optim import learning_rate
+
+        cfg = self.cfg
+        t0 = time.perf_counter()
+        inputs, targets = self.dataset.batch(iteration, cfg.train.global_batch, cfg.data.seed)
+        self.optimizer.zero_grad(set_to_none=True)
+        losses: list[torch.Tensor] = []
+        with self.autocast():
+            self.schedule.step(*((inputs,) if self.is_first else ()),
+                               target=targets if self.is_last else None,
+                               losses=losses if self.is_last else None, return_outputs=False)
+        if cfg.train.grad_clip > 0:  # local to the stage: no all-reduce of the norm
+            torch.nn.utils.clip_grad_norm_(self.params, cfg.train.grad_clip)
+        for group in self.optimizer.param_groups:
+            group["lr"] = learning_rate(iteration, self.optim)
+        self.optimizer.step()
+        loss = float(sum(l.detach() for l in losses)) if self.is_last else None
+        return time.perf_counter() - t0, loss
+
+
+def _init_torchrun_group(cfg) -> tuple[int, int]:
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group("gloo", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=cfg.parallel.timeout_s))
+    return rank, world
+
+
+def worker_direct_pp(args) -> None:
+    """(c) under torchrun: every rank writes its step times to WORKER_OUT.rank<r>."""
+    import torch
+    import torch.distributed as dist
+
+    cfg = _load(args.config, args.overrides)
+    rank, world = _init_torchrun_group(cfg)
+    try:
+        pipe = DirectPipeline(cfg, rank, world)
         times, last_loss = [], None
         for iteration in range(cfg.train.steps):
-            t0 = time.perf_counter()
-            inputs, targets = dataset.batch(iteration, cfg.train.global_batch, cfg.data.seed)
-            optimizer.zero_grad(set_to_none=True)
-            losses: list[torch.Tensor] = []
-            with autocast:
-                schedule.step(*((inputs,) if is_first else ()), target=targets if is_last else None,
-                              losses=losses if is_last else None, return_outputs=False)
-            if cfg.train.grad_clip > 0:  # local to the stage: no all-reduce of the norm
-                torch.nn.utils.clip_grad_norm_(params, cfg.train.grad_clip)
-            for group in optimizer.param_groups:
-                group["lr"] = learning_rate(iteration, optim)
-            optimizer.step()
-            if is_last:
-                last_loss = float(sum(l.detach() for l in losses))
-            times.append(time.perf_counter() - t0)
+            seconds, last_loss = pipe.step(iteration)
+            times.append(seconds)
         _write_times(f"{args.worker_out}.rank{rank}", times, threads=torch.get_num_threads(),
                      final_loss=last_loss)
     finally:
         dist.destroy_process_group()
+
+
+def worker_paired_pp2(args) -> None:
+    """Planaria's Engine (pp=2) and DirectPipeline in the same two processes, alternating
+    blocks of steps: what is left of the difference is the runtimes', not the processes'."""
+    import torch
+    import torch.distributed as dist
+
+    from planaria.runtime import trainer
+    from planaria.runtime.config import plan_from_config
+    from planaria.runtime.data import build_dataset
+    from planaria.runtime.engine import Engine
+    from planaria.runtime.model import LayerModel
+
+    cfg = _load(args.config, args.overrides)
+    rank, world = _init_torchrun_group(cfg)
+    try:
+        plan = plan_from_config(cfg, world_size=world)
+        param_dtype, autocast_dtype = trainer.dtypes(cfg.train.dtype)
+        engine = Engine(plan, LayerModel(cfg.model, seed=cfg.train.seed), trainer.optimizer_settings(cfg),
+                        rank=rank, device=torch.device("cpu"), param_dtype=param_dtype,
+                        autocast_dtype=autocast_dtype, grad_clip=cfg.train.grad_clip)
+        dataset = build_dataset(cfg.data.source, seq_len=cfg.model.seq_len,
+                                vocab_size=cfg.model.vocab_size, seed=cfg.data.seed)
+        pipe = DirectPipeline(cfg, rank, world)
+        blocks: dict[str, list[list[float]]] = {"planaria_pp2": [], "direct_pp2": []}
+        for r in range(args.paired_rounds):
+            for name in (("planaria_pp2", "direct_pp2") if r % 2 == 0 else ("direct_pp2", "planaria_pp2")):
+                dist.barrier()
+                if name == "planaria_pp2":
+                    times = [engine.train_step(i, dataset, cfg.data.seed).step_time_s
+                             for i in range(cfg.train.steps)]
+                else:
+                    times = [pipe.step(i)[0] for i in range(cfg.train.steps)]
+                blocks[name].append(times)
+        engine.destroy()
+        _write_times(f"{args.worker_out}.rank{rank}", [], blocks=blocks)
+    finally:
+        dist.destroy_process_group()
+
+
+def worker_paired_single(args) -> None:
+    """Planaria's Engine (1 process, pp=1) and train_reference in the same process,
+    alternating blocks of steps (train_reference builds a fresh model per block)."""
+    import torch
+    import torch.distributed as dist
+
+    from planaria.runtime import trainer
+    from planaria.runtime.config import plan_from_config
+    from planaria.runtime.data import build_dataset
+    from planaria.runtime.engine import Engine
+    from planaria.runtime.model import LayerModel
+    from planaria.runtime.reference import train_reference
+
+    cfg = _load(args.config, args.overrides)
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(trainer._free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        param_dtype, autocast_dtype = trainer.dtypes(cfg.train.dtype)
+        model = LayerModel(cfg.model, seed=cfg.train.seed)
+        optim = trainer.optimizer_settings(cfg)
+        engine = Engine(plan_from_config(cfg, world_size=1), model, optim, rank=0,
+                        device=torch.device("cpu"), param_dtype=param_dtype,
+                        autocast_dtype=autocast_dtype, grad_clip=cfg.train.grad_clip)
+        dataset = build_dataset(cfg.data.source, seq_len=cfg.model.seq_len,
+                                vocab_size=cfg.model.vocab_size, seed=cfg.data.seed)
+        blocks: dict[str, list[list[float]]] = {"planaria": [], "plain": []}
+        for r in range(args.paired_rounds):
+            for name in (("planaria", "plain") if r % 2 == 0 else ("plain", "planaria")):
+                if name == "planaria":
+                    times = [engine.train_step(i, dataset, cfg.data.seed).step_time_s
+                             for i in range(cfg.train.steps)]
+                else:
+                    times = train_reference(model, optim, dataset, steps=cfg.train.steps,
+                                            global_batch=cfg.train.global_batch,
+                                            micro_batch=cfg.train.micro_batch, data_seed=cfg.data.seed,
+                                            grad_clip=cfg.train.grad_clip, dtype=param_dtype,
+                                            autocast_dtype=autocast_dtype).step_times_s
+                blocks[name].append(times)
+        engine.destroy()
+        _write_times(f"{args.worker_out}.rank0", [], blocks=blocks)
+    finally:
+        dist.destroy_process_group()
+
+
+class _Sections:
+    """Seconds per named section and iteration, collected by wrapping callables."""
+
+    def __init__(self):
+        self.seconds: dict[str, dict[int, float]] = {}
+        self.iteration = 0
+
+    def wrap(self, name: str, fn):
+        def wrapper(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                per_iter = self.seconds.setdefault(name, {})
+                per_iter[self.iteration] = per_iter.get(self.iteration, 0.0) + time.perf_counter() - t0
+        return wrapper
+
+    def dump(self, path: str, totals: list[float]) -> None:
+        import torch
+
+        sections = {name: [per_iter.get(i, 0.0) for i in range(len(totals))]
+                    for name, per_iter in self.seconds.items()}
+        Path(path).write_text(json.dumps({"step_times_s": totals, "sections": sections,
+                                          "threads": torch.get_num_threads()}))
 
 
 def worker_breakdown(args) -> None:
@@ -244,28 +404,16 @@ def worker_breakdown(args) -> None:
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(trainer._free_port()))
     dist.init_process_group("gloo", rank=0, world_size=1)
-    sections: dict[str, dict[int, float]] = {}  # section -> iteration -> seconds
-    current = [0]
-
-    def timed(name, fn):
-        def wrapper(*a, **k):
-            t0 = time.perf_counter()
-            try:
-                return fn(*a, **k)
-            finally:
-                per_iter = sections.setdefault(name, {})
-                per_iter[current[0]] = per_iter.get(current[0], 0.0) + time.perf_counter() - t0
-        return wrapper
-
+    sec = _Sections()
     E = engine_mod.Engine
-    E._forward_backward = timed("forward/backward (schedule.step)", E._forward_backward)
-    E._sync_gradients = timed("sync gradients", E._sync_gradients)
-    E._commit = timed("commit (grad norm + all-reduce)", E._commit)
-    E._clip_and_step = timed("clip + optimizer step", E._clip_and_step)
+    E._forward_backward = sec.wrap("schedule.step", E._forward_backward)
+    E._sync_gradients = sec.wrap("sync", E._sync_gradients)
+    E._commit = sec.wrap("commit", E._commit)
+    E._clip_and_step = sec.wrap("clip and step", E._clip_and_step)
     try:
         dataset = build_dataset(cfg.data.source, seq_len=cfg.model.seq_len,
                                 vocab_size=cfg.model.vocab_size, seed=cfg.data.seed)
-        dataset.batch = timed("data batch", dataset.batch)
+        dataset.batch = sec.wrap("data batch", dataset.batch)
         param_dtype, autocast_dtype = trainer.dtypes(cfg.train.dtype)
         model = LayerModel(cfg.model, seed=cfg.train.seed)
         engine = E(plan, model, trainer.optimizer_settings(cfg), rank=0, device=torch.device("cpu"),
@@ -274,24 +422,65 @@ def worker_breakdown(args) -> None:
         # Inside the schedule: the stage's forward and backward chunks, the model's own
         # forward within them, and the loss; the rest of schedule.step is the runtime's.
         for stage in engine.stages:
-            stage.forward_one_chunk = timed("  stage.forward_one_chunk", stage.forward_one_chunk)
-            stage.backward_one_chunk = timed("  stage.backward_one_chunk", stage.backward_one_chunk)
-            stage.submod.forward = timed("    model forward", stage.submod.forward)
-        engine.schedule._loss_fn = timed("    loss", engine.schedule._loss_fn)
+            stage.forward_one_chunk = sec.wrap("forward_one_chunk", stage.forward_one_chunk)
+            stage.backward_one_chunk = sec.wrap("backward", stage.backward_one_chunk)
+            stage.submod.forward = sec.wrap("model forward", stage.submod.forward)
+        engine.schedule._loss_fn = sec.wrap("loss", engine.schedule._loss_fn)
         for state in engine.layers.values():
-            state.optimizer.zero_grad = timed("  zero_grad", state.optimizer.zero_grad)
-            state.optimizer.step = timed("  optimizer.step", state.optimizer.step)
+            state.optimizer.zero_grad = sec.wrap("zero_grad", state.optimizer.zero_grad)
+            state.optimizer.step = sec.wrap("optimizer.step", state.optimizer.step)
         totals = []
         for iteration in range(cfg.train.steps):
-            current[0] = iteration
+            sec.iteration = iteration
             totals.append(engine.train_step(iteration, dataset, cfg.data.seed).step_time_s)
         engine.destroy()
     finally:
         dist.destroy_process_group()
-    sections = {name: [per_iter.get(i, 0.0) for i in range(len(totals))]
-                for name, per_iter in sections.items()}
-    Path(args.worker_out).write_text(json.dumps({"step_times_s": totals, "sections": sections,
-                                                 "threads": torch.get_num_threads()}))
+    sec.dump(args.worker_out, totals)
+
+
+def worker_breakdown_reference(args) -> None:
+    """train_reference, its sections timed by wrapping what it calls (in this process only)."""
+    import torch
+    import torch.nn.functional as F
+
+    from planaria.runtime import reference
+    from planaria.runtime.data import build_dataset
+    from planaria.runtime.model import LayerModel
+    from planaria.runtime.trainer import dtypes, optimizer_settings
+
+    cfg = _load(args.config, args.overrides)
+    sec = _Sections()
+    dataset = build_dataset(cfg.data.source, seq_len=cfg.model.seq_len,
+                            vocab_size=cfg.model.vocab_size, seed=cfg.data.seed)
+    batch = sec.wrap("data batch", dataset.batch)
+
+    def batch_and_mark(iteration, *a, **k):  # the reference's step starts with its batch
+        sec.iteration = iteration
+        return batch(iteration, *a, **k)
+
+    dataset.batch = batch_and_mark
+    build = reference.build_reference_model
+
+    def build_timed(*a, **k):
+        net = build(*a, **k)
+        net.forward = sec.wrap("model forward", net.forward)
+        return net
+
+    reference.build_reference_model = build_timed
+    F.cross_entropy = sec.wrap("loss", F.cross_entropy)
+    torch.Tensor.backward = sec.wrap("backward", torch.Tensor.backward)
+    torch.Tensor.item = sec.wrap("loss.item", torch.Tensor.item)
+    torch.nn.utils.clip_grad_norm_ = sec.wrap("clip_grad_norm_", torch.nn.utils.clip_grad_norm_)
+    torch.optim.AdamW.step = sec.wrap("optimizer.step", torch.optim.AdamW.step)
+    torch.optim.AdamW.zero_grad = sec.wrap("zero_grad", torch.optim.AdamW.zero_grad)
+    param_dtype, autocast_dtype = dtypes(cfg.train.dtype)
+    run = reference.train_reference(
+        LayerModel(cfg.model, seed=cfg.train.seed), optimizer_settings(cfg), dataset,
+        steps=cfg.train.steps, global_batch=cfg.train.global_batch,
+        micro_batch=cfg.train.micro_batch, data_seed=cfg.data.seed, grad_clip=cfg.train.grad_clip,
+        dtype=param_dtype, autocast_dtype=autocast_dtype)
+    sec.dump(args.worker_out, run.step_times_s)
 
 
 # ------------------------------------------------------------------ driver
@@ -341,21 +530,33 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=20, help="measured steps per run (after warm-up)")
     parser.add_argument("--warmup", type=int, default=3, help="steps discarded at the start of each run")
-    parser.add_argument("--repeats", type=int, default=3, help="rounds of the four runs, order alternating")
+    parser.add_argument("--repeats", type=int, default=5, help="rounds of the four runs, order alternating")
     parser.add_argument("--config", default=str(DEFAULT_CONFIG), help="YAML config (default configs/tiny.yaml)")
     parser.add_argument("--set", dest="sets", action="append", default=[], metavar="SECTION.KEY=VALUE",
                         help="override on top of the benchmark's model (repeatable)")
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--timeout", type=float, default=600, help="seconds per subprocess")
+    parser.add_argument("--quiet", type=float, default=0.10,
+                        help="a run during which other processes used more than this share of the "
+                             "CPUs counts as busy and is run again (default 0.10)")
+    parser.add_argument("--retries", type=int, default=2, help="reruns of a busy run (default 2)")
+    parser.add_argument("--wait-quiet", type=float, default=60,
+                        help="before each run, wait up to this many seconds for a quiet machine")
     parser.add_argument("--breakdown", action="store_true",
                         help="also time the sections of Planaria's Engine.train_step (1 process)")
     parser.add_argument("--only", nargs="+", choices=list(RUNS), help=argparse.SUPPRESS)
     parser.add_argument("--worker-reference", help=argparse.SUPPRESS)
     parser.add_argument("--worker-direct-pp", help=argparse.SUPPRESS)
     parser.add_argument("--worker-breakdown", help=argparse.SUPPRESS)
+    parser.add_argument("--worker-breakdown-reference", help=argparse.SUPPRESS)
+    parser.add_argument("--worker-paired-pp2", help=argparse.SUPPRESS)
+    parser.add_argument("--worker-paired-single", help=argparse.SUPPRESS)
+    parser.add_argument("--paired-rounds", type=int, default=6, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
 
-    if args.worker_reference or args.worker_direct_pp or args.worker_breakdown:
+    if (args.worker_reference or args.worker_direct_pp or args.worker_breakdown
+            or args.worker_breakdown_reference or args.worker_paired_pp2
+            or args.worker_paired_single):
         args.overrides = args.sets  # workers get the complete override list
         if args.worker_reference:
             args.worker_out = args.worker_reference
@@ -363,9 +564,18 @@ def main(argv: list[str] | None = None) -> int:
         elif args.worker_direct_pp:
             args.worker_out = args.worker_direct_pp
             worker_direct_pp(args)
-        else:
+        elif args.worker_breakdown:
             args.worker_out = args.worker_breakdown
             worker_breakdown(args)
+        elif args.worker_paired_pp2:
+            args.worker_out = args.worker_paired_pp2
+            worker_paired_pp2(args)
+        elif args.worker_paired_single:
+            args.worker_out = args.worker_paired_single
+            worker_paired_single(args)
+        else:
+            args.worker_out = args.worker_breakdown_reference
+            worker_breakdown_reference(args)
         return 0
     return drive(args)
 
@@ -403,29 +613,57 @@ def drive(args) -> int:
     names = args.only or list(RUNS)
     rounds: list[dict[str, dict]] = []
     log: list[str] = []
+    commands: dict[str, str] = {}  # the first command line of each run
     with tempfile.TemporaryDirectory(prefix="planaria-bench-") as tmp:
         for r in range(args.repeats):
             order = names if r % 2 == 0 else names[::-1]
             results = {}
             for name in order:
-                rdir = Path(tmp) / f"r{r}"
-                rdir.mkdir(exist_ok=True)
-                results[name] = measure(name, args.config, overrides, args.warmup, rdir,
-                                        args.timeout, log)
-                console.print(f"  repeat {r + 1}/{args.repeats}: {RUNS[name]:<36} "
-                              f"{results[name]['median_s'] * 1000:8.1f} ms   (other processes: "
-                              f"{results[name]['foreign_cpu'] * 100:4.1f}% of the CPUs)")
+                for attempt in range(args.retries + 1):
+                    waited = _wait_quiet(args.quiet, args.wait_quiet)
+                    rdir = Path(tmp) / f"r{r}a{attempt}"
+                    rdir.mkdir(exist_ok=True)
+                    result = measure(name, args.config, overrides, args.warmup, rdir,
+                                     args.timeout, log)
+                    commands.setdefault(name, log[-1])
+                    busy = result["foreign_cpu"] > args.quiet
+                    verdict = ("busy, run again" if busy and attempt < args.retries
+                               else "busy, kept" if busy else "")
+                    console.print(f"  repeat {r + 1}/{args.repeats}: {RUNS[name]:<36} "
+                                  f"{result['median_s'] * 1000:8.1f} ms   (other processes: "
+                                  f"{result['foreign_cpu'] * 100:4.1f}% of the CPUs"
+                                  f"{f'; waited {waited:.0f} s for quiet' if waited >= 2 else ''})"
+                                  f"{'  ' + verdict if verdict else ''}")
+                    if not busy:
+                        break
+                results[name] = result
             rounds.append(results)
         breakdown = None
         if args.breakdown:
-            out = Path(tmp) / "breakdown.json"
-            _run([sys.executable, str(Path(__file__).resolve()), "--worker-breakdown", str(out),
-                  "--config", args.config, *_sets([*overrides, "parallel.pp=1"])], args.timeout, log)
-            breakdown = json.loads(out.read_text())
+            breakdown = {}
+            for which, flag in (("planaria", "--worker-breakdown"), ("plain", "--worker-breakdown-reference")):
+                out = Path(tmp) / f"breakdown-{which}.json"
+                _wait_quiet(args.quiet, args.wait_quiet)
+                foreign = _run([sys.executable, str(Path(__file__).resolve()), flag, str(out),
+                                "--config", args.config, *_sets([*overrides, "parallel.pp=1"])],
+                               args.timeout, log)
+                breakdown[which] = {**json.loads(out.read_text()), "foreign_cpu": foreign}
+                commands[f"breakdown {which}"] = log[-1]
+            for key, launcher, flag, pp in (
+                    ("paired_single", [sys.executable], "--worker-paired-single", 1),
+                    ("paired_pp2", _torchrun(2), "--worker-paired-pp2", 2)):
+                out = Path(tmp) / f"{key}.json"
+                _wait_quiet(args.quiet, args.wait_quiet)
+                foreign = _run([*launcher, str(Path(__file__).resolve()), flag, str(out),
+                                "--config", args.config, *_sets([*overrides, f"parallel.pp={pp}"])],
+                               args.timeout * 2, log)
+                breakdown[key] = {"blocks": json.loads(Path(f"{out}.rank0").read_text())["blocks"],
+                                  "foreign_cpu": foreign}
+                commands[key.replace("_", " ")] = log[-1]
 
-    console.print("[bold]subprocess commands (first repeat):[/]")
-    for line in log[:len(names) + (1 if args.breakdown else 0)]:
-        console.print(f"  {line}")
+    console.print("[bold]subprocess commands (first repeat; temporary paths vary):[/]")
+    for name, line in commands.items():
+        console.print(f"  {name}: {line}")
 
     summary = {n: statistics.median(r[n]["median_s"] for r in rounds) for n in names}
     pairs = [("planaria", "plain"), ("planaria_pp2", "direct_pp2")]
@@ -436,6 +674,8 @@ def drive(args) -> int:
                 "ratio": summary[ours] / summary[theirs],
                 "per_repeat": [r[ours]["median_s"] / r[theirs]["median_s"] for r in rounds],
             }
+            ratios[f"{ours}/{theirs}"]["median_paired"] = statistics.median(
+                ratios[f"{ours}/{theirs}"]["per_repeat"])
 
     table = Table(title="Step time, median of per-run medians")
     for col, justify in (("run", "left"), ("processes", "right"), ("step (ms)", "right"),
@@ -458,11 +698,13 @@ def drive(args) -> int:
     console.print(table)
     for key, value in ratios.items():
         console.print(f"{key}: ratio {value['ratio']:.3f} (per repeat: "
-                      f"{', '.join(f'{x:.3f}' for x in value['per_repeat'])}), "
+                      f"{', '.join(f'{x:.3f}' for x in value['per_repeat'])}; their median "
+                      f"{value['median_paired']:.3f}), "
                       f"bookkeeping overhead {(value['ratio'] - 1) * 100:+.1f}%")
 
     if breakdown is not None:
         _print_breakdown(console, breakdown, args.warmup)
+        _print_paired(console, breakdown, args.warmup)
 
     if args.json:
         Path(args.json).write_text(json.dumps({
@@ -472,32 +714,93 @@ def drive(args) -> int:
             "repeats": args.repeats, "tokens_per_step": tokens,
             "median_step_s": summary, "tokens_per_s": {n: tokens / s for n, s in summary.items()},
             "ratios": ratios, "rounds": rounds, "breakdown": breakdown,
-            "subprocess_commands": log[:len(names)],
+            "subprocess_commands": commands,
         }, indent=2))
         console.print(f"wrote {args.json}")
     return 0
 
 
+# Rows of the side-by-side breakdown: (label, Planaria formula, plain formula), each a
+# sum of timed sections (a leading "-" subtracts); "total" is the step time.
+_BREAKDOWN_ROWS = [
+    ("data batch", "data batch", "data batch"),
+    ("zero_grad", "zero_grad", "zero_grad"),
+    ("model forward (4 microbatches)", "model forward", "model forward"),
+    ("loss", "loss", "loss"),
+    ("backward (stage.backward_one_chunk / loss.backward)", "backward", "backward"),
+    ("pipelining runtime around them (rest of schedule.step)",
+     "schedule.step -zero_grad -model forward -loss -backward", ""),
+    ("loss.item() per microbatch", "", "loss.item"),
+    ("layer-wise gradient sync", "sync", ""),
+    ("grad norm: commit (float64 norm + all-reduce) / clip_grad_norm_", "commit", "clip_grad_norm_"),
+    ("clip: grad.mul_(coef) per parameter", "clip and step -optimizer.step", ""),
+    ("optimizer.step (AdamW, foreach=False)", "optimizer.step", "optimizer.step"),
+    ("other (loop, timing, lr)", "total -data batch -schedule.step -sync -commit -clip and step",
+     "total -data batch -zero_grad -model forward -loss -backward -loss.item -clip_grad_norm_ "
+     "-optimizer.step"),
+    ("step total", "total", "total"),
+]
+
+
+def _breakdown_rows(data: dict, column: int, warmup: int) -> list[float | None]:
+    """Each row's formula evaluated per step, then the median over the measured steps."""
+    n = len(data["step_times_s"])
+    sections = {**data["sections"], "total": data["step_times_s"]}
+    out: list[float | None] = []
+    for row in _BREAKDOWN_ROWS:
+        formula = row[column]
+        if not formula:
+            out.append(None)
+            continue
+        first, *minus = formula.split(" -")
+        per_step = list(sections.get(first, [0.0] * n))
+        for term in minus:
+            per_step = [a - b for a, b in zip(per_step, sections.get(term, [0.0] * n))]
+        out.append(statistics.median(per_step[warmup:]))
+    return out
+
+
 def _print_breakdown(console, breakdown: dict, warmup: int) -> None:
+    """Sections of one step, median over the measured steps, Planaria and plain side by side."""
     from rich.table import Table
 
-    steps = breakdown["step_times_s"][warmup:]
-    total = statistics.median(steps)
-    table = Table(title=f"Planaria Engine.train_step, 1 process: median per step over {len(steps)} steps")
-    table.add_column("section")
-    table.add_column("ms / step", justify="right")
-    table.add_column("share", justify="right")
-    order = ["data batch", "forward/backward (schedule.step)", "  zero_grad",
-             "  stage.forward_one_chunk", "    model forward", "    loss", "  stage.backward_one_chunk",
-             "sync gradients", "commit (grad norm + all-reduce)", "clip + optimizer step",
-             "  optimizer.step"]
-    names = [n for n in order if n in breakdown["sections"]]
-    names += [n for n in breakdown["sections"] if n not in names]
-    for name in names:
-        value = statistics.median(breakdown["sections"][name][warmup:])
-        table.add_row(name, f"{value * 1000:.2f}", f"{value / total * 100:.1f}%")
-    table.add_row("train_step total", f"{total * 1000:.2f}", "100%")
+    planaria = _breakdown_rows(breakdown["planaria"], 1, warmup)
+    plain = _breakdown_rows(breakdown["plain"], 2, warmup)
+    table = Table(title="Where a step's time goes, 1 process: median ms per step "
+                        "(sections timed by wrapping, in separate runs)")
+    for col, justify in (("section", "left"), ("Planaria", "right"), ("plain", "right"),
+                         ("Planaria - plain", "right")):
+        table.add_column(col, justify=justify)
+    for (label, _, _), ours, theirs in zip(_BREAKDOWN_ROWS, planaria, plain):
+        fmt = lambda v: "" if v is None else f"{v * 1000:.2f}"  # noqa: E731
+        diff = (ours or 0.0) - (theirs or 0.0)
+        table.add_row(label, fmt(ours), fmt(theirs), f"{diff * 1000:+.2f}")
     console.print(table)
+    breakdown["rows_ms"] = {label: {"planaria": None if a is None else a * 1000,
+                                    "plain": None if b is None else b * 1000}
+                            for (label, _, _), a, b in zip(_BREAKDOWN_ROWS, planaria, plain)}
+
+
+def _print_paired(console, breakdown: dict, warmup: int) -> None:
+    """Planaria against its baseline inside the same process(es), blocks of steps alternating."""
+    for key, ours_name, theirs_name, where in (
+            ("paired_single", "planaria", "plain", "the same process"),
+            ("paired_pp2", "planaria_pp2", "direct_pp2", "the same two processes (rank 0)")):
+        blocks = breakdown[key]["blocks"]
+        ours = [_median_after(b, warmup) for b in blocks[ours_name]]
+        theirs = [_median_after(b, warmup) for b in blocks[theirs_name]]
+        ratios = [a / b for a, b in zip(ours, theirs)]
+        median = statistics.median(ratios)
+        breakdown[key]["summary"] = {f"{ours_name}_ms": [x * 1000 for x in ours],
+                                     f"{theirs_name}_ms": [x * 1000 for x in theirs],
+                                     "ratios": ratios, "median_ratio": median}
+        console.print(
+            f"{RUNS[ours_name]} vs {RUNS[theirs_name]} inside {where}, {len(ratios)} alternating "
+            f"blocks of {len(blocks[ours_name][0])} steps, median per block: Planaria "
+            f"{', '.join(f'{x * 1000:.1f}' for x in ours)} ms; baseline "
+            f"{', '.join(f'{x * 1000:.1f}' for x in theirs)} ms; ratio per block "
+            f"{', '.join(f'{x:.3f}' for x in ratios)}; median {median:.3f} "
+            f"-> overhead {(median - 1) * 100:+.1f}%")
 
 
 def _cpu_name() -> str:

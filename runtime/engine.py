@@ -162,12 +162,12 @@ class Engine:
         (non-sharded) tensors are counted by tp rank 0 only. The loss comes from tp rank 0
         of each pipeline's last stage. Completing this all-reduce is the commit point.
         """
+        counted = [p.grad for layer in self._grad_norm_owner
+                   for name, p in self.layers[layer].module.named_parameters()
+                   if name in self.layers[layer].shard_dims or self.info.tp_rank == 0]
         squared = torch.zeros((), dtype=torch.float64, device=self.device)
-        for layer in self._grad_norm_owner:
-            state = self.layers[layer]
-            for name, p in state.module.named_parameters():
-                if name in state.shard_dims or self.info.tp_rank == 0:
-                    squared += p.grad.detach().double().pow(2).sum()
+        if counted:
+            squared = torch.nn.utils.get_total_norm(counted, foreach=True).double().pow(2)
         loss = torch.zeros((), dtype=torch.float64, device=self.device)
         if losses and self.info.tp_rank == 0:
             loss = torch.stack([l.detach().double() for l in losses]).sum()
@@ -177,11 +177,10 @@ class Engine:
 
     def _clip_and_step(self, grad_norm: float, lr: float) -> None:
         if self.grad_clip > 0:
-            # Same formula as torch.nn.utils.clip_grad_norm_, applied with the global norm.
-            coef = min(1.0, self.grad_clip / (grad_norm + 1e-6))
-            for state in self.layers.values():
-                for p in state.module.parameters():
-                    p.grad.mul_(coef)
+            # clip_grad_norm_'s formula, applied with the global norm every rank agreed on.
+            params = [p for state in self.layers.values() for p in state.module.parameters()]
+            total = torch.tensor(grad_norm, dtype=self.param_dtype, device=self.device)
+            torch.nn.utils.clip_grads_with_norm_(params, self.grad_clip, total, foreach=True)
         for state in self.layers.values():
             set_learning_rate(state.optimizer, lr)
             state.optimizer.step()
