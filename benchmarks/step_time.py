@@ -732,8 +732,8 @@ _BREAKDOWN_ROWS = [
      "schedule.step -zero_grad -model forward -loss -backward", ""),
     ("loss.item() per microbatch", "", "loss.item"),
     ("layer-wise gradient sync", "sync", ""),
-    ("grad norm: commit (float64 norm + all-reduce) / clip_grad_norm_", "commit", "clip_grad_norm_"),
-    ("clip: grad.mul_(coef) per parameter", "clip and step -optimizer.step", ""),
+    ("grad norm: commit (foreach norm + world all-reduce) / clip_grad_norm_", "commit", "clip_grad_norm_"),
+    ("clip: clip_grads_with_norm_ (global norm)", "clip and step -optimizer.step", ""),
     ("optimizer.step (AdamW, foreach=False)", "optimizer.step", "optimizer.step"),
     ("other (loop, timing, lr)", "total -data batch -schedule.step -sync -commit -clip and step",
      "total -data batch -zero_grad -model forward -loss -backward -loss.item -clip_grad_norm_ "

@@ -14,6 +14,7 @@ import contextlib
 import math
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -53,7 +54,7 @@ class Engine:
     def __init__(self, plan: Plan, model: LayerModel, optim: OptimizerSettings, *, rank: int,
                  device: torch.device, param_dtype: torch.dtype,
                  autocast_dtype: torch.dtype | None = None, grad_clip: float = 1.0,
-                 world: dist.ProcessGroup | None = None):
+                 world: dist.ProcessGroup | None = None, collective_timeout: timedelta | None = None):
         self.model = model
         self.optim = optim
         self.rank = rank
@@ -61,6 +62,7 @@ class Engine:
         self.param_dtype = param_dtype
         self.autocast_dtype = autocast_dtype
         self.grad_clip = grad_clip
+        self.collective_timeout = collective_timeout
         self.layers: dict[int, LayerState] = {}
         self._build_epoch(plan, world)
 
@@ -69,7 +71,7 @@ class Engine:
         self.plan = plan
         self.info = plan.rank_info(self.rank)
         self.pipeline = plan.pipelines[self.info.pipeline]
-        self.groups = EpochGroups.build(plan, self.rank, world)
+        self.groups = EpochGroups.build(plan, self.rank, world, timeout=self.collective_timeout)
         tp = self.groups.tensor_parallel
         for index in plan.layers_of(self.rank):
             if index not in self.layers:

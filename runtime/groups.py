@@ -60,10 +60,8 @@ class EpochGroups:
 
         info = plan.rank_info(rank)
         pipeline = _mine(rank, [(r, new_group(r)) for r in plan.pipeline_groups()])
-        tp_ranks = plan.stage_of(rank).ranks
         tp_groups = [(r, new_group(r)) for r in plan.tensor_parallel_groups()]
         tp = TensorParallel(group=_mine(rank, tp_groups), rank=info.tp_rank, size=plan.tp)
-        assert rank in tp_ranks
         buckets = _build_buckets(plan, rank, new_group)
         return cls(rank=rank, pipeline=pipeline, tensor_parallel=tp, buckets=buckets,
                    world=world or dist.group.WORLD, _owned=owned)

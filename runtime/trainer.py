@@ -107,7 +107,8 @@ def train(cfg: Config, plan, rank: int, device: torch.device, console: Console) 
     model = LayerModel(cfg.model, seed=cfg.train.seed, recompute=cfg.train.recompute)
     engine = Engine(plan, model, optimizer_settings(cfg), rank=rank, device=device,
                     param_dtype=param_dtype, autocast_dtype=autocast_dtype,
-                    grad_clip=cfg.train.grad_clip)
+                    grad_clip=cfg.train.grad_clip,
+                    collective_timeout=timedelta(seconds=cfg.parallel.timeout_s))
     log = _MetricsLog(out_dir / "metrics.jsonl") if rank == 0 else None
     if rank == 0:
         console.print(describe(cfg, plan))

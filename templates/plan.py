@@ -18,7 +18,8 @@ from one plan to the next. Workers are identified across epochs by
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
+from functools import cached_property
 from typing import Iterator
 
 SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved", "zb1f1b")
@@ -111,16 +112,19 @@ class Plan:
     """Sequences per microbatch."""
     pipelines: tuple[PipelinePlan, ...]
     """The pipelines; together they hold `len(pipelines)` replicas of every layer."""
-    _rank_index: dict = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         _validate(self)
-        index = {}
-        for p, pipeline in enumerate(self.pipelines):
-            for s, stage in enumerate(pipeline.stages):
-                for t, rank in enumerate(stage.ranks):
-                    index[rank] = RankInfo(p, s, t, stage.node)
-        object.__setattr__(self, "_rank_index", index)
+
+    @cached_property
+    def _rank_index(self) -> dict[int, RankInfo]:
+        # Not a field: derived, never stored, never compared.
+        return {
+            rank: RankInfo(p, s, t, stage.node)
+            for p, pipeline in enumerate(self.pipelines)
+            for s, stage in enumerate(pipeline.stages)
+            for t, rank in enumerate(stage.ranks)
+        }
 
     # ------------------------------------------------------------------ views
     @property
@@ -177,9 +181,7 @@ class Plan:
 
     # ------------------------------------------------------------------ JSON
     def to_dict(self) -> dict:
-        data = asdict(self)
-        data.pop("_rank_index", None)
-        return data
+        return asdict(self)
 
     def to_json(self, indent: int | None = None) -> str:
         return json.dumps(self.to_dict(), indent=indent, sort_keys=True)
