@@ -2,9 +2,11 @@
 
 Subcommands available now:
   planaria train CONFIG.yaml [section.key=value ...]   same as `python -m planaria.train`
+  planaria plan CONFIG.yaml --nodes N [--gpus-per-node G] [--fault-tolerance F]
+                [--hardware NAME] [--profile] [--json]  how the job would run on N nodes
   planaria schedule NAME --stages P [--virtual-stages V] --microbatches M
                                                        print a schedule and its simulated bubble
-Later subcommands (plan, run, chaos, simulate) are added by their own modules.
+Later subcommands (run, chaos, simulate) are added by their own modules.
 """
 from __future__ import annotations
 
@@ -35,6 +37,28 @@ def _train(args: argparse.Namespace) -> int:
     return train_main([args.config, *args.overrides])
 
 
+def _plan(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from planaria.runtime.config import ConfigError, load_config
+    from planaria.runtime.planning import plan_job, print_report, report_json
+
+    try:
+        cfg = load_config(args.config, args.overrides)
+        report = plan_job(cfg, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
+                          fault_tolerance=(args.fault_tolerance if args.fault_tolerance is not None
+                                           else cfg.parallel.fault_tolerance),
+                          hardware_name=args.hardware, profile=args.profile)
+    except (ConfigError, ValueError) as err:
+        print(f"planaria plan: {err}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(report_json(report))
+    else:
+        print_report(report, Console(highlight=False, soft_wrap=True))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="planaria", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -43,6 +67,19 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("config")
     train.add_argument("overrides", nargs="*")
     train.set_defaults(func=_train)
+
+    plan = sub.add_parser("plan", help="plan a job for N nodes and print the templates and the plan")
+    plan.add_argument("config")
+    plan.add_argument("overrides", nargs="*", help="section.key=value")
+    plan.add_argument("--nodes", type=int, required=True, help="live nodes N")
+    plan.add_argument("--gpus-per-node", type=int, default=1, help="workers per node (tensor parallelism)")
+    plan.add_argument("--fault-tolerance", type=int, default=None,
+                      help="f (default: parallel.fault_tolerance of the config)")
+    plan.add_argument("--hardware", default="cpu", help="a100, h100, h200 or cpu (measured here)")
+    plan.add_argument("--profile", action="store_true",
+                      help="measure the real layers on this machine instead of the analytic model")
+    plan.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    plan.set_defaults(func=_plan)
 
     schedule = sub.add_parser("schedule", help="print a pipeline schedule and its simulated bubble")
     schedule.add_argument("name", help="gpipe, 1f1b or interleaved")

@@ -80,6 +80,10 @@ class ParallelConfig:
     """Explicit pipelines: transformer blocks per model stage, e.g. [[4], [2, 2]]."""
     microbatches: list | None = None
     """Microbatches per pipeline, e.g. [3, 5]; default: an even split."""
+    fault_tolerance: int = 1
+    """f: failures to survive without a checkpoint; the planner keeps f+1 replicas of every layer."""
+    min_stages: int = 1
+    """The planner gives every pipeline at least this many stages."""
     backend: str = "auto"
     """'gloo', 'nccl', or 'auto' (nccl when CUDA is present)."""
     timeout_s: float = 300.0

@@ -1,0 +1,118 @@
+"""`planaria plan`: ask the planner how a configured job would run on N nodes.
+
+Turns a job config into a cost model (analytic with a hardware preset, or profiled on
+this machine), builds the templates, instantiates the plan for N nodes, and reports
+it as a table a person can read or as JSON for tools.
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+
+from rich.console import Console
+from rich.table import Table
+
+from planaria.runtime.config import Config
+from planaria.templates.analytic import analytic_cost_model, hardware
+from planaria.templates.costs import CostModel, ModelShape
+from planaria.templates.planner import Planner, PlanChoice, PlannerSettings
+
+
+@dataclass(frozen=True)
+class PlanReport:
+    planner: Planner
+    choice: PlanChoice
+    planning_time_s: float
+    tokens_per_s: float
+    mfu: float
+    peak_memory_bytes: int
+
+
+def model_shape(cfg: Config) -> ModelShape:
+    m = cfg.model
+    return ModelShape(n_layers=m.n_layers, d_model=m.d_model, n_heads=m.n_heads,
+                      vocab_size=m.vocab_size, seq_len=m.seq_len, ffn_hidden=m.ffn_hidden)
+
+
+def cost_model(cfg: Config, *, hardware_name: str, gpus_per_node: int, profile: bool = False) -> CostModel:
+    if profile:
+        from planaria.runtime.profile import profile_model
+
+        return profile_model(cfg, hardware_name=hardware_name)
+    hw = hardware(hardware_name, gpus_per_node=gpus_per_node)
+    return analytic_cost_model(model_shape(cfg), hw, tp=gpus_per_node, micro_batch=cfg.train.micro_batch,
+                               dtype=cfg.train.dtype, recompute=cfg.train.recompute)
+
+
+def plan_job(cfg: Config, *, nodes: int, gpus_per_node: int, fault_tolerance: int,
+             hardware_name: str, profile: bool = False) -> PlanReport:
+    costs = cost_model(cfg, hardware_name=hardware_name, gpus_per_node=gpus_per_node, profile=profile)
+    started = time.perf_counter()
+    settings = PlannerSettings(fault_tolerance=fault_tolerance, global_batch=cfg.train.global_batch,
+                               micro_batch=cfg.train.micro_batch, schedule=cfg.parallel.schedule,
+                               virtual_stages=cfg.parallel.virtual_stages,
+                               min_stages=cfg.parallel.min_stages)
+    planner = Planner(costs, settings)
+    choice = planner.instantiate(nodes)
+    planning_time = time.perf_counter() - started
+    tokens = cfg.train.global_batch * cfg.model.seq_len
+    devices = nodes * gpus_per_node
+    flops = model_flops_per_token(model_shape(cfg)) * tokens
+    mfu = flops / (choice.iteration_time_s * devices * costs.hardware.peak_flops)
+    peak = max(max(planner.template(len(p.stages)).partition.peak_memory_bytes)
+               for p in choice.plan.pipelines)
+    return PlanReport(planner, choice, planning_time, tokens / choice.iteration_time_s, mfu, peak)
+
+
+def model_flops_per_token(shape: ModelShape) -> float:
+    """Training FLOPs per token: 6 per parameter (forward 2, backward 4) plus attention."""
+    attention = 12 * shape.n_layers * shape.d_model * shape.seq_len // 2  # causal: half of 12·L·d·T
+    return 6 * shape.parameters + attention
+
+
+def report_json(report: PlanReport) -> str:
+    planner, choice = report.planner, report.choice
+    templates = [
+        {"nodes": size,
+         "stages": [[start, stop - 1] for start, stop in t.partition.model_stages],
+         "iteration_time_s": t.iteration_time(planner.settings.total_microbatches // max(
+             1, planner.settings.fault_tolerance + 1))}
+        for size, t in sorted(planner.templates.items())
+    ]
+    return json.dumps({
+        "n0": planner.n0,
+        "planning_time_s": report.planning_time_s,
+        "templates": templates,
+        "plan": choice.plan.to_dict(),
+        "estimate": {"iteration_time_s": choice.iteration_time_s, "tokens_per_s": report.tokens_per_s,
+                     "mfu": report.mfu, "peak_memory_bytes": report.peak_memory_bytes,
+                     "replicas": choice.replicas, "degraded": choice.degraded},
+    }, indent=1)
+
+
+def print_report(report: PlanReport, console: Console) -> None:
+    planner, choice, plan = report.planner, report.choice, report.choice.plan
+    hw = planner.costs.hardware
+    console.print(f"[bold]{len(choice.plan.pipelines)} pipelines[/] on {plan.world_size // plan.tp} "
+                  f"{hw.name} nodes x {plan.tp} workers | n0 = {planner.n0} | "
+                  f"f = {planner.settings.fault_tolerance} | schedule {plan.schedule}"
+                  f" (v={plan.virtual_stages}) | cost model: {planner.costs.source}")
+    if choice.degraded:
+        console.print(f"[yellow]warning:[/] {plan.world_size // plan.tp} nodes are fewer than "
+                      f"(f+1)·n0 = {(planner.settings.fault_tolerance + 1) * planner.n0}: only "
+                      f"{choice.replicas} replica(s) of each layer; a failure may need the checkpoint")
+    table = Table(title="plan")
+    for column in ("pipeline", "template", "stages: layers", "microbatches", "est. time (s)", "bubble"):
+        table.add_column(column)
+    for i, (pipeline, t) in enumerate(zip(plan.pipelines, choice.pipeline_times_s)):
+        stages = " | ".join(",".join(f"{a}-{b - 1}" for a, b in s.chunks) for s in pipeline.stages)
+        partition = planner.template(len(pipeline.stages)).partition
+        ideal = max(partition.stage_times) * pipeline.num_microbatches
+        bubble = max(0.0, 1 - ideal / t) if t else 0.0
+        table.add_row(str(i), pipeline.template_id, stages, str(pipeline.num_microbatches),
+                      f"{t:.4g}", f"{bubble:.1%}")
+    console.print(table)
+    console.print(f"iteration {choice.iteration_time_s:.4g} s | {report.tokens_per_s:,.0f} tokens/s | "
+                  f"MFU {report.mfu:.1%} | peak memory per device {report.peak_memory_bytes / 2**30:.2f} GiB "
+                  f"of {hw.device_memory_bytes / 2**30:.1f} | planned in {report.planning_time_s:.3f} s")

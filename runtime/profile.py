@@ -1,0 +1,72 @@
+"""Profiling Planaria's own model: the glue between the config, the layers and the profiler.
+
+Owns `profile_model(cfg)`, which builds the config's real layers (`LayerModel`) at
+tp = 1 with the trainer's dtypes and recomputation setting and hands them to
+`planaria.templates.profiler.profile_layers`, and `model_shape(cfg.model)`, the
+planner's view of the model section. The profiler itself knows nothing of Planaria's
+model, and the planner nothing of torch.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from planaria.runtime.config import Config
+from planaria.runtime.model import LayerModel, ModelConfig
+from planaria.runtime.tensor_parallel import TensorParallel
+from planaria.runtime.trainer import dtypes
+from planaria.templates.analytic import hardware
+from planaria.templates.costs import CostModel, ModelShape
+from planaria.templates.profiler import profile_layers
+
+
+def model_shape(model: ModelConfig) -> ModelShape:
+    """The planner's `ModelShape` of a `model` config section."""
+    return ModelShape(n_layers=model.n_layers, d_model=model.d_model, n_heads=model.n_heads,
+                      vocab_size=model.vocab_size, seq_len=model.seq_len,
+                      ffn_hidden=model.ffn_hidden)
+
+
+def profile_model(cfg: Config, *, device: torch.device | str | None = None,
+                  cache_dir: str | Path | None = None, hardware_name: str = "cpu",
+                  num_threads: int | None = None, repeats: int = 5,
+                  warmup: int = 2) -> CostModel:
+    """Measure the config's layers on `device` (default: CUDA if present, else CPU).
+
+    One microbatch of `train.micro_batch` sequences, `train.dtype` (bf16 autocast over
+    float32 weights), `train.recompute`, and `parallel.tp` derived from tp = 1 as the
+    profiler documents. The head is profiled with the training loss. `hardware_name`
+    names the preset whose links cost the tensor-parallel all-reduces and the sends
+    between stages. `num_threads=1` profiles as the workers run under torchrun.
+    """
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(device)
+    m, t = cfg.model, cfg.train
+    shape = model_shape(m)
+    param_dtype, _ = dtypes(t.dtype)
+    model = LayerModel(m, seed=t.seed, recompute=t.recompute)
+    solo = TensorParallel()  # tp = 1: the only degree one process can run
+    gen = torch.Generator().manual_seed(t.seed)
+    tokens = torch.randint(m.vocab_size, (t.micro_batch, m.seq_len), generator=gen)
+    targets = torch.randint(m.vocab_size, (t.micro_batch, m.seq_len), generator=gen).to(device)
+    hidden = torch.randn(t.micro_batch, m.seq_len, m.d_model, generator=gen, dtype=param_dtype)
+
+    def build_layer(index: int) -> torch.nn.Module:
+        return model.build_layer(index, solo, param_dtype, device)
+
+    def make_input(index: int) -> torch.Tensor:
+        # The residual stream is in the parameter dtype, float32 under bf16 autocast too.
+        return (tokens if index == 0 else hidden).to(device)
+
+    def loss_fn(logits: torch.Tensor) -> torch.Tensor:
+        return LayerModel.loss(logits, targets, solo)
+
+    return profile_layers(build_layer, make_input, shape, hardware(hardware_name),
+                          tp=cfg.parallel.tp, micro_batch=t.micro_batch, dtype=t.dtype,
+                          recompute=t.recompute, repeats=repeats, warmup=warmup,
+                          cache_dir=None if cache_dir is None else Path(cache_dir),
+                          cache_key={"model": "planaria-llama", "norm_eps": m.norm_eps,
+                                     "rope_theta": m.rope_theta},
+                          loss_fn=loss_fn, num_threads=num_threads)

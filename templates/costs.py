@@ -1,0 +1,151 @@
+"""The cost model's data: model shape, hardware, and per-layer costs.
+
+Everything the planner knows about a job is here, as plain numbers: how long each
+layer's forward and backward take for one microbatch on one worker of a stage, how
+many bytes of state it pins, how many bytes of activations it keeps per microbatch in
+flight, and how many bytes it hands to the next stage. Two sources fill a `CostModel`:
+the analytic estimate from FLOPs and bytes (`planaria.templates.analytic`) and the
+profiler that measures real layers (`planaria.templates.profiler`).
+
+No torch import: a plan for 1,024 H100 nodes can be made on a laptop.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from itertools import accumulate
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The decoder's shape, as the planner needs it (mirrors the `model` config section)."""
+
+    n_layers: int
+    """Transformer blocks."""
+    d_model: int
+    n_heads: int
+    vocab_size: int
+    seq_len: int
+    ffn_hidden: int = 0
+    """SwiGLU hidden size; 0 means 8/3 * d_model rounded up to a multiple of 32."""
+
+    def __post_init__(self) -> None:
+        for name in ("n_layers", "d_model", "n_heads", "vocab_size", "seq_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"model.{name} must be at least 1, got {getattr(self, name)}")
+        if self.ffn_hidden < 0:
+            raise ValueError(f"model.ffn_hidden must not be negative, got {self.ffn_hidden}")
+
+    @property
+    def num_layers(self) -> int:
+        """Planned layers: embedding, blocks, final norm plus head."""
+        return self.n_layers + 2
+
+    @property
+    def ffn_dim(self) -> int:
+        return self.ffn_hidden or 32 * math.ceil(8 * self.d_model / 3 / 32)
+
+    def layer_kind(self, index: int) -> str:
+        if not 0 <= index < self.num_layers:
+            raise ValueError(f"layer {index} does not exist; the model has {self.num_layers}")
+        if index == 0:
+            return "embedding"
+        return "head" if index == self.num_layers - 1 else "block"
+
+    def layer_parameters(self, index: int) -> int:
+        """Parameter count of layer `index`, all tp shards together."""
+        d = self.d_model
+        kind = self.layer_kind(index)
+        if kind == "embedding":
+            return self.vocab_size * d
+        if kind == "head":
+            return self.vocab_size * d + d
+        return 4 * d * d + 3 * d * self.ffn_dim + 2 * d
+
+    @property
+    def parameters(self) -> int:
+        return sum(self.layer_parameters(i) for i in range(self.num_layers))
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """One kind of node: its devices and links."""
+
+    name: str
+    device_memory_bytes: int
+    """Usable memory of one device."""
+    peak_flops: float
+    """Peak dense FLOP/s of one device in the training precision."""
+    gpus_per_node: int
+    """Devices (workers) per node; a stage's tp workers live on one node."""
+    intra_node_bandwidth: float
+    """Bytes/s between two devices of a node (tensor-parallel all-reduce)."""
+    inter_node_bandwidth: float
+    """Bytes/s from one device to a device of another node (pipeline sends, gradient sync)."""
+    matmul_efficiency: float = 0.5
+    """Fraction of peak that training layers reach; MFU of a well-run job."""
+    link_latency_s: float = 1e-5
+    """Fixed cost of one message."""
+
+    def __post_init__(self) -> None:
+        for name in ("device_memory_bytes", "peak_flops", "gpus_per_node",
+                     "intra_node_bandwidth", "inter_node_bandwidth", "matmul_efficiency"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"hardware {self.name!r}: {name} must be positive, "
+                                 f"got {getattr(self, name)}")
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    """One layer on one worker of a stage (tensor parallelism already applied), one microbatch."""
+
+    forward_s: float
+    backward_s: float
+    """Input and weight gradients together."""
+    state_bytes: int
+    """Bytes pinned for the whole run: parameters, gradients, optimizer state (this worker's shard)."""
+    activation_bytes: int
+    """Bytes kept from forward to backward, per microbatch in flight."""
+    output_bytes: int
+    """Bytes of the layer's output, sent to the next stage when a stage ends here."""
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Per-layer costs of one job shape: a model, a micro batch size, a tp degree, a device."""
+
+    shape: ModelShape
+    hardware: Hardware
+    tp: int
+    micro_batch: int
+    layers: tuple[LayerCost, ...]
+    source: str = "analytic"
+    """'analytic' or 'profiled'."""
+
+    def __post_init__(self) -> None:
+        if len(self.layers) != self.shape.num_layers:
+            raise ValueError(f"cost model has {len(self.layers)} layer costs for a model of "
+                             f"{self.shape.num_layers} layers")
+        prefix = lambda values: (0.0, *accumulate(values))  # noqa: E731
+        object.__setattr__(self, "_compute", prefix(l.forward_s + l.backward_s for l in self.layers))
+        object.__setattr__(self, "_state", prefix(l.state_bytes for l in self.layers))
+        object.__setattr__(self, "_activation", prefix(l.activation_bytes for l in self.layers))
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    def compute_time(self, start: int, stop: int) -> float:
+        """Forward plus backward of layers [start, stop) for one microbatch."""
+        return self._compute[stop] - self._compute[start]
+
+    def state_bytes(self, start: int, stop: int) -> int:
+        return int(self._state[stop] - self._state[start])
+
+    def activation_bytes(self, start: int, stop: int) -> int:
+        return int(self._activation[stop] - self._activation[start])
+
+    def send_time(self, last_layer: int) -> float:
+        """Forward send plus backward send across a stage boundary after `last_layer`."""
+        size = self.layers[last_layer].output_bytes
+        return 2 * (size / self.hardware.inter_node_bandwidth + self.hardware.link_latency_s)

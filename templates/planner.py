@@ -1,0 +1,293 @@
+"""Pipeline templates with f+1 replicas, and their instantiation into a Plan for N nodes.
+
+A template is a pipeline shape for `n` nodes: the layers cut into `n` stages (one node
+each, its `G` workers splitting the stage by tensor parallelism) by the cost-optimal
+partition. `n0` is the fewest nodes that hold one replica within device memory.
+
+Which sizes. Templates of the consecutive sizes `n0 .. 2·n0−1` cover every node count:
+any N ≥ n0 is q·n0 + r with 0 ≤ r < n0, that is q−1 pipelines of n0 nodes and one of
+n0 + r. So every N ≥ (f+1)·n0 has a plan with at least f+1 pipelines, hence f+1
+replicas of every layer. A pipeline of 2·n0 nodes or more is never needed for
+coverage: it can be split into two pipelines of the set, which adds a replica. Larger
+templates are built on demand only when the batch has too few microbatches to feed
+that many pipelines. Below (f+1)·n0 nodes the job keeps training with fewer replicas,
+and the plan says so.
+
+Instantiation (`instantiate`) picks, for N nodes, the multiset of templates and the
+integer microbatch split minimising the iteration time: pipeline p with m microbatches
+takes T_p(m) (linear in m, from its partition), the iteration takes the slowest
+pipeline plus the gradient sync across pipelines. For a target time T each template
+size can run a known number of microbatches; a knapsack over node counts finds whether
+sizes summing to N (at least f+1 of them) can run the whole batch within T, and a
+binary search finds the smallest such T. The split for the chosen multiset is then made
+exactly: each microbatch goes to the pipeline that would finish it first (optimal for
+linear per-pipeline times).
+"""
+from __future__ import annotations
+
+import heapq
+import math
+import time
+from dataclasses import dataclass, field
+
+from planaria.templates.costs import CostModel
+from planaria.templates.partition import InfeasiblePartition, StagePartition, partition_layers
+from planaria.templates.plan import PipelinePlan, Plan, StagePlan
+
+
+@dataclass(frozen=True)
+class Template:
+    """A pipeline shape for `num_nodes` nodes."""
+
+    num_nodes: int
+    partition: StagePartition
+
+    def iteration_time(self, num_microbatches: int) -> float:
+        return self.partition.iteration_time(num_microbatches)
+
+    def max_microbatches(self, deadline: float, limit: int) -> int:
+        """Most microbatches (≤ limit) this pipeline finishes within `deadline`."""
+        lo, hi = 0, limit
+        while lo < hi:  # iteration_time is increasing in m
+            mid = (lo + hi + 1) // 2
+            if self.iteration_time(mid) <= deadline:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+
+@dataclass(frozen=True)
+class PlannerSettings:
+    """What the planner needs besides the cost model."""
+
+    fault_tolerance: int
+    """f: failures to survive without a checkpoint; plans keep f+1 replicas when N allows."""
+    global_batch: int
+    micro_batch: int
+    schedule: str = "1f1b"
+    virtual_stages: int = 1
+    min_stages: int = 1
+    """Every template has at least this many stages (parallel.min_stages)."""
+
+    def __post_init__(self) -> None:
+        if self.fault_tolerance < 0:
+            raise ValueError(f"fault tolerance f must be 0 or more, got {self.fault_tolerance}")
+        if self.global_batch < 1 or self.micro_batch < 1:
+            raise ValueError("train.global_batch and train.micro_batch must be at least 1")
+        if self.global_batch % self.micro_batch:
+            raise ValueError(f"train.global_batch={self.global_batch} is not a multiple of "
+                             f"train.micro_batch={self.micro_batch}")
+        if self.min_stages < 1:
+            raise ValueError(f"parallel.min_stages must be at least 1, got {self.min_stages}")
+
+    @property
+    def total_microbatches(self) -> int:
+        return self.global_batch // self.micro_batch
+
+
+@dataclass
+class Planner:
+    """Templates for one job; `instantiate(N)` gives the plan for N live nodes."""
+
+    costs: CostModel
+    settings: PlannerSettings
+    templates: dict[int, Template] = field(default_factory=dict)
+    n0: int = 0
+
+    def __post_init__(self) -> None:
+        self.n0 = self._smallest_feasible_size()
+        for size in range(self.n0, 2 * self.n0):
+            self.template(size)
+
+    # ------------------------------------------------------------- templates
+    def _reference_microbatches(self, num_nodes: int) -> int:
+        """Microbatches a pipeline of this size runs when f+1 of them share the batch."""
+        share = self.settings.total_microbatches // (self.settings.fault_tolerance + 1)
+        return max(1, share)
+
+    def template(self, num_nodes: int) -> Template:
+        if num_nodes not in self.templates:
+            partition = partition_layers(
+                self.costs, num_nodes, num_microbatches=self._reference_microbatches(num_nodes),
+                schedule=self.settings.schedule, virtual_stages=self.settings.virtual_stages)
+            self.templates[num_nodes] = Template(num_nodes, partition)
+        return self.templates[num_nodes]
+
+    def _smallest_feasible_size(self) -> int:
+        v = self.settings.virtual_stages
+        most = self.costs.num_layers // v
+        first = max(1, self.settings.min_stages)
+        if first > most:
+            raise ValueError(
+                f"parallel.min_stages={first} needs at least {first * v} layers but the model has "
+                f"{self.costs.num_layers}: lower parallel.min_stages"
+            )
+        shortfall = None
+        for size in range(first, most + 1):
+            try:
+                self.template(size)
+                return size
+            except InfeasiblePartition as err:
+                shortfall = err
+        raise InfeasiblePartition(
+            f"the model does not fit even with one layer per stage ({most} stages): {shortfall}",
+            getattr(shortfall, "shortfall_bytes", 0),
+        )
+
+    # ---------------------------------------------------------- instantiate
+    def instantiate(self, num_nodes: int, node_ids: list[str] | None = None, *,
+                    epoch: int = 0, first_iteration: int = 0) -> "PlanChoice":
+        """The fastest plan using all `num_nodes` nodes; f+1 pipelines whenever N allows."""
+        started = time.perf_counter()
+        if num_nodes < self.n0:
+            raise ValueError(
+                f"{num_nodes} nodes cannot hold one replica of the model: the smallest pipeline "
+                f"needs n0={self.n0} nodes of {self.costs.hardware.name}; add nodes, or raise "
+                "tensor parallelism or recomputation"
+            )
+        node_ids = node_ids or [f"node{i}" for i in range(num_nodes)]
+        if len(node_ids) != num_nodes or len(set(node_ids)) != num_nodes:
+            raise ValueError(f"need {num_nodes} distinct node ids, got {node_ids}")
+        sizes, deadline = self._best_multiset(num_nodes)
+        counts = self._split(sizes)
+        plan = self._build_plan(sizes, counts, node_ids, epoch, first_iteration)
+        times = [self.template(s).iteration_time(m) for s, m in zip(sizes, counts)]
+        replicas = len(sizes)
+        return PlanChoice(plan=plan, iteration_time_s=max(times) + self._sync_time(sizes),
+                          pipeline_times_s=tuple(times), replicas=replicas,
+                          degraded=replicas < self.settings.fault_tolerance + 1,
+                          planning_time_s=time.perf_counter() - started)
+
+    def _target_pipelines(self, num_nodes: int) -> int:
+        return min(self.settings.fault_tolerance + 1, num_nodes // self.n0)
+
+    def _best_multiset(self, num_nodes: int) -> tuple[list[int], float]:
+        total = self.settings.total_microbatches
+        want = self._target_pipelines(num_nodes)
+        if want > total:
+            raise ValueError(
+                f"f+1 = {want} pipelines need at least {want} microbatches, but "
+                f"train.global_batch / train.micro_batch = {total}: raise the global batch or "
+                "lower the micro batch"
+            )
+        # The best deadline is the finishing time of some pipeline: T_s(m) for a size s
+        # and a count m. Binary search over those candidates is exact.
+        sizes = self._sizes_for(num_nodes)
+        candidates = sorted({self.template(s).iteration_time(m)
+                             for s in sizes for m in range(1, total + 1)})
+        lo, hi = 0, len(candidates) - 1
+        best = self._pack(num_nodes, candidates[hi], want)
+        if best is None:
+            raise AssertionError(f"no multiset of template sizes {sizes} covers {num_nodes} nodes")
+        while lo < hi:
+            mid = (lo + hi) // 2
+            packed = self._pack(num_nodes, candidates[mid], want)
+            if packed is None:
+                lo = mid + 1
+            else:
+                hi, best = mid, packed
+        return best, candidates[hi]
+
+    def _sizes_for(self, num_nodes: int) -> list[int]:
+        """Template sizes to consider: n0..2n0−1, plus larger ones when the batch is short."""
+        total = self.settings.total_microbatches
+        sizes = [s for s in range(self.n0, 2 * self.n0) if s <= num_nodes]
+        # With fewer microbatches than pipelines of size ≤ 2n0−1, bigger pipelines are needed.
+        smallest_size_needed = math.ceil(num_nodes / total)
+        if smallest_size_needed > max(sizes):
+            sizes = list(range(smallest_size_needed, min(num_nodes, 2 * smallest_size_needed) + 1))
+        return sizes
+
+    def _pack(self, num_nodes: int, deadline: float, min_pipelines: int) -> list[int] | None:
+        """Sizes summing to num_nodes, ≥ min_pipelines of them, that run the whole batch by `deadline`.
+
+        Unbounded knapsack over node counts: best[n][k] = most microbatches that sizes
+        summing to n, with min(count, min_pipelines) = k, finish by the deadline.
+        """
+        total = self.settings.total_microbatches
+        sizes = self._sizes_for(num_nodes)
+        capacity = {s: self.template(s).max_microbatches(deadline, total) for s in sizes}
+        if all(c == 0 for c in capacity.values()):
+            return None
+        k_max = max(1, min_pipelines)
+        minus_inf = -1
+        best = [[minus_inf] * (k_max + 1) for _ in range(num_nodes + 1)]
+        choice: list[list[tuple[int, int] | None]] = [[None] * (k_max + 1) for _ in range(num_nodes + 1)]
+        best[0][0] = 0
+        for n in range(1, num_nodes + 1):
+            for s in sizes:
+                if s > n or capacity[s] == 0:
+                    continue
+                for k in range(k_max + 1):
+                    if best[n - s][k] == minus_inf:
+                        continue
+                    k2 = min(k + 1, k_max)
+                    value = best[n - s][k] + capacity[s]
+                    if value > best[n][k2]:
+                        best[n][k2], choice[n][k2] = value, (s, k)
+        if best[num_nodes][k_max] < total:
+            return None
+        result, n, k = [], num_nodes, k_max
+        while n:
+            s, k = choice[n][k]
+            result.append(s)
+            n -= s
+        return sorted(result, reverse=True)
+
+    def _split(self, sizes: list[int]) -> list[int]:
+        """Exact integer split: each microbatch to the pipeline that finishes it first."""
+        counts = [1] * len(sizes)  # every pipeline gets at least one microbatch
+        heap = [(self.template(s).iteration_time(2), p) for p, s in enumerate(sizes)]
+        heapq.heapify(heap)
+        for _ in range(self.settings.total_microbatches - len(sizes)):
+            _, p = heapq.heappop(heap)
+            counts[p] += 1
+            heapq.heappush(heap, (self.template(sizes[p]).iteration_time(counts[p] + 1), p))
+        return counts
+
+    def _sync_time(self, sizes: list[int]) -> float:
+        """Ring all-reduce of the largest stage's gradients across the pipelines."""
+        k = len(sizes)
+        if k == 1:
+            return 0.0
+        hw = self.costs.hardware
+        worst = 0.0
+        for s in set(sizes):
+            for start, stop in self.template(s).partition.model_stages:
+                grad_bytes = self.costs.state_bytes(start, stop) / 4  # fp32 grads: 4 of 16 B/param
+                worst = max(worst, grad_bytes)
+        return 2 * (k - 1) / k * worst / hw.inter_node_bandwidth
+
+    def _build_plan(self, sizes, counts, node_ids, epoch, first_iteration) -> Plan:
+        gpus = self.costs.tp
+        pipelines, node_index, offset = [], 0, 0
+        for size, count in zip(sizes, counts):
+            partition = self.template(size).partition
+            stages = []
+            for s in range(size):
+                ranks = tuple(range(node_index * gpus, (node_index + 1) * gpus))
+                stages.append(StagePlan(node=node_ids[node_index], ranks=ranks,
+                                        chunks=partition.stage_chunks(s)))
+                node_index += 1
+            pipelines.append(PipelinePlan(template_id=f"{size}-node", stages=tuple(stages),
+                                          num_microbatches=count, sample_offset=offset))
+            offset += count * self.settings.micro_batch
+        return Plan(epoch=epoch, first_iteration=first_iteration, num_layers=self.costs.num_layers,
+                    tp=gpus, schedule=self.settings.schedule,
+                    virtual_stages=self.settings.virtual_stages,
+                    global_batch=self.settings.global_batch, micro_batch=self.settings.micro_batch,
+                    pipelines=tuple(pipelines))
+
+
+@dataclass(frozen=True)
+class PlanChoice:
+    """A plan and what the cost model expects of it."""
+
+    plan: Plan
+    iteration_time_s: float
+    pipeline_times_s: tuple[float, ...]
+    replicas: int
+    degraded: bool
+    """True when N < (f+1)·n0: fewer than f+1 replicas of some layer."""
+    planning_time_s: float

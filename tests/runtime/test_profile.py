@@ -1,0 +1,134 @@
+"""The profiler on Planaria's real layers (planaria.runtime.profile, planaria.templates.profiler)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from planaria.runtime.config import load_config
+from planaria.runtime.profile import model_shape, profile_model
+from planaria.templates.analytic import analytic_cost_model, hardware, tp_communication_times
+from planaria.templates.profiler import profile_layers
+
+TINY = Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml"
+
+
+def tiny(*overrides: str):
+    return load_config(TINY, list(overrides))
+
+
+def test_model_shape_mirrors_the_config():
+    cfg = tiny()
+    shape = model_shape(cfg.model)
+    assert (shape.n_layers, shape.d_model, shape.vocab_size) == (4, 64, 256)
+    assert shape.ffn_dim == cfg.model.ffn_dim
+    assert shape.parameters == sum(
+        sum(p.numel() for p in layer.parameters()) for layer in _layers(cfg))
+
+
+def _layers(cfg):
+    from planaria.runtime.model import LayerModel
+    from planaria.runtime.tensor_parallel import TensorParallel
+
+    model = LayerModel(cfg.model, seed=0)
+    return [model.build_layer(i, TensorParallel(), torch.float32, torch.device("cpu"))
+            for i in range(model.num_layers)]
+
+
+def test_profile_tiny_model_on_cpu(tmp_path):
+    cfg = tiny()
+    profiled = profile_model(cfg, cache_dir=tmp_path)
+    analytic = analytic_cost_model(model_shape(cfg.model), hardware("cpu"),
+                                   micro_batch=cfg.train.micro_batch, dtype="float32")
+    assert profiled.source == "profiled" and profiled.num_layers == 6
+    assert all(l.forward_s > 0 and l.backward_s > 0 for l in profiled.layers)
+    assert len({profiled.layers[i] for i in range(1, 5)}) == 1  # one block measured, reused
+    for p, a in zip(profiled.layers, analytic.layers):
+        assert a.activation_bytes / 2 <= p.activation_bytes <= 2 * a.activation_bytes
+        assert p.state_bytes == a.state_bytes
+        assert p.output_bytes == a.output_bytes
+    assert profiled.layers[0].activation_bytes == 2 * 64 * 8  # the token ids, nothing else
+
+
+def test_cache_is_written_and_read_back(tmp_path):
+    cfg = tiny()
+    first = profile_model(cfg, cache_dir=tmp_path)
+    (cache,) = tmp_path.glob("profile-*.json")
+    stamp = cache.stat().st_mtime_ns
+    second = profile_model(cfg, cache_dir=tmp_path)
+    assert second == first  # same floats: read back, not measured again
+    assert cache.stat().st_mtime_ns == stamp
+    key = json.loads(cache.read_text())["key"]
+    assert key["threads"] == torch.get_num_threads() and key["torch"] == torch.__version__
+    # Another thread count is another device setting: a new entry; the setting is restored.
+    before = torch.get_num_threads()
+    profile_model(cfg, cache_dir=tmp_path, num_threads=1)
+    assert torch.get_num_threads() == before
+    assert len(list(tmp_path.glob("profile-*.json"))) == (1 if before == 1 else 2)
+
+
+def test_cached_measurements_are_not_taken_again(tmp_path):
+    cfg = tiny()
+    built = []
+    shape = model_shape(cfg.model)
+    layers = _layers(cfg)
+
+    def build(i):
+        built.append(i)
+        return layers[i]
+
+    def make_input(i):
+        return torch.randint(256, (2, 64)) if i == 0 else torch.randn(2, 64, 64)
+
+    kwargs = dict(micro_batch=2, dtype="float32", cache_dir=tmp_path, repeats=2, warmup=1)
+    first = profile_layers(build, make_input, shape, hardware("cpu"), **kwargs)
+    assert built == [0, 1, 5]  # embedding, one block, head
+    assert profile_layers(build, make_input, shape, hardware("cpu"), **kwargs) == first
+    assert built == [0, 1, 5]
+
+
+def test_corrupt_cache_is_ignored_with_a_warning(tmp_path):
+    cfg = tiny()
+    first = profile_model(cfg, cache_dir=tmp_path)
+    (cache,) = tmp_path.glob("profile-*.json")
+    cache.write_text('{"key": {"version": 1}, "layers": {"block": [1, 2')
+    with pytest.warns(UserWarning, match="unreadable profile cache"):
+        again = profile_model(cfg, cache_dir=tmp_path)
+    assert again.shape == first.shape and all(l.forward_s > 0 for l in again.layers)
+    json.loads(cache.read_text())  # rewritten whole
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_tensor_parallel_is_derived_from_tp1(tmp_path):
+    one = profile_model(tiny(), cache_dir=tmp_path)
+    two = profile_model(tiny("parallel.tp=2"), cache_dir=tmp_path)  # the same cached tp=1 data
+    assert two.tp == 2 and len(list(tmp_path.glob("profile-*.json"))) == 1
+    comm_f, comm_b = tp_communication_times(one.shape, 1, one.hardware, tp=2, micro_batch=2,
+                                            dtype="float32")
+    assert two.layers[1].forward_s == pytest.approx(one.layers[1].forward_s / 2 + comm_f)
+    assert two.layers[1].backward_s == pytest.approx(one.layers[1].backward_s / 2 + comm_b)
+    assert two.layers[0].state_bytes == one.layers[0].state_bytes // 2
+    assert one.layers[1].activation_bytes / 2 < two.layers[1].activation_bytes < one.layers[1].activation_bytes
+    assert two.layers[1].output_bytes == one.layers[1].output_bytes  # hidden state is replicated
+
+
+def test_recompute_keeps_only_block_inputs():
+    cfg = tiny("train.recompute=true")
+    profiled = profile_model(cfg, repeats=2, warmup=1)
+    assert profiled.layers[1].activation_bytes == 2 * 64 * 64 * 4
+    plain = profile_model(tiny(), repeats=2, warmup=1)
+    assert profiled.layers[5].activation_bytes == plain.layers[5].activation_bytes
+
+
+def test_bfloat16_excludes_the_weight_casts():
+    bf16 = profile_model(tiny("train.dtype=bfloat16"), repeats=2, warmup=1)
+    f32 = profile_model(tiny(), repeats=2, warmup=1)
+    # bf16 matmul outputs are half the size; autocast's cached bf16 weights are state
+    # (counting them would put the block at 2.1x the analytic estimate).
+    assert bf16.layers[1].activation_bytes < f32.layers[1].activation_bytes
+    analytic = analytic_cost_model(bf16.shape, bf16.hardware, micro_batch=2, dtype="bfloat16")
+    assert bf16.layers[1].activation_bytes <= 2 * analytic.layers[1].activation_bytes
+    assert bf16.layers[1].output_bytes == f32.layers[1].output_bytes  # float32 residual stream
+    assert bf16.layers[1].state_bytes == f32.layers[1].state_bytes
