@@ -157,7 +157,8 @@ def _check_counts(schedule: str, num_stages: int, virtual_stages: int,
                   num_microbatches: int) -> None:
     """Everything check_schedule_shape checks but the interleaved round divisibility."""
     if schedule not in SCHEDULES:
-        raise ValueError(f"unknown schedule {schedule!r}; valid schedules are: {', '.join(SCHEDULES)}")
+        raise ValueError(f"unknown schedule {schedule!r}; valid schedules are: "
+                         f"{', '.join(SCHEDULES)}")
     for label, value in (("num_stages", num_stages), ("virtual_stages", virtual_stages),
                          ("num_microbatches", num_microbatches)):
         if not (isinstance(value, int) and not isinstance(value, bool) and value > 0):
@@ -201,18 +202,36 @@ def _activation_profiles(schedule: str, num_stages: int, num_microbatches: int,
     profiles = []
     for rank, actions in sorted(build_schedule(schedule, s, v, m).items()):
         counts = [0] * v
-        seen = set()
+        seen: dict[tuple[int, ...], None] = {}  # in order of first appearance
         for action in actions:
             chunk = action.stage // s
             if action.kind == FORWARD:
                 counts[chunk] += 1
-                seen.add(tuple(counts))
+                seen.setdefault(tuple(counts))
             elif action.kind in (BACKWARD, BACKWARD_WEIGHT):
                 counts[chunk] -= 1
-        maximal = [a for a in seen
-                   if not any(b != a and all(x >= y for x, y in zip(b, a)) for b in seen)]
-        profiles.append(tuple(sorted(maximal)))
+        points = _drop_midpoints(list(seen))
+        maximal = [a for a in points
+                   if not any(b != a and all(x >= y for x, y in zip(b, a)) for b in points)]
+        profiles.append(tuple(_drop_midpoints(maximal)))
     return tuple(profiles)
+
+
+def _drop_midpoints(points: list[tuple[int, ...]]) -> list[tuple[int, ...]]:
+    """Drop each point that lies on the segment between its neighbours in the list: a
+    linear function (Σ n_c·act_c) never peaks only there, so the maximum is unchanged."""
+    kept: list[tuple[int, ...]] = []
+    for point in points:
+        while len(kept) >= 2:
+            d1 = [x - y for x, y in zip(kept[-1], kept[-2])]
+            d2 = [x - y for x, y in zip(point, kept[-1])]
+            parallel = all(d1[i] * d2[j] == d1[j] * d2[i]
+                           for i in range(len(d1)) for j in range(i + 1, len(d1)))
+            if not (parallel and sum(x * y for x, y in zip(d1, d2)) > 0):
+                break
+            kept.pop()
+        kept.append(point)
+    return kept
 
 
 # ---------------------------------------------------------------------------
@@ -244,7 +263,8 @@ class StagePartition:
     def stage_chunks(self, stage: int) -> tuple[tuple[int, int], ...]:
         """The v layer ranges of stage `stage`, in local chunk order."""
         if not 0 <= stage < self.num_stages:
-            raise ValueError(f"stage {stage} does not exist in a pipeline of {self.num_stages} stages")
+            raise ValueError(f"stage {stage} does not exist in a pipeline of "
+                             f"{self.num_stages} stages")
         return tuple(self.model_stages[c * self.num_stages + stage]
                      for c in range(self.virtual_stages))
 
@@ -414,7 +434,8 @@ def _exact_contiguous(prob: _Problem, weights: Sequence[int], limit: float, beta
     if beta <= 0:
         return top  # the bottleneck does not matter: fewest sends wins
     sigma_min = sum(prob.cut[b] for b in top[1:-1])
-    lo, hi = bisect_left(cands, max(prob.C[i + 1] - prob.C[i] for i in range(prob.L))), len(cands) - 1
+    largest_layer = max(prob.C[i + 1] - prob.C[i] for i in range(prob.L))
+    lo, hi = bisect_left(cands, largest_layer), len(cands) - 1
     found = {hi: top}
     while lo < hi:
         mid = (lo + hi) // 2

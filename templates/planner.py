@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from planaria.templates.costs import CostModel
 from planaria.templates.partition import InfeasiblePartition, StagePartition, partition_layers
 from planaria.templates.plan import PipelinePlan, Plan, StagePlan
+from planaria.templates.schedules import check_schedule_shape
 
 
 @dataclass(frozen=True)
@@ -103,8 +104,18 @@ class Planner:
     # ------------------------------------------------------------- templates
     def _reference_microbatches(self, num_nodes: int) -> int:
         """Microbatches a pipeline of this size runs when f+1 of them share the batch."""
-        share = self.settings.total_microbatches // (self.settings.fault_tolerance + 1)
-        return max(1, share)
+        share = max(1, self.settings.total_microbatches // (self.settings.fault_tolerance + 1))
+        while not self._schedulable(num_nodes, share):
+            share -= 1  # one round (share < num_nodes) is always schedulable
+        return share
+
+    def _schedulable(self, num_nodes: int, num_microbatches: int) -> bool:
+        try:
+            check_schedule_shape(self.settings.schedule, num_nodes, self.settings.virtual_stages,
+                                 num_microbatches)
+        except ValueError:
+            return False
+        return True
 
     def template(self, num_nodes: int) -> Template:
         if num_nodes not in self.templates:
@@ -244,6 +255,39 @@ class Planner:
             _, p = heapq.heappop(heap)
             counts[p] += 1
             heapq.heappush(heap, (self.template(sizes[p]).iteration_time(counts[p] + 1), p))
+        return self._make_schedulable(sizes, counts)
+
+    def _make_schedulable(self, sizes: list[int], counts: list[int]) -> list[int]:
+        """Move microbatches so every pipeline's count suits the schedule (interleaved rounds).
+
+        A count that the schedule refuses is lowered to the next one it accepts, and the
+        freed microbatches go, one by one, to the pipeline that finishes soonest with one
+        more and still has an accepted count. Fewer microbatches than twice the stages
+        are always accepted, so this ends.
+        """
+        counts = list(counts)
+        spare = 0
+        for p, size in enumerate(sizes):
+            while not self._schedulable(size, counts[p]):
+                counts[p] -= 1
+                spare += 1
+        while spare:
+            options = []
+            for p, size in enumerate(sizes):
+                step = next(k for k in range(1, spare + 1 + 2 * size)
+                            if self._schedulable(size, counts[p] + k))
+                if step <= spare:
+                    finish = self.template(size).iteration_time(counts[p] + step)
+                    options.append((finish, step, p))
+            if not options:
+                raise ValueError(
+                    f"cannot split {self.settings.total_microbatches} microbatches over pipelines "
+                    f"of {sizes} stages so that every count suits schedule "
+                    f"{self.settings.schedule!r}; change train.global_batch or use schedule '1f1b'"
+                )
+            _, step, p = min(options)
+            counts[p] += step
+            spare -= step
         return counts
 
     def _sync_time(self, sizes: list[int]) -> float:
