@@ -151,7 +151,8 @@ def worker_reference(args) -> None:
     from planaria.runtime.data import build_dataset
     from planaria.runtime.model import LayerModel
     from planaria.runtime.reference import train_reference
-    from planaria.runtime.trainer import dtypes, optimizer_settings
+    from planaria.runtime.config import torch_dtypes as dtypes
+    from planaria.runtime.trainer import optimizer_settings
 
     cfg = _load(args.config, args.overrides)
     dataset = build_dataset(cfg.data.source, seq_len=cfg.model.seq_len,
@@ -192,7 +193,8 @@ class DirectPipeline:
         from planaria.runtime.data import build_dataset
         from planaria.runtime.model import LayerModel
         from planaria.runtime.tensor_parallel import TensorParallel
-        from planaria.runtime.trainer import dtypes, optimizer_settings
+        from planaria.runtime.config import torch_dtypes as dtypes
+        from planaria.runtime.trainer import optimizer_settings
 
         self.cfg, self.rank = cfg, rank
         device = torch.device("cpu")
@@ -285,6 +287,7 @@ def worker_paired_pp2(args) -> None:
     import torch.distributed as dist
 
     from planaria.runtime import trainer
+    from planaria.runtime.config import torch_dtypes as dtypes
     from planaria.runtime.config import plan_from_config
     from planaria.runtime.data import build_dataset
     from planaria.runtime.engine import Engine
@@ -294,7 +297,7 @@ def worker_paired_pp2(args) -> None:
     rank, world = _init_torchrun_group(cfg)
     try:
         plan = plan_from_config(cfg, world_size=world)
-        param_dtype, autocast_dtype = trainer.dtypes(cfg.train.dtype)
+        param_dtype, autocast_dtype = dtypes(cfg.train.dtype)
         engine = Engine(plan, LayerModel(cfg.model, seed=cfg.train.seed), trainer.optimizer_settings(cfg),
                         rank=rank, device=torch.device("cpu"), param_dtype=param_dtype,
                         autocast_dtype=autocast_dtype, grad_clip=cfg.train.grad_clip)
@@ -324,6 +327,7 @@ def worker_paired_single(args) -> None:
     import torch.distributed as dist
 
     from planaria.runtime import trainer
+    from planaria.runtime.config import torch_dtypes as dtypes
     from planaria.runtime.config import plan_from_config
     from planaria.runtime.data import build_dataset
     from planaria.runtime.engine import Engine
@@ -335,7 +339,7 @@ def worker_paired_single(args) -> None:
     os.environ.setdefault("MASTER_PORT", str(trainer._free_port()))
     dist.init_process_group("gloo", rank=0, world_size=1)
     try:
-        param_dtype, autocast_dtype = trainer.dtypes(cfg.train.dtype)
+        param_dtype, autocast_dtype = dtypes(cfg.train.dtype)
         model = LayerModel(cfg.model, seed=cfg.train.seed)
         optim = trainer.optimizer_settings(cfg)
         engine = Engine(plan_from_config(cfg, world_size=1), model, optim, rank=0,
@@ -395,6 +399,7 @@ def worker_breakdown(args) -> None:
 
     from planaria.runtime import engine as engine_mod
     from planaria.runtime import trainer
+    from planaria.runtime.config import torch_dtypes as dtypes
     from planaria.runtime.config import plan_from_config
     from planaria.runtime.data import build_dataset
     from planaria.runtime.model import LayerModel
@@ -414,7 +419,7 @@ def worker_breakdown(args) -> None:
         dataset = build_dataset(cfg.data.source, seq_len=cfg.model.seq_len,
                                 vocab_size=cfg.model.vocab_size, seed=cfg.data.seed)
         dataset.batch = sec.wrap("data batch", dataset.batch)
-        param_dtype, autocast_dtype = trainer.dtypes(cfg.train.dtype)
+        param_dtype, autocast_dtype = dtypes(cfg.train.dtype)
         model = LayerModel(cfg.model, seed=cfg.train.seed)
         engine = E(plan, model, trainer.optimizer_settings(cfg), rank=0, device=torch.device("cpu"),
                    param_dtype=param_dtype, autocast_dtype=autocast_dtype,
@@ -447,7 +452,8 @@ def worker_breakdown_reference(args) -> None:
     from planaria.runtime import reference
     from planaria.runtime.data import build_dataset
     from planaria.runtime.model import LayerModel
-    from planaria.runtime.trainer import dtypes, optimizer_settings
+    from planaria.runtime.config import torch_dtypes as dtypes
+    from planaria.runtime.trainer import optimizer_settings
 
     cfg = _load(args.config, args.overrides)
     sec = _Sections()

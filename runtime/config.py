@@ -16,6 +16,7 @@ from typing import Any
 import yaml
 
 from planaria.runtime.model import ModelConfig
+from planaria.templates.costs import ModelShape
 from planaria.templates.layout import homogeneous_layout, plan_from_layout
 from planaria.templates.plan import SCHEDULE_NAMES, Plan
 
@@ -68,10 +69,10 @@ class TrainConfig:
 class ParallelConfig:
     tp: int = 1
     """Tensor-parallel degree: workers per stage."""
-    pp: int = 1
-    """Pipeline stages per pipeline (ignored when `layout` is given)."""
-    dp: int = 1
-    """Pipelines (data-parallel replicas; ignored when `layout` is given)."""
+    pp: int = 0
+    """Stages per pipeline of a homogeneous plan; 0 (with dp 0): the planner decides."""
+    dp: int = 0
+    """Pipelines of a homogeneous plan; 0 with pp > 0: as many as the processes allow."""
     schedule: str = "1f1b"
     """'gpipe', '1f1b', 'interleaved' or 'zb1f1b' (1F1B with split backward)."""
     virtual_stages: int = 1
@@ -190,7 +191,10 @@ def check_config(cfg: Config) -> Config:
     _positive(cfg, [("model", "n_layers"), ("model", "d_model"), ("model", "n_heads"),
                     ("model", "vocab_size"), ("model", "seq_len"), ("train", "steps"),
                     ("train", "global_batch"), ("train", "micro_batch"), ("parallel", "tp"),
-                    ("parallel", "pp"), ("parallel", "dp"), ("parallel", "virtual_stages")])
+                    ("parallel", "virtual_stages"), ("parallel", "min_stages")])
+    for key in ("pp", "dp", "fault_tolerance"):
+        if getattr(p, key) < 0:
+            raise ConfigError(f"parallel.{key} must not be negative, got {getattr(p, key)}")
     if m.d_model % m.n_heads:
         raise ConfigError(f"model.n_heads={m.n_heads} does not divide model.d_model={m.d_model}; "
                           "pick n_heads among the divisors of d_model")
@@ -213,8 +217,15 @@ def check_config(cfg: Config) -> Config:
         raise ConfigError(f"parallel.schedule {p.schedule!r} is unknown; use one of {SCHEDULE_NAMES}")
     if p.backend not in ("auto", "gloo", "nccl"):
         raise ConfigError(f"parallel.backend {p.backend!r} is unknown; use 'auto', 'gloo' or 'nccl'")
-    plan_from_config(cfg)  # layout, microbatch split and schedule shape
+    if not uses_planner(cfg):
+        plan_from_config(cfg)  # layout, microbatch split and schedule shape
     return cfg
+
+
+def uses_planner(cfg: Config) -> bool:
+    """No explicit layout and no pp/dp: the planner chooses the plan for the processes at hand."""
+    p = cfg.parallel
+    return p.layout is None and p.pp == 0 and p.dp == 0
 
 
 def _positive(cfg: Config, keys) -> None:
@@ -225,8 +236,15 @@ def _positive(cfg: Config, keys) -> None:
 
 
 def plan_from_config(cfg: Config, world_size: int | None = None) -> Plan:
-    """The epoch-0 plan of a config; `world_size`, if given, must match it."""
+    """The epoch-0 plan of an explicit layout or pp x dp; `world_size`, if given, must match it.
+
+    With pp > 0 and dp = 0, dp is as many pipelines as `world_size` holds (1 if unknown).
+    Configs that leave the plan to the planner (`uses_planner`) go through
+    `planaria.runtime.planning.plan_for_world` instead.
+    """
     m, t, p = cfg.model, cfg.train, cfg.parallel
+    if uses_planner(cfg):
+        raise ConfigError("this config leaves the plan to the planner (no parallel.layout, pp or dp)")
     total = t.global_batch // t.micro_batch
     if p.microbatches is not None and sum(p.microbatches) != total:
         raise ConfigError(
@@ -235,7 +253,8 @@ def plan_from_config(cfg: Config, world_size: int | None = None) -> Plan:
             "make them add up"
         )
     try:
-        layout = p.layout if p.layout is not None else homogeneous_layout(m.n_layers, p.pp, p.dp, p.virtual_stages)
+        layout = p.layout if p.layout is not None else homogeneous_layout(
+            m.n_layers, p.pp or 1, _data_parallel(cfg, world_size), p.virtual_stages)
         plan = plan_from_layout(layout, n_blocks=m.n_layers, tp=p.tp, schedule=p.schedule,
                                 virtual_stages=p.virtual_stages, global_batch=t.global_batch,
                                 micro_batch=t.micro_batch, microbatches=p.microbatches)
@@ -251,6 +270,19 @@ def plan_from_config(cfg: Config, world_size: int | None = None) -> Plan:
             "or change parallel.tp/pp/dp or parallel.layout"
         )
     return plan
+
+
+def _data_parallel(cfg: Config, world_size: int | None) -> int:
+    p = cfg.parallel
+    if p.dp or world_size is None:
+        return p.dp or 1
+    per_pipeline = p.tp * (p.pp or 1)
+    if world_size % per_pipeline:
+        raise ConfigError(
+            f"{world_size} processes do not split into pipelines of parallel.tp x parallel.pp = "
+            f"{per_pipeline}; launch a multiple of {per_pipeline} processes or set parallel.dp"
+        )
+    return world_size // per_pipeline
 
 
 def _stage_count(plan: Plan) -> int:
@@ -281,3 +313,19 @@ def describe(cfg: Config, plan: Plan) -> str:
 def _parameter_count(m: ModelConfig) -> int:
     block = 4 * m.d_model * m.d_model + 3 * m.d_model * m.ffn_dim + 2 * m.d_model
     return 2 * m.vocab_size * m.d_model + m.n_layers * block + m.d_model
+
+
+def torch_dtypes(name: str):
+    """(parameter dtype, autocast dtype or None) for train.dtype."""
+    import torch
+
+    if name == "bfloat16":
+        return torch.float32, torch.bfloat16  # fp32 master weights, bf16 compute
+    return getattr(torch, name), None
+
+
+def model_shape(model: ModelConfig) -> ModelShape:
+    """The planner's view of a `model` config section."""
+    return ModelShape(n_layers=model.n_layers, d_model=model.d_model, n_heads=model.n_heads,
+                      vocab_size=model.vocab_size, seq_len=model.seq_len,
+                      ffn_hidden=model.ffn_hidden)

@@ -8,14 +8,18 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from pathlib import Path
 
+import torch
+import torch.distributed as dist
 from rich.console import Console
 from rich.table import Table
 
-from planaria.runtime.config import Config
+from planaria.runtime.config import Config, ConfigError, model_shape
 from planaria.templates.analytic import analytic_cost_model, hardware
 from planaria.templates.costs import CostModel, ModelShape
+from planaria.templates.plan import Plan
 from planaria.templates.planner import Planner, PlanChoice, PlannerSettings
 
 
@@ -29,25 +33,24 @@ class PlanReport:
     peak_memory_bytes: int
 
 
-def model_shape(cfg: Config) -> ModelShape:
-    m = cfg.model
-    return ModelShape(n_layers=m.n_layers, d_model=m.d_model, n_heads=m.n_heads,
-                      vocab_size=m.vocab_size, seq_len=m.seq_len, ffn_hidden=m.ffn_hidden)
-
-
-def cost_model(cfg: Config, *, hardware_name: str, gpus_per_node: int, profile: bool = False) -> CostModel:
+def cost_model(cfg: Config, *, hardware_name: str, gpus_per_node: int, profile: bool = False,
+               cache_dir: Path | None = None, device: torch.device | None = None) -> CostModel:
     if profile:
         from planaria.runtime.profile import profile_model
 
-        return profile_model(cfg, hardware_name=hardware_name)
+        if gpus_per_node != cfg.parallel.tp:
+            cfg = replace(cfg, parallel=replace(cfg.parallel, tp=gpus_per_node))
+        return profile_model(cfg, hardware_name=hardware_name, cache_dir=cache_dir, device=device)
     hw = hardware(hardware_name, gpus_per_node=gpus_per_node)
-    return analytic_cost_model(model_shape(cfg), hw, tp=gpus_per_node, micro_batch=cfg.train.micro_batch,
+    return analytic_cost_model(model_shape(cfg.model), hw, tp=gpus_per_node, micro_batch=cfg.train.micro_batch,
                                dtype=cfg.train.dtype, recompute=cfg.train.recompute)
 
 
 def plan_job(cfg: Config, *, nodes: int, gpus_per_node: int, fault_tolerance: int,
-             hardware_name: str, profile: bool = False) -> PlanReport:
-    costs = cost_model(cfg, hardware_name=hardware_name, gpus_per_node=gpus_per_node, profile=profile)
+             hardware_name: str, profile: bool = False, cache_dir: Path | None = None,
+             device: torch.device | None = None) -> PlanReport:
+    costs = cost_model(cfg, hardware_name=hardware_name, gpus_per_node=gpus_per_node, profile=profile,
+                       cache_dir=cache_dir, device=device)
     started = time.perf_counter()
     settings = PlannerSettings(fault_tolerance=fault_tolerance, global_batch=cfg.train.global_batch,
                                micro_batch=cfg.train.micro_batch, schedule=cfg.parallel.schedule,
@@ -58,7 +61,7 @@ def plan_job(cfg: Config, *, nodes: int, gpus_per_node: int, fault_tolerance: in
     planning_time = time.perf_counter() - started
     tokens = cfg.train.global_batch * cfg.model.seq_len
     devices = nodes * gpus_per_node
-    flops = model_flops_per_token(model_shape(cfg)) * tokens
+    flops = model_flops_per_token(model_shape(cfg.model)) * tokens
     mfu = flops / (choice.iteration_time_s * devices * costs.hardware.peak_flops)
     peak = max(max(planner.template(len(p.stages)).partition.peak_memory_bytes)
                for p in choice.plan.pipelines)
@@ -69,6 +72,41 @@ def model_flops_per_token(shape: ModelShape) -> float:
     """Training FLOPs per token: 6 per parameter (forward 2, backward 4) plus attention."""
     attention = 12 * shape.n_layers * shape.d_model * shape.seq_len // 2  # causal: half of 12·L·d·T
     return 6 * shape.parameters + attention
+
+
+def detect_hardware_name(device: torch.device) -> str:
+    """The preset closest to this device, for the links and memory the profiler does not measure."""
+    if device.type != "cuda":
+        return "cpu"
+    name = torch.cuda.get_device_name(device).lower()
+    return next((preset for preset in ("h200", "h100", "a100") if preset in name), "h100")
+
+
+def plan_for_world(cfg: Config, world_size: int, rank: int, device: torch.device,
+                   group: dist.ProcessGroup | None = None) -> tuple[Plan, str]:
+    """The planner's plan for `world_size` processes: made on rank 0, broadcast to all.
+
+    Only rank 0 profiles and plans: measured times differ a little between processes,
+    and every rank must run the very same plan. Returns the plan and a summary line.
+    """
+    payload: list = [None]
+    if rank == 0:
+        try:
+            report = plan_job(cfg, nodes=world_size // cfg.parallel.tp, gpus_per_node=cfg.parallel.tp,
+                              fault_tolerance=cfg.parallel.fault_tolerance,
+                              hardware_name=detect_hardware_name(device), profile=True,
+                              cache_dir=Path(cfg.output.dir) / "profile-cache", device=device)
+            summary = (f"planner: n0={report.planner.n0}, {report.choice.replicas} replica(s), "
+                       f"estimated {report.choice.iteration_time_s * 1000:.1f} ms per step "
+                       f"(planned in {report.planning_time_s:.2f} s)")
+            payload = [(report.choice.plan.to_json(), summary, None)]
+        except ValueError as err:  # broadcast the reason, so no rank waits forever
+            payload = [(None, None, str(err))]
+    dist.broadcast_object_list(payload, src=0, group=group)
+    plan_json, summary, error = payload[0]
+    if error is not None:
+        raise ConfigError(f"the planner found no plan: {error}")
+    return Plan.from_json(plan_json), summary
 
 
 def report_json(report: PlanReport) -> str:

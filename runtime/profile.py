@@ -12,20 +12,12 @@ from pathlib import Path
 
 import torch
 
-from planaria.runtime.config import Config
-from planaria.runtime.model import LayerModel, ModelConfig
+from planaria.runtime.config import Config, model_shape, torch_dtypes
+from planaria.runtime.model import LayerModel
 from planaria.runtime.tensor_parallel import TensorParallel
-from planaria.runtime.trainer import dtypes
 from planaria.templates.analytic import hardware
-from planaria.templates.costs import CostModel, ModelShape
+from planaria.templates.costs import CostModel
 from planaria.templates.profiler import profile_layers
-
-
-def model_shape(model: ModelConfig) -> ModelShape:
-    """The planner's `ModelShape` of a `model` config section."""
-    return ModelShape(n_layers=model.n_layers, d_model=model.d_model, n_heads=model.n_heads,
-                      vocab_size=model.vocab_size, seq_len=model.seq_len,
-                      ffn_hidden=model.ffn_hidden)
 
 
 def profile_model(cfg: Config, *, device: torch.device | str | None = None,
@@ -45,7 +37,7 @@ def profile_model(cfg: Config, *, device: torch.device | str | None = None,
     device = torch.device(device)
     m, t = cfg.model, cfg.train
     shape = model_shape(m)
-    param_dtype, _ = dtypes(t.dtype)
+    param_dtype, _ = torch_dtypes(t.dtype)
     model = LayerModel(m, seed=t.seed, recompute=t.recompute)
     solo = TensorParallel()  # tp = 1: the only degree one process can run
     gen = torch.Generator().manual_seed(t.seed)
@@ -63,7 +55,8 @@ def profile_model(cfg: Config, *, device: torch.device | str | None = None,
     def loss_fn(logits: torch.Tensor) -> torch.Tensor:
         return LayerModel.loss(logits, targets, solo)
 
-    return profile_layers(build_layer, make_input, shape, hardware(hardware_name),
+    hw = hardware(hardware_name, gpus_per_node=cfg.parallel.tp)
+    return profile_layers(build_layer, make_input, shape, hw,
                           tp=cfg.parallel.tp, micro_batch=t.micro_batch, dtype=t.dtype,
                           recompute=t.recompute, repeats=repeats, warmup=warmup,
                           cache_dir=None if cache_dir is None else Path(cache_dir),

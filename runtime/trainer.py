@@ -20,11 +20,13 @@ import torch.distributed as dist
 from rich.console import Console
 
 from planaria.runtime.checkpoint import save_model_shards
-from planaria.runtime.config import Config, ConfigError, describe, load_config, plan_from_config
+from planaria.runtime.config import (Config, ConfigError, describe, load_config, plan_from_config,
+                                     torch_dtypes, uses_planner)
 from planaria.runtime.data import build_dataset
 from planaria.runtime.engine import Engine, StepResult
 from planaria.runtime.model import LayerModel
 from planaria.runtime.optim import OptimizerSettings
+from planaria.runtime.planning import plan_for_world
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -44,7 +46,10 @@ def main(argv: list[str] | None = None) -> int:
     rank = int(os.environ.get("RANK", "0"))
     try:
         cfg = load_config(args.config, args.overrides)
-        plan = plan_from_config(cfg, world_size=world_size)
+        plan = None if uses_planner(cfg) else plan_from_config(cfg, world_size=world_size)
+        if plan is None and world_size % cfg.parallel.tp:
+            raise ConfigError(f"{world_size} processes do not make whole nodes of parallel.tp = "
+                              f"{cfg.parallel.tp} workers; launch a multiple of {cfg.parallel.tp}")
     except ConfigError as err:
         if rank == 0:
             console.print(f"[bold red]config error:[/] {err}")
@@ -52,7 +57,15 @@ def main(argv: list[str] | None = None) -> int:
     device, backend = _device_and_backend(cfg)
     _init_process_group(backend, rank, world_size, cfg.parallel.timeout_s)
     try:
+        if plan is None:
+            plan, summary = plan_for_world(cfg, world_size, rank, device)
+            if rank == 0:
+                console.print(summary)
         train(cfg, plan, rank, device, console)
+    except ConfigError as err:
+        if rank == 0:
+            console.print(f"[bold red]config error:[/] {err}")
+        return 2
     finally:
         dist.destroy_process_group()
     return 0
@@ -85,13 +98,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def dtypes(name: str) -> tuple[torch.dtype, torch.dtype | None]:
-    """(parameter dtype, autocast dtype) for train.dtype."""
-    if name == "bfloat16":
-        return torch.float32, torch.bfloat16  # fp32 master weights, bf16 compute
-    return getattr(torch, name), None
-
-
 def optimizer_settings(cfg: Config) -> OptimizerSettings:
     t = cfg.train
     return OptimizerSettings(lr=t.lr, min_lr=t.min_lr, warmup_steps=t.warmup_steps,
@@ -103,7 +109,7 @@ def train(cfg: Config, plan, rank: int, device: torch.device, console: Console) 
     out_dir = Path(cfg.output.dir)
     dataset = build_dataset(cfg.data.source, seq_len=cfg.model.seq_len,
                             vocab_size=cfg.model.vocab_size, seed=cfg.data.seed)
-    param_dtype, autocast_dtype = dtypes(cfg.train.dtype)
+    param_dtype, autocast_dtype = torch_dtypes(cfg.train.dtype)
     model = LayerModel(cfg.model, seed=cfg.train.seed, recompute=cfg.train.recompute)
     engine = Engine(plan, model, optimizer_settings(cfg), rank=rank, device=device,
                     param_dtype=param_dtype, autocast_dtype=autocast_dtype,

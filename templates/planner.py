@@ -99,12 +99,16 @@ class Planner:
     def __post_init__(self) -> None:
         self.n0 = self._smallest_feasible_size()
         for size in range(self.n0, 2 * self.n0):
-            self.template(size)
+            self._feasible(size)  # build the templates up front; sizes that do not fit are skipped
 
     # ------------------------------------------------------------- templates
     def _reference_microbatches(self, num_nodes: int) -> int:
-        """Microbatches a pipeline of this size runs when f+1 of them share the batch."""
-        share = max(1, self.settings.total_microbatches // (self.settings.fault_tolerance + 1))
+        """Microbatches a template is partitioned (and its memory checked) for.
+
+        The whole batch: a pipeline never runs more, so its activations in flight never
+        exceed what the partition counted, whatever split instantiation picks later.
+        """
+        share = self.settings.total_microbatches
         while not self._schedulable(num_nodes, share):
             share -= 1  # one round (share < num_nodes) is always schedulable
         return share
@@ -190,7 +194,10 @@ class Planner:
         lo, hi = 0, len(candidates) - 1
         best = self._pack(num_nodes, candidates[hi], want)
         if best is None:
-            raise AssertionError(f"no multiset of template sizes {sizes} covers {num_nodes} nodes")
+            raise ValueError(
+                f"no set of pipelines uses all {num_nodes} nodes: the template sizes that fit in "
+                f"memory are {sizes}; add or remove a node, or lower the memory per stage "
+                "(tensor parallelism, recomputation, a smaller micro batch)")
         while lo < hi:
             mid = (lo + hi) // 2
             packed = self._pack(num_nodes, candidates[mid], want)
@@ -201,49 +208,60 @@ class Planner:
         return best, candidates[hi]
 
     def _sizes_for(self, num_nodes: int) -> list[int]:
-        """Template sizes to consider: n0..2n0−1, plus larger ones when the batch is short."""
+        """Template sizes to consider: n0..2n0−1, or any size when the batch is short.
+
+        When there are fewer microbatches than pipelines of size n0 could use, the count
+        of pipelines is bounded by the batch instead, and pipelines of any size may be
+        needed. Sizes that do not fit in memory or exceed the layers are left out.
+        """
         total = self.settings.total_microbatches
-        sizes = [s for s in range(self.n0, 2 * self.n0) if s <= num_nodes]
-        # With fewer microbatches than pipelines of size ≤ 2n0−1, bigger pipelines are needed.
-        smallest_size_needed = math.ceil(num_nodes / total)
-        if smallest_size_needed > max(sizes):
-            sizes = list(range(smallest_size_needed, min(num_nodes, 2 * smallest_size_needed) + 1))
-        return sizes
+        most = self.costs.num_layers // self.settings.virtual_stages
+        upper = 2 * self.n0 - 1 if num_nodes // self.n0 <= total else num_nodes
+        return [s for s in range(self.n0, min(upper, num_nodes, most) + 1) if self._feasible(s)]
+
+    def _feasible(self, size: int) -> bool:
+        try:
+            self.template(size)
+        except InfeasiblePartition:
+            return False  # deeper pipelines hold more microbatches in flight on stage 0
+        return True
 
     def _pack(self, num_nodes: int, deadline: float, min_pipelines: int) -> list[int] | None:
         """Sizes summing to num_nodes, ≥ min_pipelines of them, that run the whole batch by `deadline`.
 
         Unbounded knapsack over node counts: best[n][k] = most microbatches that sizes
-        summing to n, with min(count, min_pipelines) = k, finish by the deadline.
+        summing to n finish by the deadline, where k counts the pipelines. The count is
+        exact up to the number of microbatches when the batch bounds it (each pipeline
+        needs one), and otherwise capped at min_pipelines, which is all that matters.
         """
         total = self.settings.total_microbatches
         sizes = self._sizes_for(num_nodes)
-        capacity = {s: self.template(s).max_microbatches(deadline, total) for s in sizes}
-        if all(c == 0 for c in capacity.values()):
+        if not sizes:
             return None
-        k_max = max(1, min_pipelines)
-        minus_inf = -1
-        best = [[minus_inf] * (k_max + 1) for _ in range(num_nodes + 1)]
-        choice: list[list[tuple[int, int] | None]] = [[None] * (k_max + 1) for _ in range(num_nodes + 1)]
+        capacity = {s: self.template(s).max_microbatches(deadline, total) for s in sizes}
+        bounded = num_nodes // min(sizes) > total
+        cap = total if bounded else max(1, min_pipelines)
+        best = [[-1] * (cap + 1) for _ in range(num_nodes + 1)]
+        choice: list[list[tuple[int, int] | None]] = [[None] * (cap + 1) for _ in range(num_nodes + 1)]
         best[0][0] = 0
         for n in range(1, num_nodes + 1):
-            for s in sizes:
-                if s > n or capacity[s] == 0:
+            for size in sizes:
+                if size > n or capacity[size] == 0:
                     continue
-                for k in range(k_max + 1):
-                    if best[n - s][k] == minus_inf:
+                for k, value in enumerate(best[n - size]):
+                    if value < 0 or (bounded and k == cap):
                         continue
-                    k2 = min(k + 1, k_max)
-                    value = best[n - s][k] + capacity[s]
-                    if value > best[n][k2]:
-                        best[n][k2], choice[n][k2] = value, (s, k)
-        if best[num_nodes][k_max] < total:
+                    k2 = min(k + 1, cap)
+                    if value + capacity[size] > best[n][k2]:
+                        best[n][k2], choice[n][k2] = value + capacity[size], (size, k)
+        finals = [k for k in range(max(1, min_pipelines), cap + 1) if best[num_nodes][k] >= total]
+        if not finals:
             return None
-        result, n, k = [], num_nodes, k_max
+        result, n, k = [], num_nodes, finals[0]
         while n:
-            s, k = choice[n][k]
-            result.append(s)
-            n -= s
+            size, k = choice[n][k]
+            result.append(size)
+            n -= size
         return sorted(result, reverse=True)
 
     def _split(self, sizes: list[int]) -> list[int]:

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from planaria.runtime.config import ConfigError, load_config, plan_from_config
+from planaria.runtime.config import ConfigError, load_config, plan_from_config, uses_planner
 from tests.launch import TINY
 
 
@@ -18,9 +18,18 @@ def refused(overrides: list[str], *, world_size: int | None = None) -> str:
     return str(err.value)
 
 
-def test_tiny_config_loads_and_plans_one_rank():
-    cfg = load_config(TINY)
-    assert plan_from_config(cfg, world_size=1).world_size == 1
+def test_tiny_config_leaves_the_plan_to_the_planner():
+    assert uses_planner(load_config(TINY))
+    assert plan_from_config(load_config(TINY, ["parallel.pp=1"]), world_size=1).world_size == 1
+
+
+def test_pipelines_fill_the_processes_when_dp_is_not_given():
+    plan = plan_from_config(load_config(TINY, ["parallel.pp=2"]), world_size=4)
+    assert [len(p.stages) for p in plan.pipelines] == [2, 2]
+
+
+def test_processes_that_do_not_split_into_pipelines():
+    assert "do not split into pipelines" in refused(["parallel.pp=2"], world_size=3)
 
 
 def test_overrides_are_parsed_as_yaml():
@@ -53,7 +62,7 @@ def test_microbatches_that_do_not_add_up():
 
 
 def test_world_size_that_does_not_match_the_plan():
-    message = refused(["parallel.pp=2"], world_size=3)
+    message = refused(["parallel.pp=2", "parallel.dp=1"], world_size=3)
     assert "needs 2 processes" in message and "--nproc-per-node=2" in message
 
 
@@ -99,7 +108,8 @@ def test_cli_refuses_before_creating_a_process_group(tmp_path):
     """
     env = dict(os.environ, WORLD_SIZE="3", RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="1")
     proc = subprocess.run(
-        [sys.executable, "-m", "planaria.train", str(TINY), "parallel.pp=2", f"output.dir={tmp_path}"],
+        [sys.executable, "-m", "planaria.train", str(TINY), "parallel.pp=2", "parallel.dp=1",
+         f"output.dir={tmp_path}"],
         capture_output=True, text=True, timeout=50, env=env)
     assert proc.returncode == 2
     assert "config error" in proc.stdout and "needs 2 processes" in proc.stdout

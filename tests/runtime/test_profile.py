@@ -105,7 +105,7 @@ def test_tensor_parallel_is_derived_from_tp1(tmp_path):
     one = profile_model(tiny(), cache_dir=tmp_path)
     two = profile_model(tiny("parallel.tp=2"), cache_dir=tmp_path)  # the same cached tp=1 data
     assert two.tp == 2 and len(list(tmp_path.glob("profile-*.json"))) == 1
-    comm_f, comm_b = tp_communication_times(one.shape, 1, one.hardware, tp=2, micro_batch=2,
+    comm_f, comm_b = tp_communication_times(one.shape, 1, two.hardware, tp=2, micro_batch=2,
                                             dtype="float32")
     assert two.layers[1].forward_s == pytest.approx(one.layers[1].forward_s / 2 + comm_f)
     assert two.layers[1].backward_s == pytest.approx(one.layers[1].backward_s / 2 + comm_b)
