@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 
 from planaria.templates.costs import CostModel
 from planaria.templates.partition import InfeasiblePartition, StagePartition, partition_layers
+from planaria.templates.placement import moved_bytes, place_nodes
 from planaria.templates.plan import PipelinePlan, Plan, StagePlan
 from planaria.templates.schedules import check_schedule_shape
 
@@ -152,8 +153,15 @@ class Planner:
 
     # ---------------------------------------------------------- instantiate
     def instantiate(self, num_nodes: int, node_ids: list[str] | None = None, *,
-                    epoch: int = 0, first_iteration: int = 0) -> "PlanChoice":
-        """The fastest plan using all `num_nodes` nodes; f+1 pipelines whenever N allows."""
+                    current: Plan | None = None, epoch: int = 0,
+                    first_iteration: int = 0) -> "PlanChoice":
+        """The fastest plan using all `num_nodes` nodes; f+1 pipelines whenever N allows.
+
+        With `current` (the running plan), nodes are placed so that the move from it
+        sends the least layer state (`planaria.templates.placement`), and the choice
+        reports how many bytes that is. The template multiset and the split do not
+        depend on `current`: they are the fastest; only who runs which stage does.
+        """
         started = time.perf_counter()
         if num_nodes < self.n0:
             raise ValueError(
@@ -166,13 +174,17 @@ class Planner:
             raise ValueError(f"need {num_nodes} distinct node ids, got {node_ids}")
         sizes, deadline = self._best_multiset(num_nodes)
         counts = self._split(sizes)
-        plan = self._build_plan(sizes, counts, node_ids, epoch, first_iteration)
+        plan = self._build_plan(sizes, counts, node_ids, current, epoch, first_iteration)
         times = [self.template(s).iteration_time(m) for s, m in zip(sizes, counts)]
         replicas = len(sizes)
+        moved = moved_bytes(current, plan, self._layer_bytes) if current is not None else 0
         return PlanChoice(plan=plan, iteration_time_s=max(times) + self._sync_time(sizes),
                           pipeline_times_s=tuple(times), replicas=replicas,
                           degraded=replicas < self.settings.fault_tolerance + 1,
-                          planning_time_s=time.perf_counter() - started)
+                          planning_time_s=time.perf_counter() - started, moved_bytes=moved)
+
+    def _layer_bytes(self, layer: int) -> int:
+        return self.costs.layers[layer].state_bytes
 
     def _target_pipelines(self, num_nodes: int) -> int:
         return min(self.settings.fault_tolerance + 1, num_nodes // self.n0)
@@ -321,17 +333,19 @@ class Planner:
                 worst = max(worst, grad_bytes)
         return 2 * (k - 1) / k * worst / hw.inter_node_bandwidth
 
-    def _build_plan(self, sizes, counts, node_ids, epoch, first_iteration) -> Plan:
+    def _build_plan(self, sizes, counts, node_ids, current, epoch, first_iteration) -> Plan:
         gpus = self.costs.tp
-        pipelines, node_index, offset = [], 0, 0
+        chunks = [self.template(size).partition.stage_chunks(s) for size in sizes for s in range(size)]
+        stage_layers = [frozenset(i for a, b in c for i in range(a, b)) for c in chunks]
+        nodes = iter(place_nodes(stage_layers, node_ids, current, self._layer_bytes))
+        chunk_iter = iter(chunks)
+        pipelines, rank, offset = [], 0, 0
         for size, count in zip(sizes, counts):
-            partition = self.template(size).partition
             stages = []
-            for s in range(size):
-                ranks = tuple(range(node_index * gpus, (node_index + 1) * gpus))
-                stages.append(StagePlan(node=node_ids[node_index], ranks=ranks,
-                                        chunks=partition.stage_chunks(s)))
-                node_index += 1
+            for _ in range(size):
+                stages.append(StagePlan(node=next(nodes), ranks=tuple(range(rank, rank + gpus)),
+                                        chunks=next(chunk_iter)))
+                rank += gpus
             pipelines.append(PipelinePlan(template_id=f"{size}-node", stages=tuple(stages),
                                           num_microbatches=count, sample_offset=offset))
             offset += count * self.settings.micro_batch
@@ -353,3 +367,5 @@ class PlanChoice:
     degraded: bool
     """True when N < (f+1)·n0: fewer than f+1 replicas of some layer."""
     planning_time_s: float
+    moved_bytes: int = 0
+    """Layer state the move from the current plan sends (0 without a current plan)."""
