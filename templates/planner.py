@@ -26,7 +26,6 @@ linear per-pipeline times).
 from __future__ import annotations
 
 import heapq
-import math
 import time
 from dataclasses import dataclass, field
 
