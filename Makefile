@@ -1,10 +1,10 @@
 # The two commands of the README, each doing its own set-up on a fresh machine:
-#   make train   # train configs/tiny.yaml with 2 pipeline stages (torchrun, CPU or GPU)
+#   make train   # train configs/tiny.yaml in 2 processes, plan chosen by the planner (torchrun, CPU or GPU)
 #   make test    # the test suite (about 2-3 minutes on 2 CPU cores)
 PYTHON ?= python3
 NPROC ?= 2
 CONFIG ?= configs/tiny.yaml
-ARGS ?= parallel.pp=2
+ARGS ?=
 
 .PHONY: setup train test test-only bench
 
