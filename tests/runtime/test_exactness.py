@@ -37,6 +37,9 @@ CASES = {
                                      "train.recompute=true"]),
     "heterogeneous-[[4],[2,2]]-mb[3,5]": (3, ["parallel.layout=[[4],[2,2]]",
                                               "parallel.microbatches=[3,5]"]),
+    # No layout, pp or dp: rank 0 profiles and plans for 3 nodes, every rank runs that plan.
+    "planner-3-nodes-f1": (3, ["parallel.fault_tolerance=1"]),
+    "planner-4-nodes-min-stages-2": (4, ["parallel.fault_tolerance=1", "parallel.min_stages=2"]),
 }
 
 
@@ -56,7 +59,11 @@ def reference():
 @pytest.mark.parametrize("case", list(CASES))
 def test_parallel_plan_matches_single_process(case, reference, tmp_path):
     nproc, overrides = CASES[case]
-    torchrun_train(nproc, JOB + overrides, tmp_path)
+    proc = torchrun_train(nproc, JOB + overrides, tmp_path)
+    if case.startswith("planner"):
+        assert "planner: n0=" in proc.stdout
+    if "min-stages-2" in case:
+        assert "stages [2, 2]" in proc.stdout
 
     metrics = read_metrics(tmp_path)
     assert [m["step"] for m in metrics] == list(range(STEPS))
