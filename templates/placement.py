@@ -37,6 +37,8 @@ def place_nodes(stages: Sequence[StageLayers], node_ids: Sequence[str], current:
     """A node id for each of `stages` (the new plan's stages, flattened in plan order)."""
     if len(stages) != len(node_ids):
         raise ValueError(f"{len(stages)} stages need as many nodes, got {len(node_ids)}")
+    if current is None:
+        return list(node_ids)  # nothing to keep: nodes in the order given
     held = layers_held(current, node_ids)
     by_layers: dict[StageLayers, list[str]] = {}
     for node in reversed(node_ids):  # popped from the end: node order decides ties

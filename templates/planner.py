@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import heapq
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from planaria.templates.costs import CostModel
 from planaria.templates.partition import InfeasiblePartition, StagePartition, partition_layers
@@ -152,14 +152,16 @@ class Planner:
 
     # ---------------------------------------------------------- instantiate
     def instantiate(self, num_nodes: int, node_ids: list[str] | None = None, *,
-                    current: Plan | None = None, epoch: int = 0,
-                    first_iteration: int = 0) -> "PlanChoice":
+                    current: Plan | None = None, epoch: int = 0, first_iteration: int = 0,
+                    tolerance: float = 0.03) -> "PlanChoice":
         """The fastest plan using all `num_nodes` nodes; f+1 pipelines whenever N allows.
 
-        With `current` (the running plan), nodes are placed so that the move from it
-        sends the least layer state (`planaria.templates.placement`), and the choice
-        reports how many bytes that is. The template multiset and the split do not
-        depend on `current`: they are the fastest; only who runs which stage does.
+        With `current` (the running plan), the choice is the plan that moves the least
+        layer state among those within `tolerance` of the fastest estimated iteration:
+        the fastest multiset of templates, and the current pipelines' own shapes after
+        the change (shrunk by lost nodes, merged where they fell below n0, grown by new
+        nodes). Either way, nodes are placed to keep the layers they hold
+        (`planaria.templates.placement`), and the choice reports the bytes moved.
         """
         started = time.perf_counter()
         if num_nodes < self.n0:
@@ -171,16 +173,48 @@ class Planner:
         node_ids = node_ids or [f"node{i}" for i in range(num_nodes)]
         if len(node_ids) != num_nodes or len(set(node_ids)) != num_nodes:
             raise ValueError(f"need {num_nodes} distinct node ids, got {node_ids}")
-        sizes, deadline = self._best_multiset(num_nodes)
+        best_sizes, _ = self._best_multiset(num_nodes)
+        candidates = [self._evaluate(best_sizes, node_ids, current, epoch, first_iteration)]
+        kept_shape = self._kept_shape(current, node_ids) if current is not None else None
+        if kept_shape is not None and sorted(kept_shape) != sorted(best_sizes):
+            candidates.append(self._evaluate(kept_shape, node_ids, current, epoch, first_iteration))
+        fastest = min(c.iteration_time_s for c in candidates)
+        within = [c for c in candidates if c.iteration_time_s <= fastest * (1 + tolerance)]
+        choice = min(within, key=lambda c: (c.moved_bytes, c.iteration_time_s))
+        return replace(choice, planning_time_s=time.perf_counter() - started)
+
+    def _evaluate(self, sizes, node_ids, current, epoch, first_iteration) -> "PlanChoice":
         counts = self._split(sizes)
         plan = self._build_plan(sizes, counts, node_ids, current, epoch, first_iteration)
         times = [self.template(s).iteration_time(m) for s, m in zip(sizes, counts)]
-        replicas = len(sizes)
         moved = moved_bytes(current, plan, self._layer_bytes) if current is not None else 0
         return PlanChoice(plan=plan, iteration_time_s=max(times) + self._sync_time(sizes),
-                          pipeline_times_s=tuple(times), replicas=replicas,
-                          degraded=replicas < self.settings.fault_tolerance + 1,
-                          planning_time_s=time.perf_counter() - started, moved_bytes=moved)
+                          pipeline_times_s=tuple(times), replicas=len(sizes),
+                          degraded=len(sizes) < self.settings.fault_tolerance + 1,
+                          planning_time_s=0.0, moved_bytes=moved)
+
+    def _kept_shape(self, current: Plan, node_ids: list[str]) -> list[int] | None:
+        """The current pipelines' sizes after the change, if that is a valid multiset here.
+
+        Survivors stay in their pipelines; a pipeline that fell below n0 merges with the
+        next smallest (Oobleck's "merge"); new nodes join the smallest pipelines. None
+        when the result needs a template size that does not exist or fit.
+        """
+        alive = set(node_ids)
+        sizes = sorted(n for n in (sum(s.node in alive for s in p.stages) for p in current.pipelines) if n)
+        while len(sizes) > 1 and sizes[0] < self.n0:
+            merged = sizes.pop(0) + sizes.pop(0)
+            sizes = sorted(sizes + [merged])
+        known = {s.node for p in current.pipelines for s in p.stages}
+        for _ in range(sum(node not in known for node in node_ids)):
+            sizes[0] += 1
+            sizes.sort()
+        feasible = set(self._sizes_for(len(node_ids)))
+        if not sizes or any(size not in feasible for size in sizes):
+            return None
+        if len(sizes) < self._target_pipelines(len(node_ids)):
+            return None
+        return sorted(sizes, reverse=True)
 
     def _layer_bytes(self, layer: int) -> int:
         return self.costs.layers[layer].state_bytes

@@ -38,9 +38,14 @@ def test_after_failures_placement_moves_less_than_placing_in_order(planner, lost
     kept = planner.instantiate(len(alive), alive, current=first, epoch=1)
     in_order = planner.instantiate(len(alive), alive, epoch=1).plan
     assert kept.moved_bytes == moved_bytes(first, kept.plan, layer_bytes(planner))
+    fastest = planner.instantiate(len(alive), alive)
     assert kept.moved_bytes < moved_bytes(first, in_order, layer_bytes(planner))
-    # The plan itself (templates and split) is the fastest either way.
-    assert kept.iteration_time_s == pytest.approx(planner.instantiate(len(alive), alive).iteration_time_s)
+    # Keeping the current shape is allowed to cost at most the tolerance (3%) of speed.
+    assert kept.iteration_time_s <= fastest.iteration_time_s * 1.03
+    # With no tolerance the fastest plan is chosen, still placed to keep what nodes hold.
+    strict = planner.instantiate(len(alive), alive, current=first, epoch=1, tolerance=0.0)
+    assert strict.iteration_time_s == pytest.approx(fastest.iteration_time_s)
+    assert kept.moved_bytes <= strict.moved_bytes < moved_bytes(first, fastest.plan, layer_bytes(planner))
     assert {s.node for p in kept.plan.pipelines for s in p.stages} == set(alive)
 
 

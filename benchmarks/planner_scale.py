@@ -1,0 +1,655 @@
+"""Planner scale: planning a GPT-3-175B-sized job for every node count N from 8 to 1024.
+
+    python benchmarks/planner_scale.py [--hardware h100] [--gpus-per-node 8]
+                                       [--fault-tolerance 2] [--min-nodes 8] [--max-nodes 1024]
+                                       [--schedule 1f1b] [--virtual-stages 1]
+                                       [--global-batch 1536] [--naive-max-nodes 40]
+                                       [--samples 8,18,37,64,256,1024] [--step 1]
+                                       [--limit 1.0] [--profile] [--no-cli] [--json out.json]
+
+The planner issue's Must-show: planning a 96-layer GPT-3-175B-sized model for every N
+from 8 to 1024 nodes with f = 2 takes under a second per N. The job: ModelShape(96
+blocks, d_model 12288, 96 heads, vocab 51200, seq_len 2048), bfloat16, activation
+recomputation, micro batch 1, global batch 1536, tensor parallelism = GPUs per node,
+analytic cost model of the hardware preset (`templates/analytic.py`). Nothing here
+needs a GPU or torch, except the in-process `plan_job` and CLI rows (torch is imported
+there only).
+
+What is measured (time.perf_counter, one process, one thread):
+
+  1. Template generation: `Planner(costs, settings)` (n0 and the templates n0..2n0-1).
+     The first construction in the process (cold, as a fresh `planaria plan` has it)
+     and the median of a few more (warm: schedule helpers' caches filled).
+  2. `planner.instantiate(N)` for every N in [min, max] (every `--step`-th, plus the
+     samples), on the one planner, as a running job does: its templates are cached.
+     Every plan is checked: Plan validates itself on construction; on top, every one
+     of the N nodes runs exactly one stage, the world has N·G ranks, there are ≥ f+1
+     pipelines whenever N ≥ (f+1)·n0 (and `degraded` says so exactly when N is
+     smaller), every pipeline is a template size, and the microbatch counts sum to
+     the batch. Reported: median / p95 / max over all N, the N of the max, and how
+     many N took over `--limit` seconds (the Must-show asks for 0).
+  3. What a user pays for one N without a cached planner: construction + instantiate.
+     For every N as the sum (cold construction + that N's instantiate), and measured
+     directly at the sample N's: a fresh Planner and instantiate in this process, and
+     `runtime.planning.plan_job` on configs/gpt3-175b.yaml (what `planaria plan` runs
+     in-process: cost model, planner, plan, MFU). Once, the real CLI for the largest
+     N as a subprocess (Python start-up and the torch import included).
+  4. Re-planning after a failure, at the sample N's, when `instantiate` takes the
+     running plan (`current=`): the plan for N+1 nodes loses one node.
+  5. Baseline, side by side: a naive planner for N ≤ --naive-max-nodes that
+     enumerates every multiset of template sizes summing to N (with ≥ min(f+1, N//n0)
+     pipelines, as the planner requires), splits the batch over each with the
+     planner's own greedy split (`Planner._split`, each microbatch to the pipeline
+     that finishes it first), adds the planner's gradient-sync estimate
+     (`Planner._sync_time`), and keeps the fastest. It must reach the planner's
+     iteration time; the table gives the time ratio. The naive time leaves out
+     building the Plan, which instantiate's time includes, so the ratio is
+     conservative. For larger N the number of multisets is counted (not enumerated)
+     and the naive time extrapolated from its measured cost per multiset.
+  6. If any N takes over --limit (or with --profile): cProfile of instantiate at the
+     slowest N, top functions by cumulative and by own time.
+
+Sample plans (N = 8, 18, 37, 64, 256, 1024 by default): pipelines × stages, the
+microbatch split, estimated iteration time, tokens/s and MFU with
+`runtime.planning.model_flops_per_token` (the same formula as `planaria plan`).
+
+The machine's load is reported: the load average before and after, and the share of
+the CPUs other processes used during the all-N loop (from /proc/stat).
+Exit status 0 when every plan is valid, no N is over the limit, and the naive
+baseline reaches the planner's slowest pipeline (the quantity its deadline search
+minimises); 1 otherwise. Where the naive pick has a smaller iteration time once the
+gradient sync is added, that is listed as a finding (the planner's plan is valid, a
+little slower), not a failure.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import cProfile
+import inspect
+import io
+import json
+import math
+import os
+import platform
+import pstats
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+from planaria.templates.analytic import analytic_cost_model, hardware
+from planaria.templates.costs import ModelShape
+from planaria.templates.planner import Planner, PlannerSettings
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIG = REPO / "configs" / "gpt3-175b.yaml"
+
+SHAPE = ModelShape(n_layers=96, d_model=12288, n_heads=96, vocab_size=51200, seq_len=2048)
+DTYPE = "bfloat16"
+RECOMPUTE = True
+MICRO_BATCH = 1
+DEFAULT_SAMPLES = (8, 18, 37, 64, 256, 1024)
+EXTRAPOLATE_AT = (64, 128, 256, 512, 1024)
+
+
+# ------------------------------------------------------------------ machine
+def cpu_name() -> str:
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        out = subprocess.run(["lscpu"], check=False, capture_output=True, text=True, timeout=10).stdout
+        for line in out.splitlines():
+            if line.startswith("Model name:"):
+                return line.split(":", 1)[1].strip()
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or "unknown CPU"
+
+
+def loadavg() -> str:
+    try:
+        return Path("/proc/loadavg").read_text().split()[0]
+    except OSError:
+        return "n/a"
+
+
+def busy_seconds() -> float:
+    """CPU seconds all CPUs have spent busy since boot (/proc/stat); nan without it."""
+    try:
+        fields = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
+    except OSError:
+        return float("nan")
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in fields[:8])
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+def git_state() -> str:
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        def git(*cmd: str) -> str:
+            return subprocess.run(["git", *cmd], check=False, cwd=REPO, capture_output=True,
+                                  text=True, timeout=10).stdout
+
+        head = git("rev-parse", "--short", "HEAD").strip()
+        dirty = git("status", "--porcelain", "--", "templates", "runtime").split("\n")
+        changed = sorted(line[3:] for line in dirty if line.strip())
+        return head + (f" + uncommitted changes in {', '.join(changed)}" if changed else " (clean)")
+    return "unknown"
+
+
+# ------------------------------------------------------------------ the job
+def make_costs(args):
+    hw = hardware(args.hardware, gpus_per_node=args.gpus_per_node)
+    return analytic_cost_model(SHAPE, hw, tp=args.gpus_per_node, micro_batch=MICRO_BATCH,
+                               dtype=DTYPE, recompute=RECOMPUTE)
+
+
+def make_settings(args) -> PlannerSettings:
+    return PlannerSettings(fault_tolerance=args.fault_tolerance, global_batch=args.global_batch,
+                           micro_batch=MICRO_BATCH, schedule=args.schedule,
+                           virtual_stages=args.virtual_stages)
+
+
+def model_flops_per_token(shape: ModelShape) -> float:
+    try:  # the formula `planaria plan` uses (imports torch)
+        from planaria.runtime.planning import model_flops_per_token as flops
+    except ImportError:  # the same formula, for a machine without torch
+        return 6 * shape.parameters + 12 * shape.n_layers * shape.d_model * shape.seq_len // 2
+    return flops(shape)
+
+
+def check_plan(planner: Planner, choice, n: int, node_ids: list[str] | None = None) -> list[str]:
+    """What is wrong with the plan for n nodes, on top of Plan's own validation."""
+    plan, settings = choice.plan, planner.settings
+    f, n0, g = settings.fault_tolerance, planner.n0, planner.costs.tp
+    node_ids = node_ids or [f"node{i}" for i in range(n)]
+    problems = []
+    nodes = [stage.node for p in plan.pipelines for stage in p.stages]
+    if sorted(nodes) != sorted(node_ids) or len(set(nodes)) != n:
+        problems.append(f"N={n}: plan uses {len(set(nodes))} distinct of {len(nodes)} stage nodes, "
+                        f"not each of the {n} nodes once")
+    if plan.world_size != n * g:
+        problems.append(f"N={n}: world size {plan.world_size} != N·G = {n * g}")
+    k = len(plan.pipelines)
+    if n >= (f + 1) * n0 and k < f + 1:
+        problems.append(f"N={n}: {k} pipelines < f+1 = {f + 1} although N ≥ (f+1)·n0 = {(f + 1) * n0}")
+    if choice.replicas != k:
+        problems.append(f"N={n}: choice.replicas {choice.replicas} != {k} pipelines")
+    if choice.degraded != (n < (f + 1) * n0):
+        problems.append(f"N={n}: degraded={choice.degraded} but N {'<' if n < (f + 1) * n0 else '≥'} "
+                        f"(f+1)·n0 = {(f + 1) * n0}")
+    total = sum(p.num_microbatches for p in plan.pipelines)
+    if total != settings.total_microbatches:
+        problems.append(f"N={n}: microbatches sum to {total}, not {settings.total_microbatches}")
+    odd = sorted({len(p.stages) for p in plan.pipelines} - set(planner.templates))
+    if odd:
+        problems.append(f"N={n}: pipelines of {odd} stages are no template")
+    if not (math.isfinite(choice.iteration_time_s) and choice.iteration_time_s > 0):
+        problems.append(f"N={n}: iteration time {choice.iteration_time_s}")
+    return problems
+
+
+# ------------------------------------------------------------------ naive baseline
+def multisets(n: int, sizes: list[int], min_parts: int):
+    """Every multiset of `sizes` summing to n with at least min_parts parts, largest first."""
+    sizes = sorted(sizes, reverse=True)
+
+    def rec(left: int, start: int, acc: list[int]):
+        if left == 0:
+            if len(acc) >= min_parts:
+                yield list(acc)
+            return
+        for i in range(start, len(sizes)):
+            if sizes[i] <= left:
+                acc.append(sizes[i])
+                yield from rec(left - sizes[i], i, acc)
+                acc.pop()
+
+    yield from rec(n, 0, [])
+
+
+def count_multisets(n: int, sizes: list[int], min_parts: int) -> int:
+    """How many multisets `multisets` would enumerate (a DP over node counts)."""
+    cap = max(1, min_parts)
+    ways = [[0] * (cap + 1) for _ in range(n + 1)]  # ways[m][k]: k parts (capped) summing to m
+    ways[0][0] = 1
+    for s in sorted(sizes):  # one size at a time: multisets, not sequences
+        for m in range(s, n + 1):
+            for k in range(cap + 1):
+                if ways[m - s][k]:
+                    ways[m][min(k + 1, cap)] += ways[m - s][k]
+    return sum(ways[n][k] for k in range(min_parts, cap + 1)) if min_parts else sum(ways[n])
+
+
+def naive_plan(planner: Planner, n: int, sizes: list[int]) -> dict:
+    """Exhaustive enumeration with the planner's split and sync.
+
+    Keeps two winners: the multiset with the smallest iteration time (slowest pipeline
+    plus gradient sync, what the planner reports) and the one with the smallest
+    slowest pipeline alone (what the planner's deadline search minimises).
+    """
+    want = min(planner.settings.fault_tolerance + 1, n // planner.n0)
+    best = fastest = None
+    seen = 0
+    started = time.perf_counter()
+    for combo in multisets(n, [s for s in sizes if s <= n], want):
+        seen += 1
+        counts = planner._split(combo)
+        slowest = max(planner.template(s).iteration_time(m) for s, m in zip(combo, counts))
+        t = slowest + planner._sync_time(combo)
+        if best is None or t < best[0]:
+            best = (t, combo, counts)
+        if fastest is None or slowest < fastest[0]:
+            fastest = (slowest, combo)
+    elapsed = time.perf_counter() - started
+    if best is None:
+        return {"n": n, "multisets": 0, "time_s": elapsed, "iteration_time_s": None, "sizes": None,
+                "slowest_pipeline_s": None}
+    return {"n": n, "multisets": seen, "time_s": elapsed, "iteration_time_s": best[0],
+            "sizes": best[1], "counts": best[2], "slowest_pipeline_s": fastest[0],
+            "slowest_pipeline_sizes": fastest[1]}
+
+
+# ------------------------------------------------------------------ formatting
+def quantile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
+
+
+def shape_summary(sizes: list[int]) -> str:
+    """'2×8 + 168×6': pipelines × stages."""
+    return " + ".join(f"{c}×{s}" for s, c in sorted(Counter(sizes).items(), reverse=True))
+
+
+def split_summary(sizes: list[int], counts: list[int]) -> str:
+    """'8-stage: 2×9 | 6-stage: 150×9, 18×8': per template, pipelines × microbatches."""
+    by_size: dict[int, Counter] = {}
+    for s, m in zip(sizes, counts):
+        by_size.setdefault(s, Counter())[m] += 1
+    return " | ".join(
+        f"{s}-stage: " + ", ".join(f"{c}×{m}" for m, c in sorted(cnt.items(), reverse=True))
+        for s, cnt in sorted(by_size.items(), reverse=True))
+
+
+def ms(seconds: float) -> str:
+    return f"{seconds * 1000:.1f}"
+
+
+def table(rows: list[list[str]], header: list[str], right: set[int] | None = None) -> str:
+    right = right if right is not None else set(range(1, len(header)))
+    cells = [header, *rows]
+    widths = [max(len(str(r[i])) for r in cells) for i in range(len(header))]
+    fmt = lambda r: "  ".join(str(c).rjust(w) if i in right else str(c).ljust(w)
+                              for i, (c, w) in enumerate(zip(r, widths)))
+    return "\n".join([fmt(header), "  ".join("-" * w for w in widths), *map(fmt, rows)])
+
+
+def profile_instantiate(planner: Planner, n: int, top: int = 12) -> str:
+    profiler = cProfile.Profile()
+    profiler.enable()
+    planner.instantiate(n)
+    profiler.disable()
+    out = io.StringIO()
+    stats = pstats.Stats(profiler, stream=out)
+    stats.strip_dirs()
+    out.write(f"cProfile of instantiate({n}), by cumulative time:\n")
+    stats.sort_stats("cumulative").print_stats(top)
+    out.write(f"cProfile of instantiate({n}), by own time:\n")
+    stats.sort_stats("tottime").print_stats(top)
+    return "\n".join(line for line in out.getvalue().splitlines() if line.strip())
+
+
+# ------------------------------------------------------------------ main
+def parse(argv):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--hardware", default="h100", help="a100, h100, h200 (analytic presets) or cpu")
+    p.add_argument("--gpus-per-node", type=int, default=8, help="G; tensor parallelism = G")
+    p.add_argument("--fault-tolerance", type=int, default=2, help="f")
+    p.add_argument("--min-nodes", type=int, default=8)
+    p.add_argument("--max-nodes", type=int, default=1024)
+    p.add_argument("--step", type=int, default=1, help="time every step-th N (plus the samples)")
+    p.add_argument("--schedule", default="1f1b", help="gpipe, 1f1b, zb1f1b or interleaved")
+    p.add_argument("--virtual-stages", type=int, default=1)
+    p.add_argument("--global-batch", type=int, default=1536)
+    p.add_argument("--naive-max-nodes", type=int, default=40,
+                   help="largest N the exhaustive baseline enumerates (0: none)")
+    p.add_argument("--samples", default=",".join(map(str, DEFAULT_SAMPLES)),
+                   help="N's whose plans are printed and whose per-N user cost is measured")
+    p.add_argument("--limit", type=float, default=1.0, help="seconds per N (the Must-show: 1)")
+    p.add_argument("--warm-constructions", type=int, default=5)
+    p.add_argument("--profile", action="store_true", help="cProfile the slowest N even if under the limit")
+    p.add_argument("--no-cli", action="store_true", help="skip the `planaria plan` subprocess")
+    p.add_argument("--json", help="write every figure here")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse(argv)
+    command = shlex.join(["python", os.path.relpath(__file__, REPO) if Path.cwd() == REPO
+                          else __file__, *argv])
+    say = lambda *a: print(*a, flush=True)
+    say(f"command: {command}")
+    say(f"machine: {cpu_name()} | nproc {len(os.sched_getaffinity(0))} | Python "
+        f"{platform.python_version()} | planaria {git_state()}")
+    say(f"load average before: {loadavg()}")
+    result: dict = {"command": command, "machine": {"cpu": cpu_name(), "nproc": len(os.sched_getaffinity(0)),
+                                                    "python": platform.python_version()},
+                    "git": git_state(), "args": vars(args)}
+    problems: list[str] = []  # fail the run: invalid plans, a wrong search result
+    findings: list[str] = []  # reported: the planner's pick is valid but not the fastest
+
+    # 1. cost model and templates ------------------------------------------------
+    t0 = time.perf_counter()
+    costs = make_costs(args)
+    cost_model_s = time.perf_counter() - t0
+    settings = make_settings(args)
+    t0 = time.perf_counter()
+    planner = Planner(costs, settings)
+    cold_s = time.perf_counter() - t0
+    warm = []
+    for _ in range(args.warm_constructions):
+        t0 = time.perf_counter()
+        Planner(costs, settings)
+        warm.append(time.perf_counter() - t0)
+    warm_s = statistics.median(warm) if warm else cold_s
+    hw, f, n0, g = costs.hardware, args.fault_tolerance, planner.n0, args.gpus_per_node
+    sizes = sorted(planner.templates)
+    say(f"\njob: {SHAPE.n_layers} blocks, d_model {SHAPE.d_model}, {SHAPE.n_heads} heads, vocab "
+        f"{SHAPE.vocab_size}, seq_len {SHAPE.seq_len} ({SHAPE.parameters / 1e9:.1f}B parameters, "
+        f"{costs.num_layers} planned layers) | {DTYPE}, recompute, micro batch {MICRO_BATCH}, global "
+        f"batch {args.global_batch} | {hw.name} x {g} per node, tp {g} | schedule {args.schedule} "
+        f"(v={args.virtual_stages}) | f = {f}")
+    say(f"cost model (analytic): {ms(cost_model_s)} ms | Planner construction: cold {ms(cold_s)} ms, "
+        f"warm median of {len(warm)} {ms(warm_s)} ms")
+    say(f"n0 = {n0}; templates of {sizes} nodes; (f+1)·n0 = {(f + 1) * n0}")
+    rows = []
+    tinfo = []
+    for s in sizes:
+        part = planner.templates[s].partition
+        layers = [b - a for c in range(part.num_stages) for a, b in part.stage_chunks(c)]
+        rows.append([str(s), f"{min(layers)}-{max(layers)}", ms(max(part.stage_times)),
+                     f"{max(part.peak_memory_bytes) / 2**30:.1f}"])
+        tinfo.append({"nodes": s, "layers_per_stage": [min(layers), max(layers)],
+                      "bottleneck_stage_s": max(part.stage_times),
+                      "peak_memory_bytes": max(part.peak_memory_bytes)})
+    say(table(rows, ["template (nodes)", "layers/stage", "slowest stage (ms/microbatch)",
+                     f"peak memory (GiB of {hw.device_memory_bytes / 2**30:.1f})"]))
+    result.update(cost_model_s=cost_model_s, construction_cold_s=cold_s, construction_warm_s=warm_s,
+                  n0=n0, templates=tinfo)
+
+    # 2. instantiate for every N ---------------------------------------------------
+    samples = sorted({int(x) for x in args.samples.split(",") if x.strip()})
+    first = max(args.min_nodes, n0)
+    if first > args.min_nodes:
+        say(f"N < n0 = {n0} cannot hold a replica: starting at N = {first}")
+    ns = sorted(set(range(first, args.max_nodes + 1, args.step))
+                | {n for n in samples if first <= n <= args.max_nodes} | {args.max_nodes})
+    say(f"\ninstantiate(N) for {len(ns)} values of N in [{first}, {args.max_nodes}] on one planner "
+        "(templates cached, as in a running job)...")
+    times: dict[int, float] = {}
+    choices: dict[int, object] = {}
+    busy0, cpu0, wall0 = busy_seconds(), time.process_time(), time.perf_counter()
+    for n in ns:
+        t0 = time.perf_counter()
+        choice = planner.instantiate(n)
+        times[n] = time.perf_counter() - t0
+        problems += check_plan(planner, choice, n)
+        choices[n] = choice
+        if times[n] > args.limit:
+            say(f"  N={n}: {times[n]:.3f} s (over {args.limit:g} s)")
+    wall = time.perf_counter() - wall0
+    cpu = time.process_time() - cpu0
+    foreign = max(0.0, (busy_seconds() - busy0 - cpu) / (wall * (os.cpu_count() or 1)))
+    values = list(times.values())
+    worst_n = max(times, key=times.get)
+    over = [n for n in ns if times[n] > args.limit]
+    user_cost = {n: cold_s + times[n] for n in ns}
+    user_over = [n for n in ns if user_cost[n] > args.limit]
+    say(f"loop: {wall:.1f} s wall, this process {cpu / wall:.2f} CPU/wall, other processes "
+        f"{foreign:.0%} of the CPUs, load average after: {loadavg()}")
+    say(f"instantiate: median {ms(statistics.median(values))} ms | p95 {ms(quantile(values, 0.95))} ms "
+        f"| max {ms(max(values))} ms at N = {worst_n} | N's over {args.limit:g} s: {len(over)}"
+        + (f" (first {over[0]}, {over[:5]}...)" if over else ""))
+    say(f"construction (cold) + instantiate, per N: median {ms(statistics.median(user_cost.values()))} ms "
+        f"| max {ms(max(user_cost.values()))} ms at N = {max(user_cost, key=user_cost.get)} "
+        f"| N's over {args.limit:g} s: {len(user_over)}")
+    say(f"plans checked: {len(ns)}; problems: {len(problems)}")
+    for line in problems[:20]:
+        say(f"  {line}")
+    # The search alone (multiset and split, no Plan built): private methods, so skipped
+    # if the planner no longer has them.
+    search: dict[int, float] = {}
+    if hasattr(planner, "_best_multiset") and hasattr(planner, "_split"):
+        for n in ns:
+            t0 = time.perf_counter()
+            planner._split(planner._best_multiset(n)[0])
+            search[n] = time.perf_counter() - t0
+        svalues = list(search.values())
+        say(f"of which the search alone (Planner._best_multiset + _split, timed in a second pass): "
+            f"median {ms(statistics.median(svalues))} ms | p95 {ms(quantile(svalues, 0.95))} ms | "
+            f"max {ms(max(svalues))} ms at N = {max(search, key=search.get)}")
+    buckets = []
+    for lo, hi in ((first, 64), (65, 256), (257, 512), (513, args.max_nodes)):
+        part = [n for n in ns if lo <= n <= hi]
+        if part:
+            t = [times[n] for n in part]
+            row = [f"{lo}-{hi}", str(len(part)), ms(statistics.median(t)), ms(quantile(t, 0.95)),
+                   ms(max(t)), str(sum(x > args.limit for x in t))]
+            if search:
+                row += [ms(statistics.median(search[n] for n in part)), ms(max(search[n] for n in part))]
+            buckets.append(row)
+    say(table(buckets, ["N range", "N's", "median (ms)", "p95 (ms)", "max (ms)", f"over {args.limit:g} s",
+                        *(["search median (ms)", "search max (ms)"] if search else [])]))
+    result["instantiate"] = {
+        "n_values": len(ns), "median_s": statistics.median(values), "p95_s": quantile(values, 0.95),
+        "max_s": max(values), "max_at": worst_n, "over_limit": over, "limit_s": args.limit,
+        "loop_wall_s": wall, "cpu_per_wall": cpu / wall, "other_processes_cpu_share": foreign,
+        "per_n": {str(n): times[n] for n in ns},
+        "user_cost_max_s": max(user_cost.values()), "user_cost_over_limit": user_over,
+        "problems": problems,
+        "search_per_n": {str(n): search[n] for n in search},
+    }
+
+    # 3. sample plans and the per-N cost without a cached planner ------------------
+    flops_token = model_flops_per_token(SHAPE)
+    tokens = args.global_batch * SHAPE.seq_len
+    sample_ns = [n for n in samples if n in choices]
+    say(f"\nsample plans (tokens/s = {args.global_batch} x {SHAPE.seq_len} / iteration; MFU = "
+        f"{flops_token:.4g} FLOP/token x tokens / (iteration x N·G x {hw.peak_flops:.3g} FLOP/s))")
+    rows, sample_info = [], []
+    for n in sample_ns:
+        c = choices[n]
+        psizes = [len(p.stages) for p in c.plan.pipelines]
+        counts = [p.num_microbatches for p in c.plan.pipelines]
+        tps = tokens / c.iteration_time_s
+        mfu = flops_token * tokens / (c.iteration_time_s * n * g * hw.peak_flops)
+        rows.append([str(n), shape_summary(psizes), split_summary(psizes, counts),
+                     f"{c.iteration_time_s:.2f}", f"{tps:,.0f}", f"{mfu:.1%}",
+                     "yes" if c.degraded else "", ms(times[n])])
+        sample_info.append({"n": n, "pipelines": psizes, "microbatches": counts,
+                            "iteration_time_s": c.iteration_time_s, "tokens_per_s": tps, "mfu": mfu,
+                            "degraded": c.degraded, "instantiate_s": times[n]})
+    say(table(rows, ["N", "pipelines × stages", "microbatches per pipeline", "iteration (s)",
+                     "tokens/s", "MFU", "degraded", "instantiate (ms)"], right={0, 3, 4, 5, 7}))
+
+    say("\nper-N cost without a cached planner, measured at the sample N's:")
+    rows = []
+    plan_job_fn = cfg = None
+    try:
+        from planaria.runtime.config import load_config, model_shape
+        from planaria.runtime.planning import plan_job as plan_job_fn
+
+        cfg = load_config(CONFIG, [f"train.global_batch={args.global_batch}",
+                                   f"train.micro_batch={MICRO_BATCH}", f"train.dtype={DTYPE}",
+                                   f"train.recompute={str(RECOMPUTE).lower()}",
+                                   f"parallel.schedule={args.schedule}",
+                                   f"parallel.virtual_stages={args.virtual_stages}"])
+        if model_shape(cfg.model) != SHAPE:
+            problems.append(f"{CONFIG.name} describes {model_shape(cfg.model)}, not {SHAPE}")
+    except ImportError as err:
+        say(f"  (plan_job skipped: {err})")
+    for n in sample_ns:
+        t0 = time.perf_counter()
+        fresh = Planner(costs, settings)
+        built = time.perf_counter() - t0
+        c = fresh.instantiate(n)
+        fresh_s = time.perf_counter() - t0
+        if abs(c.iteration_time_s - choices[n].iteration_time_s) > 1e-9 * choices[n].iteration_time_s:
+            problems.append(f"N={n}: a fresh planner chose {c.iteration_time_s} s, the cached one "
+                            f"{choices[n].iteration_time_s} s")
+        row = [str(n), ms(built), ms(fresh_s - built), ms(fresh_s)]
+        info = {"n": n, "construct_s": built, "instantiate_s": fresh_s - built, "total_s": fresh_s}
+        if plan_job_fn is not None:
+            t0 = time.perf_counter()
+            report = plan_job_fn(cfg, nodes=n, gpus_per_node=g, fault_tolerance=f,
+                                 hardware_name=args.hardware)
+            job_s = time.perf_counter() - t0
+            if abs(report.choice.iteration_time_s - choices[n].iteration_time_s) > \
+                    1e-9 * choices[n].iteration_time_s:
+                problems.append(f"N={n}: plan_job's iteration time {report.choice.iteration_time_s} "
+                                f"differs from this benchmark's {choices[n].iteration_time_s}")
+            row.append(ms(job_s))
+            info["plan_job_s"] = job_s
+        rows.append(row)
+        sample_info[[s["n"] for s in sample_info].index(n)]["fresh"] = info
+    header = ["N", "Planner() (ms)", "instantiate (ms)", "together (ms)"]
+    if plan_job_fn is not None:
+        header.append("plan_job in-process (ms)")
+    say(table(rows, header))
+    result["samples"] = sample_info
+
+    if not args.no_cli and plan_job_fn is not None:
+        n = args.max_nodes
+        cli = ["planaria", "plan", os.path.relpath(CONFIG, REPO), "--nodes", str(n), "--gpus-per-node",
+               str(g), "--hardware", args.hardware, "--fault-tolerance", str(f), "--json",
+               f"train.global_batch={args.global_batch}", f"parallel.schedule={args.schedule}",
+               f"parallel.virtual_stages={args.virtual_stages}"]
+        t0 = time.perf_counter()
+        proc = subprocess.run([sys.executable, "-m", "planaria.chaos.cli", *cli[1:]], check=False, cwd=REPO,
+                              capture_output=True, text=True, timeout=600)
+        cli_s = time.perf_counter() - t0
+        if proc.returncode == 0:
+            planned = json.loads(proc.stdout)["planning_time_s"]
+            say(f"`{shlex.join(cli)}`: {cli_s:.2f} s wall in a fresh process, of which the planner "
+                f"(construction + instantiate, its planning_time_s) {planned:.3f} s")
+            result["cli"] = {"command": shlex.join(cli), "wall_s": cli_s, "planning_time_s": planned}
+        else:
+            problems.append(f"`{shlex.join(cli)}` exited {proc.returncode}: {proc.stderr[-500:]}")
+
+    # 4. re-plan after a failure ---------------------------------------------------
+    if "current" in inspect.signature(planner.instantiate).parameters:
+        say("\nre-plan after one failure: instantiate(N, survivors, current=plan for N+1), "
+            "the middle node of N+1 lost:")
+        rows, replan = [], []
+        for n in sample_ns:
+            old = planner.instantiate(n + 1).plan
+            lost = f"node{(n + 1) // 2}"
+            survivors = [f"node{i}" for i in range(n + 1) if f"node{i}" != lost]
+            t0 = time.perf_counter()
+            c = planner.instantiate(n, survivors, current=old)
+            dt = time.perf_counter() - t0
+            problems += check_plan(planner, c, n, survivors)
+            moved = getattr(c, "moved_bytes", None)
+            rows.append([str(n), ms(dt), "" if moved is None else f"{moved / 1e9:.1f}"])
+            replan.append({"n": n, "time_s": dt, "moved_bytes": moved})
+        say(table(rows, ["N", "re-plan (ms)", "state moved (GB)"]))
+        result["replan"] = replan
+
+    # 5. naive baseline --------------------------------------------------------------
+    naive_ns = [n for n in ns if n <= args.naive_max_nodes]
+    if naive_ns:
+        say(f"\nbaseline: every multiset of template sizes {sizes} summing to N, the planner's "
+            f"greedy split and sync, fastest kept; N = {naive_ns[0]}..{naive_ns[-1]}")
+        rows, naive = [], []
+        per_multiset = []
+        for n in naive_ns:
+            b = naive_plan(planner, n, sizes)
+            mine = choices[n]
+            msizes = sorted((len(p.stages) for p in mine.plan.pipelines), reverse=True)
+            mslow = max(mine.pipeline_times_s)
+            tol = 1e-9 * mine.iteration_time_s
+            same_slowest = (b["slowest_pipeline_s"] is not None
+                            and abs(b["slowest_pipeline_s"] - mslow) <= tol)
+            same = (b["iteration_time_s"] is not None
+                    and abs(b["iteration_time_s"] - mine.iteration_time_s) <= tol)
+            if not same_slowest:
+                problems.append(f"N={n}: naive slowest pipeline {b['slowest_pipeline_s']} s "
+                                f"({b.get('slowest_pipeline_sizes')}) vs planner {mslow} s ({msizes})")
+            gap = (mine.iteration_time_s / b["iteration_time_s"] - 1 if b["iteration_time_s"]
+                   else float("nan"))
+            if not same and b["sizes"]:
+                bsync = planner._sync_time(b["sizes"])
+                findings.append(
+                    f"N={n}: planner {shape_summary(msizes)} {mine.iteration_time_s:.4f} s = slowest "
+                    f"pipeline {mslow:.4f} + sync {mine.iteration_time_s - mslow:.4f}; naive "
+                    f"{shape_summary(b['sizes'])} {b['iteration_time_s']:.4f} s = "
+                    f"{b['iteration_time_s'] - bsync:.4f} + {bsync:.4f}; planner {gap:+.3%}")
+            if b["multisets"]:
+                per_multiset.append(b["time_s"] / b["multisets"])
+            ratio = b["time_s"] / times[n]
+            naive.append({**b, "planner_iteration_time_s": mine.iteration_time_s,
+                          "planner_slowest_pipeline_s": mslow, "planner_sizes": msizes,
+                          "planner_s": times[n], "equal": same, "equal_slowest_pipeline": same_slowest,
+                          "planner_gap": gap, "ratio": ratio})
+            rows.append([str(n), str(b["multisets"]), shape_summary(b["sizes"] or []),
+                         f"{b['iteration_time_s']:.4f}" if b["iteration_time_s"] else "-",
+                         shape_summary(msizes), f"{mine.iteration_time_s:.4f}",
+                         "yes" if same else f"{gap:+.3%}", "yes" if same_slowest else "NO",
+                         ms(b["time_s"]), ms(times[n]), f"{ratio:.2f}"])
+        say(table(rows, ["N", "multisets", "naive pick", "naive iter (s)", "planner pick",
+                         "planner iter (s)", "iter equal", "slowest pipeline equal", "naive (ms)",
+                         "planner (ms)", "naive/planner"],
+                  right={0, 1, 3, 5, 6, 8, 9, 10}))
+        ratios = [r["ratio"] for r in naive]
+        equal = sum(r["equal"] for r in naive)
+        equal_slowest = sum(r["equal_slowest_pipeline"] for r in naive)
+        say(f"equal iteration time at {equal} of {len(naive)} N's; equal slowest pipeline (the "
+            f"planner's search objective) at {equal_slowest} of {len(naive)}; naive / planner time: "
+            f"median {statistics.median(ratios):.2f}x, range {min(ratios):.2f}x-{max(ratios):.2f}x")
+        for line in findings:
+            say(f"  {line}")
+        cost = statistics.median(per_multiset) if per_multiset else float("nan")
+        extrapolated = []
+        for n in EXTRAPOLATE_AT:
+            if n <= args.naive_max_nodes or n < n0:
+                continue
+            want = min(f + 1, n // n0)
+            count = count_multisets(n, [s for s in sizes if s <= n], want)
+            extrapolated.append({"n": n, "multisets": count, "naive_s_extrapolated": count * cost,
+                                 "planner_s": times.get(n)})
+        if extrapolated:
+            say(f"naive beyond N = {args.naive_max_nodes}, counted not run: multisets x "
+                f"{ms(cost)} ms (its median cost per multiset above)")
+            say(table([[str(e["n"]), f"{e['multisets']:,}", f"{e['naive_s_extrapolated']:,.1f}",
+                        ms(e["planner_s"]) if e["planner_s"] is not None else "-"]
+                       for e in extrapolated],
+                      ["N", "multisets", "naive (s, extrapolated)", "planner (ms, measured)"]))
+        result["naive"] = {"per_n": naive, "per_multiset_s": cost, "extrapolated": extrapolated}
+
+    # 6. profile ------------------------------------------------------------------------
+    if over or user_over or args.profile:
+        target = worst_n
+        say(f"\nslowest N = {target} ({times[target]:.3f} s):")
+        text = profile_instantiate(planner, target)
+        say(text)
+        result["profile"] = text
+
+    result["problems"] = problems
+    result["findings"] = findings
+    ok = not problems and not over
+    say(f"\nverdict: {'PASS' if ok else 'FAIL'}: {len(ns)} N's planned, "
+        f"{len(over)} over {args.limit:g} s (instantiate), {len(user_over)} over with a cold "
+        f"construction, {len(problems)} problem(s), {len(findings)} N's where the naive baseline "
+        "found a faster iteration")
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1, default=str))
+        say(f"figures written to {args.json}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
