@@ -5,15 +5,16 @@
                                        [--schedule 1f1b] [--virtual-stages 1]
                                        [--global-batch 1536] [--naive-max-nodes 40]
                                        [--samples 8,18,37,64,256,1024] [--step 1]
-                                       [--limit 1.0] [--profile] [--no-cli] [--json out.json]
+                                       [--replan-step 8] [--limit 1.0] [--profile] [--no-cli]
+                                       [--json out.json]
 
 The planner issue's Must-show: planning a 96-layer GPT-3-175B-sized model for every N
 from 8 to 1024 nodes with f = 2 takes under a second per N. The job: ModelShape(96
 blocks, d_model 12288, 96 heads, vocab 51200, seq_len 2048), bfloat16, activation
 recomputation, micro batch 1, global batch 1536, tensor parallelism = GPUs per node,
 analytic cost model of the hardware preset (`templates/analytic.py`). Nothing here
-needs a GPU or torch, except the in-process `plan_job` and CLI rows (torch is imported
-there only).
+needs a GPU. torch is imported only for the in-process `plan_job` and CLI rows and
+for `model_flops_per_token` (a copy of its formula is used without torch).
 
 What is measured (time.perf_counter, one process, one thread):
 
@@ -27,27 +28,38 @@ What is measured (time.perf_counter, one process, one thread):
      pipelines whenever N ≥ (f+1)·n0 (and `degraded` says so exactly when N is
      smaller), every pipeline is a template size, and the microbatch counts sum to
      the batch. Reported: median / p95 / max over all N, the N of the max, and how
-     many N took over `--limit` seconds (the Must-show asks for 0).
+     many N took over `--limit` seconds (the Must-show asks for 0). Only the samples'
+     plans are kept alive: holding a thousand plans of up to 1,024 stages would make the
+     garbage collector's full passes land, hundreds of ms each, inside the timings.
+     The search alone (`Planner._best_multiset` + `_split`, no Plan built) is timed in a
+     second pass, when the planner has those methods.
   3. What a user pays for one N without a cached planner: construction + instantiate.
      For every N as the sum (cold construction + that N's instantiate), and measured
      directly at the sample N's: a fresh Planner and instantiate in this process, and
      `runtime.planning.plan_job` on configs/gpt3-175b.yaml (what `planaria plan` runs
      in-process: cost model, planner, plan, MFU). Once, the real CLI for the largest
      N as a subprocess (Python start-up and the torch import included).
-  4. Re-planning after a failure, at the sample N's, when `instantiate` takes the
-     running plan (`current=`): the plan for N+1 nodes loses one node.
+  4. Re-planning after a failure, at every --replan-step-th N and the samples, when
+     `instantiate` takes the running plan (`current=`): the plan for N+1 nodes (node0 ..
+     nodeN) loses its middle node, and the N survivors are planned with it as current.
   5. Baseline, side by side: a naive planner for N ≤ --naive-max-nodes that
      enumerates every multiset of template sizes summing to N (with ≥ min(f+1, N//n0)
      pipelines, as the planner requires), splits the batch over each with the
      planner's own greedy split (`Planner._split`, each microbatch to the pipeline
      that finishes it first), adds the planner's gradient-sync estimate
      (`Planner._sync_time`), and keeps the fastest. It must reach the planner's
-     iteration time; the table gives the time ratio. The naive time leaves out
+     slowest pipeline (what the planner's search minimises); the table also compares
+     iteration times (sync included) and gives the time ratio. The naive time leaves out
      building the Plan, which instantiate's time includes, so the ratio is
      conservative. For larger N the number of multisets is counted (not enumerated)
      and the naive time extrapolated from its measured cost per multiset.
-  6. If any N takes over --limit (or with --profile): cProfile of instantiate at the
-     slowest N, top functions by cumulative and by own time.
+     Beyond it, at the sample N's, a sync-aware reference: the planner's own search
+     restricted, for each template's gradient-sync cost w, to the templates whose sync
+     is at most w, with the sync added; the best over w. The planner minimises the
+     slowest pipeline and adds the sync afterwards, so it can miss a plan whose deeper
+     pipelines (smaller stages, less gradient to all-reduce) finish sooner overall.
+  6. If any N takes over --limit (or with --profile): cProfile of the slowest
+     instantiate, and of the slowest re-plan, top functions by cumulative and own time.
 
 Sample plans (N = 8, 18, 37, 64, 256, 1024 by default): pipelines × stages, the
 microbatch split, estimated iteration time, tokens/s and MFU with
@@ -55,11 +67,11 @@ microbatch split, estimated iteration time, tokens/s and MFU with
 
 The machine's load is reported: the load average before and after, and the share of
 the CPUs other processes used during the all-N loop (from /proc/stat).
-Exit status 0 when every plan is valid, no N is over the limit, and the naive
-baseline reaches the planner's slowest pipeline (the quantity its deadline search
-minimises); 1 otherwise. Where the naive pick has a smaller iteration time once the
-gradient sync is added, that is listed as a finding (the planner's plan is valid, a
-little slower), not a failure.
+Exit status 0 when every plan is valid, no call (instantiate, cold construction +
+instantiate, re-plan) is over the limit, and the naive baseline reaches the planner's
+slowest pipeline; 1 otherwise. Where the naive baseline or the sync-aware reference
+has a smaller iteration time once the gradient sync is added, that is listed as a
+finding (the planner's plan is valid, a little slower), not a failure.
 """
 from __future__ import annotations
 
@@ -237,7 +249,10 @@ def naive_plan(planner: Planner, n: int, sizes: list[int]) -> dict:
     started = time.perf_counter()
     for combo in multisets(n, [s for s in sizes if s <= n], want):
         seen += 1
-        counts = planner._split(combo)
+        try:
+            counts = planner._split(combo)
+        except ValueError:  # no count per pipeline that the schedule accepts
+            continue
         slowest = max(planner.template(s).iteration_time(m) for s, m in zip(combo, counts))
         t = slowest + planner._sync_time(combo)
         if best is None or t < best[0]:
@@ -251,6 +266,45 @@ def naive_plan(planner: Planner, n: int, sizes: list[int]) -> dict:
     return {"n": n, "multisets": seen, "time_s": elapsed, "iteration_time_s": best[0],
             "sizes": best[1], "counts": best[2], "slowest_pipeline_s": fastest[0],
             "slowest_pipeline_sizes": fastest[1]}
+
+
+class _Restricted(Planner):
+    """The planner's own search over a subset of its template sizes (`allowed`)."""
+
+    allowed: frozenset[int] | None = None
+
+    def _sizes_for(self, num_nodes: int) -> list[int]:
+        sizes = super()._sizes_for(num_nodes)
+        return [s for s in sizes if self.allowed is None or s in self.allowed]
+
+
+def sync_aware_plan(restricted: _Restricted, n: int) -> dict | None:
+    """The best iteration time (slowest pipeline + sync) over sync classes.
+
+    The planner's search minimises the slowest pipeline; the gradient sync it adds
+    afterwards grows with the largest stage of the templates used (fewer nodes per
+    pipeline, more layers per stage). For each template's sync cost w, search only the
+    templates whose sync is at most w, then add the sync: the best of these is at
+    least as good as the planner's pick (the last class is all templates).
+    """
+    sizes = sorted(restricted.templates)
+    sync = {s: restricted._sync_time([s, s]) for s in sizes}  # proportional to the largest stage
+    best = None
+    for w in sorted(set(sync.values())):
+        restricted.allowed = frozenset(s for s in sizes if sync[s] <= w)
+        if min(restricted.allowed) > n:
+            continue
+        try:
+            combo, _ = restricted._best_multiset(n)
+            counts = restricted._split(combo)
+        except ValueError:  # no multiset of these sizes uses n nodes, or no schedulable split
+            continue
+        slowest = max(restricted.template(s).iteration_time(m) for s, m in zip(combo, counts))
+        t = slowest + restricted._sync_time(combo)
+        if best is None or t < best["iteration_time_s"]:
+            best = {"iteration_time_s": t, "sizes": combo, "slowest_pipeline_s": slowest}
+    restricted.allowed = None
+    return best
 
 
 # ------------------------------------------------------------------ formatting
@@ -287,17 +341,24 @@ def table(rows: list[list[str]], header: list[str], right: set[int] | None = Non
     return "\n".join([fmt(header), "  ".join("-" * w for w in widths), *map(fmt, rows)])
 
 
-def profile_instantiate(planner: Planner, n: int, top: int = 12) -> str:
+def failure_case(planner: Planner, n: int):
+    """(running plan for n+1 nodes, the n survivors) when the middle node of n+1 fails."""
+    old = planner.instantiate(n + 1).plan
+    lost = f"node{(n + 1) // 2}"
+    return old, [f"node{i}" for i in range(n + 1) if f"node{i}" != lost]
+
+
+def profile_call(label: str, call, top: int = 12) -> str:
     profiler = cProfile.Profile()
     profiler.enable()
-    planner.instantiate(n)
+    call()
     profiler.disable()
     out = io.StringIO()
     stats = pstats.Stats(profiler, stream=out)
     stats.strip_dirs()
-    out.write(f"cProfile of instantiate({n}), by cumulative time:\n")
+    out.write(f"cProfile of {label}, by cumulative time:\n")
     stats.sort_stats("cumulative").print_stats(top)
-    out.write(f"cProfile of instantiate({n}), by own time:\n")
+    out.write(f"cProfile of {label}, by own time:\n")
     stats.sort_stats("tottime").print_stats(top)
     return "\n".join(line for line in out.getvalue().splitlines() if line.strip())
 
@@ -320,6 +381,8 @@ def parse(argv):
                    help="N's whose plans are printed and whose per-N user cost is measured")
     p.add_argument("--limit", type=float, default=1.0, help="seconds per N (the Must-show: 1)")
     p.add_argument("--warm-constructions", type=int, default=5)
+    p.add_argument("--replan-step", type=int, default=8,
+                   help="time a re-plan after a failure at every step-th N and the samples (0: none)")
     p.add_argument("--profile", action="store_true", help="cProfile the slowest N even if under the limit")
     p.add_argument("--no-cli", action="store_true", help="skip the `planaria plan` subprocess")
     p.add_argument("--json", help="write every figure here")
@@ -391,18 +454,36 @@ def main(argv: list[str] | None = None) -> int:
     say(f"\ninstantiate(N) for {len(ns)} values of N in [{first}, {args.max_nodes}] on one planner "
         "(templates cached, as in a running job)...")
     times: dict[int, float] = {}
-    choices: dict[int, object] = {}
+    choices: dict[int, object] = {}  # only the samples' plans: keeping 1,000 plans of up to
+    picked: dict[int, tuple] = {}  # 1,024 stages alive makes the GC's full passes slow
     busy0, cpu0, wall0 = busy_seconds(), time.process_time(), time.perf_counter()
+    refused: dict[int, str] = {}  # N's the planner raised ValueError for
     for n in ns:
         t0 = time.perf_counter()
-        choice = planner.instantiate(n)
+        try:
+            choice = planner.instantiate(n)
+        except ValueError as err:
+            refused[n] = str(err)
+            continue
         times[n] = time.perf_counter() - t0
         problems += check_plan(planner, choice, n)
-        choices[n] = choice
+        picked[n] = (sorted((len(p.stages) for p in choice.plan.pipelines), reverse=True),
+                     choice.iteration_time_s, max(choice.pipeline_times_s))
+        if n in samples:
+            choices[n] = choice
+        del choice
         if times[n] > args.limit:
             say(f"  N={n}: {times[n]:.3f} s (over {args.limit:g} s)")
     wall = time.perf_counter() - wall0
     cpu = time.process_time() - cpu0
+    if refused:
+        say(f"the planner refused {len(refused)} N's: {sorted(refused)[:20]}"
+            f"{'...' if len(refused) > 20 else ''}; first reason: {refused[min(refused)]}")
+        problems += [f"N={n}: refused: {why}" for n, why in sorted(refused.items())]
+        ns = [n for n in ns if n in times]
+    if not ns:
+        say("no N was planned")
+        return 1
     foreign = max(0.0, (busy_seconds() - busy0 - cpu) / (wall * (os.cpu_count() or 1)))
     values = list(times.values())
     worst_n = max(times, key=times.get)
@@ -450,7 +531,7 @@ def main(argv: list[str] | None = None) -> int:
         "loop_wall_s": wall, "cpu_per_wall": cpu / wall, "other_processes_cpu_share": foreign,
         "per_n": {str(n): times[n] for n in ns},
         "user_cost_max_s": max(user_cost.values()), "user_cost_over_limit": user_over,
-        "problems": problems,
+        "problems": problems, "refused": {str(n): why for n, why in refused.items()},
         "search_per_n": {str(n): search[n] for n in search},
     }
 
@@ -524,10 +605,10 @@ def main(argv: list[str] | None = None) -> int:
 
     if not args.no_cli and plan_job_fn is not None:
         n = args.max_nodes
-        cli = ["planaria", "plan", os.path.relpath(CONFIG, REPO), "--nodes", str(n), "--gpus-per-node",
-               str(g), "--hardware", args.hardware, "--fault-tolerance", str(f), "--json",
-               f"train.global_batch={args.global_batch}", f"parallel.schedule={args.schedule}",
-               f"parallel.virtual_stages={args.virtual_stages}"]
+        cli = ["planaria", "plan", os.path.relpath(CONFIG, REPO), f"train.global_batch={args.global_batch}",
+               f"parallel.schedule={args.schedule}", f"parallel.virtual_stages={args.virtual_stages}",
+               "--nodes", str(n), "--gpus-per-node", str(g), "--hardware", args.hardware,
+               "--fault-tolerance", str(f), "--json"]
         t0 = time.perf_counter()
         proc = subprocess.run([sys.executable, "-m", "planaria.chaos.cli", *cli[1:]], check=False, cwd=REPO,
                               capture_output=True, text=True, timeout=600)
@@ -541,23 +622,45 @@ def main(argv: list[str] | None = None) -> int:
             problems.append(f"`{shlex.join(cli)}` exited {proc.returncode}: {proc.stderr[-500:]}")
 
     # 4. re-plan after a failure ---------------------------------------------------
-    if "current" in inspect.signature(planner.instantiate).parameters:
-        say("\nre-plan after one failure: instantiate(N, survivors, current=plan for N+1), "
-            "the middle node of N+1 lost:")
-        rows, replan = [], []
-        for n in sample_ns:
-            old = planner.instantiate(n + 1).plan
-            lost = f"node{(n + 1) // 2}"
-            survivors = [f"node{i}" for i in range(n + 1) if f"node{i}" != lost]
-            t0 = time.perf_counter()
-            c = planner.instantiate(n, survivors, current=old)
-            dt = time.perf_counter() - t0
+    replan_times: dict[int, float] = {}
+    replan_over: list[int] = []
+    if args.replan_step and "current" in inspect.signature(planner.instantiate).parameters:
+        rns = [n for n in ns if n % args.replan_step == 0 or n in samples]
+        say(f"\nre-plan after one failure, for {len(rns)} N's (every {args.replan_step}th and the "
+            "samples): instantiate(N, survivors, current=plan for N+1 nodes), the middle node "
+            "of the N+1 lost")
+        replan = []
+        for n in rns:
+            try:
+                old, survivors = failure_case(planner, n)
+                t0 = time.perf_counter()
+                c = planner.instantiate(n, survivors, current=old)
+            except ValueError as err:
+                problems.append(f"N={n}: re-plan refused: {err}")
+                continue
+            replan_times[n] = time.perf_counter() - t0
             problems += check_plan(planner, c, n, survivors)
-            moved = getattr(c, "moved_bytes", None)
-            rows.append([str(n), ms(dt), "" if moved is None else f"{moved / 1e9:.1f}"])
-            replan.append({"n": n, "time_s": dt, "moved_bytes": moved})
-        say(table(rows, ["N", "re-plan (ms)", "state moved (GB)"]))
-        result["replan"] = replan
+            replan.append({"n": n, "time_s": replan_times[n], "moved_bytes": getattr(c, "moved_bytes", None),
+                           "pipelines": sorted((len(p.stages) for p in c.plan.pipelines), reverse=True),
+                           "iteration_time_s": c.iteration_time_s})
+            del old, c
+        replan_over = [n for n in replan_times if replan_times[n] > args.limit]
+        rvalues = list(replan_times.values()) or [float("nan")]
+        worst_replan = max(replan_times, key=replan_times.get, default=None)
+        say(f"re-plan: median {ms(statistics.median(rvalues))} ms | p95 {ms(quantile(rvalues, 0.95))} ms "
+            f"| max {ms(max(rvalues))} ms at N = {worst_replan} | N's over {args.limit:g} s: "
+            f"{len(replan_over)}" + (f" (from N = {replan_over[0]})" if replan_over else ""))
+        rows = []
+        for r in replan:
+            if r["n"] in samples:
+                moved = r["moved_bytes"]
+                rows.append([str(r["n"]), ms(r["time_s"]), shape_summary(r["pipelines"]),
+                             f"{r['iteration_time_s']:.2f}",
+                             "" if moved is None else f"{moved / 1e9:,.1f}"])
+        say(table(rows, ["N", "re-plan (ms)", "pipelines × stages", "iteration (s)",
+                         "state moved (GB)"], right={0, 1, 3, 4}))
+        result["replan"] = {"per_n": replan, "over_limit": replan_over, "max_s": max(rvalues),
+                            "max_at": worst_replan, "median_s": statistics.median(rvalues)}
 
     # 5. naive baseline --------------------------------------------------------------
     naive_ns = [n for n in ns if n <= args.naive_max_nodes]
@@ -568,36 +671,34 @@ def main(argv: list[str] | None = None) -> int:
         per_multiset = []
         for n in naive_ns:
             b = naive_plan(planner, n, sizes)
-            mine = choices[n]
-            msizes = sorted((len(p.stages) for p in mine.plan.pipelines), reverse=True)
-            mslow = max(mine.pipeline_times_s)
-            tol = 1e-9 * mine.iteration_time_s
+            msizes, miter, mslow = picked[n]
+            tol = 1e-9 * miter
             same_slowest = (b["slowest_pipeline_s"] is not None
                             and abs(b["slowest_pipeline_s"] - mslow) <= tol)
             same = (b["iteration_time_s"] is not None
-                    and abs(b["iteration_time_s"] - mine.iteration_time_s) <= tol)
+                    and abs(b["iteration_time_s"] - miter) <= tol)
             if not same_slowest:
                 problems.append(f"N={n}: naive slowest pipeline {b['slowest_pipeline_s']} s "
                                 f"({b.get('slowest_pipeline_sizes')}) vs planner {mslow} s ({msizes})")
-            gap = (mine.iteration_time_s / b["iteration_time_s"] - 1 if b["iteration_time_s"]
+            gap = (miter / b["iteration_time_s"] - 1 if b["iteration_time_s"]
                    else float("nan"))
             if not same and b["sizes"]:
                 bsync = planner._sync_time(b["sizes"])
                 findings.append(
-                    f"N={n}: planner {shape_summary(msizes)} {mine.iteration_time_s:.4f} s = slowest "
-                    f"pipeline {mslow:.4f} + sync {mine.iteration_time_s - mslow:.4f}; naive "
+                    f"N={n}: planner {shape_summary(msizes)} {miter:.4f} s = slowest "
+                    f"pipeline {mslow:.4f} + sync {miter - mslow:.4f}; naive "
                     f"{shape_summary(b['sizes'])} {b['iteration_time_s']:.4f} s = "
                     f"{b['iteration_time_s'] - bsync:.4f} + {bsync:.4f}; planner {gap:+.3%}")
             if b["multisets"]:
                 per_multiset.append(b["time_s"] / b["multisets"])
             ratio = b["time_s"] / times[n]
-            naive.append({**b, "planner_iteration_time_s": mine.iteration_time_s,
+            naive.append({**b, "planner_iteration_time_s": miter,
                           "planner_slowest_pipeline_s": mslow, "planner_sizes": msizes,
                           "planner_s": times[n], "equal": same, "equal_slowest_pipeline": same_slowest,
                           "planner_gap": gap, "ratio": ratio})
             rows.append([str(n), str(b["multisets"]), shape_summary(b["sizes"] or []),
                          f"{b['iteration_time_s']:.4f}" if b["iteration_time_s"] else "-",
-                         shape_summary(msizes), f"{mine.iteration_time_s:.4f}",
+                         shape_summary(msizes), f"{miter:.4f}",
                          "yes" if same else f"{gap:+.3%}", "yes" if same_slowest else "NO",
                          ms(b["time_s"]), ms(times[n]), f"{ratio:.2f}"])
         say(table(rows, ["N", "multisets", "naive pick", "naive iter (s)", "planner pick",
@@ -630,21 +731,58 @@ def main(argv: list[str] | None = None) -> int:
                       ["N", "multisets", "naive (s, extrapolated)", "planner (ms, measured)"]))
         result["naive"] = {"per_n": naive, "per_multiset_s": cost, "extrapolated": extrapolated}
 
+    if sample_ns and hasattr(planner, "_best_multiset") and hasattr(planner, "_sync_time"):
+        say("\nsync-aware reference at the sample N's: for each template's gradient-sync cost w, the "
+            "planner's own search over the templates whose sync is ≤ w, plus the sync; the best kept")
+        restricted = _Restricted(costs, settings)
+        rows, aware = [], []
+        for n in sample_ns:
+            ref = sync_aware_plan(restricted, n)
+            c = choices[n]
+            if ref is None:
+                continue
+            gap = c.iteration_time_s / ref["iteration_time_s"] - 1
+            psizes = [len(p.stages) for p in c.plan.pipelines]
+            mslow = max(c.pipeline_times_s)
+            rows.append([str(n), shape_summary(psizes), f"{mslow:.3f}", f"{c.iteration_time_s - mslow:.3f}",
+                         f"{c.iteration_time_s:.3f}", shape_summary(ref["sizes"]),
+                         f"{ref['slowest_pipeline_s']:.3f}",
+                         f"{ref['iteration_time_s'] - ref['slowest_pipeline_s']:.3f}",
+                         f"{ref['iteration_time_s']:.3f}", f"{gap:+.2%}"])
+            aware.append({"n": n, **ref, "planner_iteration_time_s": c.iteration_time_s,
+                          "planner_sizes": psizes, "planner_gap": gap})
+            if gap > 1e-9:
+                findings.append(f"N={n}: planner {shape_summary(psizes)} {c.iteration_time_s:.4f} s; "
+                                f"sync-aware {shape_summary(ref['sizes'])} {ref['iteration_time_s']:.4f} s; "
+                                f"planner {gap:+.3%}")
+        say(table(rows, ["N", "planner pick", "slowest (s)", "sync (s)", "iteration (s)", "sync-aware pick",
+                         "slowest (s)", "sync (s)", "iteration (s)", "planner slower by"],
+                  right={0, 2, 3, 4, 6, 7, 8, 9}))
+        result["sync_aware"] = aware
+
     # 6. profile ------------------------------------------------------------------------
     if over or user_over or args.profile:
-        target = worst_n
-        say(f"\nslowest N = {target} ({times[target]:.3f} s):")
-        text = profile_instantiate(planner, target)
+        say(f"\nslowest N = {worst_n} ({times[worst_n]:.3f} s):")
+        text = profile_call(f"instantiate({worst_n})", lambda: planner.instantiate(worst_n))
         say(text)
         result["profile"] = text
+    if replan_times and (replan_over or args.profile):
+        target = max(replan_times, key=replan_times.get)
+        old, survivors = failure_case(planner, target)
+        say(f"\nslowest re-plan, N = {target} ({replan_times[target]:.3f} s):")
+        text = profile_call(f"instantiate({target}, survivors, current=plan for {target + 1})",
+                            lambda: planner.instantiate(target, survivors, current=old))
+        say(text)
+        result["profile_replan"] = text
 
     result["problems"] = problems
     result["findings"] = findings
-    ok = not problems and not over
-    say(f"\nverdict: {'PASS' if ok else 'FAIL'}: {len(ns)} N's planned, "
-        f"{len(over)} over {args.limit:g} s (instantiate), {len(user_over)} over with a cold "
-        f"construction, {len(problems)} problem(s), {len(findings)} N's where the naive baseline "
-        "found a faster iteration")
+    ok = not problems and not over and not user_over and not replan_over
+    say(f"\nverdict: {'PASS' if ok else 'FAIL'}: {len(ns)} N's planned; over {args.limit:g} s: "
+        f"{len(over)} (instantiate), {len(user_over)} (with a cold construction), "
+        f"{len(replan_over)} of {len(replan_times)} (re-plan after a failure); "
+        f"{len(problems)} problem(s); {len(findings)} finding(s) of a faster iteration than "
+        "the planner's (naive baseline or sync-aware reference)")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1, default=str))
         say(f"figures written to {args.json}")

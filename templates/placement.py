@@ -8,7 +8,9 @@ replica. Placement decides which surviving node takes which stage.
 The placement is greedy: first every stage goes to a free node that already holds
 exactly its layers, if there is one (a dictionary lookup on the layer set, so an
 unchanged pipeline costs nothing to keep); then the remaining stages, largest first,
-each to the free node missing the fewest bytes. An optimal assignment (Hungarian algorithm) costs
+each to the free node missing the fewest bytes. Nodes holding the same layers are
+interchangeable, so each step looks at one candidate per distinct layer set, which
+keeps re-planning for a thousand nodes well under a second. An optimal assignment (Hungarian algorithm) costs
 O(N³) for N nodes; after a failure almost every stage has an exact holder, which the
 greedy keeps, so the difference is confined to the few stages that really change.
 """
@@ -40,35 +42,50 @@ def place_nodes(stages: Sequence[StageLayers], node_ids: Sequence[str], current:
     if current is None:
         return list(node_ids)  # nothing to keep: nodes in the order given
     held = layers_held(current, node_ids)
-    by_layers: dict[StageLayers, list[str]] = {}
-    for node in reversed(node_ids):  # popped from the end: node order decides ties
-        by_layers.setdefault(held[node], []).append(node)
-    free = set(node_ids)
+    # Free nodes grouped by the layers they hold, each group in node order (popped from
+    # the end). Nodes holding the same layers are interchangeable, so the search below
+    # looks at one candidate per group, not at every node.
+    groups: dict[StageLayers, list[str]] = {}
+    for node in reversed(node_ids):
+        groups.setdefault(held[node], []).append(node)
+    position = {node: i for i, node in enumerate(node_ids)}
     placed: list[str | None] = [None] * len(stages)
 
-    def cost(stage: StageLayers) -> int:
-        return sum(layer_bytes(layer) for layer in stage)
+    def cost(layers: StageLayers) -> int:
+        return sum(layer_bytes(layer) for layer in layers)
+
+    def take(layers: StageLayers) -> str:
+        node = groups[layers].pop()
+        if not groups[layers]:
+            del groups[layers]
+        return node
 
     order = sorted(range(len(stages)), key=lambda i: (-cost(stages[i]), i))
     # First every stage whose layers a free node already holds: keeping it costs nothing.
     for index in order:
-        holders = by_layers.get(stages[index], [])
-        while holders and holders[-1] not in free:
-            holders.pop()
-        if holders:
-            placed[index] = holders.pop()
-            free.discard(placed[index])
+        if stages[index] in groups:
+            placed[index] = take(stages[index])
     # Then the rest, largest first, each to the free node missing the fewest bytes.
     for index in order:
         if placed[index] is None:
             stage = stages[index]
-            placed[index] = min(free, key=lambda n: (cost(stage - held[n]), node_ids.index(n)))
-            free.discard(placed[index])
+            best = min(groups, key=lambda h: (cost(stage - h), position[groups[h][-1]]))
+            placed[index] = take(best)
     return placed  # type: ignore[return-value]
 
 
 def moved_bytes(old: Plan, new: Plan, layer_bytes: Callable[[int], int]) -> int:
-    """Bytes of layer state the move from `old` to `new` sends (one tp shard per transfer)."""
-    from planaria.templates.plan import transfers
+    """Bytes of layer state the move from `old` to `new` sends: one tp shard per transfer.
 
-    return sum(layer_bytes(t.layer) for t in transfers(old, new))
+    The same count as `planaria.templates.plan.transfers` (a shard a worker lacks and
+    some survivor holds), computed per node from layer sets, without choosing sources.
+    """
+    new_nodes = [stage.node for pipeline in new.pipelines for stage in pipeline.stages]
+    held = layers_held(old, new_nodes)
+    surviving = frozenset().union(*held.values())
+    total = 0
+    for pipeline in new.pipelines:
+        for stage in pipeline.stages:
+            missing = (frozenset(stage.layers()) - held[stage.node]) & surviving
+            total += new.tp * sum(layer_bytes(layer) for layer in missing)
+    return total

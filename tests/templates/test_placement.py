@@ -62,3 +62,15 @@ def test_new_nodes_take_what_survivors_do_not_hold():
 def test_place_nodes_needs_one_node_per_stage():
     with pytest.raises(ValueError, match="2 stages need as many nodes"):
         place_nodes([frozenset({0}), frozenset({1})], ["a"], None, lambda layer: 1)
+
+
+def test_moved_bytes_counts_what_transfers_sends(planner):
+    from planaria.templates.plan import transfers
+
+    nodes = [f"n{i}" for i in range(40)]
+    first = planner.instantiate(40, nodes).plan
+    alive = [n for n in nodes if n not in ("n1", "n22")] + ["fresh0"]
+    for tolerance in (0.0, 0.03):
+        choice = planner.instantiate(len(alive), alive, current=first, epoch=1, tolerance=tolerance)
+        expected = sum(planner.costs.layers[t.layer].state_bytes for t in transfers(first, choice.plan))
+        assert choice.moved_bytes == expected > 0
