@@ -223,6 +223,14 @@ class Planner:
         return min(self.settings.fault_tolerance + 1, num_nodes // self.n0)
 
     def _best_multiset(self, num_nodes: int) -> tuple[list[int], float]:
+        """The multiset of template sizes with the smallest iteration time, gradient sync included.
+
+        The sync across pipelines costs most for the largest stage in use, which the
+        smallest template holds; so the search runs once for each smallest allowed size
+        (sizes below it left out) and keeps the best total. Within one run the slowest
+        pipeline is minimised exactly; the sync then depends only on that size class
+        and on the pipeline count, which varies little (its factor is 2(k-1)/k).
+        """
         total = self.settings.total_microbatches
         want = self._target_pipelines(num_nodes)
         if want > total:
@@ -231,21 +239,37 @@ class Planner:
                 f"train.global_batch / train.micro_batch = {total}: raise the global batch or "
                 "lower the micro batch"
             )
-        # The best deadline is the finishing time of some pipeline: T_s(m) for a size s
-        # and a count m. Binary search over those candidates is exact.
         sizes = self._sizes_for(num_nodes)
-        candidates = sorted({self.template(s).iteration_time(m)
-                             for s in sizes for m in range(1, total + 1)})
-        lo, hi = 0, len(candidates) - 1
-        best = self._pack(num_nodes, candidates[hi], want)
+        best: tuple[float, list[int], float] | None = None
+        for smallest in sizes:
+            found = self._fastest_packing(num_nodes, [s for s in sizes if s >= smallest], want)
+            if found is not None:
+                packing, deadline = found
+                estimate = deadline + self._sync_time(packing)
+                if best is None or estimate < best[0]:
+                    best = (estimate, packing, deadline)
         if best is None:
             raise ValueError(
                 f"no set of pipelines uses all {num_nodes} nodes: the template sizes that fit in "
                 f"memory are {sizes}; add or remove a node, or lower the memory per stage "
                 "(tensor parallelism, recomputation, a smaller micro batch)")
+        return best[1], best[2]
+
+    def _fastest_packing(self, num_nodes: int, sizes: list[int],
+                         want: int) -> tuple[list[int], float] | None:
+        """Sizes (from `sizes`) minimising the slowest pipeline, and that pipeline's time."""
+        total = self.settings.total_microbatches
+        # The best deadline is the finishing time of some pipeline: T_s(m) for a size s
+        # and a count m. Binary search over those candidates is exact.
+        candidates = sorted({self.template(s).iteration_time(m)
+                             for s in sizes for m in range(1, total + 1)})
+        lo, hi = 0, len(candidates) - 1
+        best = self._pack(num_nodes, candidates[hi], want, sizes)
+        if best is None:
+            return None
         while lo < hi:
             mid = (lo + hi) // 2
-            packed = self._pack(num_nodes, candidates[mid], want)
+            packed = self._pack(num_nodes, candidates[mid], want, sizes)
             if packed is None:
                 lo = mid + 1
             else:
@@ -271,7 +295,8 @@ class Planner:
             return False  # deeper pipelines hold more microbatches in flight on stage 0
         return True
 
-    def _pack(self, num_nodes: int, deadline: float, min_pipelines: int) -> list[int] | None:
+    def _pack(self, num_nodes: int, deadline: float, min_pipelines: int,
+              sizes: list[int]) -> list[int] | None:
         """Sizes summing to num_nodes, ≥ min_pipelines of them, that run the whole batch by `deadline`.
 
         Unbounded knapsack over node counts: best[n][k] = most microbatches that sizes
@@ -280,7 +305,6 @@ class Planner:
         needs one), and otherwise capped at min_pipelines, which is all that matters.
         """
         total = self.settings.total_microbatches
-        sizes = self._sizes_for(num_nodes)
         if not sizes:
             return None
         capacity = {s: self.template(s).max_microbatches(deadline, total) for s in sizes}
