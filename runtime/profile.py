@@ -14,6 +14,7 @@ import torch
 
 from planaria.runtime.config import Config, model_shape, torch_dtypes
 from planaria.runtime.model import LayerModel
+from planaria.runtime.optim import OptimizerSettings, build_optimizer
 from planaria.runtime.tensor_parallel import TensorParallel
 from planaria.templates.analytic import hardware
 from planaria.templates.costs import CostModel
@@ -22,15 +23,21 @@ from planaria.templates.profiler import profile_layers
 
 def profile_model(cfg: Config, *, device: torch.device | str | None = None,
                   cache_dir: str | Path | None = None, hardware_name: str = "cpu",
-                  num_threads: int | None = None, repeats: int = 5,
-                  warmup: int = 2) -> CostModel:
+                  num_threads: int | None = None, repeats: int = 20,
+                  warmup: int = 2, statistic: str = "mean",
+                  measure_links: bool | None = None) -> CostModel:
     """Measure the config's layers on `device` (default: CUDA if present, else CPU).
 
     One microbatch of `train.micro_batch` sequences, `train.dtype` (bf16 autocast over
     float32 weights), `train.recompute`, and `parallel.tp` derived from tp = 1 as the
-    profiler documents. The head is profiled with the training loss. `hardware_name`
-    names the preset whose links cost the tensor-parallel all-reduces and the sends
-    between stages. `num_threads=1` profiles as the workers run under torchrun.
+    profiler documents. The head is profiled with the training loss; each layer's
+    update with the engine's optimizer (`build_optimizer`: one AdamW(foreach=False) per
+    layer, weight decay on matrices). `hardware_name` names the preset whose links cost
+    the tensor-parallel all-reduces and the sends between stages. `num_threads=1`
+    profiles as the workers run under torchrun. `statistic`: "mean" or "median" of the
+    timed repeats (the profiler's docstring says why the mean). `measure_links`
+    (default: for "cpu" on a CPU device) measures gloo between two processes and uses
+    it for the links, message overhead and commit (`profiler.measure_gloo_links`).
     """
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -55,6 +62,15 @@ def profile_model(cfg: Config, *, device: torch.device | str | None = None,
     def loss_fn(logits: torch.Tensor) -> torch.Tensor:
         return LayerModel.loss(logits, targets, solo)
 
+    settings = OptimizerSettings(lr=t.lr, min_lr=t.min_lr, warmup_steps=t.warmup_steps,
+                                 lr_schedule=t.lr_schedule, total_steps=t.steps,
+                                 weight_decay=t.weight_decay)
+
+    def make_optimizer(layer: torch.nn.Module) -> torch.optim.Optimizer:
+        return build_optimizer(layer, settings)
+
+    if measure_links is None:
+        measure_links = hardware_name == "cpu" and device.type == "cpu"
     hw = hardware(hardware_name, gpus_per_node=cfg.parallel.tp)
     return profile_layers(build_layer, make_input, shape, hw,
                           tp=cfg.parallel.tp, micro_batch=t.micro_batch, dtype=t.dtype,
@@ -62,4 +78,5 @@ def profile_model(cfg: Config, *, device: torch.device | str | None = None,
                           cache_dir=None if cache_dir is None else Path(cache_dir),
                           cache_key={"model": "planaria-llama", "norm_eps": m.norm_eps,
                                      "rope_theta": m.rope_theta},
-                          loss_fn=loss_fn, num_threads=num_threads)
+                          loss_fn=loss_fn, num_threads=num_threads, make_optimizer=make_optimizer,
+                          statistic=statistic, measure_links=measure_links)

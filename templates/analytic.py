@@ -74,7 +74,13 @@ def hardware(name: str, *, gpus_per_node: int | None = None) -> Hardware:
 
     On cpu each worker is one process and "device memory" is the physical memory
     divided among `gpus_per_node` workers (default 1). The measurement runs once per
-    process (about half a second) and is reused.
+    process (about half a second) and is reused. Its links are a raw loopback TCP
+    socket's, a lower bound: a gloo message between two worker processes takes about
+    ten times the socket's latency, and costs each worker time to post and complete.
+    The profiled cost model (`planaria.templates.profiler`, `measure_links=True`, the
+    default of `planaria.runtime.profile.profile_model` on CPU) replaces the links,
+    message overhead and commit time with gloo measured between two processes; this
+    module cannot, as it does not import torch.
     """
     if name not in HARDWARE_NAMES:
         raise ValueError(f"unknown hardware {name!r}; valid names are {list(HARDWARE_NAMES)}")

@@ -2,8 +2,10 @@
 
 Everything the planner knows about a job is here, as plain numbers: how long each
 layer's forward and backward take for one microbatch on one worker of a stage, how
-many bytes of state it pins, how many bytes of activations it keeps per microbatch in
-flight, and how many bytes it hands to the next stage. Two sources fill a `CostModel`:
+long its parameter update takes once per iteration, how many bytes of state it pins,
+how many bytes of activations it keeps per microbatch in flight, and how many bytes it
+hands to the next stage; and, for the links, what a message costs besides its latency
+and bandwidth, and what the iteration's small commit all-reduce costs. Two sources fill a `CostModel`:
 the analytic estimate from FLOPs and bytes (`planaria.templates.analytic`) and the
 profiler that measures real layers (`planaria.templates.profiler`).
 
@@ -85,13 +87,29 @@ class Hardware:
     matmul_efficiency: float = 0.5
     """Fraction of peak that training layers reach; MFU of a well-run job."""
     link_latency_s: float = 1e-5
-    """Fixed cost of one message."""
+    """Fixed cost of one message: from the send being posted to the data arriving."""
+    message_overhead_s: float = 0.0
+    """Time a worker is kept busy by each point-to-point message it sends or receives
+    (posting it and completing it), on top of the latency, which the receiver can hide
+    behind compute. Every stage pays it for every microbatch at every boundary it
+    touches, so it is part of the stage time. Negligible where the runtime posts
+    messages asynchronously on a separate stream (NCCL on GPUs: 0 in the presets);
+    about 0.1 ms with gloo on CPU, where the worker's own thread posts and completes
+    every message (measured by `planaria.templates.profiler.measure_gloo_links`)."""
+    collective_latency_s: float = 0.0
+    """Time of an all-reduce of a few bytes among a job's workers: the per-iteration
+    commit all-reduce of [squared gradient norm, loss]. 0 in the GPU presets (tens of
+    microseconds, lost in their iteration times); measured on CPU."""
 
     def __post_init__(self) -> None:
         for name in ("device_memory_bytes", "peak_flops", "gpus_per_node",
                      "intra_node_bandwidth", "inter_node_bandwidth", "matmul_efficiency"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"hardware {self.name!r}: {name} must be positive, "
+                                 f"got {getattr(self, name)}")
+        for name in ("link_latency_s", "message_overhead_s", "collective_latency_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"hardware {self.name!r}: {name} must not be negative, "
                                  f"got {getattr(self, name)}")
 
 
@@ -108,6 +126,14 @@ class LayerCost:
     """Bytes kept from forward to backward, per microbatch in flight."""
     output_bytes: int
     """Bytes of the layer's output, sent to the next stage when a stage ends here."""
+    optimizer_s: float = 0.0
+    """Once per iteration, not per microbatch: this layer's share of the parameter
+    update on one worker (gradient norm, clipping, the optimizer step, zeroing the
+    gradients). 0 when not measured (the analytic model)."""
+
+    def __post_init__(self) -> None:
+        if self.optimizer_s < 0:
+            raise ValueError(f"optimizer_s must not be negative, got {self.optimizer_s}")
 
 
 @dataclass(frozen=True)
@@ -130,6 +156,7 @@ class CostModel:
         object.__setattr__(self, "_compute", prefix(l.forward_s + l.backward_s for l in self.layers))
         object.__setattr__(self, "_state", prefix(l.state_bytes for l in self.layers))
         object.__setattr__(self, "_activation", prefix(l.activation_bytes for l in self.layers))
+        object.__setattr__(self, "_update", prefix(l.optimizer_s for l in self.layers))
 
     @property
     def num_layers(self) -> int:
@@ -139,6 +166,10 @@ class CostModel:
         """Forward plus backward of layers [start, stop) for one microbatch."""
         return self._compute[stop] - self._compute[start]
 
+    def update_time(self, start: int, stop: int) -> float:
+        """The once-per-iteration parameter update of layers [start, stop) (`optimizer_s`)."""
+        return self._update[stop] - self._update[start]
+
     def state_bytes(self, start: int, stop: int) -> int:
         return int(self._state[stop] - self._state[start])
 
@@ -146,6 +177,18 @@ class CostModel:
         return int(self._activation[stop] - self._activation[start])
 
     def send_time(self, last_layer: int) -> float:
-        """Forward send plus backward send across a stage boundary after `last_layer`."""
+        """Forward send plus backward send across a stage boundary after `last_layer`:
+        latency plus bytes / bandwidth, each way. Paid once per iteration, on the first
+        microbatch's path through the pipeline (later messages overlap with compute)."""
         size = self.layers[last_layer].output_bytes
         return 2 * (size / self.hardware.inter_node_bandwidth + self.hardware.link_latency_s)
+
+    def boundary_overhead(self) -> float:
+        """Per microbatch, what one side of a stage boundary keeps its worker busy: one
+        message out and one in (the activation one way, its gradient the other), each
+        `Hardware.message_overhead_s`. Part of stage time, unlike `send_time`."""
+        return 2 * self.hardware.message_overhead_s
+
+    def commit_time(self) -> float:
+        """The per-iteration commit all-reduce (`Hardware.collective_latency_s`)."""
+        return self.hardware.collective_latency_s

@@ -22,6 +22,18 @@ of all of stage `s`'s chunks for one microbatch, `T = max T_s`, `Σ = Σ T_s` an
   `(S−1)·t/v`; with fewer microbatches than stages (one short round) a microbatch
   waits at each chunk-to-chunk wrap-around for `S−m` more stage slots.
 
+Stage time also counts what the runtime does per microbatch besides compute: at every
+boundary a stage touches (each model-stage boundary joins two ranks when `S > 1`), one
+message out and one in per microbatch, `CostModel.boundary_overhead()`. A stage has
+`2v` boundary sides less the pipeline's two ends, so this depends on the stage's place,
+never on where the cuts are. The partitioner optimises these per-microbatch terms.
+
+Per-iteration terms come on top (`StagePartition.iteration_time`): the slowest stage's
+parameter update, `max_s Σ optimizer_s` over its layers (every stage updates at the same
+time, after the commit), and the commit all-reduce (`CostModel.commit_time()`). The
+exact `v = 1` search below does not see the update term (it would need a second
+bottleneck); the interleaved searches do, through `objective`.
+
 For uniform stages and no sends these equal `templates.schedules.simulate`'s makespan
 exactly, for every shape the builders accept (zb1f1b: with backward = 2·forward);
 the tests check it. For non-uniform stages they are the usual flow-shop approximation:
@@ -255,10 +267,18 @@ class StagePartition:
     """Per stage: state of its layers plus the activations it holds in flight at its peak
     (for the microbatch count the partition was made for)."""
     schedule: str
+    update_times: tuple[float, ...] = ()
+    """Per stage, once per iteration: the parameter update of all its layers
+    (Σ `LayerCost.optimizer_s`). Empty: none counted."""
+    fixed_time_s: float = 0.0
+    """Once per iteration, whatever the stages: the commit all-reduce."""
 
     def iteration_time(self, num_microbatches: int) -> float:
-        return pipeline_iteration_time(self.stage_times, self.send_times, num_microbatches,
-                                       self.schedule, self.virtual_stages)
+        """The schedule's time for `num_microbatches` (`pipeline_iteration_time`), plus
+        the slowest stage's parameter update and the commit, paid once per iteration."""
+        pipeline = pipeline_iteration_time(self.stage_times, self.send_times, num_microbatches,
+                                           self.schedule, self.virtual_stages)
+        return pipeline + max(self.update_times, default=0.0) + self.fixed_time_s
 
     def stage_chunks(self, stage: int) -> tuple[tuple[int, int], ...]:
         """The v layer ranges of stage `stage`, in local chunk order."""
@@ -294,6 +314,16 @@ class _Problem:
         self.state, self.act = state, act
         # cut[a]: cost of a boundary between layer a-1 and layer a.
         self.cut = [0.0] + [costs.send_time(a - 1) for a in range(1, self.L)] + [0.0]
+        self.U = [costs.update_time(0, b) for b in range(self.L + 1)]
+        # Per-microbatch message work: per boundary side, constant per position (module
+        # docstring). A one-stage pipeline sends nothing (its chunks hand over locally).
+        side = costs.boundary_overhead() if num_stages > 1 else 0.0
+        S, P = num_stages, self.P
+        self.overhead = [side * (2 * virtual_stages - (s == 0) - (s == S - 1)) for s in range(S)]
+        """Per stage."""
+        self.chunk_overhead = [side * ((j > 0) + (j < P - 1)) for j in range(P)]
+        """Per model stage."""
+        self.fixed = costs.commit_time()
         self.profiles = _activation_profiles(schedule, num_stages, num_microbatches, virtual_stages)
         self.c = _bubble_coefficient(schedule, num_stages, num_microbatches, virtual_stages)
         self._mem_prefix: dict[int, list[int]] = {}
@@ -311,8 +341,13 @@ class _Problem:
         chunks = [(bounds[c * S + s], bounds[c * S + s + 1]) for c in range(self.v)]
         acts = [act[b] - act[a] for a, b in chunks]
         held = max(sum(n * x for n, x in zip(vec, acts)) for vec in self.profiles[s])
-        return (sum(C[b] - C[a] for a, b in chunks),
+        return (sum(C[b] - C[a] for a, b in chunks) + self.overhead[s],
                 sum(state[b] - state[a] for a, b in chunks) + held)
+
+    def update(self, bounds: Sequence[int], s: int) -> float:
+        """Once-per-iteration parameter update of stage s's layers."""
+        S, U = self.S, self.U
+        return sum(U[bounds[c * S + s + 1]] - U[bounds[c * S + s]] for c in range(self.v))
 
     def evaluate(self, bounds: Sequence[int]):
         """(stage_times, send_times, peaks) of model stages [bounds[j], bounds[j+1])."""
@@ -320,10 +355,18 @@ class _Problem:
         sends = [self.cut[b] for b in bounds[1:-1]]
         return [t for t, _ in stages], sends, [p for _, p in stages]
 
+    def pipeline_time(self, bounds: Sequence[int]) -> float:
+        """The per-microbatch terms only: `pipeline_iteration_time` of the cut."""
+        times, sends, _ = self.evaluate(bounds)
+        return pipeline_iteration_time(times, sends, self.m, self.schedule, self.v)
+
     def objective(self, bounds: Sequence[int]) -> tuple[float, int, list[float]]:
+        """(iteration time, largest peak, stage times); the time is the result's
+        `iteration_time(m)`, per-iteration terms included."""
         times, sends, peaks = self.evaluate(bounds)
-        return (pipeline_iteration_time(times, sends, self.m, self.schedule, self.v),
-                max(peaks), times)
+        per_iteration = max(self.update(bounds, s) for s in range(self.S)) + self.fixed
+        return (pipeline_iteration_time(times, sends, self.m, self.schedule, self.v)
+                + per_iteration, max(peaks), times)
 
     def result(self, bounds: Sequence[int]) -> StagePartition:
         times, sends, peaks = self.evaluate(bounds)
@@ -331,7 +374,9 @@ class _Problem:
             model_stages=tuple((bounds[j], bounds[j + 1]) for j in range(self.P)),
             num_stages=self.S, virtual_stages=self.v, stage_times=tuple(times),
             send_times=tuple(sends), peak_memory_bytes=tuple(int(p) for p in peaks),
-            schedule=self.schedule)
+            schedule=self.schedule,
+            update_times=tuple(self.update(bounds, s) for s in range(self.S)),
+            fixed_time_s=self.fixed)
 
     def infeasible(self, min_peak: int, exact: bool) -> InfeasiblePartition:
         short = int(min_peak - self.memory)
@@ -349,23 +394,24 @@ class _Problem:
 
 
 def _min_send_cut(prob: _Problem, weights: Sequence[int], limit: float, bottleneck: float,
-                  parts: int) -> list[int] | None:
+                  parts: int, offsets: Sequence[float] | None = None) -> list[int] | None:
     """Bounds of a partition of [0, L) into `parts` non-empty ranges minimising the sum of
-    cut costs, with part p's compute ≤ bottleneck and state + weights[p]·act ≤ limit;
-    None when none exists. O(parts·L): the feasible starts of a part ending at b form a
-    window [lo, b) whose lo never decreases, so a monotone deque gives the minimum."""
+    cut costs, with part p's compute + offsets[p] ≤ bottleneck and state + weights[p]·act
+    ≤ limit; None when none exists. O(parts·L): the feasible starts of a part ending at b
+    form a window [lo, b) whose lo never decreases, so a monotone deque gives the minimum."""
     L, C, cut = prob.L, prob.C, prob.cut
     inf = math.inf
     prev: list[float] = []
     choices: list[list[int]] = []
     for p in range(parts):
+        off = offsets[p] if offsets is not None else 0.0  # added as the candidates add it
         mem = prob.mem_prefix(weights[p])
         g = [inf] * (L + 1)
         arg = [-1] * (L + 1)
         last = L - (parts - 1 - p)
         if p == 0:
             for b in range(1, last + 1):
-                if C[b] - C[0] > bottleneck or mem[b] - mem[0] > limit:
+                if C[b] - C[0] + off > bottleneck or mem[b] - mem[0] > limit:
                     break
                 g[b] = 0.0
         else:
@@ -380,7 +426,7 @@ def _min_send_cut(prob: _Problem, weights: Sequence[int], limit: float, bottlene
                         window.pop()
                     window.append((h, a))
                 cb, mb = C[b], mem[b]
-                while lo < b and (cb - C[lo] > bottleneck or mb - mem[lo] > limit):
+                while lo < b and (cb - C[lo] + off > bottleneck or mb - mem[lo] > limit):
                     lo += 1
                 while window and window[0][1] < lo:
                     window.popleft()
@@ -415,31 +461,34 @@ def _smallest_limit(prob: _Problem, weights: Sequence[int], parts: int) -> tuple
     return hi, best
 
 
-def _candidates(prob: _Problem) -> list[float]:
+def _candidates(prob: _Problem, offsets: Sequence[float]) -> list[float]:
+    """Every value a part's time (compute + its offset) can take."""
     C, L = prob.C, prob.L
-    return sorted({C[b] - C[a] for a in range(L) for b in range(a + 1, L + 1)})
+    return sorted({C[b] - C[a] + off for off in set(offsets)
+                   for a in range(L) for b in range(a + 1, L + 1)})
 
 
 def _exact_contiguous(prob: _Problem, weights: Sequence[int], limit: float, beta: float,
-                      score) -> list[int] | None:
+                      score, offsets: Sequence[float]) -> list[int] | None:
     """Bounds minimising score(bounds) = const + beta·(max part time) + Σ cuts, under the
-    memory limit; None if memory allows no partition. `score` evaluates a candidate
-    exactly (the caller's objective); the DP ranks partitions of one bottleneck by cuts."""
+    memory limit, where part p's time is its compute plus offsets[p]; None if memory
+    allows no partition. `score` evaluates a candidate exactly (the caller's objective);
+    the DP ranks partitions of one bottleneck by cuts."""
     parts = len(weights)
-    cands = _candidates(prob)
+    cands = _candidates(prob, offsets)
     # Smallest feasible bottleneck: binary search (feasibility is monotone in B).
-    top = _min_send_cut(prob, weights, limit, cands[-1], parts)
+    top = _min_send_cut(prob, weights, limit, cands[-1], parts, offsets)
     if top is None:
         return None
     if beta <= 0:
         return top  # the bottleneck does not matter: fewest sends wins
     sigma_min = sum(prob.cut[b] for b in top[1:-1])
-    largest_layer = max(prob.C[i + 1] - prob.C[i] for i in range(prob.L))
+    largest_layer = max(prob.C[i + 1] - prob.C[i] for i in range(prob.L)) + min(offsets)
     lo, hi = bisect_left(cands, largest_layer), len(cands) - 1
     found = {hi: top}
     while lo < hi:
         mid = (lo + hi) // 2
-        bounds = _min_send_cut(prob, weights, limit, cands[mid], parts)
+        bounds = _min_send_cut(prob, weights, limit, cands[mid], parts, offsets)
         if bounds is None:
             lo = mid + 1
         else:
@@ -447,12 +496,12 @@ def _exact_contiguous(prob: _Problem, weights: Sequence[int], limit: float, beta
             found[mid] = bounds
     best = found[hi]
     best_score = score(best)
-    base = score(best) - beta * max(prob.C[b] - prob.C[a] for a, b in zip(best, best[1:])) \
-        - sum(prob.cut[b] for b in best[1:-1])  # the constant part, c·Σ (and nothing else)
+    slowest = max(prob.C[b] - prob.C[a] + off for (a, b), off in zip(zip(best, best[1:]), offsets))
+    base = best_score - beta * slowest - sum(prob.cut[b] for b in best[1:-1])  # the constant part
     for i in range(hi + 1, len(cands)):
         if base + beta * cands[i] + sigma_min >= best_score:
             break
-        bounds = _min_send_cut(prob, weights, limit, cands[i], parts)
+        bounds = _min_send_cut(prob, weights, limit, cands[i], parts, offsets)
         value = score(bounds)
         if value < best_score:
             best, best_score = bounds, value
@@ -491,11 +540,34 @@ def partition_layers(costs: CostModel, num_stages: int, *, num_microbatches: int
     return prob.result(bounds)
 
 
+def evaluate_partition(costs: CostModel, model_stages: Sequence[tuple[int, int]], num_stages: int,
+                       *, num_microbatches: int, schedule: str = "1f1b",
+                       virtual_stages: int = 1) -> StagePartition:
+    """The `StagePartition` of a given cut, evaluated as `partition_layers` evaluates its
+    own: for a plan's layer ranges (`model_stages`: S·v contiguous half-open ranges in model
+    order, covering every layer), its stage times, sends, per-iteration terms and peaks
+    for `num_microbatches` (peaks are reported, not checked against any memory)."""
+    check_schedule_shape(schedule, num_stages, virtual_stages, num_microbatches)
+    parts = num_stages * virtual_stages
+    ranges = [tuple(r) for r in model_stages]
+    if len(ranges) != parts:
+        raise ValueError(f"{num_stages} stages of {virtual_stages} chunks have {parts} model "
+                         f"stages, got {len(ranges)} ranges")
+    bounds = [0] + [stop for _, stop in ranges]
+    if any(start != bounds[j] or stop <= start for j, (start, stop) in enumerate(ranges)) \
+            or bounds[-1] != costs.num_layers:
+        raise ValueError(f"model stages {ranges} are not contiguous non-empty ranges covering "
+                         f"layers 0..{costs.num_layers - 1} in order")
+    prob = _Problem(costs, num_stages, num_microbatches, schedule, virtual_stages,
+                    costs.hardware.device_memory_bytes)
+    return prob.result(bounds)
+
+
 def _solve_single(prob: _Problem) -> list[int]:
     weights = [max(vec[0] for vec in profile) for profile in prob.profiles]
     beta = prob.m - prob.c
-    score = lambda bounds: prob.objective(bounds)[0]  # noqa: E731
-    bounds = _exact_contiguous(prob, weights, prob.memory, beta, score)
+    score = prob.pipeline_time  # what the DP's bottleneck scan can bound (module docstring)
+    bounds = _exact_contiguous(prob, weights, prob.memory, beta, score, prob.overhead)
     if bounds is None:
         min_peak, _ = _smallest_limit(prob, weights, prob.S)
         raise prob.infeasible(min_peak, exact=True)
@@ -581,7 +653,7 @@ def _greedy_cut(prob: _Problem, budget: float) -> list[int] | None:
     budget or the memory."""
     S, v, P, L, C = prob.S, prob.v, prob.P, prob.L, prob.C
     state, act = prob.state, prob.act
-    left = [budget] * S
+    left = [budget - prob.overhead[s] for s in range(S)]
     held_state = [0] * S
     held_act = [[0] * v for _ in range(S)]
 
@@ -624,7 +696,8 @@ def _balanced_greedy(prob: _Problem) -> list[int] | None:
     bound max(Σ/S, largest layer), by 0.5 % steps up to +10 %, then by 5 % up to twice
     the bound, until one works; bisection refines. None if none up to there works."""
     C, L = prob.C, prob.L
-    floor = max(max(C[i + 1] - C[i] for i in range(L)), (C[L] - C[0]) / prob.S)
+    floor = max(max(C[i + 1] - C[i] for i in range(L)) + min(prob.overhead),
+                (C[L] - C[0] + sum(prob.overhead)) / prob.S)
     budgets = [floor * (1 + 0.005 * k) for k in range(21)]
     while budgets[-1] < 2 * floor:
         budgets.append(budgets[-1] * 1.05)
@@ -653,8 +726,8 @@ def _solve_heuristic(prob: _Problem) -> list[int]:
     beta = prob.v * (prob.m - prob.c)
 
     def chunk_score(bounds):
-        C, cut = prob.C, prob.cut
-        return beta * max(C[b] - C[a] for a, b in zip(bounds, bounds[1:])) + \
+        C, cut, off = prob.C, prob.cut, prob.chunk_overhead
+        return beta * max(C[b] - C[a] + o for (a, b), o in zip(zip(bounds, bounds[1:]), off)) + \
             sum(cut[b] for b in bounds[1:-1])
 
     def key(bounds):
@@ -663,7 +736,7 @@ def _solve_heuristic(prob: _Problem) -> list[int]:
 
     starts = []
     for limit in (prob.memory // prob.v, math.inf):
-        bounds = _exact_contiguous(prob, weights, limit, beta, chunk_score)
+        bounds = _exact_contiguous(prob, weights, limit, beta, chunk_score, prob.chunk_overhead)
         if bounds is not None:
             starts.append(bounds)
     bounds = _balanced_greedy(prob)

@@ -10,7 +10,8 @@ import torch
 from planaria.runtime.config import load_config
 from planaria.runtime.profile import model_shape, profile_model
 from planaria.templates.analytic import analytic_cost_model, hardware, tp_communication_times
-from planaria.templates.profiler import profile_layers
+from planaria.templates.partition import pipeline_iteration_time
+from planaria.templates.profiler import measure_gloo_links, profile_layers
 
 TINY = Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml"
 
@@ -132,3 +133,50 @@ def test_bfloat16_excludes_the_weight_casts():
     assert bf16.layers[1].activation_bytes <= 2 * analytic.layers[1].activation_bytes
     assert bf16.layers[1].output_bytes == f32.layers[1].output_bytes  # float32 residual stream
     assert bf16.layers[1].state_bytes == f32.layers[1].state_bytes
+
+
+def test_update_is_measured_for_every_layer_and_enters_the_iteration_time(tmp_path):
+    from planaria.templates.partition import evaluate_partition
+
+    profiled = profile_model(tiny(), cache_dir=tmp_path)
+    assert all(l.optimizer_s > 0 for l in profiled.layers)
+    # A block has nine tensors to update, the embedding one.
+    assert profiled.layers[1].optimizer_s > profiled.layers[0].optimizer_s
+    part = evaluate_partition(profiled, [(0, 3), (3, 6)], 2, num_microbatches=4)
+    assert part.update_times == pytest.approx((profiled.update_time(0, 3),
+                                               profiled.update_time(3, 6)))
+    bare = pipeline_iteration_time(part.stage_times, part.send_times, 4, "1f1b")
+    assert part.iteration_time(4) == pytest.approx(bare + max(part.update_times)
+                                                   + profiled.commit_time())
+
+
+def test_gloo_links_are_measured_between_processes_and_replace_the_presets():
+    links = measure_gloo_links(32 << 10, rounds=40)
+    assert 1e-6 < links.latency_s < 0.05
+    assert 1e7 < links.bandwidth < 1e12
+    assert links.message_overhead_s >= 0 and 1e-6 < links.collective_latency_s < 0.5
+    assert links.message_bytes == 32 << 10
+    hw = links.apply(hardware("cpu"))
+    assert (hw.link_latency_s, hw.inter_node_bandwidth, hw.intra_node_bandwidth) == (
+        links.latency_s, links.bandwidth, links.bandwidth)
+    assert (hw.message_overhead_s, hw.collective_latency_s) == (
+        links.message_overhead_s, links.collective_latency_s)
+
+
+def test_profile_measures_links_on_cpu_and_caches_them(tmp_path):
+    cfg = tiny()
+    measured = profile_model(cfg, cache_dir=tmp_path)
+    assert measured.hardware.collective_latency_s > 0  # gloo, not the raw-TCP preset
+    cached = profile_model(cfg, cache_dir=tmp_path)
+    assert cached.hardware == measured.hardware and cached.layers == measured.layers
+    data = json.loads(next(tmp_path.glob("profile-*.json")).read_text())
+    assert data["links"]["message_bytes"] == 2 * 64 * 64 * 4  # the block's output
+    plain = profile_model(cfg, measure_links=False, repeats=2, warmup=1)
+    assert plain.hardware.message_overhead_s == 0 and plain.hardware.collective_latency_s == 0
+
+
+def test_statistic_is_checked():
+    assert profile_model(tiny(), statistic="median", repeats=3, warmup=1,
+                         measure_links=False).source == "profiled"
+    with pytest.raises(ValueError, match="statistic"):
+        profile_model(tiny(), statistic="mode", measure_links=False)

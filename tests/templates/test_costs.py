@@ -14,7 +14,7 @@ from planaria.templates.analytic import (
     layer_activation_bytes,
     layer_forward_flops,
 )
-from planaria.templates.costs import Hardware, ModelShape
+from planaria.templates.costs import Hardware, LayerCost, ModelShape
 
 # A shape small enough to count by hand: d=8, ffn=32, T=4, V=16.
 SHAPE = ModelShape(n_layers=2, d_model=8, n_heads=2, vocab_size=16, seq_len=4, ffn_hidden=32)
@@ -146,3 +146,42 @@ def test_175b_model_on_h100_fits_tens_of_gigabytes_per_stage():
     assert 10e9 < state + 8 * activations < 200e9
     with pytest.raises(ValueError, match="inside a node"):
         analytic_cost_model(shape, hardware("h100", gpus_per_node=4), tp=8)
+
+
+# --- per-iteration and per-message costs ---------------------------------------------
+
+
+def test_new_cost_fields_default_to_zero_and_refuse_negatives():
+    layer = LayerCost(forward_s=1.0, backward_s=2.0, state_bytes=0, activation_bytes=0,
+                      output_bytes=0)
+    assert layer.optimizer_s == 0.0
+    assert HW.message_overhead_s == 0.0 and HW.collective_latency_s == 0.0
+    with pytest.raises(ValueError, match="optimizer_s"):
+        LayerCost(1.0, 2.0, 0, 0, 0, optimizer_s=-1.0)
+    for name in ("message_overhead_s", "collective_latency_s", "link_latency_s"):
+        with pytest.raises(ValueError, match=name):
+            Hardware(name="bad", device_memory_bytes=1, peak_flops=1, gpus_per_node=1,
+                     intra_node_bandwidth=1, inter_node_bandwidth=1, **{name: -1e-6})
+    # The analytic model measures no update and the presets no message work: as before.
+    model = analytic_cost_model(SHAPE, HW, micro_batch=2, dtype="float32")
+    assert model.update_time(0, model.num_layers) == 0.0
+    assert model.boundary_overhead() == 0.0 and model.commit_time() == 0.0
+    assert all(hardware(name).message_overhead_s == 0.0 for name in ("a100", "h100", "h200"))
+
+
+def test_update_time_boundary_overhead_and_commit():
+    from dataclasses import replace
+
+    from planaria.templates.costs import CostModel
+
+    hw = replace(HW, message_overhead_s=2e-4, collective_latency_s=5e-4)
+    layers = tuple(LayerCost(forward_s=1e-3, backward_s=2e-3, state_bytes=0, activation_bytes=0,
+                             output_bytes=100, optimizer_s=1e-4 * (i + 1)) for i in range(4))
+    model = CostModel(SHAPE, hw, 1, 2, layers)
+    assert model.update_time(0, 4) == pytest.approx(1e-4 * (1 + 2 + 3 + 4))
+    assert model.update_time(1, 3) == pytest.approx(1e-4 * (2 + 3))
+    assert model.update_time(2, 2) == 0.0
+    assert model.boundary_overhead() == pytest.approx(4e-4)  # one message out, one in
+    assert model.commit_time() == pytest.approx(5e-4)
+    # The send term is unchanged: latency plus bytes / bandwidth, each way, once.
+    assert model.send_time(1) == pytest.approx(2 * (100 / 1e9 + 1e-5))

@@ -17,6 +17,7 @@ from planaria.templates.costs import CostModel, Hardware, LayerCost, ModelShape
 from planaria.templates.partition import (
     InfeasiblePartition,
     StagePartition,
+    evaluate_partition,
     in_flight_microbatches,
     partition_layers,
     pipeline_iteration_time,
@@ -476,3 +477,160 @@ def test_partition_module_does_not_import_torch():
     code = ("import sys; import planaria.templates.partition; "
             "assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# --- per-microbatch message work and per-iteration terms ----------------------------
+
+
+def with_runtime_costs(costs, rng, message=None, commit=None):
+    """`costs` with a random message overhead, commit and per-layer update time."""
+    from dataclasses import replace
+
+    hw = replace(costs.hardware,
+                 message_overhead_s=rng.uniform(0.0, 0.3) if message is None else message,
+                 collective_latency_s=rng.uniform(0.0, 0.5) if commit is None else commit)
+    layers = tuple(replace(l, optimizer_s=rng.uniform(0.0, 0.4)) for l in costs.layers)
+    return replace(costs, hardware=hw, layers=layers)
+
+
+def runtime_cut(costs, bounds, S, v, m, schedule):
+    """(per-microbatch formula, full iteration time, stage times) of a cut, computed
+    independently: every model-stage boundary costs each adjacent stage one message out
+    and one in per microbatch (when S > 1); every stage updates its layers once."""
+    P = S * v
+    chunks = [(bounds[j], bounds[j + 1]) for j in range(P)]
+    side = 2 * costs.hardware.message_overhead_s if S > 1 else 0.0
+    times, updates = [], []
+    for s in range(S):
+        mine = [(j, chunks[j]) for j in range(s, P, S)]
+        sides = sum((j > 0) + (j < P - 1) for j, _ in mine)
+        times.append(sum(costs.compute_time(a, b) for _, (a, b) in mine) + sides * side)
+        updates.append(sum(costs.update_time(a, b) for _, (a, b) in mine))
+    sends = [costs.send_time(b - 1) for b in bounds[1:-1]]
+    pipeline = pipeline_iteration_time(times, sends, m, schedule, v)
+    return pipeline, pipeline + max(updates) + costs.commit_time(), times
+
+
+def test_message_work_and_updates_enter_stage_and_iteration_times():
+    rng = random.Random("runtime terms")
+    for _ in range(60):
+        v = rng.choice([1, 2])
+        schedule = "interleaved" if v == 2 else rng.choice(["1f1b", "gpipe", "zb1f1b"])
+        L = rng.randint(2 * v + 1, 9)
+        S = rng.randint(1, min(3, L // v))
+        m = rng.randint(1, 6)
+        if not accepted(schedule, S, v, m):
+            continue
+        costs = with_runtime_costs(random_costs(rng, L), rng)
+        inner = sorted(rng.sample(range(1, L), S * v - 1))
+        bounds = [0, *inner, L]
+        ranges = [(bounds[j], bounds[j + 1]) for j in range(S * v)]
+        part = evaluate_partition(costs, ranges, S, num_microbatches=m, schedule=schedule,
+                                  virtual_stages=v)
+        pipeline, total, times = runtime_cut(costs, bounds, S, v, m, schedule)
+        assert part.stage_times == pytest.approx(times, rel=1e-12)
+        assert part.iteration_time(m) == pytest.approx(total, rel=1e-12)
+        assert part.fixed_time_s == costs.commit_time()
+        assert max(part.update_times) == pytest.approx(total - pipeline - costs.commit_time())
+
+
+def test_a_two_stage_pipeline_pays_two_messages_per_microbatch_on_each_stage():
+    layers = [LayerCost(forward_s=1.0, backward_s=2.0, state_bytes=0, activation_bytes=0,
+                        output_bytes=0, optimizer_s=0.5)] * 4
+    costs = make_costs(layers)
+    from dataclasses import replace
+
+    costs = replace(costs, hardware=replace(costs.hardware, message_overhead_s=0.1,
+                                            collective_latency_s=0.25, link_latency_s=0.0))
+    part = partition_layers(costs, 2, num_microbatches=4, schedule="1f1b")
+    assert part.model_stages == ((0, 2), (2, 4))
+    assert part.stage_times == pytest.approx((6.2, 6.2))  # 2 layers x 3 s + 2 messages x 0.1 s
+    assert part.update_times == pytest.approx((1.0, 1.0))
+    # m·T + (Σ - T) + sends (0: no latency, no bytes) + the update + the commit
+    assert part.iteration_time(4) == pytest.approx(4 * 6.2 + 6.2 + 1.0 + 0.25)
+    # Interleaved, 2 x 2 chunks: the first and last stage each have 3 boundary sides.
+    inter = evaluate_partition(costs, [(0, 1), (1, 2), (2, 3), (3, 4)], 2, num_microbatches=4,
+                               schedule="interleaved", virtual_stages=2)
+    assert inter.stage_times == pytest.approx((6.6, 6.6))
+    # One stage: chunks hand over in the process, no messages.
+    alone = partition_layers(costs, 1, num_microbatches=4, schedule="1f1b")
+    assert alone.stage_times == pytest.approx((12.0,))
+    assert alone.iteration_time(4) == pytest.approx(4 * 12.0 + 2.0 + 0.25)
+
+
+def test_zero_runtime_costs_leave_partitions_and_times_unchanged():
+    rng = random.Random("zeros")
+    for _ in range(40):
+        L = rng.randint(3, 9)
+        S = rng.randint(1, min(3, L))
+        m = rng.randint(1, 6)
+        costs = random_costs(rng, L)
+        plain = partition_layers(costs, S, num_microbatches=m, schedule="1f1b")
+        assert plain.update_times == (0.0,) * S and plain.fixed_time_s == 0.0
+        times = pipeline_iteration_time(plain.stage_times, plain.send_times, m, "1f1b")
+        assert plain.iteration_time(m) == times
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe", "zb1f1b"])
+def test_one_chunk_partition_with_message_work_equals_brute_force(schedule):
+    """The exact search optimises the per-microbatch terms (messages included)."""
+    rng = random.Random(f"messages {schedule}")
+    done = 0
+    while done < 80:
+        L = rng.randint(3, 9)
+        S = rng.randint(1, min(4, L))
+        m = rng.randint(1, 8)
+        if not accepted(schedule, S, 1, m):
+            continue
+        costs = with_runtime_costs(random_costs(rng, L), rng)
+        best = min(runtime_cut(costs, (0, *inner, L), S, 1, m, schedule)[0]
+                   for inner in combinations(range(1, L), S - 1))
+        part = partition_layers(costs, S, num_microbatches=m, schedule=schedule)
+        pipeline = part.iteration_time(m) - max(part.update_times) - part.fixed_time_s
+        assert pipeline == pytest.approx(best, rel=1e-9)
+        done += 1
+
+
+def test_interleaved_partition_with_runtime_costs_equals_brute_force():
+    """The exhaustive interleaved search minimises the whole iteration time."""
+    rng = random.Random("messages interleaved")
+    done = 0
+    while done < 60:
+        L = rng.randint(4, 9)
+        S = rng.randint(1, min(3, L // 2))
+        m = rng.randint(1, 7)
+        if not accepted("interleaved", S, 2, m):
+            continue
+        costs = with_runtime_costs(random_costs(rng, L), rng)
+        best = min(runtime_cut(costs, (0, *inner, L), S, 2, m, "interleaved")[1]
+                   for inner in combinations(range(1, L), 2 * S - 1))
+        part = partition_layers(costs, S, num_microbatches=m, schedule="interleaved",
+                                virtual_stages=2)
+        assert part.iteration_time(m) == pytest.approx(best, rel=1e-9)
+        done += 1
+
+
+def test_interleaved_heuristic_with_message_work_fits_and_is_close(monkeypatch):
+    monkeypatch.setattr(partition_module, "EXHAUSTIVE_LIMIT", 0)
+    rng = random.Random("heuristic messages")
+    for _ in range(20):
+        L = rng.randint(6, 10)
+        S = rng.randint(2, min(3, L // 2))
+        m = 2 * S
+        costs = with_runtime_costs(random_costs(rng, L), rng)
+        part = partition_layers(costs, S, num_microbatches=m, schedule="interleaved",
+                                virtual_stages=2)
+        best = min(runtime_cut(costs, (0, *inner, L), S, 2, m, "interleaved")[1]
+                   for inner in combinations(range(1, L), 2 * S - 1))
+        assert best <= part.iteration_time(m) <= 1.25 * best
+
+
+def test_evaluate_partition_refuses_ranges_that_do_not_cover_the_layers():
+    costs = make_costs([LayerCost(1.0, 2.0, 0, 0, 0)] * 4)
+    with pytest.raises(ValueError, match="contiguous"):
+        evaluate_partition(costs, [(0, 2), (3, 4)], 2, num_microbatches=2)
+    with pytest.raises(ValueError, match="4 model stages"):
+        evaluate_partition(costs, [(0, 2), (2, 4)], 2, num_microbatches=2, schedule="interleaved",
+                           virtual_stages=2)
+    chosen = partition_layers(costs, 2, num_microbatches=2)
+    assert evaluate_partition(costs, chosen.model_stages, 2, num_microbatches=2) == chosen
