@@ -28,10 +28,11 @@ parameters x bytes per parameter, as in the analytic model.
 
 With `measure_links=True` (CPU jobs, whose workers talk through gloo over loopback
 TCP) the links are measured too, between two fresh processes (`measure_gloo_links`):
-a gloo message's latency and bandwidth, what each message costs the worker that posts
-and completes it, and a small all-reduce (the commit). They replace the hardware's
-link figures: the "cpu" preset's come from a raw TCP socket, which is ten times
-faster to answer than a gloo message between two processes.
+a gloo message's latency and bandwidth, what each message costs a worker all told
+(posting, completing, gloo's thread taking the core, stalls), and a small all-reduce
+(the commit). They replace the hardware's link figures: the "cpu" preset's come
+from a raw TCP socket, which is ten times faster to answer than a gloo message
+between two processes.
 
 All blocks have the same shape, so the embedding, one block and the head are
 profiled, and the block's costs are reused for every block.
@@ -49,14 +50,14 @@ import hashlib
 import json
 import os
 import platform
+import socket
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 import warnings
 from contextlib import contextmanager, nullcontext
-import socket
-import subprocess
-import sys
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Callable
