@@ -19,6 +19,7 @@ from rich.table import Table
 from planaria.runtime.config import Config, ConfigError, model_shape
 from planaria.templates.analytic import analytic_cost_model, hardware
 from planaria.templates.costs import CostModel, ModelShape
+from planaria.templates.partition import pipeline_iteration_time
 from planaria.templates.plan import Plan
 from planaria.templates.planner import Planner, PlanChoice, PlannerSettings
 
@@ -40,7 +41,10 @@ def cost_model(cfg: Config, *, hardware_name: str, gpus_per_node: int, profile: 
 
         if gpus_per_node != cfg.parallel.tp:
             cfg = replace(cfg, parallel=replace(cfg.parallel, tp=gpus_per_node))
-        return profile_model(cfg, hardware_name=hardware_name, cache_dir=cache_dir, device=device)
+        # CPU workers run one thread each under torchrun; profile the way they run.
+        on_cpu = (device or torch.device("cuda" if torch.cuda.is_available() else "cpu")).type == "cpu"
+        return profile_model(cfg, hardware_name=hardware_name, cache_dir=cache_dir, device=device,
+                             num_threads=1 if on_cpu else None)
     hw = hardware(hardware_name, gpus_per_node=gpus_per_node)
     return analytic_cost_model(model_shape(cfg.model), hw, tp=gpus_per_node, micro_batch=cfg.train.micro_batch,
                                dtype=cfg.train.dtype, recompute=cfg.train.recompute)
@@ -146,8 +150,11 @@ def print_report(report: PlanReport, console: Console) -> None:
     for i, (pipeline, t) in enumerate(zip(plan.pipelines, choice.pipeline_times_s)):
         stages = " | ".join(",".join(f"{a}-{b - 1}" for a, b in s.chunks) for s in pipeline.stages)
         partition = planner.template(len(pipeline.stages)).partition
+        # The schedule's idle share: its own time, without the once-per-step update and commit.
+        scheduled = pipeline_iteration_time(partition.stage_times, partition.send_times,
+                                            pipeline.num_microbatches, plan.schedule, plan.virtual_stages)
         ideal = max(partition.stage_times) * pipeline.num_microbatches
-        bubble = max(0.0, 1 - ideal / t) if t else 0.0
+        bubble = max(0.0, 1 - ideal / scheduled) if scheduled else 0.0
         table.add_row(str(i), pipeline.template_id, stages, str(pipeline.num_microbatches),
                       f"{t:.4g}", f"{bubble:.1%}")
     console.print(table)
