@@ -15,10 +15,12 @@ For every case and repeat:
   (ii)  a fresh profile: `profile_model(cfg, num_threads=1)` (the trainer's workers run
         with OMP_NUM_THREADS=1), which also measures gloo between two processes;
   (iii) the prediction: the plan's own layer ranges (not a fresh partition) evaluated by
-        `evaluate_partition` into a `StagePartition`, whose `iteration_time(m)` is what
-        the planner uses: the schedule's formula over stage times (layers plus the
-        per-microbatch message work at every boundary), the sends on the first
-        microbatch's path, the slowest stage's parameter update and the commit;
+        `evaluate_partition` into a `StagePartition`; its schedule replayed 200 times
+        with message costs drawn from their measured spread (`replay_iteration_time`),
+        the mean. Also reported: the closed form the planner ranks plans by
+        (`StagePartition.iteration_time(m)`: the schedule's formula over stage times,
+        layers plus the per-microbatch message work at every boundary, the sends on the
+        first microbatch's path, the slowest stage's parameter update and the commit);
   (iv)  the measurement: `torchrun --standalone --nproc-per-node=2 -m planaria.train`,
         step_time_s from metrics.jsonl, the median of the steps after the warm-up.
 Reported per case: the median over repeats of the measurements and of the predictions,
@@ -70,6 +72,10 @@ WORLD = 2
 @dataclass
 class Prediction:
     total_s: float
+    """The expected iteration time: the schedule replayed with message costs drawn from
+    their measured spread (`planaria.templates.replay`)."""
+    formula_s: float
+    """`StagePartition.iteration_time`, the planner's closed form (mean message costs)."""
     layers_s: float
     """The schedule's formula over layer compute and the sends of the first path."""
     messages_s: float
@@ -83,6 +89,7 @@ def predict(plan, costs) -> Prediction:
     """The plan's iteration time from the cost model, through StagePartition.iteration_time."""
     from planaria.templates.costs import CostModel
     from planaria.templates.partition import evaluate_partition
+    from planaria.templates.replay import replay_iteration_time
 
     if len(plan.pipelines) != 1:
         raise ValueError("the benchmark's cases have one pipeline; several would add the "
@@ -102,9 +109,10 @@ def predict(plan, costs) -> Prediction:
     _, layers = time_with(replace(costs, layers=bare_layers, hardware=bare_hw))
     _, with_messages = time_with(replace(costs, layers=bare_layers,
                                          hardware=replace(hw, collective_latency_s=0.0)))
-    part, total = time_with(costs)
+    part, formula = time_with(costs)
     update = max(part.update_times, default=0.0)
-    return Prediction(total_s=total, layers_s=layers, messages_s=with_messages - layers,
+    replayed = replay_iteration_time(costs, part, m).mean_s
+    return Prediction(total_s=replayed, formula_s=formula, layers_s=layers, messages_s=with_messages - layers,
                       update_s=update, commit_s=part.fixed_time_s, stage_times_s=part.stage_times)
 
 
@@ -113,7 +121,7 @@ def predict_before(plan, costs_before) -> float:
     bare = replace(costs_before, layers=tuple(replace(l, optimizer_s=0.0) for l in costs_before.layers),
                    hardware=replace(costs_before.hardware, message_overhead_s=0.0,
                                     collective_latency_s=0.0))
-    return predict(plan, bare).total_s
+    return predict(plan, bare).formula_s
 
 
 def _env() -> dict[str, str]:
@@ -200,10 +208,11 @@ def drive(args, names: list[str]) -> int:
     for name in names:
         _, plan, layout = cases[name]
         med = {k: statistics.median(row[k] for row in rows[name])
-               for k in ("measured_s", "predicted_s", "before_s", "layers_s", "messages_s",
+               for k in ("measured_s", "predicted_s", "formula_s", "before_s", "layers_s", "messages_s",
                          "update_s", "commit_s")}
         med["error"] = med["predicted_s"] / med["measured_s"] - 1
         med["before_error"] = med["before_s"] / med["measured_s"] - 1
+        med["formula_error"] = med["formula_s"] / med["measured_s"] - 1
         med["paired_error"] = statistics.median(row["predicted_s"] / row["measured_s"] - 1
                                                 for row in rows[name])
         results[name] = {"plan": layout, "microbatches": plan.pipelines[0].num_microbatches,
@@ -248,7 +257,7 @@ def one_repeat(args, name: str, cfg, plan, r: int, tmp: Path) -> dict:
             break
     hw = costs.hardware
     return {"measured_s": measured, "foreign_cpu": foreign, "step_times_s": times,
-            "predicted_s": pred.total_s, "before_s": before, "layers_s": pred.layers_s,
+            "predicted_s": pred.total_s, "formula_s": pred.formula_s, "before_s": before, "layers_s": pred.layers_s,
             "messages_s": pred.messages_s, "update_s": pred.update_s, "commit_s": pred.commit_s,
             "stage_times_s": list(pred.stage_times_s),
             "link": {"latency_s": hw.link_latency_s, "bandwidth": hw.inter_node_bandwidth,
@@ -258,20 +267,23 @@ def one_repeat(args, name: str, cfg, plan, r: int, tmp: Path) -> dict:
 
 def print_table(results: dict[str, dict]) -> None:
     print("\n| case | stages (layers) | m | measured (ms) | predicted (ms) | error | "
-          "per-repeat error (median) | before (ms) | before error | layers + sends | "
-          "messages | update | commit |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "per-repeat error (median) | formula (ms) | formula error | before (ms) | "
+          "before error | layers + sends | messages | update | commit |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for name, r in results.items():
         m = r["median"]
         print(f"| {name} | {r['plan']} | {r['microbatches']} | {m['measured_s'] * 1e3:.1f} | "
               f"{m['predicted_s'] * 1e3:.1f} | {m['error'] * 100:+.1f}% | "
-              f"{m['paired_error'] * 100:+.1f}% | {m['before_s'] * 1e3:.1f} | "
+              f"{m['paired_error'] * 100:+.1f}% | {m['formula_s'] * 1e3:.1f} | "
+              f"{m['formula_error'] * 100:+.1f}% | {m['before_s'] * 1e3:.1f} | "
               f"{m['before_error'] * 100:+.1f}% | {m['layers_s'] * 1e3:.1f} | "
               f"{m['messages_s'] * 1e3:.1f} | {m['update_s'] * 1e3:.2f} | {m['commit_s'] * 1e3:.2f} |")
     for name, r in results.items():
         times = ", ".join(f"{row['measured_s'] * 1e3:.1f}/{row['predicted_s'] * 1e3:.1f}"
                           for row in r["repeats"])
         print(f"{name}: measured/predicted per repeat (ms): {times}")
+    print("predicted: the schedule replayed with message costs drawn from their measured "
+          "spread (planaria.templates.replay); formula: StagePartition.iteration_time")
 
 
 if __name__ == "__main__":

@@ -96,6 +96,11 @@ class Hardware:
     messages asynchronously on a separate stream (NCCL on GPUs: 0 in the presets);
     about 0.1 ms with gloo on CPU, where the worker's own thread posts and completes
     every message (measured by `planaria.templates.profiler.measure_gloo_links`)."""
+    message_overhead_quantiles: tuple[float, ...] = ()
+    """The spread of `message_overhead_s`: equally likely values (quantiles of the
+    measured per-message costs, their mean `message_overhead_s`). Empty where not
+    measured. Only `planaria.templates.replay` uses it: messages that stall delay the
+    rank waiting for them, which the mean alone does not show."""
     collective_latency_s: float = 0.0
     """Time of an all-reduce of a few bytes among a job's workers: the per-iteration
     commit all-reduce of [squared gradient norm, loss]. 0 in the GPU presets (tens of

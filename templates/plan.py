@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 from functools import cached_property
-from typing import Iterator
+from typing import Iterable, Iterator, Mapping
 
 SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved", "zb1f1b")
 
@@ -317,21 +317,31 @@ def _validate_pipeline_layers(plan: Plan, p: int, pipeline: PipelinePlan) -> Non
 def transfers(old: Plan, new: Plan) -> list[Transfer]:
     """Layer shards each worker of `new` lacks, and which surviving worker sends each.
 
-    A worker that appears in `new` is alive. Sources are spread: among the old holders
-    that survive, each shard goes to the one with the fewest transfers so far.
-    Shards with no surviving holder are left out; `missing_layers` reports them.
+    A worker that appears in `new` is alive. Shards with no surviving holder are left
+    out; `missing_layers` reports them. See `transfers_from`.
     """
     if new.tp != old.tp or new.num_layers != old.num_layers:
         raise PlanError("plans with different tp or num_layers cannot exchange layer state")
+    return transfers_from(holders(old), new)
+
+
+def transfers_from(held: Mapping[tuple[int, int], Iterable[Worker]], new: Plan) -> list[Transfer]:
+    """Transfers that give every worker of `new` the shards it lacks, from `held`:
+    (layer, tp rank) -> the workers holding that shard's committed state now.
+
+    This is what recovery uses: what workers hold is the old plan's layers, unless a
+    reconfiguration was interrupted (then they still hold those and may hold more).
+    Only holders that appear in `new` (alive) send. Sources are spread: each shard goes
+    from the alive holder with the fewest transfers so far (ties: the lowest worker).
+    """
     alive = set(new.rank_of_worker())
-    old_holders = _holders(old)
-    new_holders = _holders(new)
+    held = {key: set(workers) for key, workers in held.items()}
     load: dict[Worker, int] = {}
     result = []
-    for key in sorted(new_holders):
-        sources = [w for w in old_holders.get(key, ()) if w in alive]
-        for dst in sorted(new_holders[key]):
-            if dst in old_holders.get(key, ()) or not sources:
+    for key, wanted_by in sorted(holders(new).items()):
+        sources = sorted(w for w in held.get(key, ()) if w in alive)
+        for dst in sorted(wanted_by):
+            if dst in held.get(key, ()) or not sources:
                 continue
             src = min(sources, key=lambda w: (load.get(w, 0), w))
             load[src] = load.get(src, 0) + 1
@@ -341,13 +351,19 @@ def transfers(old: Plan, new: Plan) -> list[Transfer]:
 
 def missing_layers(old: Plan, new: Plan) -> list[tuple[int, int]]:
     """(layer, tp rank) shards that no surviving worker of `old` holds."""
+    return missing_from(holders(old), new)
+
+
+def missing_from(held: Mapping[tuple[int, int], Iterable[Worker]], new: Plan) -> list[tuple[int, int]]:
+    """(layer, tp rank) shards of the model that no worker of `new` holds in `held`."""
     alive = set(new.rank_of_worker())
-    return [key for key, holders in sorted(_holders(old).items())
-            if not any(w in alive for w in holders)]
+    return [(layer, t) for layer in range(new.num_layers) for t in range(new.tp)
+            if not any(w in alive for w in held.get((layer, t), ()))]
 
 
-def _holders(plan: Plan) -> dict[tuple[int, int], set[Worker]]:
-    holders: dict[tuple[int, int], set[Worker]] = {}
+def holders(plan: Plan) -> dict[tuple[int, int], set[Worker]]:
+    """(layer, tp rank) -> the workers that hold that shard in `plan`."""
+    result: dict[tuple[int, int], set[Worker]] = {}
     for (layer, t), ranks in plan.replica_groups().items():
-        holders[(layer, t)] = {plan.worker(r) for r in ranks}
-    return holders
+        result[(layer, t)] = {plan.worker(r) for r in ranks}
+    return result

@@ -72,7 +72,7 @@ from planaria.templates.analytic import (
 )
 from planaria.templates.costs import CostModel, Hardware, LayerCost, ModelShape
 
-CACHE_VERSION = 2
+CACHE_VERSION = 3
 STATISTICS = ("mean", "median")
 _AUTOCAST = {"bfloat16": torch.bfloat16}
 
@@ -108,6 +108,13 @@ class GlooLinks:
     """Mean time of an all-reduce of two float64 (the commit) between the two."""
     message_bytes: int
     """The size the message overhead was measured with (a stage boundary's)."""
+    message_overhead_quantiles: tuple[float, ...] = ()
+    """The per-message costs of the measured rounds as equally likely values (see
+    `Hardware.message_overhead_quantiles`)."""
+
+    def __post_init__(self) -> None:  # from the JSON cache, a list
+        object.__setattr__(self, "message_overhead_quantiles",
+                           tuple(self.message_overhead_quantiles))
 
     def apply(self, hw: Hardware) -> Hardware:
         """`hw` with these links: gloo between processes is both the intra-node link (tp
@@ -115,6 +122,7 @@ class GlooLinks:
         return replace(hw, intra_node_bandwidth=self.bandwidth,
                        inter_node_bandwidth=self.bandwidth, link_latency_s=self.latency_s,
                        message_overhead_s=self.message_overhead_s,
+                       message_overhead_quantiles=self.message_overhead_quantiles,
                        collective_latency_s=self.collective_latency_s)
 
 
@@ -355,6 +363,7 @@ def _assemble(measured: dict[str, Measurement], shape: ModelShape, hw: Hardware,
 # ---- gloo links ---------------------------------------------------------------------------
 
 _LARGE_MESSAGE = 4 << 20
+_QUANTILES = 50
 
 
 def measure_gloo_links(message_bytes: int = 32 << 10, *, rounds: int = 300, compute_s: float = 1e-3,
@@ -475,6 +484,8 @@ def _link_worker(rank: int, port: int, message_bytes: int, rounds: int, compute_
                 without.append(time.perf_counter() - start)
             dist.barrier(group=group)  # both start every round together
         overhead = (statistics.fmean(with_messages[warm:]) - statistics.fmean(without[warm:])) / 2
+        spread = _message_quantiles(with_messages[warm:], statistics.fmean(without[warm:]),
+                                    max(0.0, overhead))
         pair = torch.zeros(2, dtype=torch.float64)
         reduces = []
         for _ in range(rounds + warm):
@@ -486,10 +497,27 @@ def _link_worker(rank: int, port: int, message_bytes: int, rounds: int, compute_
         if rank == 0:
             print(json.dumps({"latency_s": latency, "bandwidth": bandwidth,
                               "message_overhead_s": max(0.0, overhead),
+                              "message_overhead_quantiles": spread,
                               "collective_latency_s": statistics.fmean(reduces[warm:]),
                               "message_bytes": message_bytes}), flush=True)
     finally:
         dist.destroy_process_group()
+
+
+def _message_quantiles(with_messages: list[float], baseline: float, mean: float,
+                       count: int = _QUANTILES) -> list[float]:
+    """`count` equally likely per-message costs: each exchange round's excess over the
+    mean round without one, halved (a round is two messages per worker), at the
+    quantiles (k + 1/2) / count; shifted so their mean is the reported `mean`.
+
+    A round's excess also carries the round's compute noise, so the spread is somewhat
+    wider than the messages' own; the stalls, the part that matters, are in the tail.
+    """
+    excess = sorted((t - baseline) / 2 for t in with_messages)
+    picks = [excess[min(len(excess) - 1, int((k + 0.5) / count * len(excess)))]
+             for k in range(count)]
+    shift = mean - statistics.fmean(picks)
+    return [p + shift for p in picks]
 
 
 # ---- cache ------------------------------------------------------------------------------
