@@ -5,8 +5,16 @@ schedule, and the iteration: pipelined forward/backward, layer-wise gradient syn
 over replica groups, the commit all-reduce, clipping, and the optimizer step.
 
 Everything that depends on the plan (process groups, stages, schedule) is built in
-`_build_epoch` from the plan alone, so a later reconfiguration can tear it down and
-build the next epoch's in the same process while keeping the layers it still owns.
+`_build_epoch` from the plan alone, so `reconfigure` can tear it down and build the
+next epoch's in the same process while keeping the layers it still owns, with their
+optimizer state untouched, and receiving the others from replicas
+(`planaria.runtime.transfer`).
+
+The engine also keeps what the exactly-once rule needs (`planaria.runtime.exactly_once`):
+the last iteration it stepped with its commit record, and whether the gradients of the
+next one are synced. A `phase` callback, when given, is called as each phase of an
+iteration starts (forward and backward once per microbatch and chunk, then "sync",
+"commit", "committed", "step"); fault injection and progress tracking hook in there.
 """
 from __future__ import annotations
 
@@ -15,17 +23,20 @@ import math
 import time
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from planaria.runtime.exactly_once import INCOMPLETE, SYNCED, CommitRecord, WorkerStatus
 from planaria.runtime.groups import EpochGroups
 from planaria.runtime.model import LayerModel
 from planaria.runtime.optim import OptimizerSettings, build_optimizer, learning_rate, set_learning_rate
 from planaria.runtime.pipeline import PlanSchedule, build_stages
-from planaria.templates.plan import Plan
+from planaria.runtime.transfer import TransferStats, exchange_layers
+from planaria.templates.plan import Plan, Transfer
 
 
 @dataclass
@@ -46,6 +57,7 @@ class StepResult:
     lr: float
     tokens: int
     step_time_s: float
+    stop_requested: bool = False
 
 
 class Engine:
@@ -54,7 +66,12 @@ class Engine:
     def __init__(self, plan: Plan, model: LayerModel, optim: OptimizerSettings, *, rank: int,
                  device: torch.device, param_dtype: torch.dtype,
                  autocast_dtype: torch.dtype | None = None, grad_clip: float = 1.0,
-                 world: dist.ProcessGroup | None = None, collective_timeout: timedelta | None = None):
+                 world: dist.ProcessGroup | None = None, collective_timeout: timedelta | None = None,
+                 phase: Callable[[str, int], None] | None = None,
+                 transfers: list[Transfer] | None = None):
+        """`transfers`: a worker joining a running job receives its layers from their
+        holders (collective with the other workers' `reconfigure`); otherwise every layer
+        is built fresh, from its seed."""
         self.model = model
         self.optim = optim
         self.rank = rank
@@ -63,8 +80,32 @@ class Engine:
         self.autocast_dtype = autocast_dtype
         self.grad_clip = grad_clip
         self.collective_timeout = collective_timeout
+        self._phase = phase or (lambda name, iteration: None)
+        self._has_phase_hooks = phase is not None
+        self.iteration = plan.first_iteration
+        self.last_stepped = plan.first_iteration - 1
+        self.last_commit: CommitRecord | None = None
+        self.synced = False
+        """The gradients of iteration last_stepped + 1 are fully synced."""
         self.layers: dict[int, LayerState] = {}
+        self.last_transfer: TransferStats | None = None
+        self.tp = None  # one TensorParallel for the engine's life: layers keep it
         self._build_epoch(plan, world)
+        if transfers is not None:
+            self.last_transfer = exchange_layers(self, transfers, stepped=self.last_stepped >= 0)
+            dist.barrier(group=self.groups.world)
+        self._add_fresh_layers()
+        self._build_pipeline()
+
+    def _add_fresh_layers(self) -> None:
+        """Build from their seeds the plan's layers this worker lacks: only right before
+        the first step, when every replica still holds exactly that state."""
+        missing = [i for i in self.plan.layers_of(self.rank) if i not in self.layers]
+        if missing and self.last_stepped >= 0:
+            raise RuntimeError(f"layers {missing} were neither held nor received, and iteration "
+                               f"{self.last_stepped} was already stepped: their state is lost")
+        for index in missing:
+            self.layers[index] = self._new_layer(index)
 
     # ----------------------------------------------------------- epoch set-up
     def _build_epoch(self, plan: Plan, world: dist.ProcessGroup | None) -> None:
@@ -72,16 +113,95 @@ class Engine:
         self.info = plan.rank_info(self.rank)
         self.pipeline = plan.pipelines[self.info.pipeline]
         self.groups = EpochGroups.build(plan, self.rank, world, timeout=self.collective_timeout)
-        tp = self.groups.tensor_parallel
-        for index in plan.layers_of(self.rank):
-            if index not in self.layers:
-                self.layers[index] = self._new_layer(index)
+        new_tp = self.groups.tensor_parallel
+        if self.tp is None:
+            self.tp = new_tp
+        else:  # the layers built in earlier epochs hold self.tp: point it at the new group
+            if (new_tp.rank, new_tp.size) != (self.tp.rank, self.tp.size):
+                raise ValueError(f"a worker keeps its tp rank across epochs; got rank "
+                                 f"{new_tp.rank} of {new_tp.size}, was {self.tp.rank} of {self.tp.size}")
+            self.tp.group = new_tp.group
+        self.groups.tensor_parallel = self.tp
+
+    def _build_pipeline(self) -> None:
         self._grad_norm_owner = set(self.owned_shards())
-        self.schedule, self.stages = self._build_schedule(tp)
+        self.schedule, self.stages = self._build_schedule(self.tp)
 
     def _new_layer(self, index: int) -> LayerState:
-        module = self.model.build_layer(index, self.groups.tensor_parallel, self.param_dtype, self.device)
+        module = self.model.build_layer(index, self.tp, self.param_dtype, self.device)
+        if self._has_phase_hooks:
+            module.register_forward_hook(self._phase_hook)
         return LayerState(index, module, build_optimizer(module, self.optim), self.model.shard_dims(index))
+
+    def _phase_hook(self, module, args, output) -> None:
+        """Forward hook: report the layer's forward, and its backward when the gradient
+        of its output arrives (a tensor hook: module backward hooks would rewrap the
+        layer's inputs and outputs in the pipeline runtime's graph)."""
+        self._phase("forward", self.iteration)
+        if isinstance(output, torch.Tensor) and output.requires_grad:
+            output.register_hook(lambda grad: self._phase("backward", self.iteration))
+
+    # ----------------------------------------------------- reconfiguration
+    def abandon_epoch(self) -> None:
+        """Forget this epoch's process groups after a failure (they may be broken).
+
+        Every reference goes (groups, stages, schedule, the tp group the layers share), so
+        that the groups' sockets close now: peers blocked on this worker then fail at
+        once instead of at their timeout."""
+        if self.groups is not None:
+            with contextlib.suppress(Exception):
+                self.groups.destroy()
+        self.groups, self.schedule, self.stages = None, None, []
+        if self.tp is not None:
+            self.tp.group = None
+
+    def roll_forward(self, record: CommitRecord) -> bool:
+        """Apply the step of `record` if this worker is one behind with synced gradients
+        (the exactly-once rule's roll forward); True if it stepped."""
+        if self.last_stepped != record.iteration - 1:
+            return False
+        if not self.synced:
+            raise RuntimeError(f"told to roll forward iteration {record.iteration}, but its "
+                               "gradients are not synced on this worker")
+        self._step(record)
+        return True
+
+    def reconfigure(self, plan: Plan, rank: int, world: dist.ProcessGroup | None,
+                    transfers: list[Transfer]) -> TransferStats:
+        """Move to the next epoch's plan in place: new groups, the layers this rank now
+        needs received from their replicas (parameters and optimizer state), then a
+        barrier, then the layers no longer owned dropped and the pipeline rebuilt.
+
+        Layers are dropped only after the barrier: once it completed anywhere, every
+        worker had received its layers, so a failure at any earlier point leaves every
+        layer with the holders it had (`held()` says which).
+        """
+        if plan.first_iteration != self.last_stepped + 1:
+            raise RuntimeError(f"the plan of epoch {plan.epoch} starts at iteration "
+                               f"{plan.first_iteration}, but this worker last stepped "
+                               f"{self.last_stepped}")
+        self.abandon_epoch()
+        self.rank = rank
+        self._build_epoch(plan, world)
+        stats = exchange_layers(self, transfers, stepped=self.last_stepped >= 0)
+        dist.barrier(group=self.groups.world)
+        for index in [i for i in self.layers if i not in set(plan.layers_of(rank))]:
+            del self.layers[index]
+        self._add_fresh_layers()
+        self.iteration = plan.first_iteration
+        self.synced = False
+        self._build_pipeline()
+        self.last_transfer = stats
+        return stats
+
+    def held(self) -> tuple[tuple[int, int], ...]:
+        """(layer, tp rank) shards whose state at `last_stepped` this worker holds."""
+        return tuple((index, self.tp.rank) for index in sorted(self.layers))
+
+    def status(self, worker: tuple[str, int], finished: bool = False) -> WorkerStatus:
+        return WorkerStatus(worker=worker, last_stepped=self.last_stepped,
+                            state=SYNCED if self.synced else INCOMPLETE, commit=self.last_commit,
+                            holds=self.held(), finished=finished)
 
     def _build_schedule(self, tp):
         stage = self.plan.stage_of(self.rank)
@@ -107,19 +227,38 @@ class Engine:
         self.groups.destroy()
 
     # ------------------------------------------------------------- iteration
-    def train_step(self, iteration: int, dataset, data_seed: int) -> StepResult:
+    def train_step(self, iteration: int, dataset, data_seed: int,
+                   request: Callable[[], bool] | None = None) -> StepResult:
+        """One iteration. `request`, when given, is asked before the commit whether this
+        worker wants the job to stop after this iteration; the commit all-reduce carries
+        the answer, so every worker learns the same (`StepResult.stop_requested`)."""
+        if iteration != self.last_stepped + 1:
+            raise RuntimeError(f"iteration {iteration} cannot run: this worker last stepped "
+                               f"{self.last_stepped}")
         start = time.perf_counter()
         plan = self.plan
+        self.iteration, self.synced = iteration, False
         count = self.pipeline.num_microbatches * plan.micro_batch
         inputs, targets = dataset.batch(iteration, plan.global_batch, data_seed,
                                         start=self.pipeline.sample_offset, count=count)
         losses = self._forward_backward(inputs.to(self.device), targets.to(self.device))
+        self._phase("sync", iteration)
         self._sync_gradients()
-        loss, grad_norm = self._commit(losses)
-        lr = learning_rate(iteration, self.optim)
-        self._clip_and_step(grad_norm, lr)
+        self.synced = True
+        self._phase("commit", iteration)
+        loss, grad_norm, stop = self._commit(losses, bool(request and request()))
+        record = CommitRecord(iteration, loss, grad_norm)
+        self._phase("committed", iteration)
+        lr = self._step(record)
         tokens = plan.global_batch * inputs.shape[1]
-        return StepResult(iteration, loss, grad_norm, lr, tokens, time.perf_counter() - start)
+        return StepResult(iteration, loss, grad_norm, lr, tokens, time.perf_counter() - start,
+                          stop_requested=stop)
+
+    def _step(self, record: CommitRecord) -> float:
+        lr = learning_rate(record.iteration, self.optim)
+        self._clip_and_step(record.grad_norm, lr)
+        self.last_stepped, self.last_commit, self.synced = record.iteration, record, False
+        return lr
 
     def _forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> list[torch.Tensor]:
         for state in self.layers.values():
@@ -157,8 +296,9 @@ class Engine:
             for grad, synced in zip(grads, _unflatten_dense_tensors(flat, grads)):
                 grad.copy_(synced)
 
-    def _commit(self, losses: list[torch.Tensor]) -> tuple[float, float]:
-        """World all-reduce of [squared grad norm, loss]; every rank gets the same values.
+    def _commit(self, losses: list[torch.Tensor], stop: bool = False) -> tuple[float, float, bool]:
+        """World all-reduce of [squared grad norm, loss, stop requests]; every rank gets
+        the same values.
 
         Each layer's norm is counted once (its replica group's first rank); replicated
         (non-sharded) tensors are counted by tp rank 0 only. The loss comes from tp rank 0
@@ -173,9 +313,10 @@ class Engine:
         loss = torch.zeros((), dtype=torch.float64, device=self.device)
         if losses and self.info.tp_rank == 0:
             loss = torch.stack([l.detach().double() for l in losses]).sum()
-        vector = torch.stack([squared, loss])
+        requests = torch.tensor(float(stop), dtype=torch.float64, device=self.device)
+        vector = torch.stack([squared, loss, requests])
         dist.all_reduce(vector, group=self.groups.world)
-        return float(vector[1]), math.sqrt(float(vector[0]))
+        return float(vector[1]), math.sqrt(float(vector[0])), bool(vector[2] > 0)
 
     def _clip_and_step(self, grad_norm: float, lr: float) -> None:
         if self.grad_clip > 0:
@@ -183,6 +324,7 @@ class Engine:
             params = [p for state in self.layers.values() for p in state.module.parameters()]
             total = torch.tensor(grad_norm, dtype=self.param_dtype, device=self.device)
             torch.nn.utils.clip_grads_with_norm_(params, self.grad_clip, total, foreach=True)
+        self._phase("step", self.iteration)
         for state in self.layers.values():
             set_learning_rate(state.optimizer, lr)
             state.optimizer.step()

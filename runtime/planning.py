@@ -56,11 +56,7 @@ def plan_job(cfg: Config, *, nodes: int, gpus_per_node: int, fault_tolerance: in
     costs = cost_model(cfg, hardware_name=hardware_name, gpus_per_node=gpus_per_node, profile=profile,
                        cache_dir=cache_dir, device=device)
     started = time.perf_counter()
-    settings = PlannerSettings(fault_tolerance=fault_tolerance, global_batch=cfg.train.global_batch,
-                               micro_batch=cfg.train.micro_batch, schedule=cfg.parallel.schedule,
-                               virtual_stages=cfg.parallel.virtual_stages,
-                               min_stages=cfg.parallel.min_stages)
-    planner = Planner(costs, settings)
+    planner = build_planner(cfg, costs, fault_tolerance=fault_tolerance)
     choice = planner.instantiate(nodes)
     planning_time = time.perf_counter() - started
     tokens = cfg.train.global_batch * cfg.model.seq_len
@@ -70,6 +66,16 @@ def plan_job(cfg: Config, *, nodes: int, gpus_per_node: int, fault_tolerance: in
     peak = max(max(planner.template(len(p.stages)).partition.peak_memory_bytes)
                for p in choice.plan.pipelines)
     return PlanReport(planner, choice, planning_time, tokens / choice.iteration_time_s, mfu, peak)
+
+
+def build_planner(cfg: Config, costs: CostModel, *, fault_tolerance: int | None = None) -> Planner:
+    """The planner of a job: its config's batch, schedule and stage settings over `costs`."""
+    p = cfg.parallel
+    settings = PlannerSettings(
+        fault_tolerance=p.fault_tolerance if fault_tolerance is None else fault_tolerance,
+        global_batch=cfg.train.global_batch, micro_batch=cfg.train.micro_batch,
+        schedule=p.schedule, virtual_stages=p.virtual_stages, min_stages=p.min_stages)
+    return Planner(costs, settings)
 
 
 def model_flops_per_token(shape: ModelShape) -> float:

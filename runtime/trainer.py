@@ -5,6 +5,9 @@ trains with the plan the config describes. Everything that can be checked withou
 processes (config, plan, schedules) is checked before the process group is created.
 Rank 0 prints progress and writes `OUTPUT_DIR/metrics.jsonl`, one JSON object per
 step; at the end the final parameters are saved, one file per layer and tp rank.
+Started by a Planaria control plane (`PLANARIA_STORE` in the environment), it runs the
+elastic worker loop instead (`planaria.runtime.elastic_worker`): it survives the
+failure of other workers and follows the plans the control plane publishes.
 """
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ from planaria.runtime.checkpoint import save_model_shards
 from planaria.runtime.config import (Config, ConfigError, describe, load_config, plan_from_config,
                                      torch_dtypes, uses_planner)
 from planaria.runtime.data import build_dataset
+from planaria.runtime.elastic_worker import elastic_environment, run_elastic
 from planaria.runtime.engine import Engine, StepResult
 from planaria.runtime.model import LayerModel
 from planaria.runtime.optim import OptimizerSettings
@@ -46,6 +50,9 @@ def main(argv: list[str] | None = None) -> int:
     rank = int(os.environ.get("RANK", "0"))
     try:
         cfg = load_config(args.config, args.overrides)
+        if elastic_environment() is not None:  # started by a Planaria control plane
+            device, backend = _device_and_backend(cfg)
+            return run_elastic(cfg, console, device, backend, optimizer_settings(cfg))
         plan = None if uses_planner(cfg) else plan_from_config(cfg, world_size=world_size)
         if plan is None and world_size % cfg.parallel.tp:
             raise ConfigError(f"{world_size} processes do not make whole nodes of parallel.tp = "

@@ -1,0 +1,209 @@
+"""The control plane's decisions: epochs, plans, and the exactly-once rule (DESIGN §7).
+
+The controller is the leader's brain, apart from how it learns who is alive: a caller
+(the local harness here; the etcd agent and leader next) calls `poll(alive)` with the
+workers whose processes are alive, and the controller reads and writes the job's store
+(keys in `planaria.runtime.coordination`). On a change it runs the reconfiguration:
+
+1. Detect: a worker of the current plan is gone, a worker reported that its epoch
+   failed (a collective error or timeout), or a new worker is alive (it joins: the
+   current epoch is asked to stop at the next iteration boundary).
+2. Wait a short debounce so that simultaneous failures are handled together, then for
+   the status of every live worker of the epoch; a worker that does not report within
+   `status_timeout_s` is hung: it is killed and counted as failed.
+3. Decide: the exactly-once rule over the statuses (`resolve`), then the planner's
+   plan for the surviving nodes, preferring the one that moves the least layer state,
+   then the transfers from the workers that hold each layer.
+4. Publish the record of epoch e+1, then move `epoch` to e+1: workers only ever see a
+   complete record.
+
+A failure during a reconfiguration is one more failure: the epoch that was being
+entered ends the same way, and its statuses say what each worker holds.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch.distributed as dist
+
+from planaria.runtime.coordination import EpochRecord, Worker, worker_key
+from planaria.runtime.exactly_once import InconsistentStatuses, WorkerStatus, resolve
+from planaria.templates.plan import Plan, missing_from, transfers_from
+from planaria.templates.planner import Planner
+
+
+class JobFailed(RuntimeError):
+    """The job cannot go on; the message says why and what would fix it."""
+
+
+@dataclass
+class EpochEvent:
+    """What happened at one reconfiguration, for reports and benchmarks."""
+
+    epoch: int
+    reason: str
+    detected_s: float
+    statuses_s: float = 0.0
+    planned_s: float = 0.0
+    published_s: float = 0.0
+    failed: list[str] = field(default_factory=list)
+    joined: list[str] = field(default_factory=list)
+    first_iteration: int = 0
+    rolled_forward: int | None = None
+    transfers: int = 0
+    moved_bytes: int = 0
+    plan_shape: list[int] = field(default_factory=list)
+
+
+class Controller:
+    """Epoch decisions over a job's store (module docstring)."""
+
+    def __init__(self, store: dist.Store, planner: Planner, *, total_steps: int,
+                 gpus_per_node: int = 1, status_timeout_s: float = 30.0, debounce_s: float = 0.3,
+                 max_epochs_without_progress: int = 5, log: Callable[[str], None] = print):
+        self.store = store
+        self.planner = planner
+        self.total_steps = total_steps
+        self.gpus_per_node = gpus_per_node
+        self.status_timeout_s = status_timeout_s
+        self.debounce_s = debounce_s
+        self.max_stalled = max_epochs_without_progress
+        self.log = log
+        self.epoch = -1
+        self.plan: Plan | None = None
+        self.events: list[EpochEvent] = []
+        self.outcome: str | None = None
+        self._stalled = 0
+
+    # ------------------------------------------------------------- start
+    def start(self, workers: list[Worker], plan: Plan | None = None) -> Plan:
+        """Publish epoch 0: `plan`, or the planner's plan for the workers' nodes."""
+        if plan is None:
+            nodes = self._whole_nodes(set(workers))
+            plan = self.planner.instantiate(len(nodes), node_ids=nodes).plan
+        self._publish(EpochRecord(plan))
+        return plan
+
+    # -------------------------------------------------------------- poll
+    def poll(self, alive: set[Worker], kill: Callable[[Worker], None]) -> str:
+        """Look at the job once: "running", "finished", or "failed" (see `outcome`)."""
+        if self.outcome is not None:
+            return "finished" if self.outcome == "ok" else "failed"
+        members = set(self.plan.rank_of_worker())
+        gone = members - alive
+        statuses = self._statuses(members)
+        if len(statuses) == len(members) and all(s.finished for s in statuses.values()):
+            self._end("ok")
+            return "finished"
+        joiners = set(self._whole_nodes(alive - members))
+        failed_report = any(not s.finished for s in statuses.values())
+        if gone or failed_report or joiners:
+            reason = ("failure" if gone or failed_report else "join")
+            try:
+                self._reconfigure(alive, kill, reason)
+            except JobFailed as err:
+                self.log(f"controller: the job cannot go on: {err}")
+                self._end(f"failed: {err}")
+                return "failed"
+        return "running"
+
+    # ------------------------------------------------------- reconfigure
+    def _reconfigure(self, alive: set[Worker], kill: Callable[[Worker], None], reason: str) -> None:
+        event = EpochEvent(epoch=self.epoch + 1, reason=reason, detected_s=time.time())
+        members = set(self.plan.rank_of_worker())
+        if reason == "join":  # nobody failed: stop everyone at the next iteration boundary
+            self.store.set(f"epoch/{self.epoch}/reconfigure", "join")
+        time.sleep(self.debounce_s)
+        statuses = self._collect_statuses(members, alive, kill)
+        event.statuses_s = time.time()
+        event.failed = sorted(worker_key(w) for w in members - set(statuses))
+        survivors = set(statuses)
+        joiners = {w for w in alive - members}
+        event.joined = sorted(worker_key(w) for w in joiners)
+        try:
+            resolution = resolve(list(statuses.values())) if statuses else None
+        except InconsistentStatuses as err:
+            raise JobFailed(str(err)) from None
+        if resolution is None:
+            raise JobFailed("every worker of the job failed; restart it from its last checkpoint")
+        first = resolution.first_iteration
+        self._check_progress(first)
+        nodes = self._whole_nodes(survivors | joiners)
+        if len(nodes) < self.planner.n0:
+            raise JobFailed(f"{len(nodes)} node(s) left, but one replica of the model needs "
+                            f"n0={self.planner.n0}; add nodes and restart from the last checkpoint")
+        choice = self.planner.instantiate(len(nodes), node_ids=nodes, current=self.plan,
+                                          epoch=self.epoch + 1, first_iteration=first)
+        plan = choice.plan
+        held: dict[tuple[int, int], set[Worker]] = {}
+        for worker, status in statuses.items():
+            for shard in status.holds:
+                held.setdefault(tuple(shard), set()).add(worker)
+        transfers = []
+        if first > 0:  # before the first step every layer is its seeded initial state
+            missing = missing_from(held, plan)
+            if missing:
+                raise JobFailed(f"no surviving worker holds layer shards {missing} (layer, tp rank): "
+                                "more failures than replicas; restart from the last checkpoint")
+            transfers = transfers_from(held, plan)
+        event.planned_s = time.time()
+        event.first_iteration = first
+        event.rolled_forward = None if resolution.roll_forward is None else resolution.roll_forward.iteration
+        event.transfers = len(transfers)
+        event.moved_bytes = choice.moved_bytes
+        event.plan_shape = [len(p.stages) for p in plan.pipelines]
+        self._publish(EpochRecord(plan, roll_forward=resolution.roll_forward, transfers=tuple(transfers)))
+        event.published_s = time.time()
+        self.events.append(event)
+        self.log(f"controller: epoch {plan.epoch} ({reason}; failed {event.failed or '-'}, joined "
+                 f"{event.joined or '-'}): pipelines of {event.plan_shape} stages from iteration "
+                 f"{first}{f', rolling forward {event.rolled_forward}' if event.rolled_forward is not None else ''}"
+                 f", {len(transfers)} layer transfers")
+
+    def _collect_statuses(self, members: set[Worker], alive: set[Worker],
+                          kill: Callable[[Worker], None]) -> dict[Worker, WorkerStatus]:
+        """Statuses of the epoch's live workers; the ones that stay silent are killed."""
+        deadline = time.monotonic() + self.status_timeout_s
+        expected = members & alive
+        while True:
+            statuses = self._statuses(expected)
+            if len(statuses) == len(expected) or time.monotonic() > deadline:
+                break
+            time.sleep(0.02)
+        for worker in sorted(expected - set(statuses)):
+            self.log(f"controller: worker {worker_key(worker)} did not report within "
+                     f"{self.status_timeout_s:.0f} s; killing it")
+            kill(worker)
+        return statuses
+
+    def _statuses(self, workers: set[Worker]) -> dict[Worker, WorkerStatus]:
+        keys = {w: f"epoch/{self.epoch}/status/{worker_key(w)}" for w in workers}
+        return {w: WorkerStatus.from_json(self.store.get(k).decode())
+                for w, k in keys.items() if self.store.check([k])}
+
+    def _check_progress(self, first_iteration: int) -> None:
+        last = self.plan.first_iteration
+        self._stalled = self._stalled + 1 if first_iteration <= last else 0
+        if self._stalled >= self.max_stalled:
+            raise JobFailed(f"{self._stalled} reconfigurations in a row without a committed step "
+                            f"(stuck at iteration {first_iteration}); see the workers' logs")
+
+    def _whole_nodes(self, workers: set[Worker]) -> list[str]:
+        """Nodes all of whose workers are in `workers` (a stage needs the whole node)."""
+        by_node: dict[str, set[int]] = {}
+        for node, local in workers:
+            by_node.setdefault(node, set()).add(local)
+        return sorted(n for n, locals_ in by_node.items()
+                      if locals_ >= set(range(self.gpus_per_node)))
+
+    def _publish(self, record: EpochRecord) -> None:
+        epoch = record.plan.epoch
+        self.store.set(f"epoch/{epoch}/record", record.to_json())
+        self.store.set("epoch", str(epoch))
+        self.epoch, self.plan = epoch, record.plan
+
+    def _end(self, outcome: str) -> None:
+        self.outcome = outcome
+        self.store.set("done", outcome)

@@ -1,0 +1,137 @@
+"""A job on this machine: worker processes, a store, and the controller, in one object.
+
+`LocalJob` owns what a real deployment spreads over nodes: a `TCPStore` (the job's
+coordination store; etcd in a deployment), one process per worker running
+`python -m planaria.train CONFIG ...` with the elastic environment, and the
+`Controller`, which it polls with the set of live processes. Tests and benchmarks use
+it to run real failures (processes SIGKILLed, by `kill` or by the workers' own fault
+injection) and joins (`add_node`). Each worker's output goes to
+OUTPUT_DIR/logs/<node>.<local>.log.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import torch.distributed as dist
+
+from planaria.elastic.controller import Controller
+from planaria.runtime.config import load_config
+from planaria.runtime.coordination import Worker, worker_key
+from planaria.runtime.planning import build_planner, cost_model
+
+
+@dataclass(frozen=True)
+class JobResult:
+    outcome: str
+    """"ok", or "failed: <reason>"."""
+    seconds: float
+    controller: Controller
+
+
+class LocalJob:
+    """A job of `nodes` nodes of `gpus_per_node` workers each (module docstring)."""
+
+    def __init__(self, config: str | Path, overrides: list[str], *, nodes: int, out_dir: Path,
+                 gpus_per_node: int = 1, hardware: str = "h100", faults: str = "",
+                 status_timeout_s: float | None = None, log=None):
+        self.config = str(config)
+        self.overrides = list(overrides) + [f"output.dir={out_dir}"]
+        self.cfg = load_config(self.config, self.overrides)
+        self.out_dir = Path(out_dir)
+        self.gpus_per_node = gpus_per_node
+        self.faults = faults
+        self.log = log or (lambda message: print(message, flush=True))
+        (self.out_dir / "logs").mkdir(parents=True, exist_ok=True)
+        self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                                   timeout=timedelta(seconds=60))
+        costs = cost_model(self.cfg, hardware_name=hardware, gpus_per_node=gpus_per_node)
+        timeout = self.cfg.parallel.timeout_s
+        self.controller = Controller(
+            self.store, build_planner(self.cfg, costs), total_steps=self.cfg.train.steps,
+            gpus_per_node=gpus_per_node,
+            status_timeout_s=status_timeout_s if status_timeout_s is not None else timeout + 15,
+            log=self.log)
+        self.processes: dict[Worker, subprocess.Popen] = {}
+        self._next_node = 0
+        self._log_files = []
+        for _ in range(nodes):
+            self.add_node(start=False)
+
+    # --------------------------------------------------------------- nodes
+    def add_node(self, *, start: bool = True) -> str:
+        """Start a node's workers; a running job absorbs them at its next iteration boundary."""
+        node = f"node{self._next_node}"
+        self._next_node += 1
+        for local in range(self.gpus_per_node):
+            self._spawn((node, local), faults=self.faults if not start else "")
+        return node
+
+    def kill(self, worker: Worker, sig: int = signal.SIGKILL) -> None:
+        proc = self.processes.get(worker)
+        if proc is not None and proc.poll() is None:
+            proc.send_signal(sig)
+
+    def alive(self) -> set[Worker]:
+        return {w for w, p in self.processes.items() if p.poll() is None}
+
+    def _spawn(self, worker: Worker, faults: str) -> None:
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+                   PLANARIA_STORE=f"127.0.0.1:{self.store.port}", PLANARIA_NODE=worker[0],
+                   PLANARIA_LOCAL_RANK=str(worker[1]), PLANARIA_FAULTS=faults)
+        log = open(self.out_dir / "logs" / f"{worker_key(worker)}.log", "a", encoding="utf-8")
+        self._log_files.append(log)
+        self.processes[worker] = subprocess.Popen(
+            [sys.executable, "-m", "planaria.train", self.config, *self.overrides],
+            stdout=log, stderr=subprocess.STDOUT, env=env)
+
+    # ----------------------------------------------------------------- run
+    def run(self, timeout_s: float, *, actions=None) -> JobResult:
+        """Publish epoch 0 and drive the controller until the job ends or `timeout_s`
+        passes (then every worker is killed and the result says so). `actions`: a
+        callable given (job, elapsed seconds) at every poll, to kill or add nodes."""
+        started = time.monotonic()
+        try:
+            self.controller.start(sorted(self.processes))
+            while True:
+                state = self.controller.poll(self.alive(), self.kill)
+                if state != "running":
+                    break
+                elapsed = time.monotonic() - started
+                if elapsed > timeout_s:
+                    self.controller._end(f"failed: timed out after {timeout_s:.0f} s")
+                    break
+                if actions is not None:
+                    actions(self, elapsed)
+                time.sleep(0.02)
+            self._wait_for_exit(timeout_s=30)
+        finally:
+            self.close()
+        return JobResult(self.controller.outcome, time.monotonic() - started, self.controller)
+
+    def _wait_for_exit(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        for proc in self.processes.values():
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+    def close(self) -> None:
+        for proc in self.processes.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        for log in self._log_files:
+            log.close()
+
+    def logs(self) -> str:
+        """Every worker's log, for a failing test's message."""
+        return "\n".join(f"--- {path.name}\n{path.read_text()[-3000:]}"
+                         for path in sorted((self.out_dir / "logs").glob("*.log")))

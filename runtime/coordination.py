@@ -1,0 +1,124 @@
+"""How a worker talks to its control plane: a narrow interface over a key-value store.
+
+The runtime needs five things from whoever coordinates the job (DESIGN §7):
+announce itself; wait for the next epoch's record (its plan, and what to do before it
+starts); a rendezvous store for that epoch's process groups; publish its status when
+an epoch ends; and learn, cheaply at every iteration, whether the control plane wants
+the job to stop at the next iteration boundary (a node joins). `StoreCoordinator`
+implements it over any `torch.distributed.Store`: a `TCPStore` that a test harness or
+local launcher owns, or the etcd-backed store of `planaria.elastic`.
+
+Keys (under whatever prefix the store carries):
+
+    members/<node>.<local>          a worker's announcement: {"pid": ...}
+    epoch                           the newest epoch whose record is complete
+    epoch/<e>/record                EpochRecord JSON, written before `epoch` moves to e
+    epoch/<e>/status/<node>.<local> WorkerStatus JSON, once the worker left epoch e
+    epoch/<e>/reconfigure           present: stop after the current iteration
+    epoch/<e>/pg/...                the epoch's process-group rendezvous
+    epoch/<e>/timing/<node>.<local> how long the worker's recovery phases took (JSON)
+    done                            the job is over: "ok", or "failed: <reason>"
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from planaria.runtime.exactly_once import CommitRecord, WorkerStatus
+from planaria.templates.plan import Plan, Transfer
+
+Worker = tuple[str, int]
+POLL_S = 0.02
+
+
+def worker_key(worker: Worker) -> str:
+    return f"{worker[0]}.{worker[1]}"
+
+
+class JobEnded(Exception):
+    """The control plane ended the job (`done`); `outcome` says how."""
+
+    def __init__(self, outcome: str):
+        super().__init__(outcome)
+        self.outcome = outcome
+
+
+@dataclass(frozen=True)
+class EpochRecord:
+    """An epoch's plan and what survivors do before it starts."""
+
+    plan: Plan
+    roll_forward: CommitRecord | None = None
+    """Workers one step behind apply this committed step first (exactly-once rule)."""
+    transfers: tuple[Transfer, ...] = field(default=())
+    """Layer shards to copy from holders to the workers that lack them."""
+
+    def to_json(self) -> str:
+        return json.dumps({
+            "plan": json.loads(self.plan.to_json()),
+            "roll_forward": None if self.roll_forward is None else vars(self.roll_forward),
+            "transfers": [[t.layer, t.tp_rank, list(t.src), list(t.dst)] for t in self.transfers],
+        })
+
+    @classmethod
+    def from_json(cls, text: str) -> "EpochRecord":
+        data = json.loads(text)
+        roll = data["roll_forward"]
+        return cls(plan=Plan.from_json(json.dumps(data["plan"])),
+                   roll_forward=None if roll is None else CommitRecord(**roll),
+                   transfers=tuple(Transfer(layer, tp, tuple(src), tuple(dst))
+                                   for layer, tp, src, dst in data["transfers"]))
+
+
+class StoreCoordinator:
+    """A worker's side of the control plane, over a `torch.distributed.Store`."""
+
+    def __init__(self, store: dist.Store, worker: Worker):
+        self.store = store
+        self.worker = worker
+        self._key = worker_key(worker)
+
+    def announce(self) -> None:
+        self.store.set(f"members/{self._key}", json.dumps({"pid": os.getpid()}))
+
+    def wait_for_epoch(self, after: int, timeout_s: float) -> tuple[int, EpochRecord]:
+        """The first epoch newer than `after` and its record; JobEnded if the job ended
+        first, TimeoutError if nothing came within `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if self.store.check(["done"]):
+                raise JobEnded(self.store.get("done").decode())
+            if self.store.check(["epoch"]):
+                epoch = int(self.store.get("epoch"))
+                if epoch > after:
+                    return epoch, EpochRecord.from_json(self.store.get(f"epoch/{epoch}/record").decode())
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"worker {self._key}: no epoch after {after} within {timeout_s:.0f} s; "
+                                   "is the control plane alive?")
+            time.sleep(POLL_S)
+
+    def rendezvous_store(self, epoch: int) -> dist.Store:
+        return dist.PrefixStore(f"epoch/{epoch}/pg/", self.store)
+
+    def publish_status(self, epoch: int, status: WorkerStatus) -> None:
+        self.store.set(f"epoch/{epoch}/status/{self._key}", status.to_json())
+
+    def publish_timing(self, epoch: int, timing: dict) -> None:
+        self.store.set(f"epoch/{epoch}/timing/{self._key}", json.dumps(timing))
+
+    def reconfigure_requested(self, epoch: int) -> bool:
+        return self.store.check([f"epoch/{epoch}/reconfigure"])
+
+
+def connect_tcp_store(address: str, timeout_s: float = 60.0) -> dist.TCPStore:
+    """A client of the TCPStore at "host:port"."""
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"store address must be host:port, got {address!r}")
+    return dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout_s),
+                         wait_for_workers=False)

@@ -1,0 +1,202 @@
+"""A training worker that survives the failure of others: the epoch loop (DESIGN §6-7).
+
+`python -m planaria.train CONFIG [overrides]` runs this loop when its environment names
+a control plane (`PLANARIA_STORE=host:port`, `PLANARIA_NODE`, `PLANARIA_LOCAL_RANK`),
+as `planaria.elastic`'s launchers and the tests' harness start workers. Per epoch:
+
+1. wait for the epoch's record (plan, roll-forward, transfers); a worker not in the
+   plan waits for the next one;
+2. join the epoch's process group through the epoch's rendezvous store;
+3. first epoch: build the engine (a worker joining a running job receives its layers);
+   later epochs: roll forward if the record says so, then `Engine.reconfigure`;
+4. train from the plan's first iteration; the commit all-reduce also carries "the
+   control plane asked to stop here" (a node joins), so all stop after the same step;
+5. at the end, save the final parameters and report "finished", then wait: the job is
+   over only when the control plane says so (a late failure may still need this
+   worker's layers).
+
+A collective that fails (a peer's sockets closed: gloo reports it within about a
+second) or times out (`parallel.timeout_s`) ends the epoch on this worker: it tears
+its process groups down at once, which closes its own sockets so that peers blocked on
+it fail too, then publishes its status (`planaria.runtime.exactly_once`) and goes back
+to 1. Every committed step is appended to OUTPUT_DIR/commits-<node>.<local>.jsonl.
+"""
+from __future__ import annotations
+
+import gc
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from rich.console import Console
+
+from planaria.runtime.checkpoint import save_model_shards
+from planaria.runtime.config import Config, torch_dtypes
+from planaria.runtime.coordination import EpochRecord, JobEnded, StoreCoordinator, connect_tcp_store
+from planaria.runtime.data import build_dataset
+from planaria.runtime.engine import Engine, StepResult
+from planaria.runtime.faults import FaultInjector
+from planaria.runtime.model import LayerModel
+
+ENV_STORE, ENV_NODE, ENV_LOCAL_RANK = "PLANARIA_STORE", "PLANARIA_NODE", "PLANARIA_LOCAL_RANK"
+
+
+class _StopRequested(Exception):
+    """The commit agreed to stop after this step (the control plane wants a new epoch)."""
+
+
+def elastic_environment() -> tuple[str, str, int] | None:
+    """(store address, node, local rank) when this process was started by a Planaria
+    control plane, else None."""
+    if ENV_STORE not in os.environ:
+        return None
+    missing = [k for k in (ENV_NODE, ENV_LOCAL_RANK) if k not in os.environ]
+    if missing:
+        raise RuntimeError(f"{ENV_STORE} is set but {', '.join(missing)} is not; the launcher must "
+                           "set all three")
+    return os.environ[ENV_STORE], os.environ[ENV_NODE], int(os.environ[ENV_LOCAL_RANK])
+
+
+class ElasticWorker:
+    """One worker's epochs (module docstring)."""
+
+    def __init__(self, cfg: Config, coordinator: StoreCoordinator, console: Console,
+                 device: torch.device, backend: str, optimizer_settings):
+        self.cfg = cfg
+        self.coordinator = coordinator
+        self.worker = coordinator.worker
+        self.name = f"{self.worker[0]}.{self.worker[1]}"
+        self.console = console
+        self.device, self.backend = device, backend
+        self.optim = optimizer_settings
+        self.dataset = build_dataset(cfg.data.source, seq_len=cfg.model.seq_len,
+                                     vocab_size=cfg.model.vocab_size, seed=cfg.data.seed)
+        self.param_dtype, self.autocast_dtype = torch_dtypes(cfg.train.dtype)
+        self.model = LayerModel(cfg.model, seed=cfg.train.seed, recompute=cfg.train.recompute)
+        self.faults = FaultInjector.from_env(self.name)
+        self.engine: Engine | None = None
+        self.out_dir = Path(cfg.output.dir)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.commits = open(self.out_dir / f"commits-{self.name}.jsonl", "a", encoding="utf-8")
+
+    # ------------------------------------------------------------------ loop
+    def run(self) -> int:
+        self.coordinator.announce()
+        epoch = -1
+        wait_s = 4 * self.cfg.parallel.timeout_s + 60
+        while True:
+            try:
+                epoch, record = self.coordinator.wait_for_epoch(epoch, wait_s)
+            except JobEnded as end:
+                self._log(f"job ended: {end.outcome}")
+                return 0 if end.outcome == "ok" else 1
+            if self.worker not in record.plan.rank_of_worker():
+                self._log(f"epoch {epoch}: not in the plan, waiting")
+                continue
+            self._run_epoch(epoch, record)
+
+    def _run_epoch(self, epoch: int, record: EpochRecord) -> None:
+        plan = record.plan
+        rank = plan.rank_of_worker()[self.worker]
+        timing = {"record_s": time.time()}
+        finished = False
+        try:
+            dist.init_process_group(self.backend, store=self.coordinator.rendezvous_store(epoch),
+                                    rank=rank, world_size=plan.world_size, timeout=self._timeout())
+            timing["rendezvous_s"] = time.time()
+            self._enter_epoch(plan, rank, record)
+            timing["transfer_s"] = time.time()
+            if self.engine.last_transfer is not None:
+                t = self.engine.last_transfer
+                timing.update(bytes_received=t.bytes_received, bytes_sent=t.bytes_sent,
+                              transfer_seconds=t.seconds)
+            self._log(f"epoch {epoch}: rank {rank} of {plan.world_size}, layers "
+                      f"{sorted(self.engine.layers)}, from iteration {plan.first_iteration}")
+            self._train(epoch, plan.first_iteration, timing)
+            save_model_shards(self.engine, self.out_dir / "final")
+            finished = True
+        except _StopRequested:
+            self._log(f"epoch {epoch}: stopping after iteration {self.engine.last_stepped} "
+                      "as the control plane asked")
+        except (RuntimeError, TimeoutError) as err:  # dist errors are RuntimeErrors
+            timing["failed_s"] = time.time()
+            timing["error"] = str(err).splitlines()[0][:300] if str(err) else type(err).__name__
+            self._log(f"epoch {epoch} failed on this worker: {timing['error']}")
+        finally:
+            self._leave_epoch()
+        self.coordinator.publish_timing(epoch, timing)
+        self.coordinator.publish_status(epoch, self._status(finished))
+
+    def _enter_epoch(self, plan, rank: int, record: EpochRecord) -> None:
+        transfers = list(record.transfers)
+        if self.engine is None:
+            self.engine = Engine(plan, self.model, self.optim, rank=rank, device=self.device,
+                                 param_dtype=self.param_dtype, autocast_dtype=self.autocast_dtype,
+                                 grad_clip=self.cfg.train.grad_clip,
+                                 collective_timeout=self._timeout(), phase=self.faults,
+                                 transfers=transfers)  # collective with the others' reconfigure
+            return
+        if record.roll_forward is not None and self.engine.roll_forward(record.roll_forward):
+            self._record_commit(record.roll_forward, plan.epoch - 1, rolled_forward=True)
+        self.engine.reconfigure(plan, rank, None, transfers)
+
+    def _train(self, epoch: int, first: int, timing: dict) -> None:
+        request = lambda: self.coordinator.reconfigure_requested(epoch)  # noqa: E731
+        for iteration in range(first, self.cfg.train.steps):
+            result = self.engine.train_step(iteration, self.dataset, self.cfg.data.seed, request=request)
+            timing.setdefault("first_step_s", time.time())
+            self._record_commit(result, epoch)
+            if result.stop_requested and iteration + 1 < self.cfg.train.steps:
+                raise _StopRequested()
+
+    def _leave_epoch(self) -> None:
+        """Tear this epoch's groups down now: closing our sockets makes peers blocked on us
+        fail at once instead of at their timeout."""
+        if self.engine is not None:
+            self.engine.abandon_epoch()
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # a broken group may refuse; it is dropped all the same
+                pass
+        gc.collect()
+
+    # --------------------------------------------------------------- helpers
+    def _status(self, finished: bool):
+        from planaria.runtime.exactly_once import INCOMPLETE, WorkerStatus
+
+        if self.engine is None:
+            return WorkerStatus(worker=self.worker, last_stepped=-1, state=INCOMPLETE, finished=finished)
+        return self.engine.status(self.worker, finished=finished)
+
+    def _record_commit(self, result, epoch: int, rolled_forward: bool = False) -> None:
+        entry = {"iteration": result.iteration, "loss": result.loss, "grad_norm": result.grad_norm,
+                 "epoch": epoch, "rolled_forward": rolled_forward}
+        if isinstance(result, StepResult):
+            entry["step_time_s"] = result.step_time_s
+        entry["time"] = time.time()
+        self.commits.write(json.dumps(entry) + "\n")
+        self.commits.flush()
+        if self.worker[1] == 0 and (result.iteration % self.cfg.train.log_every == 0
+                                    or result.iteration == self.cfg.train.steps - 1):
+            self._log(f"step {result.iteration + 1}/{self.cfg.train.steps} | loss {result.loss:.4f}"
+                      f"{' (rolled forward)' if rolled_forward else ''}")
+
+    def _timeout(self):
+        from datetime import timedelta
+
+        return timedelta(seconds=self.cfg.parallel.timeout_s)
+
+    def _log(self, message: str) -> None:
+        self.console.print(f"[{self.name}] {message}", markup=False)
+
+
+def run_elastic(cfg: Config, console: Console, device: torch.device, backend: str,
+                optimizer_settings) -> int:
+    address, node, local_rank = elastic_environment()
+    store = connect_tcp_store(address, timeout_s=cfg.parallel.timeout_s + 60)
+    coordinator = StoreCoordinator(store, (node, local_rank))
+    return ElasticWorker(cfg, coordinator, console, device, backend, optimizer_settings).run()

@@ -1,0 +1,106 @@
+"""Exactly-once optimizer steps across failures (DESIGN §6): statuses and the rule.
+
+A worker steps iteration `k` only after its commit all-reduce for `k` completed. If
+that all-reduce completed on any worker, every worker had entered it, so every
+survivor holds fully synced gradients for `k`. After a failure each survivor reports:
+
+- `last_stepped`: the last iteration whose optimizer step it applied (-1: none yet);
+- `state` of iteration `last_stepped + 1`: `synced` (its gradient sync completed, its
+  commit did not) or `incomplete`;
+- `commit`: the commit record (loss, gradient norm) of `last_stepped`, so that a
+  worker whose own commit all-reduce failed can apply the same step (None for a
+  worker that joined after that step: it received the state, not the step);
+- `holds`: the (layer, tp rank) shards whose state it holds at `last_stepped`.
+
+In DESIGN's words, a worker with `last_stepped == k` "stepped" `k`. The rule
+(`resolve`): let `K` be the largest `last_stepped`. Workers at `K - 1` must be
+`synced` for `K` (anything else means the statuses contradict the commit protocol);
+they step `K` now with the commit record of a worker that stepped it (roll forward).
+The next plan starts at `K + 1`; gradients of any later, uncommitted iteration are
+dropped and that iteration runs again. Every survivor then holds the state of step `K`,
+so any of them can be the source of a layer.
+
+No torch import: the control plane (`planaria.elastic`) applies the rule too.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+
+SYNCED = "synced"
+INCOMPLETE = "incomplete"
+STATES = (SYNCED, INCOMPLETE)
+
+
+class InconsistentStatuses(RuntimeError):
+    """The statuses contradict the commit protocol; resuming would break exactly-once."""
+
+
+@dataclass(frozen=True)
+class CommitRecord:
+    """What the commit all-reduce of one iteration agreed on."""
+
+    iteration: int
+    loss: float
+    grad_norm: float
+
+
+@dataclass(frozen=True)
+class WorkerStatus:
+    """A worker's report after its epoch ended (module docstring)."""
+
+    worker: tuple[str, int]
+    """(node, local rank): a worker's name across epochs."""
+    last_stepped: int
+    state: str
+    commit: CommitRecord | None = None
+    holds: tuple[tuple[int, int], ...] = field(default=())
+    finished: bool = False
+    """It stepped the job's last iteration and is waiting for the job to end."""
+
+    def __post_init__(self) -> None:
+        if self.state not in STATES:
+            raise ValueError(f"state must be one of {STATES}, got {self.state!r}")
+        if self.commit is not None and self.commit.iteration != self.last_stepped:
+            raise ValueError(f"worker {self.worker} last stepped iteration {self.last_stepped} but "
+                             f"reports the commit record of {self.commit.iteration}")
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> "WorkerStatus":
+        data = json.loads(text)
+        commit = data.pop("commit")
+        return cls(worker=tuple(data.pop("worker")), commit=None if commit is None else CommitRecord(**commit),
+                   holds=tuple(tuple(h) for h in data.pop("holds")), **data)
+
+
+@dataclass(frozen=True)
+class Resolution:
+    """What the survivors do before the next epoch."""
+
+    first_iteration: int
+    """The iteration the next plan starts with."""
+    roll_forward: CommitRecord | None
+    """When set, workers whose `last_stepped` is one less apply this step first."""
+
+
+def resolve(statuses: list[WorkerStatus]) -> Resolution:
+    """The exactly-once rule over the survivors' statuses (module docstring)."""
+    if not statuses:
+        raise InconsistentStatuses("no survivor reported its status")
+    newest = max(s.last_stepped for s in statuses)
+    behind = [s for s in statuses if s.last_stepped != newest]
+    for s in behind:
+        if s.last_stepped != newest - 1 or s.state != SYNCED:
+            raise InconsistentStatuses(
+                f"worker {s.worker} last stepped iteration {s.last_stepped} ({s.state} after it) "
+                f"while another stepped {newest}: a step was committed without it")
+    if not behind:
+        return Resolution(first_iteration=newest + 1, roll_forward=None)
+    record = next((s.commit for s in statuses if s.last_stepped == newest and s.commit), None)
+    if record is None:
+        raise InconsistentStatuses(f"iteration {newest} must be rolled forward, but no worker that "
+                                   "stepped it reports its commit record")
+    return Resolution(first_iteration=newest + 1, roll_forward=record)

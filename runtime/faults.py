@@ -1,0 +1,81 @@
+"""Deterministic fault injection: a worker kills itself with SIGKILL at a chosen phase.
+
+Tests and the chaos harness need failures at precise moments (during a forward, a
+backward, the gradient sync, just after a commit, during a state transfer), which a
+signal sent from outside cannot hit reliably. A worker started with
+
+    PLANARIA_FAULTS="node1.0:backward@3#2,node2.0:transfer@*"
+
+SIGKILLs itself (no cleanup, no Python exit handlers: exactly as if the node vanished)
+on the 2nd backward call of iteration 3, and `node2.0` at its first state transfer
+whatever the iteration. A trailing `!error` raises a RuntimeError instead, as a
+collective that fails on this worker alone would (the worker lives on). Phases are the engine's (`planaria.runtime.engine`): forward,
+backward (counted per layer, microbatch and chunk), sync, commit, committed (the commit
+all-reduce completed, the step not yet taken), step, transfer. A fault fires once: a
+worker that comes back under the same name is a new process without it (the harness
+clears the variable when it restarts a node).
+"""
+from __future__ import annotations
+
+import os
+import re
+import signal
+from dataclasses import dataclass
+
+PHASES = ("forward", "backward", "sync", "commit", "committed", "step", "transfer")
+_SPEC = re.compile(r"^(?P<worker>[^:]+):(?P<phase>\w+)@(?P<iteration>\d+|\*)(?:#(?P<count>\d+))?"
+                   r"(?P<error>!error)?$")
+
+
+@dataclass(frozen=True)
+class Fault:
+    worker: str
+    """"<node>.<local rank>"."""
+    phase: str
+    iteration: int | None
+    """None: any iteration."""
+    count: int = 1
+    """Fire on this call of the phase within the iteration (forward and backward are
+    called once per layer, microbatch and chunk)."""
+    error: bool = False
+    """Raise a RuntimeError instead of dying, as a collective that fails on this worker
+    alone does (with "committed": the commit all-reduce completed on the others but
+    failed here, which the exactly-once rule rolls forward)."""
+
+
+def parse_faults(text: str) -> list[Fault]:
+    faults = []
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        match = _SPEC.match(item)
+        if not match or match["phase"] not in PHASES:
+            raise ValueError(f"bad fault {item!r}: expected NODE.LOCAL:PHASE@ITERATION[#COUNT][!error] with "
+                             f"PHASE one of {', '.join(PHASES)} and ITERATION a number or *")
+        iteration = None if match["iteration"] == "*" else int(match["iteration"])
+        faults.append(Fault(match["worker"], match["phase"], iteration, int(match["count"] or 1),
+                            error=bool(match["error"])))
+    return faults
+
+
+class FaultInjector:
+    """The engine's `phase` callback for one worker: kills the process when a fault matches."""
+
+    def __init__(self, worker: str, faults: list[Fault]):
+        self.faults = [f for f in faults if f.worker == worker]
+        self._calls: dict[tuple[str, int], int] = {}
+
+    @classmethod
+    def from_env(cls, worker: str) -> "FaultInjector | None":
+        faults = parse_faults(os.environ.get("PLANARIA_FAULTS", ""))
+        mine = cls(worker, faults)
+        return mine if mine.faults else None
+
+    def __call__(self, phase: str, iteration: int) -> None:
+        key = (phase, iteration)
+        self._calls[key] = calls = self._calls.get(key, 0) + 1
+        for fault in self.faults:
+            if fault.phase == phase and fault.iteration in (None, iteration) and fault.count == calls:
+                if fault.error:
+                    self.faults.remove(fault)  # once: the worker lives on
+                    raise RuntimeError(f"injected fault: {phase} of iteration {iteration} failed "
+                                       "on this worker")
+                os.kill(os.getpid(), signal.SIGKILL)

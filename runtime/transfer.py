@@ -1,0 +1,122 @@
+"""Copying layer state between workers when the plan changes (DESIGN §7, "Repair").
+
+A `Transfer` (from `planaria.templates.plan.transfers_from`) names one (layer, tp rank)
+shard, a worker that holds it and a worker of the new plan that needs it. What moves is
+everything the shard's next optimizer step depends on: its parameters (the fp32 master
+weights: parameters are kept in the master dtype, autocast makes the low-precision
+copies) and its AdamW state (both moments and the step count). A tp shard moves as a
+unit, so tensor-parallel layers move shard by shard.
+
+All transfers between one pair of workers travel as one message per dtype, flattened in
+the transfer list's order (every worker reads the same list, so both sides agree on the
+layout without a handshake). Messages go through `torch.distributed.batch_isend_irecv`
+on the new epoch's world group, so every pair proceeds at once: the load spreads over
+all surviving sources, as `transfers_from` chose them.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from planaria.templates.plan import Transfer
+
+if TYPE_CHECKING:
+    from planaria.runtime.engine import Engine, LayerState
+
+_ADAM_KEYS = ("exp_avg", "exp_avg_sq")
+
+
+@dataclass(frozen=True)
+class TransferStats:
+    """What this worker sent and received, and how long the exchange took."""
+
+    layers_sent: int
+    layers_received: int
+    bytes_sent: int
+    bytes_received: int
+    seconds: float
+
+
+def layer_state_tensors(state: "LayerState", stepped: bool) -> list[torch.Tensor]:
+    """The tensors of a layer shard that move, in a fixed order: each parameter, then (once
+    the optimizer has stepped) its moments and step count."""
+    tensors = []
+    for param in state.module.parameters():
+        tensors.append(param.data)
+        if stepped:
+            moments = state.optimizer.state[param]
+            tensors.extend(moments[key] for key in _ADAM_KEYS)
+            tensors.append(moments["step"].view(1))
+    return tensors
+
+
+def _empty_optimizer_state(state: "LayerState") -> None:
+    """AdamW's per-parameter state, zeroed, to be overwritten by what arrives."""
+    # AdamW keeps its step count as a float64 scalar when that is the default dtype,
+    # float32 otherwise; the sender's dtype must match for the flattened layout to agree.
+    step_dtype = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+    for param in state.module.parameters():
+        state.optimizer.state[param] = {
+            "step": torch.zeros((), dtype=step_dtype, device=param.device),
+            **{key: torch.zeros_like(param, memory_format=torch.preserve_format) for key in _ADAM_KEYS},
+        }
+
+
+def exchange_layers(engine: "Engine", transfers: list[Transfer], *, stepped: bool) -> TransferStats:
+    """Send the shards this worker is a source of, receive the ones it needs; collective
+    over the transfers' workers on `engine.groups.world` (workers in no transfer return
+    at once). The received layers are added to `engine.layers` only once all arrived."""
+    started = time.perf_counter()
+    plan, me = engine.plan, engine.plan.worker(engine.rank)
+    rank_of = plan.rank_of_worker()
+    outgoing: dict[int, list[torch.Tensor]] = {}
+    incoming: dict[int, list[torch.Tensor]] = {}
+    received: dict[int, "LayerState"] = {}
+    for t in sorted(transfers, key=lambda t: (t.layer, t.tp_rank, t.src, t.dst)):
+        if t.src == me:
+            if t.layer not in engine.layers:
+                raise RuntimeError(f"worker {me} is to send layer {t.layer}, which it does not hold")
+            outgoing.setdefault(rank_of[t.dst], []).extend(
+                layer_state_tensors(engine.layers[t.layer], stepped))
+        elif t.dst == me:
+            state = engine._new_layer(t.layer)
+            if stepped:
+                _empty_optimizer_state(state)
+            received[t.layer] = state
+            incoming.setdefault(rank_of[t.src], []).extend(layer_state_tensors(state, stepped))
+    ops, unpack = [], []
+    for peer, tensors in sorted(outgoing.items()):
+        for tag, (_, group) in enumerate(_by_dtype(tensors)):
+            ops.append(dist.P2POp(dist.isend, _flatten_dense_tensors(group), peer,
+                                  group=engine.groups.world, tag=tag))
+    for peer, tensors in sorted(incoming.items()):
+        for tag, (_, group) in enumerate(_by_dtype(tensors)):
+            buffer = _flatten_dense_tensors(group).new_empty(sum(t.numel() for t in group))
+            ops.append(dist.P2POp(dist.irecv, buffer, peer, group=engine.groups.world, tag=tag))
+            unpack.append((buffer, group))
+    works = dist.batch_isend_irecv(ops) if ops else []
+    engine._phase("transfer", plan.first_iteration)
+    for work in works:
+        work.wait()
+    for buffer, group in unpack:
+        for target, value in zip(group, _unflatten_dense_tensors(buffer, group)):
+            target.copy_(value)
+    engine.layers.update(received)
+    nbytes = lambda groups: sum(t.numel() * t.element_size() for ts in groups.values() for t in ts)  # noqa: E731
+    return TransferStats(layers_sent=sum(t.src == me for t in transfers), layers_received=len(received),
+                         bytes_sent=nbytes(outgoing), bytes_received=nbytes(incoming),
+                         seconds=time.perf_counter() - started)
+
+
+def _by_dtype(tensors: list[torch.Tensor]) -> list[tuple[torch.dtype, list[torch.Tensor]]]:
+    """Tensors grouped by dtype (flattening needs one dtype), in order of first appearance;
+    both sides list the same tensors in the same order, so the groups and tags agree."""
+    groups: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault(t.dtype, []).append(t)
+    return list(groups.items())
