@@ -59,18 +59,21 @@ class LocalJob:
             status_timeout_s=status_timeout_s if status_timeout_s is not None else timeout + 15,
             log=self.log)
         self.processes: dict[Worker, subprocess.Popen] = {}
-        self._next_node = 0
+        self.nodes = [f"node{i}" for i in range(nodes)]
         self._log_files = []
-        for _ in range(nodes):
-            self.add_node(start=False)
+
+    def initial_plan(self):
+        """The plan epoch 0 will run (the planner's, for the job's nodes)."""
+        return self.controller.planner.instantiate(len(self.nodes), node_ids=sorted(self.nodes)).plan
 
     # --------------------------------------------------------------- nodes
-    def add_node(self, *, start: bool = True) -> str:
-        """Start a node's workers; a running job absorbs them at its next iteration boundary."""
-        node = f"node{self._next_node}"
-        self._next_node += 1
+    def add_node(self) -> str:
+        """Start a new node's workers; the running job absorbs them at its next iteration
+        boundary."""
+        node = f"node{len(self.nodes)}"
+        self.nodes.append(node)
         for local in range(self.gpus_per_node):
-            self._spawn((node, local), faults=self.faults if not start else "")
+            self._spawn((node, local), faults="")
         return node
 
     def kill(self, worker: Worker, sig: int = signal.SIGKILL) -> None:
@@ -98,7 +101,10 @@ class LocalJob:
         callable given (job, elapsed seconds) at every poll, to kill or add nodes."""
         started = time.monotonic()
         try:
-            self.controller.start(sorted(self.processes))
+            for node in self.nodes:
+                for local in range(self.gpus_per_node):
+                    self._spawn((node, local), faults=self.faults)
+            self.controller.start(sorted(self.processes), self.initial_plan())
             while True:
                 state = self.controller.poll(self.alive(), self.kill)
                 if state != "running":

@@ -128,3 +128,51 @@ def test_failure_during_reconfiguration(reference, tmp_path):
     job, result = run_job(tmp_path, nodes=4, faults="node3.0:backward@2,node2.0:transfer@2")
     check_against_reference(tmp_path, reference, job)
     assert [e.failed for e in result.controller.events] == [["node3.0"], ["node2.0"]]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_two_simultaneous_failures_with_three_replicas(reference, tmp_path):
+    """f = 2: three pipelines of two stages; node1 and node3 (the last stage of two
+    pipelines) die in the same iteration. Only node5 still holds layers 3-5."""
+    job, result = run_job(tmp_path, nodes=6, fault_tolerance=2,
+                          faults="node1.0:forward@2#2,node3.0:forward@2#2")
+    assert [len(p.stages) for p in job.initial_plan().pipelines] == [2, 2, 2]
+    check_against_reference(tmp_path, reference, job)
+    assert [e.failed for e in result.controller.events] in (
+        [["node1.0", "node3.0"]], [["node1.0"], ["node3.0"]], [["node3.0"], ["node1.0"]])
+    assert result.controller.events[-1].plan_shape == [2, 2]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_pipeline_left_too_small_borrows_a_node(reference, tmp_path):
+    """Five nodes run pipelines of 3 and 2 stages (n0 = 2). node4 dies: its pipeline is
+    down to one node, below n0. The four survivors regroup into two pipelines of two."""
+    job, result = run_job(tmp_path, nodes=5, faults="node4.0:backward@1#3")
+    assert [len(p.stages) for p in job.initial_plan().pipelines] == [3, 2]
+    check_against_reference(tmp_path, reference, job)
+    (event,) = result.controller.events
+    assert event.failed == ["node4.0"] and event.plan_shape == [2, 2]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_node_joining_mid_run_receives_its_layers(reference, tmp_path):
+    """A fifth node starts after iteration 1 committed; the job stops at an iteration
+    boundary (no failure, nothing re-run) and the newcomer receives its layers."""
+    added = []
+
+    def add_after_iteration_1(job, elapsed):
+        log = tmp_path / "commits-node0.0.jsonl"
+        if not added and log.exists() and len(log.read_text().splitlines()) >= 2:
+            added.append(job.add_node())
+
+    job, result = run_job(tmp_path, nodes=4, actions=add_after_iteration_1)
+    logs = check_against_reference(tmp_path, reference, job)
+    (event,) = result.controller.events
+    assert event.reason == "join" and event.joined == ["node4.0"] and event.failed == []
+    assert event.transfers > 0
+    assert len(event.plan_shape) == 2 and sum(event.plan_shape) == 5
+    joiner = [e["iteration"] for e in logs["node4.0"]]
+    assert joiner and joiner[0] == event.first_iteration >= 2 and joiner[-1] == STEPS - 1
