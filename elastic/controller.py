@@ -22,20 +22,32 @@ entered ends the same way, and its statuses say what each worker holds.
 """
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable
 
 import torch.distributed as dist
 
+from planaria.runtime.checkpointing import complete_checkpoints, prune, write_manifest
 from planaria.runtime.coordination import EpochRecord, Worker, worker_key
-from planaria.runtime.exactly_once import InconsistentStatuses, WorkerStatus, resolve
+from planaria.runtime.exactly_once import CommitRecord, InconsistentStatuses, WorkerStatus, resolve
 from planaria.templates.plan import Plan, missing_from, transfers_from
 from planaria.templates.planner import Planner
 
 
 class JobFailed(RuntimeError):
     """The job cannot go on; the message says why and what would fix it."""
+
+
+@dataclass(frozen=True)
+class CheckpointPolicy:
+    """Where the job's periodic checkpoints go and how often (the `checkpoint` config)."""
+
+    directory: Path
+    every: int
+    keep: int = 2
 
 
 @dataclass
@@ -53,6 +65,8 @@ class EpochEvent:
     first_iteration: int = 0
     rolled_forward: int | None = None
     transfers: int = 0
+    restored: int | None = None
+    """The checkpoint's iteration, when the job went back to one."""
     moved_bytes: int = 0
     plan_shape: list[int] = field(default_factory=list)
 
@@ -62,7 +76,8 @@ class Controller:
 
     def __init__(self, store: dist.Store, planner: Planner, *, total_steps: int,
                  gpus_per_node: int = 1, status_timeout_s: float = 30.0, debounce_s: float = 0.3,
-                 max_epochs_without_progress: int = 5, log: Callable[[str], None] = print):
+                 max_epochs_without_progress: int = 5, log: Callable[[str], None] = print,
+                 checkpoints: CheckpointPolicy | None = None):
         self.store = store
         self.planner = planner
         self.total_steps = total_steps
@@ -75,6 +90,8 @@ class Controller:
         self.plan: Plan | None = None
         self.events: list[EpochEvent] = []
         self.outcome: str | None = None
+        self.checkpoints = checkpoints
+        self.completed_checkpoints: list[int] = []
         self._stalled = 0
 
     # ------------------------------------------------------------- start
@@ -91,6 +108,7 @@ class Controller:
         """Look at the job once: "running", "finished", or "failed" (see `outcome`)."""
         if self.outcome is not None:
             return "finished" if self.outcome == "ok" else "failed"
+        self._complete_checkpoints()
         members = set(self.plan.rank_of_worker())
         gone = members - alive
         statuses = self._statuses(members)
@@ -141,26 +159,74 @@ class Controller:
         for worker, status in statuses.items():
             for shard in status.holds:
                 held.setdefault(tuple(shard), set()).add(worker)
-        transfers = []
+        transfers, restore = [], None
         if first > 0:  # before the first step every layer is its seeded initial state
             missing = missing_from(held, plan)
             if missing:
-                raise JobFailed(f"no surviving worker holds layer shards {missing} (layer, tp rank): "
-                                "more failures than replicas; restart from the last checkpoint")
-            transfers = transfers_from(held, plan)
+                restore, first = self._checkpoint_before(first, missing)
+                choice = self.planner.instantiate(len(nodes), node_ids=nodes, current=self.plan,
+                                                  epoch=self.epoch + 1, first_iteration=first)
+                plan, resolution = choice.plan, None
+            else:
+                transfers = transfers_from(held, plan)
         event.planned_s = time.time()
         event.first_iteration = first
-        event.rolled_forward = None if resolution.roll_forward is None else resolution.roll_forward.iteration
+        roll = None if resolution is None else resolution.roll_forward
+        event.rolled_forward = None if roll is None else roll.iteration
+        event.restored = None if restore is None else first - 1
         event.transfers = len(transfers)
         event.moved_bytes = choice.moved_bytes
         event.plan_shape = [len(p.stages) for p in plan.pipelines]
-        self._publish(EpochRecord(plan, roll_forward=resolution.roll_forward, transfers=tuple(transfers)))
+        self._publish(EpochRecord(plan, roll_forward=roll, transfers=tuple(transfers),
+                                  restore=None if restore is None else str(restore)))
         event.published_s = time.time()
         self.events.append(event)
         self.log(f"controller: epoch {plan.epoch} ({reason}; failed {event.failed or '-'}, joined "
                  f"{event.joined or '-'}): pipelines of {event.plan_shape} stages from iteration "
                  f"{first}{f', rolling forward {event.rolled_forward}' if event.rolled_forward is not None else ''}"
+                 f"{f', restored from the checkpoint of {event.restored}' if restore else ''}"
                  f", {len(transfers)} layer transfers")
+
+    def _checkpoint_before(self, first: int, missing) -> tuple[Path, int]:
+        """The newest complete checkpoint before `first` and the iteration after it; the
+        work since is lost. JobFailed when there is none."""
+        usable = [(i, path) for i, path in self._checkpoint_list() if i < first]
+        if not usable:
+            raise JobFailed(f"no surviving worker holds layer shards {missing} (layer, tp rank) and "
+                            "there is no complete checkpoint to go back to: more failures than "
+                            "replicas; set checkpoint.every, or raise parallel.fault_tolerance")
+        iteration, path = usable[-1]
+        self.log(f"controller: layer shards {missing} lost every replica; going back to the "
+                 f"checkpoint of iteration {iteration} ({first - 1 - iteration} step(s) of work lost)")
+        for k in range(iteration + 1, first + self.checkpoints.every):  # they will be rewritten
+            self.store.delete_key(f"checkpoint/{k}/shards")
+        prune(self.checkpoints.directory, self.checkpoints.keep, after=iteration)
+        self.completed_checkpoints = [k for k in self.completed_checkpoints if k <= iteration]
+        return path, iteration + 1
+
+    def _checkpoint_list(self) -> list[tuple[int, Path]]:
+        if self.checkpoints is None or not self.checkpoints.every:
+            return []
+        return complete_checkpoints(self.checkpoints.directory)
+
+    def _complete_checkpoints(self) -> None:
+        """Write the manifest of each checkpoint whose shard files are all on disk."""
+        policy = self.checkpoints
+        if policy is None or not policy.every or self.plan is None:
+            return
+        total = self.plan.num_layers * self.plan.tp
+        newest = self.completed_checkpoints[-1] if self.completed_checkpoints else -1
+        for k in range(newest + policy.every, self.total_steps, policy.every):
+            key = f"checkpoint/{k}/shards"
+            if not self.store.check([key]):
+                break
+            if self.store.add(key, 0) < total:
+                break
+            commit = CommitRecord(**json.loads(self.store.get(f"checkpoint/{k}/commit")))
+            write_manifest(policy.directory, commit, self.plan.num_layers, self.plan.tp)
+            self.completed_checkpoints.append(k)
+            prune(policy.directory, policy.keep)
+            self.log(f"controller: checkpoint of iteration {k} complete")
 
     def _collect_statuses(self, members: set[Worker], alive: set[Worker],
                           kill: Callable[[Worker], None]) -> dict[Worker, WorkerStatus]:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from planaria.elastic.controller import Controller
+from planaria.elastic.controller import CheckpointPolicy, Controller
 from planaria.runtime.config import load_config
 from planaria.runtime.coordination import Worker, worker_key
 from planaria.runtime.planning import build_planner, cost_model
@@ -57,7 +57,8 @@ class LocalJob:
             self.store, build_planner(self.cfg, costs), total_steps=self.cfg.train.steps,
             gpus_per_node=gpus_per_node,
             status_timeout_s=status_timeout_s if status_timeout_s is not None else timeout + 15,
-            log=self.log)
+            log=self.log, checkpoints=CheckpointPolicy(self.cfg.checkpoint_dir, self.cfg.checkpoint.every,
+                                                      self.cfg.checkpoint.keep))
         self.processes: dict[Worker, subprocess.Popen] = {}
         self.nodes = [f"node{i}" for i in range(nodes)]
         self._log_files = []

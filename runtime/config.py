@@ -100,12 +100,28 @@ class OutputConfig:
 
 
 @dataclass(frozen=True)
+class CheckpointConfig:
+    every: int = 0
+    """Save a checkpoint after every this many steps, in the background; 0: never. Only
+    used when some layer has no surviving replica (more failures than replicas)."""
+    dir: str = ""
+    """Where checkpoints go; empty: `output.dir`/checkpoints. Must be shared by all nodes."""
+    keep: int = 2
+    """Complete checkpoints kept; older ones are deleted once a newer one is complete."""
+
+
+@dataclass(frozen=True)
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return Path(self.checkpoint.dir) if self.checkpoint.dir else Path(self.output.dir) / "checkpoints"
 
 
 SECTIONS = {f.name: f.default_factory for f in fields(Config)}
@@ -192,6 +208,9 @@ def check_config(cfg: Config) -> Config:
                     ("model", "vocab_size"), ("model", "seq_len"), ("train", "steps"),
                     ("train", "global_batch"), ("train", "micro_batch"), ("parallel", "tp"),
                     ("parallel", "virtual_stages"), ("parallel", "min_stages")])
+    if cfg.checkpoint.every < 0 or cfg.checkpoint.keep < 1:
+        raise ConfigError(f"checkpoint.every must be 0 (off) or more and checkpoint.keep at least 1; "
+                          f"got every={cfg.checkpoint.every}, keep={cfg.checkpoint.keep}")
     for key in ("pp", "dp", "fault_tolerance"):
         if getattr(p, key) < 0:
             raise ConfigError(f"parallel.{key} must not be negative, got {getattr(p, key)}")

@@ -17,6 +17,8 @@ Keys (under whatever prefix the store carries):
     epoch/<e>/reconfigure           present: stop after the current iteration
     epoch/<e>/pg/...                the epoch's process-group rendezvous
     epoch/<e>/timing/<node>.<local> how long the worker's recovery phases took (JSON)
+    checkpoint/<i>/shards           shard files of the checkpoint of iteration i on disk
+    checkpoint/<i>/commit           that iteration's commit record
     done                            the job is over: "ok", or "failed: <reason>"
 """
 from __future__ import annotations
@@ -57,12 +59,16 @@ class EpochRecord:
     """Workers one step behind apply this committed step first (exactly-once rule)."""
     transfers: tuple[Transfer, ...] = field(default=())
     """Layer shards to copy from holders to the workers that lack them."""
+    restore: str | None = None
+    """A checkpoint directory every worker loads its layers from (some layer lost every
+    replica); the plan then starts right after the checkpoint's iteration."""
 
     def to_json(self) -> str:
         return json.dumps({
             "plan": json.loads(self.plan.to_json()),
             "roll_forward": None if self.roll_forward is None else vars(self.roll_forward),
             "transfers": [[t.layer, t.tp_rank, list(t.src), list(t.dst)] for t in self.transfers],
+            "restore": self.restore,
         })
 
     @classmethod
@@ -72,7 +78,8 @@ class EpochRecord:
         return cls(plan=Plan.from_json(json.dumps(data["plan"])),
                    roll_forward=None if roll is None else CommitRecord(**roll),
                    transfers=tuple(Transfer(layer, tp, tuple(src), tuple(dst))
-                                   for layer, tp, src, dst in data["transfers"]))
+                                   for layer, tp, src, dst in data["transfers"]),
+                   restore=data.get("restore"))
 
 
 class StoreCoordinator:
@@ -110,6 +117,11 @@ class StoreCoordinator:
 
     def publish_timing(self, epoch: int, timing: dict) -> None:
         self.store.set(f"epoch/{epoch}/timing/{self._key}", json.dumps(timing))
+
+    def report_checkpoint(self, iteration: int, shards: int, commit: CommitRecord) -> None:
+        """This worker's files of the checkpoint of `iteration` are on disk."""
+        self.store.set(f"checkpoint/{iteration}/commit", json.dumps(vars(commit)))
+        self.store.add(f"checkpoint/{iteration}/shards", shards)
 
     def reconfigure_requested(self, epoch: int) -> bool:
         return self.store.check([f"epoch/{epoch}/reconfigure"])

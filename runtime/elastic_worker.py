@@ -34,6 +34,7 @@ import torch.distributed as dist
 from rich.console import Console
 
 from planaria.runtime.checkpoint import save_model_shards
+from planaria.runtime.checkpointing import AsyncCheckpointer
 from planaria.runtime.config import Config, torch_dtypes
 from planaria.runtime.coordination import EpochRecord, JobEnded, StoreCoordinator, connect_tcp_store
 from planaria.runtime.data import build_dataset
@@ -81,6 +82,8 @@ class ElasticWorker:
         self.out_dir = Path(cfg.output.dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.commits = open(self.out_dir / f"commits-{self.name}.jsonl", "a", encoding="utf-8")
+        self.checkpointer = AsyncCheckpointer(cfg.checkpoint_dir, cfg.checkpoint.every,
+                                              coordinator.report_checkpoint)
 
     # ------------------------------------------------------------------ loop
     def run(self) -> int:
@@ -116,6 +119,7 @@ class ElasticWorker:
             self._log(f"epoch {epoch}: rank {rank} of {plan.world_size}, layers "
                       f"{sorted(self.engine.layers)}, from iteration {plan.first_iteration}")
             self._train(epoch, plan.first_iteration, timing)
+            self.checkpointer.flush()
             save_model_shards(self.engine, self.out_dir / "final")
             finished = True
         except _StopRequested:
@@ -132,15 +136,22 @@ class ElasticWorker:
 
     def _enter_epoch(self, plan, rank: int, record: EpochRecord) -> None:
         transfers = list(record.transfers)
+        if record.restore is not None:
+            self._log(f"epoch {plan.epoch}: restoring from checkpoint {record.restore}")
         if self.engine is None:
             self.engine = Engine(plan, self.model, self.optim, rank=rank, device=self.device,
                                  param_dtype=self.param_dtype, autocast_dtype=self.autocast_dtype,
                                  grad_clip=self.cfg.train.grad_clip,
                                  collective_timeout=self._timeout(), phase=self.faults,
-                                 transfers=transfers)  # collective with the others' reconfigure
+                                 transfers=transfers,  # collective with the others' reconfigure
+                                 restore=None if record.restore is None else Path(record.restore))
+            return
+        if record.restore is not None:
+            self.engine.restore(plan, rank, None, Path(record.restore))
             return
         if record.roll_forward is not None and self.engine.roll_forward(record.roll_forward):
             self._record_commit(record.roll_forward, plan.epoch - 1, rolled_forward=True)
+            self.checkpointer.after_step(self.engine)
         self.engine.reconfigure(plan, rank, None, transfers)
 
     def _train(self, epoch: int, first: int, timing: dict) -> None:
@@ -149,6 +160,7 @@ class ElasticWorker:
             result = self.engine.train_step(iteration, self.dataset, self.cfg.data.seed, request=request)
             timing.setdefault("first_step_s", time.time())
             self._record_commit(result, epoch)
+            self.checkpointer.after_step(self.engine)
             if result.stop_requested and iteration + 1 < self.cfg.train.steps:
                 raise _StopRequested()
 

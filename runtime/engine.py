@@ -23,6 +23,7 @@ import math
 import time
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -30,6 +31,7 @@ import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from planaria.runtime.checkpointing import load_layer, read_layer, read_manifest
 from planaria.runtime.exactly_once import INCOMPLETE, SYNCED, CommitRecord, WorkerStatus
 from planaria.runtime.groups import EpochGroups
 from planaria.runtime.model import LayerModel
@@ -68,10 +70,11 @@ class Engine:
                  autocast_dtype: torch.dtype | None = None, grad_clip: float = 1.0,
                  world: dist.ProcessGroup | None = None, collective_timeout: timedelta | None = None,
                  phase: Callable[[str, int], None] | None = None,
-                 transfers: list[Transfer] | None = None):
+                 transfers: list[Transfer] | None = None, restore: Path | None = None):
         """`transfers`: a worker joining a running job receives its layers from their
-        holders (collective with the other workers' `reconfigure`); otherwise every layer
-        is built fresh, from its seed."""
+        holders (collective with the other workers' `reconfigure`); `restore`: it loads
+        them from that checkpoint (collective with the others' `restore`); otherwise every
+        layer is built fresh, from its seed."""
         self.model = model
         self.optim = optim
         self.rank = rank
@@ -91,7 +94,10 @@ class Engine:
         self.last_transfer: TransferStats | None = None
         self.tp = None  # one TensorParallel for the engine's life: layers keep it
         self._build_epoch(plan, world)
-        if transfers is not None:
+        if restore is not None:
+            self._load_checkpoint(restore)
+            dist.barrier(group=self.groups.world)
+        elif transfers is not None:
             self.last_transfer = exchange_layers(self, transfers, stepped=self.last_stepped >= 0)
             dist.barrier(group=self.groups.world)
         self._add_fresh_layers()
@@ -193,6 +199,31 @@ class Engine:
         self._build_pipeline()
         self.last_transfer = stats
         return stats
+
+    def restore(self, plan: Plan, rank: int, world: dist.ProcessGroup | None, directory: Path) -> None:
+        """Go back to a checkpoint (some layer lost every replica): new groups, every layer
+        of the new plan loaded from `directory` (parameters and optimizer state), the
+        step count and commit record of the checkpoint's iteration; then a barrier."""
+        self.abandon_epoch()
+        self.rank = rank
+        self.layers.clear()
+        self._build_epoch(plan, world)
+        self._load_checkpoint(directory)
+        dist.barrier(group=self.groups.world)
+        self._build_pipeline()
+
+    def _load_checkpoint(self, directory: Path) -> None:
+        manifest = read_manifest(directory)
+        iteration = manifest["iteration"]
+        if self.plan.first_iteration != iteration + 1:
+            raise RuntimeError(f"the plan of epoch {self.plan.epoch} starts at iteration "
+                               f"{self.plan.first_iteration}; the checkpoint {directory} is of {iteration}")
+        for index in self.plan.layers_of(self.rank):
+            state = self._new_layer(index)
+            load_layer(state, read_layer(directory, index, self.tp.rank))
+            self.layers[index] = state
+        self.last_stepped, self.iteration, self.synced = iteration, iteration + 1, False
+        self.last_commit = CommitRecord(iteration, manifest["loss"], manifest["grad_norm"])
 
     def held(self) -> tuple[tuple[int, int], ...]:
         """(layer, tp rank) shards whose state at `last_stepped` this worker holds."""

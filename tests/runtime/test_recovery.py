@@ -176,3 +176,35 @@ def test_node_joining_mid_run_receives_its_layers(reference, tmp_path):
     assert len(event.plan_shape) == 2 and sum(event.plan_shape) == 5
     joiner = [e["iteration"] for e in logs["node4.0"]]
     assert joiner and joiner[0] == event.first_iteration >= 2 and joiner[-1] == STEPS - 1
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_more_failures_than_replicas_resumes_from_the_last_checkpoint(reference, tmp_path):
+    """Both replicas of layers 3-5 (node1 and node3) die in iteration 4. The job goes back
+    to its newest complete checkpoint, of iteration 2 (checkpoint.every=3), and re-runs
+    exactly the steps committed since: iteration 3, no more."""
+    job, result = run_job(tmp_path, nodes=4, extra=["checkpoint.every=3"],
+                          faults="node1.0:forward@4#2,node3.0:forward@4#2")
+    logs = commits(tmp_path)
+    (event,) = result.controller.events
+    assert sorted(event.failed) == ["node1.0", "node3.0"] and event.restored == 2
+    for worker in ("node0.0", "node2.0"):
+        iterations = [e["iteration"] for e in logs[worker]]
+        assert iterations == [0, 1, 2, 3, 3, 4, 5], iterations  # 3 lost and run again
+        for e in logs[worker]:
+            assert abs(e["loss"] - reference.losses[e["iteration"]]) < 1e-9, (worker, e)
+    saved = load_full_model(tmp_path / "final")
+    for index, layer in enumerate(reference.model):
+        for name, expected in layer.state_dict().items():
+            torch.testing.assert_close(saved[index][name], expected, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_more_failures_than_replicas_without_checkpoint_fails_clearly(tmp_path):
+    job = LocalJob(TINY, [*JOB, "parallel.fault_tolerance=1"], nodes=4, out_dir=tmp_path,
+                   faults="node1.0:forward@2#2,node3.0:forward@2#2", log=lambda message: None)
+    result = job.run(200)
+    assert result.outcome.startswith("failed: no surviving worker holds layer shards")
+    assert "checkpoint.every" in result.outcome

@@ -1,0 +1,143 @@
+"""Periodic training checkpoints: the fallback when a layer loses every replica (DESIGN §6).
+
+Layout: CHECKPOINT_DIR/step-<iteration>/layer<L>-tp<T>.pt, one file per (layer, tp rank)
+holding the shard's parameters and AdamW state after that iteration's step, written by
+the shard's owner replica only (the first rank of its replica group), plus a
+`manifest.json` written last, by the control plane, once every shard's file is complete.
+A directory without a manifest is never read.
+
+Workers write in the background (`AsyncCheckpointer`): at the step, the shard is
+copied to CPU memory (cheap), and a thread writes the files (temporary name, then
+rename) while training goes on. When a worker's files of a checkpoint are on disk, the
+thread adds their count to `checkpoint/<iteration>/shards` in the job's store; the control
+plane writes the manifest when the count reaches the number of shards, and prunes old
+checkpoints (`complete_checkpoints`, `write_manifest`, `prune`). Loading uses
+`torch.load(weights_only=True)`: tensors only, no arbitrary pickle.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable
+
+import torch
+
+from planaria.runtime.checkpoint import MANIFEST, _atomic_torch_save, atomic_write_bytes, shard_filename
+from planaria.runtime.exactly_once import CommitRecord
+
+if TYPE_CHECKING:
+    from planaria.runtime.engine import Engine, LayerState
+
+_ADAM = ("exp_avg", "exp_avg_sq", "step")
+
+
+def step_dir(directory: Path, iteration: int) -> Path:
+    return Path(directory) / f"step-{iteration:08d}"
+
+
+def snapshot_layer(state: "LayerState") -> dict[str, torch.Tensor]:
+    """The shard's parameters and optimizer state, copied to CPU, as a flat dict of tensors."""
+    out = {}
+    for name, param in state.module.named_parameters():
+        out[f"param/{name}"] = param.detach().to("cpu", copy=True)
+        for key, value in state.optimizer.state.get(param, {}).items():
+            out[f"{key}/{name}"] = value.detach().to("cpu", copy=True)
+    return out
+
+
+def load_layer(state: "LayerState", tensors: dict[str, torch.Tensor]) -> None:
+    """Put a snapshot back into a freshly built shard (parameters and AdamW state)."""
+    with torch.no_grad():
+        for name, param in state.module.named_parameters():
+            param.copy_(tensors[f"param/{name}"])
+            moments = {key: tensors[f"{key}/{name}"].to(param.device)
+                       for key in _ADAM if f"{key}/{name}" in tensors}
+            if moments:
+                state.optimizer.state[param] = moments
+
+
+def read_layer(directory: Path, layer: int, tp_rank: int) -> dict[str, torch.Tensor]:
+    path = Path(directory) / shard_filename(layer, tp_rank)
+    return torch.load(path, weights_only=True, map_location="cpu")
+
+
+class AsyncCheckpointer:
+    """A worker's side: snapshot at the step, then write and report in a background thread.
+
+    The report goes to the job's store from the writing thread (the store client is
+    thread-safe), so a checkpoint counts as soon as its files are on disk, even if this
+    worker fails right after."""
+
+    def __init__(self, directory: Path, every: int,
+                 report: Callable[[int, int, CommitRecord], None]):
+        self.directory = Path(directory)
+        self.every = every
+        self.report = report
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint")
+        self._pending: list[Future] = []
+
+    def after_step(self, engine: "Engine") -> None:
+        """Call after each committed step."""
+        still = []
+        for future in self._pending:
+            if future.done():
+                future.result()  # a failed write raises here, in the training thread
+            else:
+                still.append(future)
+        self._pending = still
+        iteration = engine.last_stepped
+        if not self.every or (iteration + 1) % self.every:
+            return
+        shards = {(layer, engine.tp.rank): snapshot_layer(engine.layers[layer])
+                  for layer in engine.owned_shards()}
+        self._pending.append(self._pool.submit(self._write, iteration, shards, engine.last_commit))
+
+    def flush(self) -> None:
+        """Wait for every write (end of training); a failed write raises here."""
+        for future in self._pending:
+            future.result()
+        self._pending = []
+
+    def _write(self, iteration: int, shards, commit: CommitRecord) -> None:
+        target = step_dir(self.directory, iteration)
+        target.mkdir(parents=True, exist_ok=True)
+        for (layer, tp_rank), tensors in shards.items():
+            _atomic_torch_save(tensors, target / shard_filename(layer, tp_rank))
+        self.report(iteration, len(shards), commit)
+
+
+# ---- the control plane's side -----------------------------------------------------------
+
+
+def write_manifest(directory: Path, commit: CommitRecord, num_layers: int, tp: int) -> Path:
+    target = step_dir(directory, commit.iteration)
+    manifest = {"iteration": commit.iteration, "loss": commit.loss, "grad_norm": commit.grad_norm,
+                "num_layers": num_layers, "tp": tp}
+    atomic_write_bytes(target / MANIFEST, json.dumps(manifest, indent=1).encode())
+    return target
+
+
+def complete_checkpoints(directory: Path) -> list[tuple[int, Path]]:
+    """(iteration, directory) of every checkpoint with a manifest, oldest first."""
+    found = []
+    for path in Path(directory).glob("step-*"):
+        if (path / MANIFEST).is_file():
+            found.append((json.loads((path / MANIFEST).read_text())["iteration"], path))
+    return sorted(found)
+
+
+def read_manifest(path: Path) -> dict:
+    return json.loads((Path(path) / MANIFEST).read_text())
+
+
+def prune(directory: Path, keep: int, *, after: int | None = None) -> None:
+    """Keep the newest `keep` complete checkpoints; with `after`, also delete every
+    checkpoint, complete or not, of a later iteration (the job went back before it)."""
+    complete = complete_checkpoints(directory)
+    doomed = [path for _, path in complete[:-keep]] if len(complete) > keep else []
+    if after is not None:
+        doomed += [p for p in Path(directory).glob("step-*") if int(p.name.split("-")[1]) > after]
+    for path in doomed:
+        shutil.rmtree(path, ignore_errors=True)
