@@ -39,7 +39,7 @@ class LocalJob:
     """A job of `nodes` nodes of `gpus_per_node` workers each (module docstring)."""
 
     def __init__(self, config: str | Path, overrides: list[str], *, nodes: int, out_dir: Path,
-                 gpus_per_node: int = 1, hardware: str = "h100", faults: str = "",
+                 gpus_per_node: int = 1, hardware: str = "h100", faults: str = "", corrupt: str = "",
                  status_timeout_s: float | None = None, log=None):
         self.config = str(config)
         self.overrides = list(overrides) + [f"output.dir={out_dir}"]
@@ -47,6 +47,7 @@ class LocalJob:
         self.out_dir = Path(out_dir)
         self.gpus_per_node = gpus_per_node
         self.faults = faults
+        self.corrupt = corrupt
         self.log = log or (lambda message: print(message, flush=True))
         (self.out_dir / "logs").mkdir(parents=True, exist_ok=True)
         self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
@@ -88,7 +89,8 @@ class LocalJob:
     def _spawn(self, worker: Worker, faults: str) -> None:
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
                    PLANARIA_STORE=f"127.0.0.1:{self.store.port}", PLANARIA_NODE=worker[0],
-                   PLANARIA_LOCAL_RANK=str(worker[1]), PLANARIA_FAULTS=faults)
+                   PLANARIA_LOCAL_RANK=str(worker[1]), PLANARIA_FAULTS=faults,
+                   PLANARIA_CORRUPT=self.corrupt)
         log = open(self.out_dir / "logs" / f"{worker_key(worker)}.log", "a", encoding="utf-8")
         self._log_files.append(log)
         self.processes[worker] = subprocess.Popen(

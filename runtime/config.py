@@ -89,6 +89,10 @@ class ParallelConfig:
     """'gloo', 'nccl', or 'auto' (nccl when CUDA is present)."""
     timeout_s: float = 300.0
     """Collective timeout in seconds."""
+    audit_every: int = 0
+    """Every this many steps, compare checksums of each layer across its replicas; 0: never."""
+    audit_repair: bool = False
+    """On an audit mismatch, overwrite the minority from the majority of the replicas."""
 
 
 @dataclass(frozen=True)
@@ -208,6 +212,8 @@ def check_config(cfg: Config) -> Config:
                     ("model", "vocab_size"), ("model", "seq_len"), ("train", "steps"),
                     ("train", "global_batch"), ("train", "micro_batch"), ("parallel", "tp"),
                     ("parallel", "virtual_stages"), ("parallel", "min_stages")])
+    if p.audit_every < 0:
+        raise ConfigError(f"parallel.audit_every must be 0 (off) or more, got {p.audit_every}")
     if cfg.checkpoint.every < 0 or cfg.checkpoint.keep < 1:
         raise ConfigError(f"checkpoint.every must be 0 (off) or more and checkpoint.keep at least 1; "
                           f"got every={cfg.checkpoint.every}, keep={cfg.checkpoint.keep}")

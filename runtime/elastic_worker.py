@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import gc
 import json
+from dataclasses import asdict
 import os
 import time
 from pathlib import Path
@@ -32,6 +33,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from rich.console import Console
+from rich.markup import escape
 
 from planaria.runtime.checkpoint import save_model_shards
 from planaria.runtime.checkpointing import AsyncCheckpointer
@@ -39,7 +41,8 @@ from planaria.runtime.config import Config, torch_dtypes
 from planaria.runtime.coordination import EpochRecord, JobEnded, StoreCoordinator, connect_tcp_store
 from planaria.runtime.data import build_dataset
 from planaria.runtime.engine import Engine, StepResult
-from planaria.runtime.faults import FaultInjector
+from planaria.runtime.audit import audit_replicas
+from planaria.runtime.faults import FaultInjector, corruption_after_step, flip_a_bit
 from planaria.runtime.model import LayerModel
 
 ENV_STORE, ENV_NODE, ENV_LOCAL_RANK = "PLANARIA_STORE", "PLANARIA_NODE", "PLANARIA_LOCAL_RANK"
@@ -78,6 +81,7 @@ class ElasticWorker:
         self.param_dtype, self.autocast_dtype = torch_dtypes(cfg.train.dtype)
         self.model = LayerModel(cfg.model, seed=cfg.train.seed, recompute=cfg.train.recompute)
         self.faults = FaultInjector.from_env(self.name)
+        self.corrupt_after = corruption_after_step(self.name)
         self.engine: Engine | None = None
         self.out_dir = Path(cfg.output.dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
@@ -161,8 +165,23 @@ class ElasticWorker:
             timing.setdefault("first_step_s", time.time())
             self._record_commit(result, epoch)
             self.checkpointer.after_step(self.engine)
+            self._after_step(iteration)
             if result.stop_requested and iteration + 1 < self.cfg.train.steps:
                 raise _StopRequested()
+
+    def _after_step(self, iteration: int) -> None:
+        """Injected corruption, then the replica audit when it is due."""
+        if self.corrupt_after == iteration:
+            layer = min(self.engine.layers)
+            flip_a_bit(next(self.engine.layers[layer].module.parameters()))
+            self._log(f"injected corruption: flipped a bit of layer {layer} after step {iteration}")
+        every = self.cfg.parallel.audit_every
+        if every and (iteration + 1) % every == 0:
+            for mismatch in audit_replicas(self.engine, repair=self.cfg.parallel.audit_repair):
+                self.console.print(f"[bold red]replica audit after step {iteration}:[/] "
+                                   f"{escape(mismatch.describe())}")
+                with open(self.out_dir / f"audit-{self.name}.jsonl", "a", encoding="utf-8") as f:
+                    f.write(json.dumps({"iteration": iteration, **asdict(mismatch)}) + "\n")
 
     def _leave_epoch(self) -> None:
         """Tear this epoch's groups down now: closing our sockets makes peers blocked on us

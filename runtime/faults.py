@@ -79,3 +79,23 @@ class FaultInjector:
                     raise RuntimeError(f"injected fault: {phase} of iteration {iteration} failed "
                                        "on this worker")
                 os.kill(os.getpid(), signal.SIGKILL)
+
+
+def corruption_after_step(worker: str) -> int | None:
+    """`PLANARIA_CORRUPT="node2.0@3"`: the iteration after whose step this worker flips a
+    bit of its state (silent data corruption, for the replica audit), or None."""
+    for item in filter(None, (p.strip() for p in os.environ.get("PLANARIA_CORRUPT", "").split(","))):
+        name, _, iteration = item.partition("@")
+        if not iteration.isdigit():
+            raise ValueError(f"bad PLANARIA_CORRUPT item {item!r}: expected NODE.LOCAL@ITERATION")
+        if name == worker:
+            return int(iteration)
+    return None
+
+
+def flip_a_bit(tensor) -> None:
+    """Flip the lowest bit of the first element, in place (as a memory fault would)."""
+    import torch
+
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[tensor.element_size()]
+    tensor.detach().reshape(-1)[:1].view(ints).bitwise_xor_(1)
