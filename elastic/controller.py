@@ -93,6 +93,7 @@ class Controller:
         self.checkpoints = checkpoints
         self.completed_checkpoints: list[int] = []
         self._stalled = 0
+        self._killed: set[Worker] = set()
 
     # ------------------------------------------------------------- start
     def start(self, workers: list[Worker], plan: Plan | None = None) -> Plan:
@@ -109,6 +110,7 @@ class Controller:
         if self.outcome is not None:
             return "finished" if self.outcome == "ok" else "failed"
         self._complete_checkpoints()
+        alive = alive - self._killed
         members = set(self.plan.rank_of_worker())
         gone = members - alive
         statuses = self._statuses(members)
@@ -138,7 +140,7 @@ class Controller:
         event.statuses_s = time.time()
         event.failed = sorted(worker_key(w) for w in members - set(statuses))
         survivors = set(statuses)
-        joiners = {w for w in alive - members}
+        joiners = alive - members - self._killed
         event.joined = sorted(worker_key(w) for w in joiners)
         try:
             resolution = resolve(list(statuses.values())) if statuses else None
@@ -242,6 +244,7 @@ class Controller:
             self.log(f"controller: worker {worker_key(worker)} did not report within "
                      f"{self.status_timeout_s:.0f} s; killing it")
             kill(worker)
+            self._killed.add(worker)
         return statuses
 
     def _statuses(self, workers: set[Worker]) -> dict[Worker, WorkerStatus]:

@@ -82,6 +82,8 @@ class LocalJob:
         proc = self.processes.get(worker)
         if proc is not None and proc.poll() is None:
             proc.send_signal(sig)
+            if sig == signal.SIGKILL:
+                proc.wait()  # reaped: it must not look alive at the next poll
 
     def alive(self) -> set[Worker]:
         return {w for w, p in self.processes.items() if p.poll() is None}

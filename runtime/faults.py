@@ -9,7 +9,8 @@ signal sent from outside cannot hit reliably. A worker started with
 SIGKILLs itself (no cleanup, no Python exit handlers: exactly as if the node vanished)
 on the 2nd backward call of iteration 3, and `node2.0` at its first state transfer
 whatever the iteration. A trailing `!error` raises a RuntimeError instead, as a
-collective that fails on this worker alone would (the worker lives on). Phases are the engine's (`planaria.runtime.engine`): forward,
+collective that fails on this worker alone would (the worker lives on); `!hang` stops
+the process with SIGSTOP (it neither dies nor answers). Phases are the engine's (`planaria.runtime.engine`): forward,
 backward (counted per layer, microbatch and chunk), sync, commit, committed (the commit
 all-reduce completed, the step not yet taken), step, transfer. A fault fires once: a
 worker that comes back under the same name is a new process without it (the harness
@@ -24,7 +25,7 @@ from dataclasses import dataclass
 
 PHASES = ("forward", "backward", "sync", "commit", "committed", "step", "transfer")
 _SPEC = re.compile(r"^(?P<worker>[^:]+):(?P<phase>\w+)@(?P<iteration>\d+|\*)(?:#(?P<count>\d+))?"
-                   r"(?P<error>!error)?$")
+                   r"(?P<action>!error|!hang)?$")
 
 
 @dataclass(frozen=True)
@@ -37,10 +38,11 @@ class Fault:
     count: int = 1
     """Fire on this call of the phase within the iteration (forward and backward are
     called once per layer, microbatch and chunk)."""
-    error: bool = False
-    """Raise a RuntimeError instead of dying, as a collective that fails on this worker
-    alone does (with "committed": the commit all-reduce completed on the others but
-    failed here, which the exactly-once rule rolls forward)."""
+    action: str = "kill"
+    """"kill": SIGKILL. "error": raise a RuntimeError instead, as a collective that fails
+    on this worker alone does (with "committed": the commit all-reduce completed on the
+    others but failed here, which the exactly-once rule rolls forward). "hang": SIGSTOP,
+    a worker that stops answering without dying."""
 
 
 def parse_faults(text: str) -> list[Fault]:
@@ -48,11 +50,11 @@ def parse_faults(text: str) -> list[Fault]:
     for item in filter(None, (part.strip() for part in text.split(","))):
         match = _SPEC.match(item)
         if not match or match["phase"] not in PHASES:
-            raise ValueError(f"bad fault {item!r}: expected NODE.LOCAL:PHASE@ITERATION[#COUNT][!error] with "
+            raise ValueError(f"bad fault {item!r}: expected NODE.LOCAL:PHASE@ITERATION[#COUNT][!error|!hang] with "
                              f"PHASE one of {', '.join(PHASES)} and ITERATION a number or *")
         iteration = None if match["iteration"] == "*" else int(match["iteration"])
         faults.append(Fault(match["worker"], match["phase"], iteration, int(match["count"] or 1),
-                            error=bool(match["error"])))
+                            action=(match["action"] or "!kill")[1:]))
     return faults
 
 
@@ -74,11 +76,11 @@ class FaultInjector:
         self._calls[key] = calls = self._calls.get(key, 0) + 1
         for fault in self.faults:
             if fault.phase == phase and fault.iteration in (None, iteration) and fault.count == calls:
-                if fault.error:
+                if fault.action == "error":
                     self.faults.remove(fault)  # once: the worker lives on
                     raise RuntimeError(f"injected fault: {phase} of iteration {iteration} failed "
                                        "on this worker")
-                os.kill(os.getpid(), signal.SIGKILL)
+                os.kill(os.getpid(), signal.SIGSTOP if fault.action == "hang" else signal.SIGKILL)
 
 
 def corruption_after_step(worker: str) -> int | None:

@@ -245,3 +245,22 @@ def test_replica_audit_reports_a_tie_loudly(tmp_path):
     first = audits(tmp_path)[0]
     assert (first["iteration"], first["layer"], first["majority"], first["minority"]) == (1, 0, [], [0, 2])
     assert not first["repaired"]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_hung_worker_is_detected_within_the_timeout(reference, tmp_path):
+    """node3 stops (SIGSTOP) in a backward: no socket closes. Its peers' collectives time
+    out after parallel.timeout_s; the controller waits that long again for node3's status,
+    then kills it, and the job goes on without it."""
+    timeout_s, status_timeout_s = 4, 6
+    job = LocalJob(TINY, [*JOB, "parallel.fault_tolerance=1", f"parallel.timeout_s={timeout_s}"],
+                   nodes=4, out_dir=tmp_path, faults="node3.0:backward@2!hang",
+                   status_timeout_s=status_timeout_s, log=lambda message: None)
+    result = job.run(200)
+    assert result.outcome == "ok", job.logs()
+    check_against_reference(tmp_path, reference, job)
+    (event,) = result.controller.events
+    assert event.failed == ["node3.0"]
+    hung_at = max(e["time"] for e in commits(tmp_path)["node3.0"])  # its last commit, before the hang
+    assert event.statuses_s - hung_at < timeout_s + status_timeout_s + 5
