@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 import torch
+import torch.distributed as dist
 
 from planaria.runtime.checkpoint import MANIFEST, _atomic_torch_save, atomic_write_bytes, shard_filename
 from planaria.runtime.exactly_once import CommitRecord
@@ -106,6 +107,21 @@ class AsyncCheckpointer:
         for (layer, tp_rank), tensors in shards.items():
             _atomic_torch_save(tensors, target / shard_filename(layer, tp_rank))
         self.report(iteration, len(shards), commit)
+
+
+def save_checkpoint(engine: "Engine", directory: Path, keep: int) -> Path:
+    """Save the checkpoint of the engine's last step at once (collective over its world):
+    every owner writes its shards, a barrier, then rank 0 writes the manifest and prunes.
+    For the non-elastic trainer, which has no control plane to finish a checkpoint."""
+    target = step_dir(directory, engine.last_stepped)
+    target.mkdir(parents=True, exist_ok=True)
+    for layer in engine.owned_shards():
+        _atomic_torch_save(snapshot_layer(engine.layers[layer]), target / shard_filename(layer, engine.tp.rank))
+    dist.barrier(group=engine.groups.world)
+    if engine.rank == 0:
+        write_manifest(directory, engine.last_commit, engine.plan.num_layers, engine.plan.tp)
+        prune(directory, keep)
+    return target
 
 
 # ---- the control plane's side -----------------------------------------------------------

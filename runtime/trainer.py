@@ -15,6 +15,8 @@ import argparse
 import json
 import os
 import sys
+import time
+from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 
@@ -23,11 +25,13 @@ import torch.distributed as dist
 from rich.console import Console
 
 from planaria.runtime.checkpoint import save_model_shards
+from planaria.runtime.checkpointing import complete_checkpoints, save_checkpoint
 from planaria.runtime.config import (Config, ConfigError, describe, load_config, plan_from_config,
                                      torch_dtypes, uses_planner)
 from planaria.runtime.data import build_dataset
 from planaria.runtime.elastic_worker import elastic_environment, run_elastic
 from planaria.runtime.engine import Engine, StepResult
+from planaria.runtime.faults import FaultInjector
 from planaria.runtime.model import LayerModel
 from planaria.runtime.optim import OptimizerSettings
 from planaria.runtime.planning import plan_for_world
@@ -93,6 +97,15 @@ def _init_process_group(backend: str, rank: int, world_size: int, timeout_s: flo
     if "MASTER_ADDR" not in os.environ:  # a single process started without torchrun
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if restart is not None and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # torchrun keeps its store across restarts: without a prefix per attempt, the
+        # restarted workers would read the dead ones' addresses and fail to connect.
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+                              is_master=False, timeout=timedelta(seconds=timeout_s))
+        dist.init_process_group(backend, store=dist.PrefixStore(f"planaria/attempt{restart}/", store),
+                                rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))
+        return
     dist.init_process_group(backend, rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=timeout_s))
 
@@ -118,23 +131,32 @@ def train(cfg: Config, plan, rank: int, device: torch.device, console: Console) 
                             vocab_size=cfg.model.vocab_size, seed=cfg.data.seed)
     param_dtype, autocast_dtype = torch_dtypes(cfg.train.dtype)
     model = LayerModel(cfg.model, seed=cfg.train.seed, recompute=cfg.train.recompute)
+    resume = _checkpoint_to_resume(cfg)
+    if resume is not None:
+        plan = replace(plan, first_iteration=resume[0] + 1)
     engine = Engine(plan, model, optimizer_settings(cfg), rank=rank, device=device,
                     param_dtype=param_dtype, autocast_dtype=autocast_dtype,
                     grad_clip=cfg.train.grad_clip,
-                    collective_timeout=timedelta(seconds=cfg.parallel.timeout_s))
-    log = _MetricsLog(out_dir / "metrics.jsonl") if rank == 0 else None
+                    collective_timeout=timedelta(seconds=cfg.parallel.timeout_s),
+                    restore=None if resume is None else resume[1], phase=_fault_injector(rank))
+    log = _MetricsLog(out_dir / "metrics.jsonl", append=resume is not None) if rank == 0 else None
     if rank == 0:
         console.print(describe(cfg, plan))
         console.print(f"data: {dataset.description}")
+        if resume is not None:
+            console.print(f"resumed from the checkpoint of iteration {resume[0]} ({resume[1]})")
     results = []
+    every = cfg.checkpoint.every
     try:
-        for iteration in range(cfg.train.steps):
+        for iteration in range(plan.first_iteration, cfg.train.steps):
             result = engine.train_step(iteration, dataset, cfg.data.seed)
             results.append(result)
             if log is not None:
                 log.write(result)
                 if iteration % cfg.train.log_every == 0 or iteration == cfg.train.steps - 1:
                     console.print(_progress_line(result, cfg.train.steps))
+            if every and (iteration + 1) % every == 0 and iteration + 1 < cfg.train.steps:
+                save_checkpoint(engine, cfg.checkpoint_dir, cfg.checkpoint.keep)
         if cfg.output.save_final:
             save_model_shards(engine, out_dir / "final")
             if rank == 0:
@@ -146,6 +168,23 @@ def train(cfg: Config, plan, rank: int, device: torch.device, console: Console) 
     return results
 
 
+def _fault_injector(rank: int) -> FaultInjector | None:
+    """PLANARIA_FAULTS names workers of a plain torchrun job "rank<RANK>"; a fault fires in
+    the first run only, not after torchrun restarted the workers."""
+    if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+        return None
+    return FaultInjector.from_env(f"rank{rank}")
+
+
+def _checkpoint_to_resume(cfg: Config) -> tuple[int, Path] | None:
+    """(iteration, directory) of the newest complete checkpoint when checkpoints are on
+    and one exists: a job restarted with the same command line goes on from there."""
+    if not cfg.checkpoint.every:
+        return None
+    found = complete_checkpoints(cfg.checkpoint_dir)
+    return found[-1] if found else None
+
+
 def _progress_line(r: StepResult, steps: int) -> str:
     return (f"step {r.iteration + 1:>5}/{steps} | loss {r.loss:.4f} | grad norm {r.grad_norm:.3f} | "
             f"lr {r.lr:.2e} | {r.tokens / r.step_time_s:,.0f} tok/s | {r.step_time_s * 1000:.0f} ms")
@@ -154,13 +193,13 @@ def _progress_line(r: StepResult, steps: int) -> str:
 class _MetricsLog:
     """metrics.jsonl: one complete JSON line per step, flushed, so a crash never leaves half a line."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, append: bool = False):
         path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = open(path, "w", encoding="utf-8")
+        self._file = open(path, "a" if append else "w", encoding="utf-8")
 
     def write(self, r: StepResult) -> None:
         record = {"step": r.iteration, "loss": r.loss, "grad_norm": r.grad_norm, "lr": r.lr,
-                  "tokens": r.tokens, "step_time_s": r.step_time_s}
+                  "tokens": r.tokens, "step_time_s": r.step_time_s, "time": time.time()}
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
 

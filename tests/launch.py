@@ -12,12 +12,13 @@ TINY = REPO / "configs" / "tiny.yaml"
 
 
 def torchrun_train(nproc: int, overrides: list[str], out_dir: Path, *, config: Path = TINY,
-                   timeout: float = 240) -> subprocess.CompletedProcess:
+                   timeout: float = 240, extra_args: list[str] = (),
+                   env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """Run `torchrun -m planaria.train` on loopback; fail with its output if it fails."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc-per-node={nproc}", "-m", "planaria.train", str(config),
+           f"--nproc-per-node={nproc}", *extra_args, "-m", "planaria.train", str(config),
            *overrides, f"output.dir={out_dir}"]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env or {}))
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     if proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}\n"
@@ -28,3 +29,23 @@ def torchrun_train(nproc: int, overrides: list[str], out_dir: Path, *, config: P
 def read_metrics(out_dir: Path) -> list[dict]:
     lines = (Path(out_dir) / "metrics.jsonl").read_text().splitlines()
     return [json.loads(line) for line in lines]
+
+
+def reference_run(overrides: list[str], config: Path = TINY):
+    """The job of `overrides` trained by plain single-process PyTorch in float64: the
+    oracle multi-process tests compare losses and final parameters with."""
+    import torch
+
+    from planaria.runtime.config import load_config
+    from planaria.runtime.data import build_dataset
+    from planaria.runtime.model import LayerModel
+    from planaria.runtime.reference import train_reference
+    from planaria.runtime.trainer import optimizer_settings
+
+    cfg = load_config(config, overrides)
+    dataset = build_dataset(cfg.data.source, seq_len=cfg.model.seq_len,
+                            vocab_size=cfg.model.vocab_size, seed=cfg.data.seed)
+    return train_reference(LayerModel(cfg.model, seed=cfg.train.seed), optimizer_settings(cfg), dataset,
+                           steps=cfg.train.steps, global_batch=cfg.train.global_batch,
+                           micro_batch=cfg.train.micro_batch, data_seed=cfg.data.seed,
+                           grad_clip=cfg.train.grad_clip, dtype=torch.float64)

@@ -17,12 +17,7 @@ import torch
 
 from planaria.elastic.local import LocalJob
 from planaria.runtime.checkpoint import load_full_model
-from planaria.runtime.config import load_config
-from planaria.runtime.data import build_dataset
-from planaria.runtime.model import LayerModel
-from planaria.runtime.reference import train_reference
-from planaria.runtime.trainer import optimizer_settings
-from tests.launch import TINY
+from tests.launch import TINY, reference_run
 
 STEPS = 6
 JOB = [
@@ -36,13 +31,7 @@ JOB = [
 
 @pytest.fixture(scope="module")
 def reference():
-    cfg = load_config(TINY, JOB)
-    dataset = build_dataset(cfg.data.source, seq_len=cfg.model.seq_len,
-                            vocab_size=cfg.model.vocab_size, seed=cfg.data.seed)
-    return train_reference(LayerModel(cfg.model, seed=cfg.train.seed), optimizer_settings(cfg), dataset,
-                           steps=STEPS, global_batch=cfg.train.global_batch,
-                           micro_batch=cfg.train.micro_batch, data_seed=cfg.data.seed,
-                           grad_clip=cfg.train.grad_clip, dtype=torch.float64)
+    return reference_run(JOB)
 
 
 def run_job(tmp_path, *, nodes, faults="", fault_tolerance=1, extra=(), actions=None, timeout=200):

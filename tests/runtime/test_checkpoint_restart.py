@@ -1,0 +1,34 @@
+"""The non-elastic path, as torchrun users run today: periodic checkpoints, and a job
+whose worker is SIGKILLed is restarted whole by torchrun and resumes from its newest
+checkpoint, re-running the steps since. It must still train exactly like the reference."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from planaria.runtime.checkpoint import load_full_model
+from planaria.runtime.checkpointing import complete_checkpoints, read_layer
+from tests.launch import read_metrics, reference_run, torchrun_train
+from tests.runtime.test_recovery import JOB, STEPS
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_torchrun_restart_resumes_from_the_newest_checkpoint(tmp_path):
+    reference = reference_run(JOB)
+    overrides = [*JOB, "parallel.pp=2", "checkpoint.every=2", "checkpoint.keep=1"]
+    proc = torchrun_train(2, overrides, tmp_path, extra_args=["--max-restarts=1"],
+                          env={"PLANARIA_FAULTS": "rank1:backward@5#2"})
+    assert "resumed from the checkpoint of iteration 3" in proc.stdout, proc.stdout[-3000:]
+    steps = [m["step"] for m in read_metrics(tmp_path)]
+    assert steps == [0, 1, 2, 3, 4, 4, 5]  # 4 was committed after the checkpoint: lost, run again
+    for m in read_metrics(tmp_path):
+        assert abs(m["loss"] - reference.losses[m["step"]]) < 1e-9
+    # keep=1: only the newest complete checkpoint is left, with optimizer state in it.
+    ((iteration, path),) = complete_checkpoints(tmp_path / "checkpoints")
+    assert iteration == 3 and any(k.startswith("exp_avg/") for k in read_layer(path, 0, 0))
+    saved = load_full_model(tmp_path / "final")
+    for index, layer in enumerate(reference.model):
+        for name, expected in layer.state_dict().items():
+            torch.testing.assert_close(saved[index][name], expected, rtol=1e-9, atol=1e-12)
+    assert len(reference.losses) == STEPS
