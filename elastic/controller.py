@@ -154,23 +154,10 @@ class Controller:
         if len(nodes) < self.planner.n0:
             raise JobFailed(f"{len(nodes)} node(s) left, but one replica of the model needs "
                             f"n0={self.planner.n0}; add nodes and restart from the last checkpoint")
-        choice = self.planner.instantiate(len(nodes), node_ids=nodes, current=self.plan,
-                                          epoch=self.epoch + 1, first_iteration=first)
+        choice, transfers, restore, first = self._next_plan(nodes, statuses, first)
         plan = choice.plan
-        held: dict[tuple[int, int], set[Worker]] = {}
-        for worker, status in statuses.items():
-            for shard in status.holds:
-                held.setdefault(tuple(shard), set()).add(worker)
-        transfers, restore = [], None
-        if first > 0:  # before the first step every layer is its seeded initial state
-            missing = missing_from(held, plan)
-            if missing:
-                restore, first = self._checkpoint_before(first, missing)
-                choice = self.planner.instantiate(len(nodes), node_ids=nodes, current=self.plan,
-                                                  epoch=self.epoch + 1, first_iteration=first)
-                plan, resolution = choice.plan, None
-            else:
-                transfers = transfers_from(held, plan)
+        if restore is not None:
+            resolution = None  # everyone loads the checkpoint: nothing to roll forward
         event.planned_s = time.time()
         event.first_iteration = first
         roll = None if resolution is None else resolution.roll_forward
@@ -188,6 +175,26 @@ class Controller:
                  f"{first}{f', rolling forward {event.rolled_forward}' if event.rolled_forward is not None else ''}"
                  f"{f', restored from the checkpoint of {event.restored}' if restore else ''}"
                  f", {len(transfers)} layer transfers")
+
+    def _next_plan(self, nodes: list[str], statuses: dict[Worker, WorkerStatus], first: int):
+        """(plan choice, transfers, checkpoint to restore or None, first iteration): the
+        planner's plan for `nodes`, fed from what the survivors hold, or from the newest
+        checkpoint when some shard has no holder left."""
+        choice = self.planner.instantiate(len(nodes), node_ids=nodes, current=self.plan,
+                                          epoch=self.epoch + 1, first_iteration=first)
+        if first == 0:  # before the first step every layer is its seeded initial state
+            return choice, [], None, first
+        held: dict[tuple[int, int], set[Worker]] = {}
+        for worker, status in statuses.items():
+            for shard in status.holds:
+                held.setdefault(tuple(shard), set()).add(worker)
+        missing = missing_from(held, choice.plan)
+        if not missing:
+            return choice, transfers_from(held, choice.plan), None, first
+        restore, first = self._checkpoint_before(first, missing)
+        choice = self.planner.instantiate(len(nodes), node_ids=nodes, current=self.plan,
+                                          epoch=self.epoch + 1, first_iteration=first)
+        return choice, [], restore, first
 
     def _checkpoint_before(self, first: int, missing) -> tuple[Path, int]:
         """The newest complete checkpoint before `first` and the iteration after it; the

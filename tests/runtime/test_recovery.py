@@ -253,3 +253,19 @@ def test_hung_worker_is_detected_within_the_timeout(reference, tmp_path):
     assert event.failed == ["node3.0"]
     hung_at = max(e["time"] for e in commits(tmp_path)["node3.0"])  # its last commit, before the hang
     assert event.statuses_s - hung_at < timeout_s + status_timeout_s + 5
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_tensor_parallel_shards_move_shard_by_shard(reference, tmp_path):
+    """Nodes of two workers (tp = 2), two pipelines of two stages: node3.0 dies, which
+    takes node3 out (a stage needs the whole node; node3.1 is left idle), and the three
+    nodes' re-cut moves tp shards between workers of the same tp rank."""
+    job = LocalJob(TINY, [*JOB, "parallel.fault_tolerance=1", "parallel.tp=2"], nodes=4,
+                   gpus_per_node=2, out_dir=tmp_path, faults="node3.0:backward@2#2",
+                   log=lambda message: None)
+    result = job.run(250)
+    assert result.outcome == "ok", job.logs()
+    check_against_reference(tmp_path, reference, job)
+    (event,) = result.controller.events
+    assert event.failed == ["node3.0"] and event.plan_shape == [3] and event.transfers > 0
