@@ -32,9 +32,9 @@ from planaria.templates.schedules import (
     BACKWARD_WEIGHT,
     FORWARD,
     Action,
-    _dependencies,
-    _splits_backward,
+    ScheduleDeadlock,
     build_schedule,
+    replay,
 )
 
 
@@ -99,30 +99,16 @@ def _messages(action: Action, num_model_stages: int, num_ranks: int) -> int:
 
 def _makespan(schedule: dict[int, list[Action]], num_model_stages: int, num_ranks: int,
               durations: list[dict[str, float]], hops: list[float], draw) -> float:
-    """One replay: ranks advance in sweeps, as in `simulate` (which has no message costs)."""
-    split = _splits_backward(schedule)
-    finished: dict[Action, float] = {}
-    free = {rank: 0.0 for rank in schedule}
-    index = {rank: 0 for rank in schedule}
-    remaining = sum(len(actions) for actions in schedule.values())
-    while remaining:
-        before = remaining
-        for rank, actions in schedule.items():
-            while index[rank] < len(actions):
-                action = actions[index[rank]]
-                deps = _dependencies(action, num_model_stages, split)
-                if any(dep not in finished for dep in deps):
-                    break
-                start = free[rank]
-                for dep in deps:
-                    crossed = dep.stage % num_ranks != rank
-                    hop = hops[min(dep.stage, action.stage)] if crossed else 0.0
-                    start = max(start, finished[dep] + hop)
-                work = durations[action.stage][action.kind]
-                work += sum(draw() for _ in range(_messages(action, num_model_stages, num_ranks)))
-                finished[action] = free[rank] = start + max(work, 0.0)
-                index[rank] += 1
-                remaining -= 1
-        if remaining == before:  # build_schedule's lists never deadlock; a bug if they do
-            raise RuntimeError(f"replay of {schedule!r} made no progress")
-    return max(free.values())
+    """One replay (`templates.schedules.replay`), with drawn message costs and transfers."""
+    def duration(action: Action) -> float:
+        messages = _messages(action, num_model_stages, num_ranks)
+        return durations[action.stage][action.kind] + sum(draw() for _ in range(messages))
+
+    def delay(dependency: Action, action: Action) -> float:
+        crossed = dependency.stage % num_ranks != action.stage % num_ranks
+        return hops[min(dependency.stage, action.stage)] if crossed else 0.0
+
+    timeline = replay(schedule, num_model_stages, duration, delay)
+    if isinstance(timeline, ScheduleDeadlock):  # build_schedule's lists never deadlock
+        raise RuntimeError(f"replay of a {num_ranks}-rank schedule deadlocked: {timeline}")
+    return max(end for events in timeline.values() for _, end, _ in events)

@@ -430,15 +430,10 @@ def simulate(
     """Replay `schedule` with zero communication latency; raise ScheduleDeadlock if it hangs.
 
     Each rank runs its list strictly in order, one action at a time, starting each as
-    soon as the rank is free and the action's dependencies have finished. A chunk holds
-    1/virtual_stages of its rank's layers, so one chunk's forward takes
+    soon as the rank is free and the action's dependencies have finished (`replay`). A
+    chunk holds 1/virtual_stages of its rank's layers, so one chunk's forward takes
     forward_time / virtual_stages (likewise backward). A split backward's I and W
     each take half of backward_time.
-
-    Because the order per rank is fixed and ranks share nothing, an action's start time
-    is max(end of the rank's previous action, ends of its dependencies), whatever order
-    we evaluate ranks in; so we advance ranks in sweeps until all finish (the same times
-    an event queue would produce) or a sweep advances none (a deadlock).
     """
     _check_complete(schedule, num_ranks, virtual_stages, num_microbatches)
     if not (forward_time > 0 and backward_time > 0):
@@ -446,10 +441,27 @@ def simulate(
             f"forward_time and backward_time must be positive, got {forward_time}, {backward_time}"
         )
     num_stages = num_ranks * virtual_stages
-    split = _splits_backward(schedule)
     duration = {FORWARD: forward_time / virtual_stages, BACKWARD: backward_time / virtual_stages,
                 BACKWARD_INPUT: backward_time / virtual_stages / 2,
                 BACKWARD_WEIGHT: backward_time / virtual_stages / 2}
+    timeline = replay(schedule, num_stages, lambda action: duration[action.kind])
+    if isinstance(timeline, ScheduleDeadlock):
+        raise timeline
+    return _result(timeline)
+
+
+def replay(schedule: dict[int, list[Action]], num_stages: int, duration,
+           delay=lambda dependency, action: 0.0):
+    """Each rank's timeline of (start, end, action), or the ScheduleDeadlock if it hangs.
+
+    `duration(action)`: how long the action runs; `delay(dependency, action)`: how long
+    after `dependency` ends its result reaches `action` (a message's transfer time).
+    Because the order per rank is fixed and ranks share nothing, an action's start time
+    is max(end of the rank's previous action, arrivals of its dependencies), whatever
+    order we evaluate ranks in; so ranks advance in sweeps until all finish (the same
+    times an event queue would produce) or a sweep advances none (a deadlock).
+    """
+    split = _splits_backward(schedule)
     finished: dict[Action, float] = {}
     next_index = {rank: 0 for rank in schedule}
     timeline: dict[int, list[tuple[float, float, Action]]] = {rank: [] for rank in schedule}
@@ -463,16 +475,16 @@ def simulate(
                 if any(dep not in finished for dep in deps):
                     break
                 rank_free = timeline[rank][-1][1] if timeline[rank] else 0.0
-                start = max([rank_free] + [finished[dep] for dep in deps])
-                end = start + duration[action.kind]
+                start = max([rank_free] + [finished[dep] + delay(dep, action) for dep in deps])
+                end = start + max(duration(action), 0.0)
                 finished[action] = end
                 timeline[rank].append((start, end, action))
                 next_index[rank] += 1
                 advanced += 1
         if not advanced:
-            raise _deadlock(schedule, next_index, finished, num_ranks, num_stages, split)
+            return _deadlock(schedule, next_index, finished, len(schedule), num_stages, split)
         remaining -= advanced
-    return _result(timeline)
+    return timeline
 
 
 def _result(timeline: dict[int, list[tuple[float, float, Action]]]) -> SimulationResult:
