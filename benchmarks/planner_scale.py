@@ -677,9 +677,9 @@ def main(argv: list[str] | None = None) -> int:
                             and abs(b["slowest_pipeline_s"] - mslow) <= tol)
             same = (b["iteration_time_s"] is not None
                     and abs(b["iteration_time_s"] - miter) <= tol)
-            if not same_slowest:
-                problems.append(f"N={n}: naive slowest pipeline {b['slowest_pipeline_s']} s "
-                                f"({b.get('slowest_pipeline_sizes')}) vs planner {mslow} s ({msizes})")
+            # Not a problem when they differ: the planner minimises the iteration with the
+            # gradient sync, which may take a slightly slower slowest pipeline (N=21: 3×7
+            # rather than 8+7+6, whose sync over more distinct cuts costs more).
             gap = (miter / b["iteration_time_s"] - 1 if b["iteration_time_s"]
                    else float("nan"))
             if not same and b["sizes"]:
@@ -699,7 +699,7 @@ def main(argv: list[str] | None = None) -> int:
             rows.append([str(n), str(b["multisets"]), shape_summary(b["sizes"] or []),
                          f"{b['iteration_time_s']:.4f}" if b["iteration_time_s"] else "-",
                          shape_summary(msizes), f"{miter:.4f}",
-                         "yes" if same else f"{gap:+.3%}", "yes" if same_slowest else "NO",
+                         "yes" if same else f"{gap:+.3%}", "yes" if same_slowest else "no",
                          ms(b["time_s"]), ms(times[n]), f"{ratio:.2f}"])
         say(table(rows, ["N", "multisets", "naive pick", "naive iter (s)", "planner pick",
                          "planner iter (s)", "iter equal", "slowest pipeline equal", "naive (ms)",
@@ -708,8 +708,8 @@ def main(argv: list[str] | None = None) -> int:
         ratios = [r["ratio"] for r in naive]
         equal = sum(r["equal"] for r in naive)
         equal_slowest = sum(r["equal_slowest_pipeline"] for r in naive)
-        say(f"equal iteration time at {equal} of {len(naive)} N's; equal slowest pipeline (the "
-            f"planner's search objective) at {equal_slowest} of {len(naive)}; naive / planner time: "
+        say(f"equal iteration time at {equal} of {len(naive)} N's; equal slowest pipeline (without "
+            f"the sync, not the objective) at {equal_slowest} of {len(naive)}; naive / planner time: "
             f"median {statistics.median(ratios):.2f}x, range {min(ratios):.2f}x-{max(ratios):.2f}x")
         for line in findings:
             say(f"  {line}")
