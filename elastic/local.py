@@ -1,7 +1,8 @@
 """A job on this machine: worker processes, a store, and the controller, in one object.
 
-`LocalJob` owns what a real deployment spreads over nodes: a `TCPStore` (the job's
-coordination store; etcd in a deployment), one process per worker running
+`LocalJob` owns what a real deployment spreads over nodes: the job's coordination store
+(a `TCPStore` in this process, or, with `store="etcd"`, an embedded etcd server and an
+`EtcdStore` under /planaria/<run-id>/), one process per worker running
 `python -m planaria.train CONFIG ...` with the elastic environment, and the
 `Controller`, which it polls with the set of live processes. Tests and benchmarks use
 it to run real failures (processes SIGKILLed, by `kill` or by the workers' own fault
@@ -22,6 +23,9 @@ from pathlib import Path
 import torch.distributed as dist
 
 from planaria.elastic.controller import CheckpointPolicy, Controller
+from planaria.elastic.etcd_client import EtcdClient, EtcdSettings
+from planaria.elastic.etcd_server import EmbeddedEtcd
+from planaria.elastic.etcd_store import EtcdStore
 from planaria.runtime.config import load_config
 from planaria.runtime.coordination import Worker, worker_key
 from planaria.runtime.planning import build_planner, cost_model
@@ -40,7 +44,8 @@ class LocalJob:
 
     def __init__(self, config: str | Path, overrides: list[str], *, nodes: int, out_dir: Path,
                  gpus_per_node: int = 1, hardware: str = "h100", faults: str = "", corrupt: str = "",
-                 status_timeout_s: float | None = None, log=None):
+                 status_timeout_s: float | None = None, log=None, store: str = "tcp",
+                 run_id: str = "local"):
         self.config = str(config)
         self.overrides = list(overrides) + [f"output.dir={out_dir}"]
         self.cfg = load_config(self.config, self.overrides)
@@ -50,8 +55,18 @@ class LocalJob:
         self.corrupt = corrupt
         self.log = log or (lambda message: print(message, flush=True))
         (self.out_dir / "logs").mkdir(parents=True, exist_ok=True)
-        self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                                   timeout=timedelta(seconds=60))
+        self.etcd = None
+        if store == "etcd":
+            self.etcd = EmbeddedEtcd(log=self.out_dir / "logs" / "etcd.log").start()
+            prefix = f"/planaria/{run_id}"
+            self.store = EtcdStore(EtcdClient(EtcdSettings(endpoint=self.etcd.endpoint)), prefix)
+            self.store_url = f"etcd://{self.etcd.endpoint}{prefix}"
+        elif store == "tcp":
+            self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                                       timeout=timedelta(seconds=60))
+            self.store_url = f"127.0.0.1:{self.store.port}"
+        else:
+            raise ValueError(f"store must be 'tcp' or 'etcd', got {store!r}")
         costs = cost_model(self.cfg, hardware_name=hardware, gpus_per_node=gpus_per_node)
         timeout = self.cfg.parallel.timeout_s
         self.controller = Controller(
@@ -90,7 +105,7 @@ class LocalJob:
 
     def _spawn(self, worker: Worker, faults: str) -> None:
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
-                   PLANARIA_STORE=f"127.0.0.1:{self.store.port}", PLANARIA_NODE=worker[0],
+                   PLANARIA_STORE=self.store_url, PLANARIA_NODE=worker[0],
                    PLANARIA_LOCAL_RANK=str(worker[1]), PLANARIA_FAULTS=faults,
                    PLANARIA_CORRUPT=self.corrupt)
         log = open(self.out_dir / "logs" / f"{worker_key(worker)}.log", "a", encoding="utf-8")
@@ -141,6 +156,8 @@ class LocalJob:
                 proc.wait()
         for log in self._log_files:
             log.close()
+        if self.etcd is not None:
+            self.etcd.stop()
 
     def logs(self) -> str:
         """Every worker's log, for a failing test's message."""

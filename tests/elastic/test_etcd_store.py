@@ -1,0 +1,99 @@
+"""The etcd-backed Store against a real etcd on loopback: its semantics, and process
+groups (gloo) that rendezvous through it."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+
+from planaria.elastic.etcd_client import EtcdClient, EtcdSettings, EtcdUnavailable
+from planaria.elastic.etcd_server import EmbeddedEtcd
+from planaria.elastic.etcd_store import EtcdStore
+
+pytest.importorskip("pyetcd")
+
+
+@pytest.fixture(scope="module")
+def etcd():
+    with EmbeddedEtcd() as server:
+        yield server
+
+
+@pytest.fixture
+def store(etcd, request):
+    client = EtcdClient(EtcdSettings(endpoint=etcd.endpoint))
+    return EtcdStore(client, f"/planaria/test/{request.node.name}", timeout=timedelta(seconds=2))
+
+
+def test_set_get_check_delete(store):
+    assert not store.check(["a"])
+    store.set("a", b"1")
+    store.set("b", "two")
+    assert store.get("a") == b"1" and store.get("b") == b"two"
+    assert store.check(["a", "b"]) and store.num_keys() == 2
+    assert store.delete_key("a") and not store.check(["a"])
+
+
+def test_get_waits_then_times_out_naming_the_key(store):
+    with pytest.raises(dist.DistStoreError, match="missing|wait timeout"):
+        store.get("never")
+
+
+def test_add_is_atomic_across_clients(store, etcd):
+    other = EtcdStore(EtcdClient(EtcdSettings(endpoint=etcd.endpoint)), store.prefix)
+    assert store.add("n", 3) == 3
+    assert other.add("n", 4) == 7
+    assert store.add("n", 0) == 7
+
+
+def test_compare_set(store):
+    assert store.compare_set("k", b"", b"first") == b"first"  # absent: set
+    assert store.compare_set("k", b"wrong", b"second") == b"first"  # not expected: unchanged
+    assert store.compare_set("k", b"first", b"third") == b"third"
+
+
+WORKER = """
+import sys, torch, torch.distributed as dist
+from datetime import timedelta
+from planaria.elastic.etcd_client import EtcdClient, EtcdSettings
+from planaria.elastic.etcd_store import EtcdStore
+rank, endpoint = int(sys.argv[1]), sys.argv[2]
+store = EtcdStore(EtcdClient(EtcdSettings(endpoint=endpoint)), "/planaria/test/pg")
+dist.init_process_group("gloo", store=dist.PrefixStore("epoch/0/", store), rank=rank, world_size=2,
+                        timeout=timedelta(seconds=30))
+t = torch.tensor([rank + 1.0])
+dist.all_reduce(t)
+print(float(t))
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_gloo_process_group_rendezvous_through_etcd(etcd):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    procs = [subprocess.Popen([sys.executable, "-c", WORKER, str(r), etcd.endpoint], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
+    outs = [p.communicate(timeout=90) for p in procs]
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-2000:]
+        assert out.strip().splitlines()[-1] == "3.0"
+
+
+def test_unreachable_etcd_is_named_after_retries():
+    client = EtcdClient(EtcdSettings(endpoint="127.0.0.1:1", timeout_s=0.2, retry_s=1.0))
+    with pytest.raises(EtcdUnavailable, match="127.0.0.1:1"):
+        client.get("/x")
+
+
+def test_bad_settings_are_refused(tmp_path):
+    with pytest.raises(ValueError, match="host:port"):
+        EtcdSettings(endpoint="localhost")
+    with pytest.raises(ValueError, match="does not exist"):
+        EtcdSettings(ca_cert=str(tmp_path / "missing.pem"))
+    with pytest.raises(ValueError, match="both user and password"):
+        EtcdSettings(user="me")

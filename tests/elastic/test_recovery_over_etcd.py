@@ -1,0 +1,26 @@
+"""The recovery of tests/runtime/test_recovery.py with the job's store in a real etcd:
+the controller's keys, the workers' statuses and every epoch's process-group
+rendezvous go through `EtcdStore`, with no TCPStore anywhere."""
+from __future__ import annotations
+
+import pytest
+
+from planaria.elastic.local import LocalJob
+from tests.launch import TINY, reference_run
+from tests.runtime.test_recovery import JOB, check_against_reference
+
+pytest.importorskip("pyetcd")
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_rank_killed_recovers_in_place_over_etcd(tmp_path):
+    reference = reference_run(JOB)
+    job = LocalJob(TINY, [*JOB, "parallel.fault_tolerance=1"], nodes=4, out_dir=tmp_path,
+                   faults="node3.0:backward@2#2", store="etcd", log=lambda message: None)
+    assert job.store_url.startswith("etcd://127.0.0.1:")
+    result = job.run(250)
+    assert result.outcome == "ok", job.logs()
+    check_against_reference(tmp_path, reference, job)
+    (event,) = result.controller.events
+    assert event.failed == ["node3.0"] and event.first_iteration == 2
