@@ -1,8 +1,9 @@
 """The control plane's decisions: epochs, plans, and the exactly-once rule (DESIGN §7).
 
 The controller is the leader's brain, apart from how it learns who is alive: a caller
-(the local harness here; the etcd agent and leader next) calls `poll(alive)` with the
-workers whose processes are alive, and the controller reads and writes the job's store
+(the local harness here; the etcd agent and leader next) calls `poll(alive, kill)` with
+a function that returns the workers whose processes are alive now, and the controller
+reads and writes the job's store
 (keys in `planaria.runtime.coordination`). On a change it runs the reconfiguration:
 
 1. Detect: a worker of the current plan is gone, a worker reported that its epoch
@@ -105,12 +106,13 @@ class Controller:
         return plan
 
     # -------------------------------------------------------------- poll
-    def poll(self, alive: set[Worker], kill: Callable[[Worker], None]) -> str:
-        """Look at the job once: "running", "finished", or "failed" (see `outcome`)."""
+    def poll(self, alive_now: Callable[[], set[Worker]], kill: Callable[[Worker], None]) -> str:
+        """Look at the job once: "running", "finished", or "failed" (see `outcome`).
+        `alive_now()`: the workers alive at this moment (asked again while waiting)."""
         if self.outcome is not None:
             return "finished" if self.outcome == "ok" else "failed"
         self._complete_checkpoints()
-        alive = alive - self._killed
+        alive = alive_now() - self._killed
         members = set(self.plan.rank_of_worker())
         gone = members - alive
         statuses = self._statuses(members)
@@ -122,7 +124,7 @@ class Controller:
         if gone or failed_report or joiners:
             reason = ("failure" if gone or failed_report else "join")
             try:
-                self._reconfigure(alive, kill, reason)
+                self._reconfigure(alive_now, kill, reason)
             except JobFailed as err:
                 self.log(f"controller: the job cannot go on: {err}")
                 self._end(f"failed: {err}")
@@ -130,24 +132,26 @@ class Controller:
         return "running"
 
     # ------------------------------------------------------- reconfigure
-    def _reconfigure(self, alive: set[Worker], kill: Callable[[Worker], None], reason: str) -> None:
+    def _reconfigure(self, alive_now: Callable[[], set[Worker]], kill: Callable[[Worker], None],
+                     reason: str) -> None:
         event = EpochEvent(epoch=self.epoch + 1, reason=reason, detected_s=time.time())
         members = set(self.plan.rank_of_worker())
         if reason == "join":  # nobody failed: stop everyone at the next iteration boundary
             self.store.set(f"epoch/{self.epoch}/reconfigure", "join")
         time.sleep(self.debounce_s)
-        statuses = self._collect_statuses(members, alive, kill)
+        statuses = self._collect_statuses(members, alive_now, kill)
         event.statuses_s = time.time()
         event.failed = sorted(worker_key(w) for w in members - set(statuses))
         survivors = set(statuses)
-        joiners = alive - members - self._killed
+        joiners = alive_now() - members - self._killed
         event.joined = sorted(worker_key(w) for w in joiners)
         try:
             resolution = resolve(list(statuses.values())) if statuses else None
         except InconsistentStatuses as err:
             raise JobFailed(str(err)) from None
         if resolution is None:
-            raise JobFailed("every worker of the job failed; restart it from its last checkpoint")
+            raise JobFailed("every worker of the job failed before reporting a status; see the "
+                            "workers' logs, then restart the job (from its last checkpoint)")
         first = resolution.first_iteration
         self._check_progress(first)
         nodes = self._whole_nodes(survivors | joiners)
@@ -237,12 +241,13 @@ class Controller:
             prune(policy.directory, policy.keep)
             self.log(f"controller: checkpoint of iteration {k} complete")
 
-    def _collect_statuses(self, members: set[Worker], alive: set[Worker],
+    def _collect_statuses(self, members: set[Worker], alive_now: Callable[[], set[Worker]],
                           kill: Callable[[Worker], None]) -> dict[Worker, WorkerStatus]:
-        """Statuses of the epoch's live workers; the ones that stay silent are killed."""
+        """Statuses of the epoch's live workers (one that dies meanwhile is no longer
+        waited for); the ones that stay silent are killed."""
         deadline = time.monotonic() + self.status_timeout_s
-        expected = members & alive
         while True:
+            expected = members & (alive_now() - self._killed)
             statuses = self._statuses(expected)
             if len(statuses) == len(expected) or time.monotonic() > deadline:
                 break

@@ -126,7 +126,7 @@ class LocalJob:
                     self._spawn((node, local), faults=self.faults)
             self.controller.start(sorted(self.processes), self.initial_plan())
             while True:
-                state = self.controller.poll(self.alive(), self.kill)
+                state = self.controller.poll(self.alive, self.kill)
                 if state != "running":
                     break
                 elapsed = time.monotonic() - started
