@@ -135,6 +135,26 @@ class EtcdClient:
                            success=[t.put(key, desired)], failure=[])
         return desired if ok else (self.get(key)[0] or b"")
 
+    def set_if_revision(self, key: str, revision: int | None,
+                        value: bytes) -> tuple[bool, bytes | None, int]:
+        """Put `value` if the key's mod revision is `revision` (None: if it is absent), in one
+        transaction that also reads the key back: (succeeded, value now, mod revision now;
+        None and 0 when absent)."""
+        t = self._client.transactions
+        compare = [t.version(key) == 0] if revision is None else [t.mod(key) == revision]
+        ok, responses = self._call(f"compare-and-set {key}", self._client.transaction, compare=compare,
+                                   success=[t.put(key, value), t.get(key)], failure=[t.get(key)])
+        found = responses[-1]
+        if not found:
+            return ok, None, 0
+        value_now, meta = found[0]
+        return ok, value_now, meta.mod_revision
+
+    def get_with_revision(self, key: str) -> tuple[bytes | None, int]:
+        """(value, mod revision); (None, 0) when absent."""
+        value, meta = self._call(f"get {key}", self._client.get, key)
+        return value, (meta.mod_revision if meta is not None else 0)
+
     def _swap(self, key: str, version: int, value: bytes) -> bool:
         t = self._client.transactions
         ok, _ = self._call(f"swap {key}", self._client.transaction, compare=[t.version(key) == version],
