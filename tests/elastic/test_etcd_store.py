@@ -11,16 +11,9 @@ import pytest
 import torch.distributed as dist
 
 from planaria.elastic.etcd_client import EtcdClient, EtcdSettings, EtcdUnavailable
-from planaria.elastic.etcd_server import EmbeddedEtcd
 from planaria.elastic.etcd_store import EtcdStore
 
 pytest.importorskip("pyetcd")
-
-
-@pytest.fixture(scope="module")
-def etcd():
-    with EmbeddedEtcd() as server:
-        yield server
 
 
 @pytest.fixture

@@ -10,16 +10,9 @@ import pytest
 from torch.distributed.elastic.rendezvous import RendezvousConnectionError, RendezvousStateError
 
 from planaria.elastic.etcd_client import EtcdClient, EtcdSettings
-from planaria.elastic.etcd_server import EmbeddedEtcd
 from planaria.elastic.rendezvous import Etcd3RendezvousBackend
 
 pytest.importorskip("pyetcd")
-
-
-@pytest.fixture(scope="module")
-def etcd():
-    with EmbeddedEtcd() as server:
-        yield server
 
 
 @pytest.fixture
