@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import gc
 import json
+import logging
 from dataclasses import asdict
 import os
 import time
@@ -229,6 +230,11 @@ class ElasticWorker:
 def run_elastic(cfg: Config, console: Console, device: torch.device, backend: str,
                 optimizer_settings) -> int:
     address, node, local_rank = elastic_environment()
+    if not os.environ.get("PLANARIA_DEBUG"):
+        # A failed peer makes torch's schedule runtime log its whole action table as an
+        # error; here that is the expected start of a recovery, which the worker reports
+        # in one line. PLANARIA_DEBUG=1 keeps torch's dump.
+        logging.getLogger("torch.distributed.pipelining.schedules").setLevel(logging.CRITICAL)
     store = connect_store(address, timeout_s=cfg.parallel.timeout_s + 60)
     coordinator = StoreCoordinator(store, (node, local_rank))
     return ElasticWorker(cfg, coordinator, console, device, backend, optimizer_settings).run()
