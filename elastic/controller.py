@@ -105,6 +105,19 @@ class Controller:
         self._publish(EpochRecord(plan))
         return plan
 
+    def resume(self) -> bool:
+        """Take over a running job (a new leader): the newest published epoch and its plan
+        from the store. False when no epoch was published yet."""
+        if not self.store.check(["epoch"]):
+            return False
+        epoch = int(self.store.get("epoch"))
+        record = EpochRecord.from_json(self.store.get(f"epoch/{epoch}/record").decode())
+        self.epoch, self.plan = epoch, record.plan
+        if self.store.check(["done"]):
+            self.outcome = self.store.get("done").decode()
+        self.log(f"controller: resumed at epoch {epoch}")
+        return True
+
     # -------------------------------------------------------------- poll
     def poll(self, alive_now: Callable[[], set[Worker]], kill: Callable[[Worker], None]) -> str:
         """Look at the job once: "running", "finished", or "failed" (see `outcome`).

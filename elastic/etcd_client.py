@@ -109,8 +109,7 @@ class EtcdClient:
         return bool(self._call(f"delete {key}", self._client.delete, key))
 
     def count_prefix(self, prefix: str) -> int:
-        return sum(1 for _ in self._call(f"list {prefix}", lambda: list(
-            self._client.get_prefix(prefix, keys_only=True))))
+        return len(self.keys_with_prefix(prefix))
 
     def put_if_absent(self, key: str, value: bytes, lease=None) -> bool:
         return bool(self._call(f"create {key}", self._client.put_if_not_exists, key, value, lease=lease))
@@ -160,6 +159,19 @@ class EtcdClient:
         ok, _ = self._call(f"swap {key}", self._client.transaction, compare=[t.version(key) == version],
                            success=[t.put(key, value)], failure=[])
         return ok
+
+    # -- leases -----------------------------------------------------------------------
+    def lease(self, ttl_s: int):
+        """A new lease of `ttl_s` seconds (keep it alive with `refresh`)."""
+        return self._call("grant a lease", self._client.lease, int(ttl_s))
+
+    def refresh(self, lease) -> None:
+        self._call("refresh a lease", lease.refresh)
+
+    def keys_with_prefix(self, prefix: str) -> list[str]:
+        """The keys under `prefix`, without it."""
+        found = self._call(f"list {prefix}", lambda: list(self._client.get_prefix(prefix, keys_only=True)))
+        return [meta.key.decode()[len(prefix):] for _, meta in found]
 
     def close(self) -> None:
         self._client.close()

@@ -1,0 +1,197 @@
+"""One agent per node: membership under an etcd lease, the node's workers, and, on the
+agent that holds the leadership, the controller (DESIGN §7-8).
+
+    python -m planaria.elastic.agent --node NAME --nproc-per-node G --etcd HOST:PORT \\
+        --run-id JOB --nnodes MIN [--lease-ttl S] -- CONFIG.yaml [section.key=value ...]
+
+Keys, under /planaria/<run-id>/ (the job's `EtcdStore` prefix):
+
+    nodes/<node>            the node, bound to its agent's lease
+    alive/<node>.<local>    a live worker, bound to the lease, deleted when it exits
+    leader                  the leading agent's node, bound to its lease
+    kill/<node>.<local>     the leader asks the worker's agent to SIGKILL it
+
+A node that dies takes its lease with it: its keys vanish after the lease's TTL, and the
+leader's next look at `alive/` sees its workers gone (a worker's own exit is seen at
+once, by its agent). Every agent campaigns for `leader` (a create-if-absent bound to its
+lease); the winner runs a `Controller` over the job's store, polling it with the
+workers under `alive/`. When the leader's node dies its lease expires, another agent
+wins, and its controller resumes from the newest published epoch in the store, so the
+epoch sequence goes on. The first leader publishes epoch 0 once `--nnodes` nodes have
+all their workers alive.
+
+A node whose worker dies leaves the job: its agent stops the node's other workers and
+exits. Workers run `python -m planaria.train CONFIG ...` with PLANARIA_STORE pointing at
+the store in etcd.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from planaria.elastic.controller import CheckpointPolicy, Controller
+from planaria.elastic.etcd_client import EtcdClient, EtcdSettings
+from planaria.elastic.etcd_store import EtcdStore
+from planaria.runtime.config import load_config
+from planaria.runtime.coordination import Worker, worker_key
+from planaria.runtime.planning import build_planner, cost_model
+
+POLL_S = 0.1
+
+
+def _worker_of(key: str) -> Worker:
+    node, _, local = key.rpartition(".")
+    return node, int(local)
+
+
+class Agent:
+    def __init__(self, *, node: str, nproc: int, settings: EtcdSettings, run_id: str, min_nodes: int,
+                 config: str, overrides: list[str], lease_ttl_s: int = 5, hardware: str = "h100",
+                 log_dir: Path | None = None):
+        self.node, self.nproc, self.min_nodes = node, nproc, min_nodes
+        self.client = EtcdClient(settings)
+        self.prefix = f"/planaria/{run_id}/"
+        self.store = EtcdStore(self.client, self.prefix)
+        self.store_url = f"etcd://{settings.endpoint}{self.prefix.rstrip('/')}"
+        self.config, self.overrides = config, overrides
+        self.cfg = load_config(config, overrides)
+        self.lease_ttl_s = lease_ttl_s
+        self.hardware = hardware
+        self.log_dir = Path(log_dir or Path(self.cfg.output.dir) / "logs")
+        self.workers: dict[Worker, subprocess.Popen] = {}
+        self.controller: Controller | None = None
+        self._stop = threading.Event()
+
+    def log(self, message: str) -> None:
+        print(f"[agent {self.node}] {message}", flush=True)
+
+    # ------------------------------------------------------------------ run
+    def run(self) -> int:
+        self.lease = self.client.lease(self.lease_ttl_s)
+        threading.Thread(target=self._keep_alive, daemon=True, name="lease").start()
+        self.client.put(self.prefix + f"nodes/{self.node}", json.dumps({"gpus": self.nproc}).encode(),
+                        lease=self.lease)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        for local in range(self.nproc):
+            self._spawn((self.node, local))
+        try:
+            while True:
+                if self._reap():
+                    self.log("a worker of this node exited; the node leaves the job")
+                    return self._leave()
+                self._serve_kill_requests()
+                self._lead()
+                if self.store.check(["done"]) and not self._running():
+                    outcome = self.store.get("done").decode()
+                    self.log(f"job ended: {outcome}")
+                    return 0 if outcome == "ok" else 1
+                time.sleep(POLL_S)
+        finally:
+            self._stop.set()
+
+    def _keep_alive(self) -> None:
+        while not self._stop.wait(self.lease_ttl_s / 3):
+            try:
+                self.client.refresh(self.lease)
+            except Exception as err:  # etcd away: the lease may lapse; say so and go on trying
+                self.log(f"could not refresh the lease: {err}")
+
+    # -------------------------------------------------------------- workers
+    def _spawn(self, worker: Worker) -> None:
+        env = dict(os.environ, PLANARIA_STORE=self.store_url, PLANARIA_NODE=worker[0],
+                   PLANARIA_LOCAL_RANK=str(worker[1]), PYTHONUNBUFFERED="1")
+        env.setdefault("OMP_NUM_THREADS", "1")
+        log = open(self.log_dir / f"{worker_key(worker)}.log", "a", encoding="utf-8")
+        self.workers[worker] = subprocess.Popen(
+            [sys.executable, "-m", "planaria.train", self.config, *self.overrides],
+            stdout=log, stderr=subprocess.STDOUT, env=env)
+        self.client.put(self.prefix + f"alive/{worker_key(worker)}", b"1", lease=self.lease)
+
+    def _running(self) -> list[Worker]:
+        return [w for w, p in self.workers.items() if p.poll() is None]
+
+    def _reap(self) -> bool:
+        """Delete the alive keys of exited workers; True if one exited before the job ended."""
+        exited = False
+        for worker, proc in self.workers.items():
+            key = self.prefix + f"alive/{worker_key(worker)}"
+            if proc.poll() is not None and self.client.get(key)[0] is not None:
+                self.client.delete(key)
+                exited = exited or not self.store.check(["done"])
+        return exited
+
+    def _serve_kill_requests(self) -> None:
+        for worker in self._running():
+            if self.store.check([f"kill/{worker_key(worker)}"]):
+                self.workers[worker].send_signal(signal.SIGKILL)
+
+    def _leave(self) -> int:
+        for worker in self._running():
+            self.workers[worker].send_signal(signal.SIGKILL)
+        for proc in self.workers.values():
+            proc.wait()
+        self._reap()
+        self.client.delete(self.prefix + f"nodes/{self.node}")
+        return 1
+
+    # --------------------------------------------------------------- leader
+    def _lead(self) -> None:
+        if self.controller is None:
+            if not self.client.put_if_absent(self.prefix + "leader", self.node.encode(), lease=self.lease):
+                return
+            self.log("leading the job")
+            self.controller = self._new_controller()
+        if self.controller.plan is None:  # waiting for the first epoch's nodes
+            if not self.controller.resume():
+                nodes = {w[0] for w in self._alive_now()}
+                if len(nodes) < self.min_nodes:
+                    return
+                self.controller.start(sorted(self._alive_now()))
+                self.log(f"epoch 0 published for {len(nodes)} nodes")
+            return
+        self.controller.poll(self._alive_now, self._kill)
+
+    def _new_controller(self) -> Controller:
+        costs = cost_model(self.cfg, hardware_name=self.hardware, gpus_per_node=self.nproc)
+        return Controller(
+            self.store, build_planner(self.cfg, costs), total_steps=self.cfg.train.steps,
+            gpus_per_node=self.nproc, status_timeout_s=self.cfg.parallel.timeout_s + 15,
+            log=lambda message: self.log(message),
+            checkpoints=CheckpointPolicy(self.cfg.checkpoint_dir, self.cfg.checkpoint.every,
+                                         self.cfg.checkpoint.keep))
+
+    def _alive_now(self) -> set[Worker]:
+        return {_worker_of(key) for key in self.client.keys_with_prefix(self.prefix + "alive/")}
+
+    def _kill(self, worker: Worker) -> None:
+        self.store.set(f"kill/{worker_key(worker)}", "1")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m planaria.elastic.agent",
+                                     description="Run one node's agent of an elastic Planaria job.")
+    parser.add_argument("--node", required=True, help="this node's name, unique in the job")
+    parser.add_argument("--nproc-per-node", type=int, default=1)
+    parser.add_argument("--etcd", required=True, help="etcd endpoint host:port")
+    parser.add_argument("--run-id", required=True)
+    parser.add_argument("--nnodes", type=int, required=True, help="nodes to wait for before epoch 0")
+    parser.add_argument("--lease-ttl", type=int, default=5, help="seconds (default 5)")
+    parser.add_argument("--hardware", default="h100", help="cost model preset for the planner")
+    parser.add_argument("config")
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_args(argv)
+    agent = Agent(node=args.node, nproc=args.nproc_per_node, settings=EtcdSettings(endpoint=args.etcd),
+                  run_id=args.run_id, min_nodes=args.nnodes, config=args.config,
+                  overrides=args.overrides, lease_ttl_s=args.lease_ttl, hardware=args.hardware)
+    return agent.run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
