@@ -21,7 +21,8 @@ epoch sequence goes on. The first leader publishes epoch 0 once `--nnodes` nodes
 all their workers alive.
 
 A node whose worker dies leaves the job: its agent stops the node's other workers and
-exits. Workers run `python -m planaria.train CONFIG ...` with PLANARIA_STORE pointing at
+exits. Workers die with their agent (PR_SET_PDEATHSIG): a killed agent takes its node
+out, as a dead machine would. Workers run `python -m planaria.train CONFIG ...` with PLANARIA_STORE pointing at
 the store in etcd.
 """
 from __future__ import annotations
@@ -36,7 +37,7 @@ import threading
 import time
 from pathlib import Path
 
-from planaria.elastic.controller import CheckpointPolicy, Controller
+from planaria.elastic.controller import CheckpointPolicy, Controller, StaleLeader
 from planaria.elastic.etcd_client import EtcdClient, EtcdSettings
 from planaria.elastic.etcd_store import EtcdStore
 from planaria.runtime.config import load_config
@@ -106,7 +107,8 @@ class Agent:
     # -------------------------------------------------------------- workers
     def _spawn(self, worker: Worker) -> None:
         env = dict(os.environ, PLANARIA_STORE=self.store_url, PLANARIA_NODE=worker[0],
-                   PLANARIA_LOCAL_RANK=str(worker[1]), PYTHONUNBUFFERED="1")
+                   PLANARIA_LOCAL_RANK=str(worker[1]), PYTHONUNBUFFERED="1",
+                   PLANARIA_DIE_WITH_AGENT="1")
         env.setdefault("OMP_NUM_THREADS", "1")
         log = open(self.log_dir / f"{worker_key(worker)}.log", "a", encoding="utf-8")
         self.workers[worker] = subprocess.Popen(
@@ -153,10 +155,19 @@ class Agent:
                 nodes = {w[0] for w in self._alive_now()}
                 if len(nodes) < self.min_nodes:
                     return
-                self.controller.start(sorted(self._alive_now()))
+                try:
+                    self.controller.start(sorted(self._alive_now()))
+                except StaleLeader as err:
+                    self.log(str(err))
+                    self.controller = None
+                    return
                 self.log(f"epoch 0 published for {len(nodes)} nodes")
             return
-        self.controller.poll(self._alive_now, self._kill)
+        try:
+            self.controller.poll(self._alive_now, self._kill)
+        except StaleLeader as err:
+            self.log(str(err))
+            self.controller = None
 
     def _new_controller(self) -> Controller:
         costs = cost_model(self.cfg, hardware_name=self.hardware, gpus_per_node=self.nproc)

@@ -38,6 +38,14 @@ from planaria.templates.plan import Plan, missing_from, transfers_from
 from planaria.templates.planner import Planner
 
 
+def _text(value) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+class StaleLeader(RuntimeError):
+    """Another controller published an epoch this one did not know of."""
+
+
 class JobFailed(RuntimeError):
     """The job cannot go on; the message says why and what would fix it."""
 
@@ -293,9 +301,16 @@ class Controller:
                       if locals_ >= set(range(self.gpus_per_node)))
 
     def _publish(self, record: EpochRecord) -> None:
+        """Write the record, then move `epoch` to it only if it still is the epoch this
+        controller knows (a compare-and-set): a leader that lost its leadership without
+        knowing it cannot overwrite its successor's epochs."""
         epoch = record.plan.epoch
         self.store.set(f"epoch/{epoch}/record", record.to_json())
-        self.store.set("epoch", str(epoch))
+        expected = "" if self.epoch < 0 else str(self.epoch)
+        now = self.store.compare_set("epoch", expected, str(epoch))
+        if _text(now) != str(epoch):
+            raise StaleLeader(f"the job's epoch is {_text(now)!r}, not {expected!r} as this controller "
+                              f"believed; another leader took over, so this one steps down")
         self.epoch, self.plan = epoch, record.plan
 
     def _end(self, outcome: str) -> None:

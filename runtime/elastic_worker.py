@@ -27,6 +27,7 @@ from __future__ import annotations
 import gc
 import json
 import logging
+import sys
 from dataclasses import asdict
 import os
 import time
@@ -227,9 +228,26 @@ class ElasticWorker:
         self.console.print(f"[{self.name}] {message}", markup=False)
 
 
+def _die_with_parent() -> None:
+    """SIGKILL this worker when its agent dies (Linux PR_SET_PDEATHSIG): a worker without
+    its agent would run on unseen by the control plane. Done here rather than in the
+    agent's preexec_fn, which is unsafe in a process with threads."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(1, int(signal.SIGKILL))  # 1 = PR_SET_PDEATHSIG
+    if os.getppid() == 1:  # the agent died before we asked
+        os._exit(1)
+
+
 def run_elastic(cfg: Config, console: Console, device: torch.device, backend: str,
                 optimizer_settings) -> int:
     address, node, local_rank = elastic_environment()
+    if os.environ.get("PLANARIA_DIE_WITH_AGENT") == "1":
+        _die_with_parent()
     if not os.environ.get("PLANARIA_DEBUG"):
         # A failed peer makes torch's schedule runtime log its whole action table as an
         # error; here that is the expected start of a recovery, which the worker reports

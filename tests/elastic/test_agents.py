@@ -21,19 +21,38 @@ pytest.importorskip("pyetcd")
 class Job:
     def __init__(self, etcd, tmp_path, nodes: int, overrides: list[str], run_id: str):
         self.overrides = [*overrides, f"output.dir={tmp_path}"]
+        self.etcd, self.tmp_path, self.run_id, self.min_nodes = etcd, tmp_path, run_id, nodes
         self.agents = {}
         (tmp_path / "logs").mkdir(parents=True, exist_ok=True)
         for i in range(nodes):
-            node = f"node{i}"
-            log = open(tmp_path / "logs" / f"agent-{node}.log", "w")
-            self.agents[node] = subprocess.Popen(
-                [sys.executable, "-m", "planaria.elastic.agent", "--node", node, "--etcd", etcd.endpoint,
-                 "--run-id", run_id, "--nnodes", str(nodes), "--lease-ttl", "3", str(TINY),
-                 *self.overrides],
-                stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, OMP_NUM_THREADS="1"),
-                start_new_session=True)  # a node: the agent and its workers, killed together
+            self.add_node(f"node{i}")
         self.client = EtcdClient(EtcdSettings(endpoint=etcd.endpoint))
         self.prefix = f"/planaria/{run_id}/"
+
+    def add_node(self, node: str) -> None:
+        log = open(self.tmp_path / "logs" / f"agent-{node}.log", "w")
+        self.agents[node] = subprocess.Popen(
+            [sys.executable, "-m", "planaria.elastic.agent", "--node", node, "--etcd", self.etcd.endpoint,
+             "--run-id", self.run_id, "--nnodes", str(self.min_nodes), "--lease-ttl", "3", str(TINY),
+             *self.overrides],
+            stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, OMP_NUM_THREADS="1"),
+            start_new_session=True)  # a node: the agent and its workers, killed together
+
+    def wait_for_commits(self, count: int, worker: str = "node0.0") -> None:
+        log = self.tmp_path / f"commits-{worker}.jsonl"
+        deadline = time.monotonic() + 120
+        while not (log.exists() and len(log.read_text().splitlines()) >= count):
+            assert time.monotonic() < deadline, "training did not get there"
+            time.sleep(0.05)
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {p.name}\n{p.read_text()[-2000:]}"
+                         for p in sorted((self.tmp_path / "logs").glob("*.log")))
+
+    def close(self) -> None:
+        for agent in self.agents.values():
+            if agent.poll() is None:
+                os.killpg(agent.pid, signal.SIGKILL)
 
     def leader(self, timeout=60) -> str:
         deadline = time.monotonic() + timeout
@@ -51,26 +70,63 @@ class Job:
         return {node: agent.wait(timeout=timeout) for node, agent in self.agents.items()}
 
 
+@pytest.fixture(scope="module")
+def reference():
+    return reference_run(JOB)
+
+
+OVERRIDES = [*JOB, "parallel.fault_tolerance=1"]
+
+
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
-def test_leader_node_killed_another_agent_leads_and_the_job_recovers(etcd, tmp_path):
-    overrides = [*JOB, "parallel.fault_tolerance=1", "train.steps=6"]
-    reference = reference_run(JOB)
-    job = Job(etcd, tmp_path, 4, overrides, run_id="leader-dies")
+def test_leader_node_killed_another_agent_leads_and_the_job_recovers(etcd, tmp_path, reference):
+    job = Job(etcd, tmp_path, 4, OVERRIDES, run_id="leader-dies")
     try:
         leader = job.leader()
-        log = tmp_path / "commits-node0.0.jsonl"
-        deadline = time.monotonic() + 120
-        while not (log.exists() and len(log.read_text().splitlines()) >= 2):
-            assert time.monotonic() < deadline, "training did not start"
-            time.sleep(0.05)
+        job.wait_for_commits(2)
         job.kill_node(leader)
         codes = job.wait()
     finally:
-        for agent in job.agents.values():
-            if agent.poll() is None:
-                os.killpg(agent.pid, signal.SIGKILL)
-    logs = "\n".join(p.read_text()[-2000:] for p in sorted((tmp_path / "logs").glob("*.log")))
-    assert all(code == 0 for node, code in codes.items() if node != leader), f"{codes}\n{logs}"
+        job.close()
+    assert all(code == 0 for node, code in codes.items() if node != leader), f"{codes}\n{job.logs()}"
     assert job.leader() != leader
-    check_against_reference(tmp_path, reference, job=type("J", (), {"logs": lambda self: logs})())
+    assert "resumed at epoch 0" in job.logs()
+    check_against_reference(tmp_path, reference, job)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_agent_killed_takes_its_worker_along(etcd, tmp_path, reference):
+    """Only the agent process is SIGKILLed: its worker dies with it (PR_SET_PDEATHSIG)."""
+    job = Job(etcd, tmp_path, 4, OVERRIDES, run_id="agent-dies")
+    try:
+        leader = job.leader()
+        victim = next(n for n in ("node1", "node2", "node3") if n != leader)
+        job.wait_for_commits(2)
+        job.agents[victim].send_signal(signal.SIGKILL)
+        codes = job.wait()
+    finally:
+        job.close()
+    assert all(code == 0 for node, code in codes.items() if node != victim), f"{codes}\n{job.logs()}"
+    assert f"'{victim}.0'" in job.logs()  # the controller's line: failed [...]
+    check_against_reference(tmp_path, reference, job)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_node_added_is_absorbed(etcd, tmp_path):
+    """A fifth agent starts while the job trains (long enough for its start-up)."""
+    longer = [*OVERRIDES, "train.steps=60"]
+    reference = reference_run([*JOB, "train.steps=60"])
+    job = Job(etcd, tmp_path, 4, longer, run_id="node-added")
+    try:
+        job.wait_for_commits(2)
+        job.add_node("node4")
+        codes = job.wait()
+    finally:
+        job.close()
+    assert all(code == 0 for code in codes.values()), f"{codes}\n{job.logs()}"
+    assert "joined ['node4.0']" in job.logs()
+    assert (tmp_path / "commits-node4.0.jsonl").exists()
+    check_against_reference(tmp_path, reference, job, steps=60)
