@@ -75,6 +75,10 @@ class Agent:
 
     # ------------------------------------------------------------------ run
     def run(self) -> int:
+        refused = self._check_job_config()
+        if refused:
+            self.log(refused)
+            return 2
         self.lease = self.client.lease(self.lease_ttl_s)
         threading.Thread(target=self._keep_alive, daemon=True, name="lease").start()
         self.client.put(self.prefix + f"nodes/{self.node}", json.dumps({"gpus": self.nproc}).encode(),
@@ -96,6 +100,19 @@ class Agent:
                 time.sleep(POLL_S)
         finally:
             self._stop.set()
+
+    def _check_job_config(self) -> str | None:
+        """One run id, one job: the first agent records its config; a later agent with a
+        different one is refused (naming both), so two jobs never mix their workers."""
+        mine = json.dumps({"config": self.config, "overrides": self.overrides}, sort_keys=True)
+        key = self.prefix + "config"
+        if self.client.put_if_absent(key, mine.encode()):
+            return None
+        theirs = (self.client.get(key)[0] or b"").decode()
+        if theirs == mine:
+            return None
+        return (f"refused: run id {self.prefix.split('/')[2]!r} already runs {theirs}, and this "
+                f"agent was given {mine}; use another --run-id, or the same config")
 
     def _keep_alive(self) -> None:
         while not self._stop.wait(self.lease_ttl_s / 3):

@@ -19,23 +19,24 @@ pytest.importorskip("pyetcd")
 
 
 class Job:
-    def __init__(self, etcd, tmp_path, nodes: int, overrides: list[str], run_id: str):
+    def __init__(self, etcd, tmp_path, nodes: int, overrides: list[str], run_id: str,
+                 env: dict[str, dict[str, str]] | None = None):
         self.overrides = [*overrides, f"output.dir={tmp_path}"]
         self.etcd, self.tmp_path, self.run_id, self.min_nodes = etcd, tmp_path, run_id, nodes
         self.agents = {}
         (tmp_path / "logs").mkdir(parents=True, exist_ok=True)
         for i in range(nodes):
-            self.add_node(f"node{i}")
+            self.add_node(f"node{i}", (env or {}).get(f"node{i}"))
         self.client = EtcdClient(EtcdSettings(endpoint=etcd.endpoint))
         self.prefix = f"/planaria/{run_id}/"
 
-    def add_node(self, node: str) -> None:
+    def add_node(self, node: str, env: dict[str, str] | None = None) -> None:
         log = open(self.tmp_path / "logs" / f"agent-{node}.log", "w")
         self.agents[node] = subprocess.Popen(
             [sys.executable, "-m", "planaria.elastic.agent", "--node", node, "--etcd", self.etcd.endpoint,
              "--run-id", self.run_id, "--nnodes", str(self.min_nodes), "--lease-ttl", "3", str(TINY),
              *self.overrides],
-            stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, OMP_NUM_THREADS="1"),
+            stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, OMP_NUM_THREADS="1", **(env or {})),
             start_new_session=True)  # a node: the agent and its workers, killed together
 
     def wait_for_commits(self, count: int, worker: str = "node0.0") -> None:
@@ -130,3 +131,42 @@ def test_node_added_is_absorbed(etcd, tmp_path):
     assert "joined ['node4.0']" in job.logs()
     assert (tmp_path / "commits-node4.0.jsonl").exists()
     check_against_reference(tmp_path, reference, job, steps=60)
+
+
+@pytest.mark.timeout(120)
+def test_same_run_id_with_another_config_is_refused(etcd, tmp_path):
+    base = [sys.executable, "-m", "planaria.elastic.agent", "--etcd", etcd.endpoint, "--run-id",
+            "one-job", "--nnodes", "9", str(TINY), f"output.dir={tmp_path}"]
+    first = subprocess.Popen([*base[:3], "--node", "a", *base[3:], "train.steps=5"],
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             start_new_session=True)
+    try:
+        client = EtcdClient(EtcdSettings(endpoint=etcd.endpoint))
+        deadline = time.monotonic() + 60
+        while client.get("/planaria/one-job/config")[0] is None:
+            assert time.monotonic() < deadline and first.poll() is None, first.stdout.read()
+            time.sleep(0.1)
+        second = subprocess.run([*base[:3], "--node", "b", *base[3:], "train.steps=7"],
+                                capture_output=True, text=True, timeout=60)
+    finally:
+        os.killpg(first.pid, signal.SIGKILL)
+    assert second.returncode == 2
+    assert "refused: run id 'one-job' already runs" in second.stdout
+    assert "train.steps=5" in second.stdout and "train.steps=7" in second.stdout
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_hung_worker_is_killed_by_its_agent_on_the_leaders_request(etcd, tmp_path, reference):
+    """node2's worker stops (SIGSTOP) in a backward. Its peers time out (parallel.timeout_s);
+    it reports nothing, so the leader asks its agent to kill it; the node leaves."""
+    job = Job(etcd, tmp_path, 4, [*OVERRIDES, "parallel.timeout_s=4"], run_id="hung",
+              env={"node2": {"PLANARIA_FAULTS": "node2.0:backward@2!hang"}})
+    try:
+        codes = job.wait()
+    finally:
+        job.close()
+    assert codes["node2"] == 1 and all(c == 0 for n, c in codes.items() if n != "node2"), \
+        f"{codes}\n{job.logs()}"
+    assert "worker node2.0 did not report" in job.logs()
+    check_against_reference(tmp_path, reference, job)
