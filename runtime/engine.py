@@ -255,7 +255,8 @@ class Engine:
         return schedule, stages
 
     def destroy(self) -> None:
-        self.groups.destroy()
+        if self.groups is not None:  # None after abandon_epoch
+            self.groups.destroy()
 
     # ------------------------------------------------------------- iteration
     def train_step(self, iteration: int, dataset, data_seed: int,
