@@ -65,7 +65,8 @@ class Agent:
         self.cfg = load_config(config, overrides)
         self.lease_ttl_s = lease_ttl_s
         self.hardware = hardware
-        self.log_dir = Path(log_dir or Path(self.cfg.output.dir) / "logs")
+        self.log_dir = Path(log_dir) if log_dir else None
+        """Worker output goes here, a file per worker; None: to this agent's own output."""
         self.workers: dict[Worker, subprocess.Popen] = {}
         self.controller: Controller | None = None
         self._stop = threading.Event()
@@ -83,7 +84,8 @@ class Agent:
         threading.Thread(target=self._keep_alive, daemon=True, name="lease").start()
         self.client.put(self.prefix + f"nodes/{self.node}", json.dumps({"gpus": self.nproc}).encode(),
                         lease=self.lease)
-        self.log_dir.mkdir(parents=True, exist_ok=True)
+        if self.log_dir is not None:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
         for local in range(self.nproc):
             self._spawn((self.node, local))
         try:
@@ -127,10 +129,12 @@ class Agent:
                    PLANARIA_LOCAL_RANK=str(worker[1]), PYTHONUNBUFFERED="1",
                    PLANARIA_DIE_WITH_AGENT="1")
         env.setdefault("OMP_NUM_THREADS", "1")
-        log = open(self.log_dir / f"{worker_key(worker)}.log", "a", encoding="utf-8")
+        out = None  # inherit: the worker's lines (prefixed with its name) in the agent's output
+        if self.log_dir is not None:
+            out = open(self.log_dir / f"{worker_key(worker)}.log", "a", encoding="utf-8")
         self.workers[worker] = subprocess.Popen(
             [sys.executable, "-m", "planaria.train", self.config, *self.overrides],
-            stdout=log, stderr=subprocess.STDOUT, env=env)
+            stdout=out, stderr=subprocess.STDOUT if out else None, env=env)
         self.client.put(self.prefix + f"alive/{worker_key(worker)}", b"1", lease=self.lease)
 
     def _running(self) -> list[Worker]:
@@ -212,12 +216,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--nnodes", type=int, required=True, help="nodes to wait for before epoch 0")
     parser.add_argument("--lease-ttl", type=int, default=5, help="seconds (default 5)")
     parser.add_argument("--hardware", default="h100", help="cost model preset for the planner")
+    parser.add_argument("--log-dir", default=None,
+                        help="write each worker's output to DIR/<node>.<local>.log (default: this output)")
     parser.add_argument("config")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args(argv)
     agent = Agent(node=args.node, nproc=args.nproc_per_node, settings=EtcdSettings(endpoint=args.etcd),
                   run_id=args.run_id, min_nodes=args.nnodes, config=args.config,
-                  overrides=args.overrides, lease_ttl_s=args.lease_ttl, hardware=args.hardware)
+                  overrides=args.overrides, lease_ttl_s=args.lease_ttl, hardware=args.hardware,
+                  log_dir=args.log_dir)
     return agent.run()
 
 
