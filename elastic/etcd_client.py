@@ -24,6 +24,7 @@ class EtcdSettings:
     """How to reach etcd: `endpoint` is host:port; the rest is optional."""
 
     endpoint: str = "127.0.0.1:2379"
+    """host:port, or several, comma separated (the client fails over between them)."""
     ca_cert: str | None = None
     cert_cert: str | None = None
     cert_key: str | None = None
@@ -35,9 +36,11 @@ class EtcdSettings:
     """How long transient errors are retried before giving up."""
 
     def __post_init__(self) -> None:
-        host, _, port = self.endpoint.rpartition(":")
-        if not host or not port.isdigit():
-            raise ValueError(f"etcd endpoint must be host:port, got {self.endpoint!r}")
+        for part in self.endpoint.split(","):
+            host, _, port = part.rpartition(":")
+            if not host or not port.isdigit():
+                raise ValueError(f"etcd endpoint must be host:port (or several, comma separated), "
+                                 f"got {self.endpoint!r}")
         for name in ("ca_cert", "cert_cert", "cert_key"):
             path = getattr(self, name)
             if path is not None and not Path(path).is_file():
@@ -61,6 +64,17 @@ def _transient(err: BaseException) -> bool:
     return False
 
 
+def _credentials(settings: EtcdSettings):
+    """gRPC TLS credentials from the settings' PEM files, or None for plain connections."""
+    if settings.ca_cert is None:
+        return None
+    import grpc
+
+    read = lambda path: Path(path).read_bytes() if path else None  # noqa: E731
+    return grpc.ssl_channel_credentials(read(settings.ca_cert), read(settings.cert_key),
+                                        read(settings.cert_cert))
+
+
 class EtcdClient:
     """The calls Planaria makes to etcd, each retried on transient errors."""
 
@@ -68,15 +82,25 @@ class EtcdClient:
         import pyetcd
 
         self.settings = settings
-        host, _, port = settings.endpoint.rpartition(":")
-        self._client = pyetcd.client(host=host, port=int(port), ca_cert=settings.ca_cert,
-                                     cert_key=settings.cert_key, cert_cert=settings.cert_cert,
-                                     timeout=settings.timeout_s, user=settings.user,
-                                     password=settings.password)
-        # pyetcd refuses a failed endpoint for `time_retry` (300 s) before trying it again;
-        # our own backoff decides when to retry, so let every attempt reach the server.
+        parts = [p.rpartition(":") for p in settings.endpoint.split(",")]
+        if len(parts) == 1:
+            host, _, port = parts[0]
+            self._client = pyetcd.client(host=host, port=int(port), ca_cert=settings.ca_cert,
+                                         cert_key=settings.cert_key, cert_cert=settings.cert_cert,
+                                         timeout=settings.timeout_s, user=settings.user,
+                                         password=settings.password)
+        else:
+            creds = _credentials(settings)
+            endpoints = [pyetcd.Endpoint(host, int(port), secure=creds is not None, creds=creds)
+                         for host, _, port in parts]
+            self._client = pyetcd.MultiEndpointEtcd3Client(
+                endpoints=endpoints, timeout=settings.timeout_s, user=settings.user,
+                password=settings.password, failover=True)
+        # pyetcd refuses a failed endpoint for `time_retry` (300 s) before trying it again.
+        # With one endpoint our own backoff decides when to retry, so every attempt must
+        # reach it; with several, failover skips a failed member for a few seconds.
         for endpoint in self._client.endpoints.values():
-            endpoint.time_retry = 0.0
+            endpoint.time_retry = 0.0 if len(parts) == 1 else 5.0
 
     @property
     def endpoint(self) -> str:

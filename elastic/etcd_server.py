@@ -39,9 +39,12 @@ class EmbeddedEtcd:
     """One etcd member on 127.0.0.1 (a context manager)."""
 
     def __init__(self, port: int | None = None, peer_port: int | None = None,
-                 data_dir: str | Path | None = None, name: str = "planaria", log: Path | None = None):
+                 data_dir: str | Path | None = None, name: str = "planaria", log: Path | None = None,
+                 initial_cluster: str | None = None):
         self.port = port or _free_port()
         self.peer_port = peer_port or _free_port()
+        self.initial_cluster = initial_cluster
+        """name=peer-url,... of every member; None: this member alone."""
         self._temporary = data_dir is None
         self.data_dir = Path(data_dir) if data_dir else Path(tempfile.mkdtemp(prefix="planaria-etcd-"))
         self.name = name
@@ -52,15 +55,21 @@ class EmbeddedEtcd:
     def endpoint(self) -> str:
         return f"127.0.0.1:{self.port}"
 
-    def start(self, timeout_s: float = 30.0) -> "EmbeddedEtcd":
+    def start(self, timeout_s: float = 30.0, wait: bool = True) -> "EmbeddedEtcd":
         client, peer = f"http://127.0.0.1:{self.port}", f"http://127.0.0.1:{self.peer_port}"
         cmd = [str(etcd_binary()), "--name", self.name, "--data-dir", str(self.data_dir),
                "--listen-client-urls", client, "--advertise-client-urls", client,
                "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-               "--initial-cluster", f"{self.name}={peer}", "--log-level", "warn"]
+               "--initial-cluster", self.initial_cluster or f"{self.name}={peer}",
+               "--initial-cluster-token", "planaria", "--log-level", "warn"]
         out = open(self.log, "ab") if self.log else subprocess.DEVNULL
         self.process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
                                         start_new_session=True)
+        if not wait:  # a cluster member: healthy only once a quorum is up
+            return self
+        return self.wait_healthy(timeout_s)
+
+    def wait_healthy(self, timeout_s: float = 30.0) -> "EmbeddedEtcd":
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
@@ -102,3 +111,39 @@ class EmbeddedEtcd:
                 os.killpg(self.process.pid, 15)
             except OSError:
                 pass
+
+
+class EmbeddedEtcdCluster:
+    """`size` etcd members on loopback, one process each (a context manager).
+
+    `endpoint` lists every member's client address, comma separated, which
+    `EtcdSettings` takes: the client fails over between them."""
+
+    def __init__(self, size: int = 3, log_dir: Path | None = None):
+        self.members = [EmbeddedEtcd(name=f"member{i}",
+                                     log=None if log_dir is None else Path(log_dir) / f"etcd-member{i}.log")
+                        for i in range(size)]
+        cluster = ",".join(f"{m.name}=http://127.0.0.1:{m.peer_port}" for m in self.members)
+        for m in self.members:
+            m.initial_cluster = cluster
+
+    @property
+    def endpoint(self) -> str:
+        return ",".join(m.endpoint for m in self.members)
+
+    def start(self, timeout_s: float = 60.0) -> "EmbeddedEtcdCluster":
+        for m in self.members:
+            m.start(wait=False)
+        for m in self.members:
+            m.wait_healthy(timeout_s)
+        return self
+
+    def stop(self) -> None:
+        for m in self.members:
+            m.stop()
+
+    def __enter__(self) -> "EmbeddedEtcdCluster":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from planaria.elastic.controller import CheckpointPolicy, Controller
 from planaria.elastic.etcd_client import EtcdClient, EtcdSettings
-from planaria.elastic.etcd_server import EmbeddedEtcd
+from planaria.elastic.etcd_server import EmbeddedEtcd, EmbeddedEtcdCluster
 from planaria.elastic.etcd_store import EtcdStore
 from planaria.runtime.config import load_config
 from planaria.runtime.coordination import Worker, worker_key
@@ -45,7 +45,7 @@ class LocalJob:
     def __init__(self, config: str | Path, overrides: list[str], *, nodes: int, out_dir: Path,
                  gpus_per_node: int = 1, hardware: str = "h100", faults: str = "", corrupt: str = "",
                  status_timeout_s: float | None = None, log=None, store: str = "tcp",
-                 run_id: str = "local"):
+                 run_id: str = "local", etcd_members: int = 1):
         self.config = str(config)
         self.overrides = list(overrides) + [f"output.dir={out_dir}"]
         self.cfg = load_config(self.config, self.overrides)
@@ -57,7 +57,8 @@ class LocalJob:
         (self.out_dir / "logs").mkdir(parents=True, exist_ok=True)
         self.etcd = None
         if store == "etcd":
-            self.etcd = EmbeddedEtcd(log=self.out_dir / "logs" / "etcd.log").start()
+            self.etcd = (EmbeddedEtcd(log=self.out_dir / "logs" / "etcd.log") if etcd_members == 1
+                         else EmbeddedEtcdCluster(etcd_members, log_dir=self.out_dir / "logs")).start()
             prefix = f"/planaria/{run_id}"
             self.store = EtcdStore(EtcdClient(EtcdSettings(endpoint=self.etcd.endpoint)), prefix)
             self.store_url = f"etcd://{self.etcd.endpoint}{prefix}"

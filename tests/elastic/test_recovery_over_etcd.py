@@ -24,3 +24,27 @@ def test_rank_killed_recovers_in_place_over_etcd(tmp_path):
     check_against_reference(tmp_path, reference, job)
     (event,) = result.controller.events
     assert event.failed == ["node3.0"] and event.first_iteration == 2
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_losing_one_of_three_etcd_members_changes_nothing(tmp_path):
+    """A 3-member etcd cluster; one member is SIGKILLed while the job trains. The clients
+    fail over; no reconfiguration happens and the losses are the reference's."""
+    reference = reference_run(JOB)
+    job = LocalJob(TINY, [*JOB, "parallel.fault_tolerance=1"], nodes=4, out_dir=tmp_path,
+                   store="etcd", etcd_members=3, log=lambda message: None)
+    killed = []
+
+    def kill_a_member(job, elapsed):
+        log = tmp_path / "commits-node0.0.jsonl"
+        if not killed and log.exists() and len(log.read_text().splitlines()) >= 2:
+            member = job.etcd.members[1]
+            member.process.kill()
+            member.process.wait()
+            killed.append(member.name)
+
+    result = job.run(250, actions=kill_a_member)
+    assert result.outcome == "ok", job.logs()
+    assert killed and result.controller.events == []
+    check_against_reference(tmp_path, reference, job)
