@@ -38,9 +38,9 @@ import time
 from pathlib import Path
 
 from planaria.elastic.controller import CheckpointPolicy, Controller, StaleLeader
-from planaria.elastic.etcd_client import EtcdClient, EtcdSettings
+from planaria.elastic.etcd_client import EtcdClient, EtcdSettings, EtcdUnavailable
 from planaria.elastic.etcd_store import EtcdStore
-from planaria.runtime.config import load_config
+from planaria.runtime.config import ConfigError, load_config
 from planaria.runtime.coordination import Worker, worker_key
 from planaria.runtime.planning import build_planner, cost_model
 
@@ -216,16 +216,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--nnodes", type=int, required=True, help="nodes to wait for before epoch 0")
     parser.add_argument("--lease-ttl", type=int, default=5, help="seconds (default 5)")
     parser.add_argument("--hardware", default="h100", help="cost model preset for the planner")
+    parser.add_argument("--etcd-retry", type=float, default=30.0,
+                        help="seconds to retry an unreachable etcd before giving up (default 30)")
     parser.add_argument("--log-dir", default=None,
                         help="write each worker's output to DIR/<node>.<local>.log (default: this output)")
     parser.add_argument("config")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args(argv)
-    agent = Agent(node=args.node, nproc=args.nproc_per_node, settings=EtcdSettings(endpoint=args.etcd),
-                  run_id=args.run_id, min_nodes=args.nnodes, config=args.config,
-                  overrides=args.overrides, lease_ttl_s=args.lease_ttl, hardware=args.hardware,
-                  log_dir=args.log_dir)
-    return agent.run()
+    try:
+        settings = EtcdSettings(endpoint=args.etcd, retry_s=args.etcd_retry)
+        agent = Agent(node=args.node, nproc=args.nproc_per_node, settings=settings,
+                      run_id=args.run_id, min_nodes=args.nnodes, config=args.config,
+                      overrides=args.overrides, lease_ttl_s=args.lease_ttl, hardware=args.hardware,
+                      log_dir=args.log_dir)
+        return agent.run()
+    except (EtcdUnavailable, ConfigError, ValueError) as err:
+        print(f"planaria agent {args.node}: {err}", file=sys.stderr, flush=True)
+        return 2
 
 
 if __name__ == "__main__":

@@ -170,3 +170,12 @@ def test_hung_worker_is_killed_by_its_agent_on_the_leaders_request(etcd, tmp_pat
         f"{codes}\n{job.logs()}"
     assert "worker node2.0 did not report" in job.logs()
     check_against_reference(tmp_path, reference, job)
+
+
+@pytest.mark.timeout(120)
+def test_unreachable_etcd_is_named_after_retrying(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "planaria.elastic.agent", "--node", "a", "--etcd",
+                           "127.0.0.1:1", "--etcd-retry", "2", "--run-id", "x", "--nnodes", "1",
+                           str(TINY), f"output.dir={tmp_path}"], capture_output=True, text=True, timeout=100)
+    assert proc.returncode == 2
+    assert "etcd at 127.0.0.1:1 did not answer" in proc.stderr and "Traceback" not in proc.stderr
