@@ -28,6 +28,7 @@ import gc
 import json
 import logging
 import sys
+import threading
 from dataclasses import asdict
 import os
 import time
@@ -53,6 +54,26 @@ ENV_STORE, ENV_NODE, ENV_LOCAL_RANK = "PLANARIA_STORE", "PLANARIA_NODE", "PLANAR
 
 class _StopRequested(Exception):
     """The commit agreed to stop after this step (the control plane wants a new epoch)."""
+
+
+class _StopWatcher(threading.Thread):
+    """Asks the control plane every `period_s` whether it wants this epoch to stop, off
+    the training step: a step never waits on the store, and a store that is away (etcd
+    down) only means no request is seen until it is back."""
+
+    def __init__(self, coordinator: StoreCoordinator, epoch: int, period_s: float = 0.2):
+        super().__init__(daemon=True, name=f"stop-watcher-{epoch}")
+        self.coordinator, self.epoch, self.period_s = coordinator, epoch, period_s
+        self.requested, self.done = threading.Event(), threading.Event()
+
+    def run(self) -> None:
+        while not self.done.wait(self.period_s):
+            try:
+                if self.coordinator.reconfigure_requested(self.epoch):
+                    self.requested.set()
+                    return
+            except Exception:  # the store is unreachable: keep training, ask again later
+                continue
 
 
 def elastic_environment() -> tuple[str, str, int] | None:
@@ -162,7 +183,14 @@ class ElasticWorker:
         self.engine.reconfigure(plan, rank, None, transfers)
 
     def _train(self, epoch: int, first: int, timing: dict) -> None:
-        request = lambda: self.coordinator.reconfigure_requested(epoch)  # noqa: E731
+        watcher = _StopWatcher(self.coordinator, epoch)
+        watcher.start()
+        try:
+            self._steps(epoch, first, timing, lambda: watcher.requested.is_set())
+        finally:
+            watcher.done.set()
+
+    def _steps(self, epoch: int, first: int, timing: dict, request) -> None:
         for iteration in range(first, self.cfg.train.steps):
             result = self.engine.train_step(iteration, self.dataset, self.cfg.data.seed, request=request)
             timing.setdefault("first_step_s", time.time())
