@@ -20,6 +20,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from planaria.runtime.transfer import layer_state_tensors
+
 if TYPE_CHECKING:
     from planaria.runtime.engine import Engine, LayerState
 
@@ -47,13 +49,9 @@ class Mismatch:
 
 
 def shard_tensors(state: "LayerState") -> list[torch.Tensor]:
-    """Every tensor of a shard's state: parameters, then each one's optimizer state."""
-    tensors = []
-    for param in state.module.parameters():
-        tensors.append(param.data)
-        tensors.extend(v for _, v in sorted(state.optimizer.state.get(param, {}).items())
-                       if isinstance(v, torch.Tensor))
-    return tensors
+    """Every tensor of a shard's state, in the order state transfer moves them
+    (`layer_state_tensors`): parameters, and their AdamW state once it exists."""
+    return layer_state_tensors(state, stepped=bool(state.optimizer.state))
 
 
 def shard_checksum(state: "LayerState") -> torch.Tensor:

@@ -49,3 +49,16 @@ def reference_run(overrides: list[str], config: Path = TINY):
                            steps=cfg.train.steps, global_batch=cfg.train.global_batch,
                            micro_batch=cfg.train.micro_batch, data_seed=cfg.data.seed,
                            grad_clip=cfg.train.grad_clip, dtype=torch.float64)
+
+
+def assert_final_parameters(directory: Path, reference) -> None:
+    """The saved final model (`directory`, tp shards reassembled) equals the reference's."""
+    import torch
+
+    from planaria.runtime.checkpoint import load_full_model
+
+    saved = load_full_model(directory)
+    for index, layer in enumerate(reference.model):
+        for name, expected in layer.state_dict().items():
+            torch.testing.assert_close(saved[index][name], expected, rtol=1e-9, atol=1e-12,
+                                       msg=lambda m: f"layer {index} {name}: {m}")

@@ -4,11 +4,9 @@ checkpoint, re-running the steps since. It must still train exactly like the ref
 from __future__ import annotations
 
 import pytest
-import torch
 
-from planaria.runtime.checkpoint import load_full_model
 from planaria.runtime.checkpointing import complete_checkpoints, read_layer
-from tests.launch import read_metrics, reference_run, torchrun_train
+from tests.launch import assert_final_parameters, read_metrics, reference_run, torchrun_train
 from tests.runtime.test_recovery import JOB, STEPS
 
 
@@ -27,8 +25,5 @@ def test_torchrun_restart_resumes_from_the_newest_checkpoint(tmp_path):
     # keep=1: only the newest complete checkpoint is left, with optimizer state in it.
     ((iteration, path),) = complete_checkpoints(tmp_path / "checkpoints")
     assert iteration == 3 and any(k.startswith("exp_avg/") for k in read_layer(path, 0, 0))
-    saved = load_full_model(tmp_path / "final")
-    for index, layer in enumerate(reference.model):
-        for name, expected in layer.state_dict().items():
-            torch.testing.assert_close(saved[index][name], expected, rtol=1e-9, atol=1e-12)
+    assert_final_parameters(tmp_path / "final", reference)
     assert len(reference.losses) == STEPS

@@ -9,13 +9,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from planaria.runtime.checkpoint import load_full_model
 from planaria.runtime.config import load_config
 from planaria.runtime.data import build_dataset
 from planaria.runtime.model import LayerModel
 from planaria.runtime.reference import train_reference
 from planaria.runtime.trainer import optimizer_settings
-from tests.launch import TINY, read_metrics, torchrun_train
+from tests.launch import TINY, assert_final_parameters, read_metrics, torchrun_train
 
 STEPS = 6
 JOB = [
@@ -73,11 +72,7 @@ def test_parallel_plan_matches_single_process(case, reference, tmp_path):
     # The reference's grad norms exceed the clip threshold, so clipping was exercised.
     assert max(reference.grad_norms) > 0.5
 
-    saved = load_full_model(tmp_path / "final")
-    for index, layer in enumerate(reference.model):
-        for name, expected in layer.state_dict().items():
-            torch.testing.assert_close(saved[index][name], expected, rtol=1e-9, atol=1e-12,
-                                       msg=lambda m: f"layer {index} {name}: {m}")
+    assert_final_parameters(tmp_path / "final", reference)
 
 
 @pytest.mark.multiprocess

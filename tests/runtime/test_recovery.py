@@ -13,11 +13,9 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 from planaria.elastic.local import LocalJob
-from planaria.runtime.checkpoint import load_full_model
-from tests.launch import TINY, reference_run
+from tests.launch import TINY, assert_final_parameters, reference_run
 
 STEPS = 6
 JOB = [
@@ -60,11 +58,7 @@ def check_against_reference(tmp_path, reference, job, steps=STEPS):
             assert abs(e["loss"] - expected) < 1e-9, (worker, e, expected)
         done.update(iterations)
     assert done == set(range(steps)), f"iterations committed: {sorted(done)}"
-    saved = load_full_model(tmp_path / "final")
-    for index, layer in enumerate(reference.model):
-        for name, expected in layer.state_dict().items():
-            torch.testing.assert_close(saved[index][name], expected, rtol=1e-9, atol=1e-12,
-                                       msg=lambda m: f"layer {index} {name}: {m}")
+    assert_final_parameters(tmp_path / "final", reference)
     assert not list(tmp_path.glob("checkpoint*")), "no checkpoint may be involved"
     return logs
 
@@ -185,10 +179,7 @@ def test_more_failures_than_replicas_resumes_from_the_last_checkpoint(reference,
         assert iterations == [0, 1, 2, 3, 3, 4, 5], iterations  # 3 lost and run again
         for e in logs[worker]:
             assert abs(e["loss"] - reference.losses[e["iteration"]]) < 1e-9, (worker, e)
-    saved = load_full_model(tmp_path / "final")
-    for index, layer in enumerate(reference.model):
-        for name, expected in layer.state_dict().items():
-            torch.testing.assert_close(saved[index][name], expected, rtol=1e-9, atol=1e-12)
+    assert_final_parameters(tmp_path / "final", reference)
 
 
 @pytest.mark.multiprocess
