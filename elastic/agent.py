@@ -22,13 +22,27 @@ all their workers alive.
 
 A node whose worker dies leaves the job: its agent stops the node's other workers and
 exits. Workers die with their agent (PR_SET_PDEATHSIG): a killed agent takes its node
-out, as a dead machine would. Workers run `python -m planaria.train CONFIG ...` with PLANARIA_STORE pointing at
-the store in etcd.
+out, as a dead machine would. Workers run `python -m planaria.train CONFIG ...` with
+PLANARIA_STORE pointing at the store in etcd (and etcd's TLS and credentials in
+PLANARIA_ETCD_*).
+
+etcd going away entirely does not stop the job. Etcd is retried for `--etcd-retry`
+seconds while the agent starts (an endpoint that never answers is a configuration
+error); once the node is registered, every agent and worker waits out an outage (for
+as long as `--etcd-outage-limit`, default: as long as it takes), saying so once when it
+starts and once when it ends. Workers train on meanwhile: their collectives do not
+touch etcd. A failure during the outage waits for etcd: the survivors' statuses and
+the dead node's exit reach the leader when it is back, and the exactly-once rule loses
+no step. When etcd returns, its leases are still there (etcd extends every lease when
+it elects a leader); an agent whose lease expired anyway registers its node and live
+workers again, and a leader acts on membership only once every agent has had a lease
+period to renew (`_settled`), so that a returning etcd causes no reconfiguration.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import signal
 import subprocess
@@ -55,9 +69,11 @@ def _worker_of(key: str) -> Worker:
 class Agent:
     def __init__(self, *, node: str, nproc: int, settings: EtcdSettings, run_id: str, min_nodes: int,
                  config: str, overrides: list[str], lease_ttl_s: int = 5, hardware: str = "h100",
-                 log_dir: Path | None = None):
+                 log_dir: Path | None = None, outage_limit_s: float = math.inf):
         self.node, self.nproc, self.min_nodes = node, nproc, min_nodes
-        self.client = EtcdClient(settings)
+        self.settings = settings
+        self.client = EtcdClient(settings, on_outage=self.log)
+        self.outage_limit_s = outage_limit_s
         self.prefix = f"/planaria/{run_id}/"
         self.store = EtcdStore(self.client, self.prefix)
         self.store_url = f"etcd://{settings.endpoint}{self.prefix.rstrip('/')}"
@@ -69,7 +85,11 @@ class Agent:
         """Worker output goes here, a file per worker; None: to this agent's own output."""
         self.workers: dict[Worker, subprocess.Popen] = {}
         self.controller: Controller | None = None
+        self.lease = None
         self._stop = threading.Event()
+        self._lease_lost = threading.Event()
+        self._exited: set[Worker] = set()
+        self._said_settling: float | None = None
 
     def log(self, message: str) -> None:
         print(f"[agent {self.node}] {message}", flush=True)
@@ -80,16 +100,18 @@ class Agent:
         if refused:
             self.log(refused)
             return 2
-        self.lease = self.client.lease(self.lease_ttl_s)
+        self._register()
         threading.Thread(target=self._keep_alive, daemon=True, name="lease").start()
-        self.client.put(self.prefix + f"nodes/{self.node}", json.dumps({"gpus": self.nproc}).encode(),
-                        lease=self.lease)
         if self.log_dir is not None:
             self.log_dir.mkdir(parents=True, exist_ok=True)
         for local in range(self.nproc):
             self._spawn((self.node, local))
+        self.client.retry_s = self.outage_limit_s  # from now on, etcd outages are waited out
         try:
             while True:
+                if self._lease_lost.is_set():
+                    self.log("this node's lease expired while etcd was away; registering again")
+                    self._register()
                 if self._reap():
                     self.log("a worker of this node exited; the node leaves the job")
                     return self._leave()
@@ -116,18 +138,30 @@ class Agent:
         return (f"refused: run id {self.prefix.split('/')[2]!r} already runs {theirs}, and this "
                 f"agent was given {mine}; use another --run-id, or the same config")
 
+    def _register(self) -> None:
+        """A lease, and under it the node and its live workers (again, after a lease expired)."""
+        self._lease_lost.clear()
+        self.lease = self.client.lease(self.lease_ttl_s)
+        self.client.put(self.prefix + f"nodes/{self.node}", json.dumps({"gpus": self.nproc}).encode(),
+                        lease=self.lease)
+        for worker in self._running():
+            self.client.put(self.prefix + f"alive/{worker_key(worker)}", b"1", lease=self.lease)
+
     def _keep_alive(self) -> None:
         while not self._stop.wait(self.lease_ttl_s / 3):
+            if self._lease_lost.is_set():
+                continue  # the main loop registers again
             try:
-                self.client.refresh(self.lease)
-            except Exception as err:  # etcd away: the lease may lapse; say so and go on trying
-                self.log(f"could not refresh the lease: {err}")
+                if not self.client.refresh(self.lease):
+                    self._lease_lost.set()
+            except EtcdUnavailable as err:  # past --etcd-outage-limit: the main loop ends it
+                self.log(str(err))
 
     # -------------------------------------------------------------- workers
     def _spawn(self, worker: Worker) -> None:
         env = dict(os.environ, PLANARIA_STORE=self.store_url, PLANARIA_NODE=worker[0],
                    PLANARIA_LOCAL_RANK=str(worker[1]), PYTHONUNBUFFERED="1",
-                   PLANARIA_DIE_WITH_AGENT="1")
+                   PLANARIA_DIE_WITH_AGENT="1", **self.settings.to_env())
         env.setdefault("OMP_NUM_THREADS", "1")
         out = None  # inherit: the worker's lines (prefixed with its name) in the agent's output
         if self.log_dir is not None:
@@ -144,8 +178,14 @@ class Agent:
         """Delete the alive keys of exited workers; True if one exited before the job ended."""
         exited = False
         for worker, proc in self.workers.items():
+            if proc.poll() is None:
+                continue
+            if worker not in self._exited:  # said before etcd is asked: it may be away
+                self._exited.add(worker)
+                if not self.store.check(["done"]):
+                    self.log(f"worker {worker_key(worker)} exited with code {proc.returncode}")
             key = self.prefix + f"alive/{worker_key(worker)}"
-            if proc.poll() is not None and self.client.get(key)[0] is not None:
+            if self.client.get(key)[0] is not None:
                 self.client.delete(key)
                 exited = exited or not self.store.check(["done"])
         return exited
@@ -166,11 +206,10 @@ class Agent:
 
     # --------------------------------------------------------------- leader
     def _lead(self) -> None:
-        if self.controller is None:
-            if not self.client.put_if_absent(self.prefix + "leader", self.node.encode(), lease=self.lease):
-                return
-            self.log("leading the job")
-            self.controller = self._new_controller()
+        if not self._leading():
+            return
+        if not self._settled():
+            return
         if self.controller.plan is None:  # waiting for the first epoch's nodes
             if not self.controller.resume():
                 nodes = {w[0] for w in self._alive_now()}
@@ -189,6 +228,38 @@ class Agent:
         except StaleLeader as err:
             self.log(str(err))
             self.controller = None
+
+    def _leading(self) -> bool:
+        """Campaign for `leader` (a create-if-absent under this agent's lease), or check
+        that this agent still holds it: a lease that expired while etcd was away may
+        have handed it to another agent."""
+        won = self.client.put_if_absent(self.prefix + "leader", self.node.encode(), lease=self.lease)
+        holder = self.node.encode() if won else self.client.get(self.prefix + "leader")[0]
+        if holder != self.node.encode():
+            if self.controller is not None:
+                self.log(f"{holder.decode() if holder else 'nobody'} leads the job now; following")
+                self.controller = None
+            return False
+        if self.controller is None:
+            self.log("leading the job")
+            self.controller = self._new_controller()
+        return True
+
+    def _settled(self) -> bool:
+        """False for a lease period (and a margin) after an etcd outage ended: every agent
+        renews its lease or registers again meanwhile, so that the leader never takes a
+        worker whose key has not come back yet for a dead one."""
+        back_at = self.client.back_at
+        if back_at is None:
+            return True
+        wait = back_at + self.lease_ttl_s + 2 - time.monotonic()
+        if wait <= 0:
+            return True
+        if self._said_settling != back_at:
+            self._said_settling = back_at
+            self.log(f"etcd is back; the leader waits {wait:.0f} s for every node to renew its "
+                     "membership before acting on it")
+        return False
 
     def _new_controller(self) -> Controller:
         costs = cost_model(self.cfg, hardware_name=self.hardware, gpus_per_node=self.nproc)
@@ -217,18 +288,31 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lease-ttl", type=int, default=5, help="seconds (default 5)")
     parser.add_argument("--hardware", default="h100", help="cost model preset for the planner")
     parser.add_argument("--etcd-retry", type=float, default=30.0,
-                        help="seconds to retry an unreachable etcd before giving up (default 30)")
+                        help="seconds to retry an unreachable etcd while starting (default 30)")
+    parser.add_argument("--etcd-outage-limit", type=float, default=0.0,
+                        help="seconds a running job waits for etcd to come back before this agent "
+                             "gives up and stops its workers (default 0: as long as it takes)")
+    parser.add_argument("--etcd-ca-cert", default=None, help="CA certificate (PEM) for TLS to etcd")
+    parser.add_argument("--etcd-cert", default=None, help="client certificate (PEM) for TLS to etcd")
+    parser.add_argument("--etcd-key", default=None, help="client key (PEM) for TLS to etcd")
+    parser.add_argument("--etcd-user", default=None,
+                        help="etcd user name; the password is read from PLANARIA_ETCD_PASSWORD")
     parser.add_argument("--log-dir", default=None,
                         help="write each worker's output to DIR/<node>.<local>.log (default: this output)")
     parser.add_argument("config")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args(argv)
     try:
-        settings = EtcdSettings(endpoint=args.etcd, retry_s=args.etcd_retry)
+        given = {"ca_cert": args.etcd_ca_cert, "cert_cert": args.etcd_cert,
+                 "cert_key": args.etcd_key, "user": args.etcd_user}
+        from_env = EtcdSettings.from_env(args.etcd)
+        settings = EtcdSettings(endpoint=args.etcd, retry_s=args.etcd_retry, **{
+            name: value if value is not None else getattr(from_env, name) for name, value in given.items()},
+            password=from_env.password)
         agent = Agent(node=args.node, nproc=args.nproc_per_node, settings=settings,
                       run_id=args.run_id, min_nodes=args.nnodes, config=args.config,
                       overrides=args.overrides, lease_ttl_s=args.lease_ttl, hardware=args.hardware,
-                      log_dir=args.log_dir)
+                      log_dir=args.log_dir, outage_limit_s=args.etcd_outage_limit or math.inf)
         return agent.run()
     except (EtcdUnavailable, ConfigError, ValueError) as err:
         print(f"planaria agent {args.node}: {err}", file=sys.stderr, flush=True)

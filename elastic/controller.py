@@ -32,7 +32,7 @@ from typing import Callable
 import torch.distributed as dist
 
 from planaria.runtime.checkpointing import complete_checkpoints, prune, write_manifest
-from planaria.runtime.coordination import EpochRecord, Worker, worker_key
+from planaria.runtime.coordination import EpochRecord, ReachableDeadline, Worker, worker_key
 from planaria.runtime.exactly_once import CommitRecord, InconsistentStatuses, WorkerStatus, resolve
 from planaria.templates.plan import Plan, missing_from, transfers_from
 from planaria.templates.planner import Planner
@@ -266,11 +266,11 @@ class Controller:
                           kill: Callable[[Worker], None]) -> dict[Worker, WorkerStatus]:
         """Statuses of the epoch's live workers (one that dies meanwhile is no longer
         waited for); the ones that stay silent are killed."""
-        deadline = time.monotonic() + self.status_timeout_s
+        deadline = ReachableDeadline(self.status_timeout_s)  # an etcd outage is no silence
         while True:
             expected = members & (alive_now() - self._killed)
             statuses = self._statuses(expected)
-            if len(statuses) == len(expected) or time.monotonic() > deadline:
+            if len(statuses) == len(expected) or deadline.expired():
                 break
             time.sleep(0.02)
         for worker in sorted(expected - set(statuses)):

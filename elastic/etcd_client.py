@@ -3,16 +3,37 @@
 Through `etcd-sdk-python` (imports as `pyetcd`; the maintained fork of python-etcd3,
 which no longer imports with current protobuf). Every call that talks to etcd retries
 with exponential backoff (`tenacity`) while the error is transient (server unavailable,
-connection refused or timed out, no leader yet), for up to `retry_s`; then it raises
-`EtcdUnavailable` naming the endpoint. TLS (CA, client certificate and key) and
-username/password are passed through; files that do not exist are refused up front.
+connection refused or timed out, no leader yet), for up to `retry_s` (which may be
+infinite: a running job's agents and workers wait out an etcd outage); then it raises
+`EtcdUnavailable` naming the endpoint. An outage longer than a second is reported once
+when it starts and once when etcd answers again (`on_outage`), and `back_at` tells when
+the last one ended. TLS (CA, client certificate and key) and username/password are
+passed through; files that do not exist are refused up front.
+
+`EtcdSettings.to_env` / `from_env` carry the settings from an agent to the workers it
+starts (`PLANARIA_ETCD_*`, not on the command line where `ps` shows them), so that a
+worker reaches etcd exactly as its agent does.
 """
 from __future__ import annotations
 
+import logging
+import math
+import os
+import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from tenacity import Retrying, retry_if_exception, stop_after_delay, wait_exponential
+
+_OUTAGE_REPORT_S = 1.0
+"""An error that lasts this long is an outage worth a line (a blip is not)."""
+_GRPC_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 200), ("grpc.min_reconnect_backoff_ms", 200),
+                 ("grpc.max_reconnect_backoff_ms", 1000)]
+"""gRPC backs off its reconnections up to 120 s by default: after a long etcd outage a
+channel would stay down for many seconds after etcd is back. Our own retries pace the
+attempts, so the channel may try again within a second."""
 
 
 class EtcdUnavailable(RuntimeError):
@@ -51,6 +72,21 @@ class EtcdSettings:
         if (self.user is None) != (self.password is None):
             raise ValueError("etcd authentication needs both user and password, or neither")
 
+    _ENV = {"ca_cert": "PLANARIA_ETCD_CA_CERT", "cert_cert": "PLANARIA_ETCD_CERT",
+            "cert_key": "PLANARIA_ETCD_KEY", "user": "PLANARIA_ETCD_USER",
+            "password": "PLANARIA_ETCD_PASSWORD"}
+
+    def to_env(self) -> dict[str, str]:
+        """TLS and credentials as environment variables, for `from_env`."""
+        return {var: getattr(self, name) for name, var in self._ENV.items()
+                if getattr(self, name) is not None}
+
+    @classmethod
+    def from_env(cls, endpoint: str, environ=os.environ, **others) -> "EtcdSettings":
+        """Settings for `endpoint` with the TLS and credentials `to_env` put in `environ`."""
+        given = {name: environ[var] for name, var in cls._ENV.items() if var in environ}
+        return cls(endpoint=endpoint, **given, **others)
+
 
 def _transient(err: BaseException) -> bool:
     import grpc
@@ -62,6 +98,12 @@ def _transient(err: BaseException) -> bool:
     if isinstance(err, grpc.RpcError):
         return err.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
     return False
+
+
+def _no_server_error():
+    import pyetcd.exceptions as errors
+
+    return errors.NoServerAvailableError
 
 
 def _credentials(settings: EtcdSettings):
@@ -76,23 +118,34 @@ def _credentials(settings: EtcdSettings):
 
 
 class EtcdClient:
-    """The calls Planaria makes to etcd, each retried on transient errors."""
+    """The calls Planaria makes to etcd, each retried on transient errors.
 
-    def __init__(self, settings: EtcdSettings):
+    `retry_s` starts as the settings' and may be changed (an agent retries for a bounded
+    time while it starts, then waits out outages); `on_outage(line)` is told when etcd
+    stops answering and when it answers again (default: a logging warning)."""
+
+    def __init__(self, settings: EtcdSettings, on_outage: Callable[[str], None] | None = None):
         import pyetcd
 
         self.settings = settings
+        self.retry_s = settings.retry_s
+        self.on_outage = on_outage or logging.getLogger("planaria.etcd").warning
+        self.back_at: float | None = None
+        """time.monotonic() when the last outage ended; None if there was none."""
+        self._down_since: float | None = None
+        self._reported = False
+        self._lock = threading.Lock()
         parts = [p.rpartition(":") for p in settings.endpoint.split(",")]
         if len(parts) == 1:
             host, _, port = parts[0]
             self._client = pyetcd.client(host=host, port=int(port), ca_cert=settings.ca_cert,
                                          cert_key=settings.cert_key, cert_cert=settings.cert_cert,
                                          timeout=settings.timeout_s, user=settings.user,
-                                         password=settings.password)
+                                         password=settings.password, grpc_options=_GRPC_OPTIONS)
         else:
             creds = _credentials(settings)
-            endpoints = [pyetcd.Endpoint(host, int(port), secure=creds is not None, creds=creds)
-                         for host, _, port in parts]
+            endpoints = [pyetcd.Endpoint(host, int(port), secure=creds is not None, creds=creds,
+                                         opts=_GRPC_OPTIONS) for host, _, port in parts]
             self._client = pyetcd.MultiEndpointEtcd3Client(
                 endpoints=endpoints, timeout=settings.timeout_s, user=settings.user,
                 password=settings.password, failover=True)
@@ -109,16 +162,48 @@ class EtcdClient:
     def _call(self, what: str, fn, *args, **kwargs):
         try:
             for attempt in Retrying(retry=retry_if_exception(_transient),
-                                    stop=stop_after_delay(self.settings.retry_s),
-                                    wait=wait_exponential(multiplier=0.05, max=2.0), reraise=True):
-                with attempt:
-                    return fn(*args, **kwargs)
+                                    stop=stop_after_delay(self.retry_s),
+                                    wait=wait_exponential(multiplier=0.05, max=1.0), reraise=True,
+                                    before_sleep=lambda state: self._failed(what, state)):
+                with attempt:  # an error in here is retried (the block swallows it)
+                    result = fn(*args, **kwargs)
+                    self._answered()
+                    return result
         except Exception as err:
             if _transient(err):
                 raise EtcdUnavailable(
-                    f"etcd at {self.endpoint} did not answer {what} for {self.settings.retry_s:.0f} s "
+                    f"etcd at {self.endpoint} did not answer {what} for {self.retry_s:.0f} s "
                     f"({type(err).__name__}); check that it runs and that this host can reach it") from err
             raise
+
+    def _failed(self, what: str, state) -> None:
+        err = state.outcome.exception()
+        if isinstance(err, _no_server_error()):
+            # Every member is marked failed (pyetcd then skips them for `time_retry`):
+            # with none left, trying them all again is the only way to see one come back.
+            for endpoint in self._client.endpoints.values():
+                endpoint.last_failed = 0
+        with self._lock:
+            now = time.monotonic()
+            if self._down_since is None:
+                self._down_since, self._reported = now, False
+            if self._reported or now - self._down_since < _OUTAGE_REPORT_S:
+                return
+            self._reported = True
+        limit = "as long as it takes" if math.isinf(self.retry_s) else f"up to {self.retry_s:.0f} s"
+        self.on_outage(f"etcd at {self.endpoint} is unreachable ({what}: {type(err).__name__}); "
+                       f"waiting for it, {limit}")
+
+    def _answered(self) -> None:
+        if self._down_since is None:  # the common case: no lock taken
+            return
+        with self._lock:
+            if self._down_since is None:
+                return
+            down_s, reported = time.monotonic() - self._down_since, self._reported
+            self._down_since, self.back_at = None, time.monotonic()
+        if reported:
+            self.on_outage(f"etcd at {self.endpoint} answers again, after {down_s:.1f} s away")
 
     # -- keys -------------------------------------------------------------------------
     def get(self, key: str) -> tuple[bytes | None, int]:
@@ -189,8 +274,10 @@ class EtcdClient:
         """A new lease of `ttl_s` seconds (keep it alive with `refresh`)."""
         return self._call("grant a lease", self._client.lease, int(ttl_s))
 
-    def refresh(self, lease) -> None:
-        self._call("refresh a lease", lease.refresh)
+    def refresh(self, lease) -> bool:
+        """Keep `lease` alive; False if it no longer exists (it expired: its keys are gone)."""
+        responses = self._call("refresh a lease", lease.refresh)
+        return bool(responses) and responses[0].TTL > 0
 
     def keys_with_prefix(self, prefix: str) -> list[str]:
         """The keys under `prefix`, without it."""

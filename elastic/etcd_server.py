@@ -3,7 +3,8 @@
 `planaria etcd`, `--standalone` launches and the tests start one with `EmbeddedEtcd`:
 free loopback ports (or the ones given), a temporary data directory (or the one given),
 and a wait until the server answers. Stopping it terminates the process and removes a
-temporary data directory.
+temporary data directory; `kill` is a crash instead: the data stays, and `start` brings
+the same member back with it (the tests' etcd outages).
 """
 from __future__ import annotations
 
@@ -99,6 +100,12 @@ class EmbeddedEtcd:
         if self._temporary:
             shutil.rmtree(self.data_dir, ignore_errors=True)
 
+    def kill(self) -> None:
+        """SIGKILL the server, as a crash; its data directory stays for a later `start`."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+
     def __enter__(self) -> "EmbeddedEtcd":
         return self.start()
 
@@ -141,6 +148,12 @@ class EmbeddedEtcdCluster:
     def stop(self) -> None:
         for m in self.members:
             m.stop()
+
+    def kill(self) -> None:
+        """Every member crashes (SIGKILL): etcd is gone until `start` brings them back
+        with their data."""
+        for m in self.members:
+            m.kill()
 
     def __enter__(self) -> "EmbeddedEtcdCluster":
         return self.start()

@@ -17,6 +17,7 @@ watch stream to keep alive.
 """
 from __future__ import annotations
 
+import math
 import time
 from datetime import timedelta
 
@@ -96,10 +97,13 @@ def _bytes(value) -> bytes:
 
 
 def store_from_url(url: str, timeout_s: float = 300.0) -> EtcdStore:
-    """`etcd://host:port/prefix` (the `planaria.stores` entry point for etcd)."""
+    """`etcd://host:port/prefix` (the `planaria.stores` entry point for etcd), with the TLS
+    and credentials of `EtcdSettings.from_env`. A worker's store waits out an etcd outage
+    however long it lasts: the worker lives as long as its agent, which decides when to
+    give up on etcd."""
     rest = url.removeprefix("etcd://")
     endpoint, _, prefix = rest.partition("/")
     if not prefix:
         raise ValueError(f"etcd store URL needs a key prefix: etcd://host:port/planaria/<run-id>, got {url!r}")
-    return EtcdStore(EtcdClient(EtcdSettings(endpoint=endpoint)), "/" + prefix,
+    return EtcdStore(EtcdClient(EtcdSettings.from_env(endpoint, retry_s=math.inf)), "/" + prefix,
                      timeout=timedelta(seconds=timeout_s))

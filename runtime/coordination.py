@@ -42,6 +42,28 @@ def worker_key(worker: Worker) -> str:
     return f"{worker[0]}.{worker[1]}"
 
 
+class ReachableDeadline:
+    """A deadline that counts only the time in which the store answered.
+
+    Polling loops over the store (waiting for an epoch, for the workers' statuses) call
+    `expired()` once per pass. A pass that took longer than `slack_s` means a store call
+    blocked (etcd away, its client retrying); the excess moves the deadline, so that an
+    outage of the control plane never reads as a worker's or a controller's silence."""
+
+    def __init__(self, seconds: float, slack_s: float = 1.0):
+        self.seconds, self.slack_s = seconds, slack_s
+        self._deadline = time.monotonic() + seconds
+        self._last = time.monotonic()
+
+    def expired(self) -> bool:
+        now = time.monotonic()
+        stalled = now - self._last - self.slack_s
+        if stalled > 0:
+            self._deadline += stalled
+        self._last = now
+        return now > self._deadline
+
+
 class JobEnded(Exception):
     """The control plane ended the job (`done`); `outcome` says how."""
 
@@ -96,7 +118,7 @@ class StoreCoordinator:
     def wait_for_epoch(self, after: int, timeout_s: float) -> tuple[int, EpochRecord]:
         """The first epoch newer than `after` and its record; JobEnded if the job ended
         first, TimeoutError if nothing came within `timeout_s`."""
-        deadline = time.monotonic() + timeout_s
+        deadline = ReachableDeadline(timeout_s)
         while True:
             if self.store.check(["done"]):
                 raise JobEnded(self.store.get("done").decode())
@@ -104,7 +126,7 @@ class StoreCoordinator:
                 epoch = int(self.store.get("epoch"))
                 if epoch > after:
                     return epoch, EpochRecord.from_json(self.store.get(f"epoch/{epoch}/record").decode())
-            if time.monotonic() > deadline:
+            if deadline.expired():
                 raise TimeoutError(f"worker {self._key}: no epoch after {after} within {timeout_s:.0f} s; "
                                    "is the control plane alive?")
             time.sleep(POLL_S)

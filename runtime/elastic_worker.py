@@ -281,6 +281,8 @@ def run_elastic(cfg: Config, console: Console, device: torch.device, backend: st
         # error; here that is the expected start of a recovery, which the worker reports
         # in one line. PLANARIA_DEBUG=1 keeps torch's dump.
         logging.getLogger("torch.distributed.pipelining.schedules").setLevel(logging.CRITICAL)
+    # The control plane's warnings (etcd away, back) on this worker's lines, like its own.
+    logging.basicConfig(format=f"[{node}.{local_rank}] %(message)s", level=logging.WARNING)
     store = connect_store(address, timeout_s=cfg.parallel.timeout_s + 60)
     coordinator = StoreCoordinator(store, (node, local_rank))
     return ElasticWorker(cfg, coordinator, console, device, backend, optimizer_settings).run()

@@ -10,7 +10,8 @@ SIGKILLs itself (no cleanup, no Python exit handlers: exactly as if the node van
 on the 2nd backward call of iteration 3, and `node2.0` at its first state transfer
 whatever the iteration. A trailing `!error` raises a RuntimeError instead, as a
 collective that fails on this worker alone would (the worker lives on); `!hang` stops
-the process with SIGSTOP (it neither dies nor answers). Phases are the engine's (`planaria.runtime.engine`): forward,
+the process with SIGSTOP (it neither dies nor answers); `!slow=S` sleeps S seconds
+every time it matches (a straggler: with `@*`, every iteration is S seconds slower). Phases are the engine's (`planaria.runtime.engine`): forward,
 backward (counted per layer, microbatch and chunk), sync, commit, committed (the commit
 all-reduce completed, the step not yet taken), step, transfer. A fault fires once: a
 worker that comes back under the same name is a new process without it (the harness
@@ -21,11 +22,12 @@ from __future__ import annotations
 import os
 import re
 import signal
+import time
 from dataclasses import dataclass
 
 PHASES = ("forward", "backward", "sync", "commit", "committed", "step", "transfer")
 _SPEC = re.compile(r"^(?P<worker>[^:]+):(?P<phase>\w+)@(?P<iteration>\d+|\*)(?:#(?P<count>\d+))?"
-                   r"(?P<action>!error|!hang)?$")
+                   r"(?P<action>!error|!hang|!slow=(?P<delay>\d+(?:\.\d*)?))?$")
 
 
 @dataclass(frozen=True)
@@ -42,7 +44,8 @@ class Fault:
     """"kill": SIGKILL. "error": raise a RuntimeError instead, as a collective that fails
     on this worker alone does (with "committed": the commit all-reduce completed on the
     others but failed here, which the exactly-once rule rolls forward). "hang": SIGSTOP,
-    a worker that stops answering without dying."""
+    a worker that stops answering without dying. "slow": sleep `delay_s`, every time."""
+    delay_s: float = 0.0
 
 
 def parse_faults(text: str) -> list[Fault]:
@@ -50,11 +53,13 @@ def parse_faults(text: str) -> list[Fault]:
     for item in filter(None, (part.strip() for part in text.split(","))):
         match = _SPEC.match(item)
         if not match or match["phase"] not in PHASES:
-            raise ValueError(f"bad fault {item!r}: expected NODE.LOCAL:PHASE@ITERATION[#COUNT][!error|!hang] with "
+            raise ValueError(f"bad fault {item!r}: expected NODE.LOCAL:PHASE@ITERATION[#COUNT]"
+                             f"[!error|!hang|!slow=SECONDS] with "
                              f"PHASE one of {', '.join(PHASES)} and ITERATION a number or *")
         iteration = None if match["iteration"] == "*" else int(match["iteration"])
+        action = (match["action"] or "!kill")[1:].partition("=")[0]
         faults.append(Fault(match["worker"], match["phase"], iteration, int(match["count"] or 1),
-                            action=(match["action"] or "!kill")[1:]))
+                            action=action, delay_s=float(match["delay"] or 0)))
     return faults
 
 
@@ -76,6 +81,9 @@ class FaultInjector:
         self._calls[key] = calls = self._calls.get(key, 0) + 1
         for fault in self.faults:
             if fault.phase == phase and fault.iteration in (None, iteration) and fault.count == calls:
+                if fault.action == "slow":
+                    time.sleep(fault.delay_s)
+                    continue
                 if fault.action == "error":
                     self.faults.remove(fault)  # once: the worker lives on
                     raise RuntimeError(f"injected fault: {phase} of iteration {iteration} failed "

@@ -46,8 +46,9 @@ class Job:
             assert time.monotonic() < deadline, "training did not get there"
             time.sleep(0.05)
 
-    def logs(self) -> str:
-        return "\n".join(f"--- {p.name}\n{p.read_text()[-2000:]}"
+    def logs(self, tail: int = 2000) -> str:
+        """The agents' logs (each one's last `tail` characters)."""
+        return "\n".join(f"--- {p.name}\n{p.read_text()[-tail:]}"
                          for p in sorted((self.tmp_path / "logs").glob("*.log")))
 
     def close(self) -> None:

@@ -4,6 +4,7 @@ and which worker sends which layer."""
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ from planaria.runtime.checkpointing import complete_checkpoints, prune, step_dir
 from planaria.runtime.coordination import EpochRecord
 from planaria.runtime.exactly_once import (INCOMPLETE, SYNCED, CommitRecord, InconsistentStatuses,
                                            WorkerStatus, resolve)
-from planaria.runtime.faults import Fault, flip_a_bit, parse_faults
+from planaria.runtime.faults import Fault, FaultInjector, flip_a_bit, parse_faults
 from planaria.templates.layout import plan_from_layout
 from planaria.templates.plan import Transfer, holders, missing_from, transfers_from
 
@@ -114,10 +115,20 @@ def test_fault_specs():
     assert parse_faults("node1.0:backward@3#2, node2.0:transfer@*!hang,node0.0:committed@1!error") == [
         Fault("node1.0", "backward", 3, 2, "kill"), Fault("node2.0", "transfer", None, 1, "hang"),
         Fault("node0.0", "committed", 1, 1, "error")]
+    assert parse_faults("node0.0:step@*!slow=0.25") == [Fault("node0.0", "step", None, 1, "slow", 0.25)]
     assert parse_faults("") == []
-    for bad in ("node1.0:lunch@3", "node1.0:forward", "node1.0:forward@x", "forward@1"):
+    for bad in ("node1.0:lunch@3", "node1.0:forward", "node1.0:forward@x", "forward@1",
+                "node0.0:step@*!slow=", "node0.0:step@*!slow=fast"):
         with pytest.raises(ValueError, match="expected NODE.LOCAL:PHASE@ITERATION"):
             parse_faults(bad)
+
+
+def test_slow_fault_delays_every_matching_iteration():
+    injector = FaultInjector("node0.0", parse_faults("node0.0:step@*!slow=0.05"))
+    start = time.monotonic()
+    for iteration in range(4):
+        injector("step", iteration)
+    assert time.monotonic() - start >= 0.2  # four iterations, each 0.05 s slower
 
 
 def test_flip_a_bit_changes_exactly_one_bit():
