@@ -21,7 +21,16 @@ epoch sequence goes on. The first leader publishes epoch 0 once `--nnodes` nodes
 all their workers alive.
 
 A node whose worker dies leaves the job: its agent stops the node's other workers and
-exits. Workers die with their agent (PR_SET_PDEATHSIG): a killed agent takes its node
+exits, or, with `--max-restarts N`, starts them again (up to N times) as new capacity
+under a new name, `<node>~<restart>`: the leader sees a node join, and a worker is never
+mistaken for its predecessor (whose kill requests, statuses and commit log stay its
+own). Workers get torchrun's TORCHELASTIC_RUN_ID, TORCHELASTIC_RESTART_COUNT,
+TORCHELASTIC_MAX_RESTARTS and TORCHELASTIC_ERROR_FILE; a worker that dies of an uncaught
+exception writes it there (torch's `record`), and its agent reports it. The signals of
+`--signals-to-handle` (torchrun's default: SIGTERM, SIGINT, SIGHUP, SIGQUIT) stop the
+node's workers (the same signal, then SIGKILL after `--shutdown-timeout`, 30 s), take
+the node out (the leader recovers in place without it), and exit 128 + the signal's
+number. Workers die with their agent (PR_SET_PDEATHSIG): a killed agent takes its node
 out, as a dead machine would. Workers run `python -m planaria.train CONFIG ...` with
 PLANARIA_STORE pointing at the store in etcd (and etcd's TLS and credentials in
 PLANARIA_ETCD_*).
@@ -47,6 +56,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -59,6 +69,8 @@ from planaria.runtime.coordination import Worker, worker_key
 from planaria.runtime.planning import build_planner, cost_model
 
 POLL_S = 0.1
+DEFAULT_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
+"""torchrun's --signals-to-handle."""
 
 
 def _worker_of(key: str) -> Worker:
@@ -69,8 +81,12 @@ def _worker_of(key: str) -> Worker:
 class Agent:
     def __init__(self, *, node: str, nproc: int, settings: EtcdSettings, run_id: str, min_nodes: int,
                  config: str, overrides: list[str], lease_ttl_s: int = 5, hardware: str = "h100",
-                 log_dir: Path | None = None, outage_limit_s: float = math.inf):
+                 log_dir: Path | None = None, outage_limit_s: float = math.inf, max_restarts: int = 0,
+                 signals: str = DEFAULT_SIGNALS, shutdown_timeout_s: float = 30.0):
         self.node, self.nproc, self.min_nodes = node, nproc, min_nodes
+        self.run_id, self.max_restarts, self.restarts = run_id, max_restarts, 0
+        self.signals = parse_signals(signals)
+        self.shutdown_timeout_s = shutdown_timeout_s
         self.settings = settings
         self.client = EtcdClient(settings, on_outage=self.log)
         self.outage_limit_s = outage_limit_s
@@ -90,6 +106,8 @@ class Agent:
         self._lease_lost = threading.Event()
         self._exited: set[Worker] = set()
         self._said_settling: float | None = None
+        self._signal: int | None = None
+        self.error_dir = Path(log_dir or tempfile.mkdtemp(prefix=f"planaria-{node}-")) / "errors"
 
     def log(self, message: str) -> None:
         print(f"[agent {self.node}] {message}", flush=True)
@@ -102,28 +120,60 @@ class Agent:
             return 2
         self._register()
         threading.Thread(target=self._keep_alive, daemon=True, name="lease").start()
-        if self.log_dir is not None:
-            self.log_dir.mkdir(parents=True, exist_ok=True)
-        for local in range(self.nproc):
-            self._spawn((self.node, local))
+        for signum in self.signals:
+            signal.signal(signum, self._on_signal)
+        self._start_workers()
         self.client.retry_s = self.outage_limit_s  # from now on, etcd outages are waited out
         try:
             while True:
-                if self._lease_lost.is_set():
-                    self.log("this node's lease expired while etcd was away; registering again")
-                    self._register()
-                if self._reap():
-                    self.log("a worker of this node exited; the node leaves the job")
-                    return self._leave()
-                self._serve_kill_requests()
-                self._lead()
-                if self.store.check(["done"]) and not self._running():
-                    outcome = self.store.get("done").decode()
-                    self.log(f"job ended: {outcome}")
-                    return 0 if outcome == "ok" else 1
+                if self._signal is not None:
+                    return self._stop_on_signal(self._signal)
+                try:
+                    outcome = self._tick()
+                except EtcdUnavailable:
+                    if self._signal is None:
+                        raise
+                    continue  # a signal cut short a wait for etcd
+                if outcome is not None:
+                    return outcome
                 time.sleep(POLL_S)
         finally:
             self._stop.set()
+
+    def _tick(self) -> int | None:
+        """One look at the node and the job; the agent's exit code once it is over."""
+        if self._lease_lost.is_set():
+            self.log("this node's lease expired while etcd was away; registering again")
+            self._register()
+        if self._reap():
+            if self.restarts < self.max_restarts and self._signal is None:
+                self._restart()
+                return None
+            self.log("a worker of this node exited; the node leaves the job")
+            return self._leave()
+        self._serve_kill_requests()
+        self._lead()
+        if self.store.check(["done"]) and not self._running():
+            outcome = self.store.get("done").decode()
+            self.log(f"job ended: {outcome}")
+            return 0 if outcome == "ok" else 1
+        return None
+
+    def _on_signal(self, signum, frame) -> None:
+        self._signal = signum  # acted on by the main loop, between two looks at etcd
+        self.client.abort.set()  # a look that waits for an absent etcd gives up
+
+    def _stop_on_signal(self, signum: int) -> int:
+        """Stop the workers with the signal, take the node out, exit 128 + its number."""
+        self.log(f"{signal.Signals(signum).name}: stopping this node's workers; the node leaves the job")
+        self._stop_workers(signum)
+        self.client.abort.clear()
+        self.client.retry_s = 5.0
+        try:
+            self._leave(signal.SIGKILL)
+        except EtcdUnavailable:
+            self.log("etcd did not answer; this node's keys go when its lease expires")
+        return 128 + signum
 
     def _check_job_config(self) -> str | None:
         """One run id, one job: the first agent records its config; a later agent with a
@@ -155,13 +205,46 @@ class Agent:
                 if not self.client.refresh(self.lease):
                     self._lease_lost.set()
             except EtcdUnavailable as err:  # past --etcd-outage-limit: the main loop ends it
-                self.log(str(err))
+                if self._signal is None:
+                    self.log(str(err))
 
     # -------------------------------------------------------------- workers
+    @property
+    def member(self) -> str:
+        """The name this node's workers have in the job: the node's, then `<node>~<restart>`."""
+        return self.node if self.restarts == 0 else f"{self.node}~{self.restarts}"
+
+    def _start_workers(self) -> None:
+        if self.log_dir is not None:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+        for local in range(self.nproc):
+            self._spawn((self.member, local))
+
+    def _restart(self) -> None:
+        """Stop what is left of this node's workers, then start them again as new capacity."""
+        self._stop_workers(signal.SIGKILL)
+        self._reap()
+        self.restarts += 1
+        self.workers.clear()
+        self.log(f"restarting this node's workers (restart {self.restarts} of {self.max_restarts}); "
+                 f"they join the job as {self.member}")
+        self._start_workers()
+
+    def _error_file(self, worker: Worker) -> Path:
+        return self.error_dir / worker_key(worker) / "error.json"
+
     def _spawn(self, worker: Worker) -> None:
+        error_file = self._error_file(worker)
+        error_file.parent.mkdir(parents=True, exist_ok=True)
+        error_file.unlink(missing_ok=True)
         env = dict(os.environ, PLANARIA_STORE=self.store_url, PLANARIA_NODE=worker[0],
                    PLANARIA_LOCAL_RANK=str(worker[1]), PYTHONUNBUFFERED="1",
-                   PLANARIA_DIE_WITH_AGENT="1", **self.settings.to_env())
+                   PLANARIA_DIE_WITH_AGENT="1", TORCHELASTIC_RUN_ID=self.run_id,
+                   TORCHELASTIC_RESTART_COUNT=str(self.restarts),
+                   TORCHELASTIC_MAX_RESTARTS=str(self.max_restarts),
+                   TORCHELASTIC_ERROR_FILE=str(error_file), **self.settings.to_env())
+        if self.restarts:  # an injected fault fires in the first incarnation only
+            env.pop("PLANARIA_FAULTS", None)
         env.setdefault("OMP_NUM_THREADS", "1")
         out = None  # inherit: the worker's lines (prefixed with its name) in the agent's output
         if self.log_dir is not None:
@@ -183,7 +266,8 @@ class Agent:
             if worker not in self._exited:  # said before etcd is asked: it may be away
                 self._exited.add(worker)
                 if not self.store.check(["done"]):
-                    self.log(f"worker {worker_key(worker)} exited with code {proc.returncode}")
+                    self.log(f"worker {worker_key(worker)} exited with code {proc.returncode}"
+                             f"{self._reported_error(worker)}")
             key = self.prefix + f"alive/{worker_key(worker)}"
             if self.client.get(key)[0] is not None:
                 self.client.delete(key)
@@ -195,11 +279,29 @@ class Agent:
             if self.store.check([f"kill/{worker_key(worker)}"]):
                 self.workers[worker].send_signal(signal.SIGKILL)
 
-    def _leave(self) -> int:
+    def _reported_error(self, worker: Worker) -> str:
+        """': <the exception>' from the worker's error file, or '' if it wrote none."""
+        try:
+            data = json.loads(self._error_file(worker).read_text())
+            return ": " + str(data["message"]["message"]).splitlines()[0][:300]
+        except (OSError, ValueError, KeyError, TypeError):
+            return ""
+
+    def _stop_workers(self, signum: int) -> None:
+        """`signum` to the running workers, then SIGKILL to those still there after the
+        shutdown timeout (at once when `signum` is SIGKILL)."""
         for worker in self._running():
-            self.workers[worker].send_signal(signal.SIGKILL)
+            self.workers[worker].send_signal(signum)
+        deadline = time.monotonic() + (0 if signum == signal.SIGKILL else self.shutdown_timeout_s)
         for proc in self.workers.values():
-            proc.wait()
+            try:
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+    def _leave(self, signum: int = signal.SIGKILL) -> int:
+        self._stop_workers(signum)
         self._reap()
         self.client.delete(self.prefix + f"nodes/{self.node}")
         return 1
@@ -277,6 +379,18 @@ class Agent:
         self.store.set(f"kill/{worker_key(worker)}", "1")
 
 
+def parse_signals(names: str) -> list[signal.Signals]:
+    """torchrun's --signals-to-handle: comma-separated names, such as SIGTERM,SIGUSR1."""
+    found = []
+    for name in filter(None, (n.strip() for n in names.split(","))):
+        try:
+            found.append(signal.Signals[name])
+        except KeyError:
+            raise ValueError(f"unknown signal {name!r} in --signals-to-handle; give names such as "
+                             f"SIGTERM,SIGUSR1") from None
+    return found
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m planaria.elastic.agent",
                                      description="Run one node's agent of an elastic Planaria job.")
@@ -297,6 +411,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--etcd-key", default=None, help="client key (PEM) for TLS to etcd")
     parser.add_argument("--etcd-user", default=None,
                         help="etcd user name; the password is read from PLANARIA_ETCD_PASSWORD")
+    parser.add_argument("--max-restarts", type=int, default=0,
+                        help="times this node's workers are started again after one of them dies, "
+                             "rejoining the job as new capacity (default 0: the node leaves)")
+    parser.add_argument("--signals-to-handle", default=DEFAULT_SIGNALS,
+                        help=f"signals that stop this node's workers and take the node out (default {DEFAULT_SIGNALS})")
+    parser.add_argument("--shutdown-timeout", type=float,
+                        default=float(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", 30)),
+                        help="seconds stopped workers get before SIGKILL (default 30, or "
+                             "TORCH_ELASTIC_SHUTDOWN_TIMEOUT)")
     parser.add_argument("--log-dir", default=None,
                         help="write each worker's output to DIR/<node>.<local>.log (default: this output)")
     parser.add_argument("config")
@@ -312,7 +435,9 @@ def main(argv: list[str] | None = None) -> int:
         agent = Agent(node=args.node, nproc=args.nproc_per_node, settings=settings,
                       run_id=args.run_id, min_nodes=args.nnodes, config=args.config,
                       overrides=args.overrides, lease_ttl_s=args.lease_ttl, hardware=args.hardware,
-                      log_dir=args.log_dir, outage_limit_s=args.etcd_outage_limit or math.inf)
+                      log_dir=args.log_dir, outage_limit_s=args.etcd_outage_limit or math.inf,
+                      max_restarts=args.max_restarts, signals=args.signals_to_handle,
+                      shutdown_timeout_s=args.shutdown_timeout)
         return agent.run()
     except (EtcdUnavailable, ConfigError, ValueError) as err:
         print(f"planaria agent {args.node}: {err}", file=sys.stderr, flush=True)

@@ -130,6 +130,9 @@ class EtcdClient:
         self.settings = settings
         self.retry_s = settings.retry_s
         self.on_outage = on_outage or logging.getLogger("planaria.etcd").warning
+        self.abort = threading.Event()
+        """Set: a call that is retrying gives up at its next attempt (an agent told to stop
+        while etcd is away must not wait for etcd first)."""
         self.back_at: float | None = None
         """time.monotonic() when the last outage ended; None if there was none."""
         self._down_since: float | None = None
@@ -160,9 +163,10 @@ class EtcdClient:
         return self.settings.endpoint
 
     def _call(self, what: str, fn, *args, **kwargs):
+        started = time.monotonic()
         try:
             for attempt in Retrying(retry=retry_if_exception(_transient),
-                                    stop=stop_after_delay(self.retry_s),
+                                    stop=stop_after_delay(self.retry_s) | self._aborted,
                                     wait=wait_exponential(multiplier=0.05, max=1.0), reraise=True,
                                     before_sleep=lambda state: self._failed(what, state)):
                 with attempt:  # an error in here is retried (the block swallows it)
@@ -171,10 +175,14 @@ class EtcdClient:
                     return result
         except Exception as err:
             if _transient(err):
+                waited = time.monotonic() - started
                 raise EtcdUnavailable(
-                    f"etcd at {self.endpoint} did not answer {what} for {self.retry_s:.0f} s "
+                    f"etcd at {self.endpoint} did not answer {what} for {waited:.0f} s "
                     f"({type(err).__name__}); check that it runs and that this host can reach it") from err
             raise
+
+    def _aborted(self, state) -> bool:
+        return self.abort.is_set()
 
     def _failed(self, what: str, state) -> None:
         err = state.outcome.exception()

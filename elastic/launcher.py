@@ -16,12 +16,21 @@ so every flag, default, `PET_*` environment form and error message is torchrun's
   stage needs its whole node, so this is what lets a single machine lose one worker
   and go on); otherwise the `--nproc-per-node` workers are one node's tp group.
   Planaria workers take their ranks from each epoch's plan, not from `RANK`.
+  `--max-restarts N`: a node whose worker died starts its workers again, up to N
+  times, and they rejoin as new capacity (torchrun restarts every worker of the job
+  instead). `--log-dir D`: each worker's output in D/<run-id>/<node>.<local>.log, and its
+  error file beside it. `--signals-to-handle` and `--shutdown-timeout` as torchrun's;
+  a signal ends the job on this machine with exit code 128 + its number (torchrun: 1,
+  with the SignalException's traceback). `--rdzv-conf` takes etcd's TLS and
+  credentials: `ca_cert`, `cert_cert`, `cert_key` (or torch's `cacert`, `cert`, `key`),
+  `user`, `password`; and `lease_ttl` (seconds, default 5).
 - Any other script gets torchrun's behaviour unchanged (`torch.distributed.run.run`),
   including `--rdzv-backend etcd3`, Planaria's rendezvous on etcd 3.5+.
 """
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -53,7 +62,23 @@ def _nproc(value: str) -> int:
     return 1  # "cpu", as torchrun counts it here: one worker per node
 
 
+_TLS_ALIASES = {"cacert": "ca_cert", "cert": "cert_cert", "key": "cert_key"}
+"""torch's own etcd rendezvous names for the TLS files."""
+
+
+def etcd_options(rdzv_conf: str) -> tuple[dict[str, str], int]:
+    """(EtcdSettings' TLS and credential fields, lease TTL) from `--rdzv-conf`."""
+    from torch.distributed.elastic.rendezvous.utils import _parse_rendezvous_config
+
+    conf = _parse_rendezvous_config(rdzv_conf or "")
+    settings = {_TLS_ALIASES.get(k, k): v for k, v in conf.items()
+                if _TLS_ALIASES.get(k, k) in ("ca_cert", "cert_cert", "cert_key", "user", "password")}
+    return settings, int(conf.get("lease_ttl", 5))
+
+
 def run_planaria(args) -> int:
+    from planaria.elastic.agent import parse_signals
+    from planaria.elastic.etcd_client import EtcdSettings
     from planaria.elastic.etcd_server import EmbeddedEtcd
     from planaria.runtime.config import load_config
 
@@ -62,6 +87,13 @@ def run_planaria(args) -> int:
         print("planaria-run: -m planaria.train needs a config: -m planaria.train CONFIG.yaml", file=sys.stderr)
         return 2
     cfg = load_config(config, overrides)
+    try:
+        signals = parse_signals(args.signals_to_handle)
+        tls, lease_ttl = etcd_options(args.rdzv_conf)
+        EtcdSettings(**tls)  # refuse missing TLS files before anything starts
+    except ValueError as err:
+        print(f"planaria-run: {err}", file=sys.stderr)
+        return 2
     nproc = _nproc(str(args.nproc_per_node))
     min_nodes = int(str(args.nnodes).split(":")[0])
     run_id = args.rdzv_id if args.rdzv_id not in (None, "", "none") else f"run-{uuid.uuid4().hex[:8]}"
@@ -85,19 +117,38 @@ def run_planaria(args) -> int:
                   "workers are one stage's tp group, so they must be equal", file=sys.stderr)
             return 2
         nodes = [f"{socket.gethostname()}-{args.node_rank if args.node_rank is not None else os.getpid()}"]
+    flags = ["--max-restarts", str(args.max_restarts), "--lease-ttl", str(lease_ttl),
+             "--signals-to-handle", args.signals_to_handle]
+    if args.shutdown_timeout is not None:
+        flags += ["--shutdown-timeout", str(args.shutdown_timeout)]
+    if args.log_dir:
+        flags += ["--log-dir", os.path.join(args.log_dir, run_id)]
+    for name, flag in (("ca_cert", "--etcd-ca-cert"), ("cert_cert", "--etcd-cert"),
+                       ("cert_key", "--etcd-key"), ("user", "--etcd-user")):
+        if name in tls:
+            flags += [flag, tls[name]]
+    env = dict(os.environ, **({"PLANARIA_ETCD_PASSWORD": tls["password"]} if "password" in tls else {}))
     agents = [subprocess.Popen(
         [sys.executable, "-m", "planaria.elastic.agent", "--node", node, "--nproc-per-node",
          str(per_node), "--etcd", endpoint, "--run-id", run_id, "--nnodes", str(min_nodes),
-         config, *overrides]) for node in nodes]
-    try:
-        codes = [agent.wait() for agent in agents]
-    except KeyboardInterrupt:
+         *flags, config, *overrides], env=env) for node in nodes]
+    received: list[int] = []
+
+    def forward(signum, frame) -> None:  # the agents stop their workers and leave
+        received.append(signum)
         for agent in agents:
-            agent.terminate()
+            if agent.poll() is None:
+                agent.send_signal(signum)
+
+    for signum in signals:
+        signal.signal(signum, forward)
+    try:
         codes = [agent.wait() for agent in agents]
     finally:
         if server is not None:
             server.stop()
+    if received:
+        return 128 + received[0]
     # The job succeeded if it ended "ok": agents whose node left it exit 1 on purpose.
     return 0 if 0 in codes else max(codes)
 

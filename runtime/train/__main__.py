@@ -1,5 +1,9 @@
 import sys
 
+from torch.distributed.elastic.multiprocessing.errors import record
+
 from planaria.runtime.trainer import main
 
-sys.exit(main())
+# torch's `record`: an uncaught exception is written to TORCHELASTIC_ERROR_FILE when the
+# launcher set one (torchrun and Planaria's agents do), which the launcher then reports.
+sys.exit(record(main)())

@@ -20,8 +20,10 @@ pytest.importorskip("pyetcd")
 
 class Job:
     def __init__(self, etcd, tmp_path, nodes: int, overrides: list[str], run_id: str,
-                 env: dict[str, dict[str, str]] | None = None):
+                 env: dict[str, dict[str, str]] | None = None, nproc: int = 1,
+                 agent_args: tuple[str, ...] = ()):
         self.overrides = [*overrides, f"output.dir={tmp_path}"]
+        self.nproc, self.agent_args = nproc, list(agent_args)
         self.etcd, self.tmp_path, self.run_id, self.min_nodes = etcd, tmp_path, run_id, nodes
         self.agents = {}
         (tmp_path / "logs").mkdir(parents=True, exist_ok=True)
@@ -34,6 +36,7 @@ class Job:
         log = open(self.tmp_path / "logs" / f"agent-{node}.log", "w")
         self.agents[node] = subprocess.Popen(
             [sys.executable, "-m", "planaria.elastic.agent", "--node", node, "--etcd", self.etcd.endpoint,
+             "--nproc-per-node", str(self.nproc), *self.agent_args,
              "--run-id", self.run_id, "--nnodes", str(self.min_nodes), "--lease-ttl", "3", str(TINY),
              *self.overrides],
             stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, OMP_NUM_THREADS="1", **(env or {})),
@@ -132,6 +135,83 @@ def test_node_added_is_absorbed(etcd, tmp_path):
     assert "joined ['node4.0']" in job.logs()
     assert (tmp_path / "commits-node4.0.jsonl").exists()
     check_against_reference(tmp_path, reference, job, steps=60)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_two_workers_per_node_one_dies_and_its_agent_takes_the_node_out(etcd, tmp_path, reference):
+    """Nodes of two workers (tp = 2). node3's second worker dies in a backward; its agent
+    stops node3's first worker too (a stage needs its whole node) and the three nodes
+    left go on in place, moving tp shards between workers of the same tp rank."""
+    job = Job(etcd, tmp_path, 4, [*OVERRIDES, "parallel.tp=2"], run_id="two-per-node", nproc=2,
+              env={"node3": {"PLANARIA_FAULTS": "node3.1:backward@2#2"}})
+    try:
+        codes = job.wait()
+    finally:
+        job.close()
+    assert codes["node3"] == 1 and all(c == 0 for n, c in codes.items() if n != "node3"), \
+        f"{codes}\n{job.logs()}"
+    logs = job.logs()
+    assert "worker node3.1 exited with code -9" in logs
+    (epoch,) = [line for line in logs.splitlines() if "controller: epoch" in line]
+    assert "'node3.1'" in epoch and "pipelines of [3] stages" in epoch, epoch
+    check_against_reference(tmp_path, reference, job)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_max_restarts_a_node_whose_worker_died_rejoins_as_new_capacity(etcd, tmp_path):
+    """--max-restarts 1: node3's worker dies in iteration 2; its agent starts it again as
+    node3~1, which joins the running job (its commit log is its own, from where it joined)."""
+    reference = reference_run([*JOB, "train.steps=60"])
+    job = Job(etcd, tmp_path, 4, [*OVERRIDES, "train.steps=60"], run_id="restarts",
+              env={"node3": {"PLANARIA_FAULTS": "node3.0:backward@2#2"}}, agent_args=("--max-restarts", "1"))
+    try:
+        codes = job.wait()
+    finally:
+        job.close()
+    logs = job.logs(tail=10**6)
+    assert all(code == 0 for code in codes.values()), f"{codes}\n{job.logs()}"
+    assert "restarting this node's workers (restart 1 of 1); they join the job as node3~1" in logs
+    assert "joined ['node3~1.0']" in logs, logs
+    assert (tmp_path / "commits-node3~1.0.jsonl").exists()
+    check_against_reference(tmp_path, reference, job, steps=60)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_sigterm_to_an_agent_takes_its_node_out_and_the_job_goes_on(etcd, tmp_path, reference):
+    """A spot machine's preemption notice: SIGTERM to one agent (not its workers). The
+    agent stops its worker with SIGTERM, leaves, and exits 143; the others recover."""
+    job = Job(etcd, tmp_path, 4, OVERRIDES, run_id="sigterm")
+    try:
+        leader = job.leader()
+        victim = next(n for n in ("node1", "node2", "node3") if n != leader)
+        job.wait_for_commits(2)
+        job.agents[victim].send_signal(signal.SIGTERM)
+        codes = job.wait()
+    finally:
+        job.close()
+    assert codes[victim] == 128 + signal.SIGTERM, f"{codes}\n{job.logs()}"
+    assert all(code == 0 for node, code in codes.items() if node != victim), f"{codes}\n{job.logs()}"
+    assert "SIGTERM: stopping this node's workers" in job.logs()
+    check_against_reference(tmp_path, reference, job)
+
+
+@pytest.mark.timeout(120)
+def test_a_worker_that_dies_of_an_exception_is_reported_from_its_error_file(etcd, tmp_path):
+    """The worker's uncaught exception reaches TORCHELASTIC_ERROR_FILE (torch's `record`),
+    and its agent's line names it."""
+    one_node = [*JOB, "parallel.min_stages=1", "parallel.fault_tolerance=0"]
+    job = Job(etcd, tmp_path, 1, one_node, run_id="error-file",
+              env={"node0": {"PLANARIA_CORRUPT": "not-a-spec"}})
+    try:
+        codes = job.wait(timeout=100)
+    finally:
+        job.close()
+    assert codes["node0"] == 1
+    assert ("worker node0.0 exited with code 1: ValueError: bad PLANARIA_CORRUPT item 'not-a-spec'"
+            in job.logs()), job.logs()
 
 
 @pytest.mark.timeout(120)

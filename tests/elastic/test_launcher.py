@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -76,6 +78,41 @@ def test_flags_torchrun_rejects_are_rejected_the_same_way():
     theirs = subprocess.run([sys.executable, "-m", "torch.distributed.run", *bad], capture_output=True, text=True)
     assert ours.returncode == theirs.returncode == 2
     assert ours.stderr.splitlines()[-1].split(": ", 1)[1] == theirs.stderr.splitlines()[-1].split(": ", 1)[1]
+
+
+def test_tls_files_that_do_not_exist_are_refused_before_anything_starts(tmp_path):
+    missing = tmp_path / "ca.pem"
+    proc = subprocess.run([sys.executable, "-m", "planaria.elastic.launcher", "--rdzv-backend", "etcd3",
+                           "--rdzv-endpoint", "127.0.0.1:1", "--rdzv-conf", f"cacert={missing}",
+                           "-m", "planaria.train", str(TINY)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert f"etcd TLS file ca_cert='{missing}' does not exist" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(200)
+def test_sigterm_to_planaria_run_stops_the_job_on_this_machine(tmp_path):
+    """SIGTERM reaches every agent, which stops its workers; planaria-run exits 143 and
+    leaves no process behind (the private etcd included)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "planaria.elastic.launcher", "--standalone", "--nproc-per-node=2",
+         "-m", "planaria.train", str(TINY), *JOB, "train.steps=100000", f"output.dir={tmp_path}"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env=dict(os.environ, OMP_NUM_THREADS="1"), start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not list(tmp_path.glob("commits-*.jsonl")):
+            assert time.monotonic() < deadline and proc.poll() is None, "the job did not start"
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=90)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 128 + signal.SIGTERM, out[-4000:]
+    assert out.count("SIGTERM: stopping this node's workers") == 2, out[-4000:]
+    leftovers = subprocess.run(["pgrep", "-s", str(proc.pid)], capture_output=True, text=True).stdout
+    assert leftovers == "", f"processes left behind: {leftovers}"
 
 
 @pytest.mark.multiprocess
