@@ -59,6 +59,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 
 from planaria.elastic.controller import CheckpointPolicy, Controller, StaleLeader
@@ -314,11 +315,13 @@ class Agent:
             return
         if self.controller.plan is None:  # waiting for the first epoch's nodes
             if not self.controller.resume():
-                nodes = {w[0] for w in self._alive_now()}
-                if len(nodes) < self.min_nodes:
+                alive = self._alive_now()
+                per_node = Counter(node for node, _ in alive)
+                nodes = [node for node, count in per_node.items() if count == self.nproc]
+                if len(nodes) < self.min_nodes:  # whole nodes: every worker up
                     return
                 try:
-                    self.controller.start(sorted(self._alive_now()))
+                    self.controller.start(sorted(w for w in alive if w[0] in nodes))
                 except StaleLeader as err:
                     self.log(str(err))
                     self.controller = None
