@@ -24,8 +24,11 @@ so every flag, default, `PET_*` environment form and error message is torchrun's
   with the SignalException's traceback). `--rdzv-conf` takes etcd's TLS and
   credentials: `ca_cert`, `cert_cert`, `cert_key` (or torch's `cacert`, `cert`, `key`),
   `user`, `password`; and `lease_ttl` (seconds, default 5).
-- Any other script gets torchrun's behaviour unchanged (`torch.distributed.run.run`),
-  including `--rdzv-backend etcd3`, Planaria's rendezvous on etcd 3.5+.
+- Any other script gets torchrun's behaviour (`torch.distributed.run.run`), including
+  `--rdzv-backend etcd3`, Planaria's rendezvous on etcd 3.5+; with it, peers are also
+  watched through etcd leases, so a peer node that freezes or vanishes restarts the
+  world within `lease_ttl` seconds rather than after a collective timeout
+  (`planaria.elastic.peer_watch`).
 """
 from __future__ import annotations
 
@@ -36,6 +39,7 @@ import subprocess
 import sys
 import uuid
 
+from torch.distributed.elastic.rendezvous.utils import _parse_rendezvous_config
 from torch.distributed.run import get_args_parser
 from torch.distributed.run import run as torchrun
 
@@ -47,9 +51,39 @@ def main(argv: list[str] | None = None) -> int:
     parser.prog = "planaria-run"
     args = parser.parse_args(argv)
     if not (args.module and args.training_script == PLANARIA_MODULE):
-        torchrun(args)  # raises ChildFailedError on failure, as torchrun does
-        return 0
+        return run_torchrun(args)
     return run_planaria(args)
+
+
+def run_torchrun(args) -> int:
+    """torchrun's `run`, with peers watched through etcd leases under `--rdzv-backend etcd3`
+    (`planaria.elastic.peer_watch`). Raises ChildFailedError on failure, as torchrun does."""
+    watch = _peer_watch(args)
+    ok = False
+    try:
+        torchrun(args)
+        ok = True
+    finally:
+        if watch is not None:
+            watch.finish(ok)
+    return 0
+
+
+def _peer_watch(args):
+    if args.rdzv_backend != "etcd3" or not args.rdzv_endpoint:
+        return None
+    from planaria.elastic.etcd_client import EtcdClient, EtcdSettings
+    from planaria.elastic.peer_watch import PeerWatch
+
+    tls, lease_ttl = etcd_options(args.rdzv_conf)
+    endpoint = args.rdzv_endpoint if ":" in args.rdzv_endpoint else f"{args.rdzv_endpoint}:2379"
+    conf = _parse_rendezvous_config(args.rdzv_conf or "")
+    prefix = f"{conf.get('key_prefix', '/planaria/torchrun/').rstrip('/')}/{args.rdzv_id}"
+    client = EtcdClient(EtcdSettings(endpoint=endpoint, **tls))
+    watch = PeerWatch(client, prefix, f"{socket.gethostname()}-{os.getpid()}", ttl_s=lease_ttl,
+                      log=lambda line: print(line, file=sys.stderr, flush=True))
+    watch.start()
+    return watch
 
 
 def _nproc(value: str) -> int:
@@ -68,8 +102,6 @@ _TLS_ALIASES = {"cacert": "ca_cert", "cert": "cert_cert", "key": "cert_key"}
 
 def etcd_options(rdzv_conf: str) -> tuple[dict[str, str], int]:
     """(EtcdSettings' TLS and credential fields, lease TTL) from `--rdzv-conf`."""
-    from torch.distributed.elastic.rendezvous.utils import _parse_rendezvous_config
-
     conf = _parse_rendezvous_config(rdzv_conf or "")
     settings = {_TLS_ALIASES.get(k, k): v for k, v in conf.items()
                 if _TLS_ALIASES.get(k, k) in ("ca_cert", "cert_cert", "cert_key", "user", "password")}

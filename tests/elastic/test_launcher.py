@@ -131,3 +131,51 @@ def test_planaria_job_under_planaria_run_recovers_in_place(tmp_path):
     assert proc.returncode == 0, logs
     assert f"failed ['{victim}']" in proc.stdout
     check_against_reference(tmp_path, reference, type("Job", (), {"logs": lambda self: logs})())
+
+
+FROZEN_PEER_SCRIPT = """
+import os, sys, time, torch, torch.distributed as dist
+from datetime import timedelta
+restart = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+dist.init_process_group("gloo", timeout=timedelta(seconds=600))  # a collective waits 10 minutes
+open(os.path.join(sys.argv[1], f"start-{os.environ['GROUP_RANK']}-{restart}-{dist.get_world_size()}"), "w").write(str(time.time()))
+t = torch.ones(1)
+while restart == 0:  # the first world trains until something restarts it
+    dist.all_reduce(t)
+    time.sleep(0.05)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+def test_frozen_peer_restarts_the_world_through_its_lease_not_a_collective_timeout(etcd, tmp_path):
+    """A plain (non-Planaria) script on two nodes under `planaria-run --rdzv-backend etcd3`.
+    One node freezes (SIGSTOP: its sockets stay open, so no collective fails). Its lease
+    expires after 3 s; the other node stops its workers, torchrun restarts the world
+    without it, and the script finishes, instead of waiting out the 10-minute timeout."""
+    script = tmp_path / "peer.py"
+    script.write_text(FROZEN_PEER_SCRIPT)
+    cmd = [sys.executable, "-m", "planaria.elastic.launcher", "--nnodes", "1:2", "--nproc-per-node", "1",
+           "--rdzv-backend", "etcd3", "--rdzv-endpoint", etcd.endpoint, "--rdzv-id", "frozen",
+           "--rdzv-conf", "lease_ttl=3,last_call_timeout=5", "--max-restarts", "1", str(script), str(tmp_path)]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    nodes = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                              start_new_session=True) for _ in range(2)]
+    try:
+        deadline = time.monotonic() + 120
+        while len(list(tmp_path.glob("start-*-0-2"))) < 2:
+            assert time.monotonic() < deadline and all(n.poll() is None for n in nodes), "no 2-node world"
+            time.sleep(0.2)
+        frozen_at = time.time()
+        os.killpg(nodes[1].pid, signal.SIGSTOP)
+        out, _ = nodes[0].communicate(timeout=150)
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                os.killpg(node.pid, signal.SIGKILL)
+    assert nodes[0].returncode == 0, out[-4000:]
+    assert "gone (lease expired); stopping this node's 1 worker(s)" in out, out[-4000:]
+    (restarted,) = tmp_path.glob("start-*-1-1")  # the second world: one node
+    waited = float(restarted.read_text()) - frozen_at
+    assert waited < 60, f"the world restarted {waited:.0f} s after the peer froze"
