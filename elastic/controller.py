@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -195,6 +195,8 @@ class Controller:
                                   restore=None if restore is None else str(restore)))
         event.published_s = time.time()
         self.events.append(event)
+        # For reports (the chaos harness reads them from the store, wherever the leader ran).
+        self.store.set(f"epoch/{plan.epoch}/event", json.dumps(asdict(event)))
         self.log(f"controller: epoch {plan.epoch} ({reason}; failed {event.failed or '-'}, joined "
                  f"{event.joined or '-'}): pipelines of {event.plan_shape} stages from iteration "
                  f"{first}{f', rolling forward {event.rolled_forward}' if event.rolled_forward is not None else ''}"

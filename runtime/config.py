@@ -61,6 +61,12 @@ class TrainConfig:
     """'float32' or 'float64' (CPU exactness), 'bfloat16' (autocast over float32 master weights)."""
     recompute: bool = False
     """Recompute each block's activations in the backward pass instead of storing them."""
+    exact_reduction: bool = True
+    """Accumulate gradients over microbatches and pipelines in float64 (and the gradient
+    norm too), so that the step does not depend on how the batch is spread over
+    pipelines: a job that re-plans after a failure takes bit for bit the float32 steps
+    of one that never failed. Costs a float64 copy of the worker's gradients and twice
+    the gradient all-reduce's bytes; false keeps them in the parameters' dtype."""
     log_every: int = 1
     """Print progress every this many steps."""
 

@@ -17,6 +17,7 @@ Keys (under whatever prefix the store carries):
     epoch/<e>/reconfigure           present: stop after the current iteration
     epoch/<e>/pg/...                the epoch's process-group rendezvous
     epoch/<e>/timing/<node>.<local> how long the worker's recovery phases took (JSON)
+    epoch/<e>/event                 the controller's account of the reconfiguration (JSON)
     checkpoint/<i>/shards           shard files of the checkpoint of iteration i on disk
     checkpoint/<i>/commit           that iteration's commit record
     done                            the job is over: "ok", or "failed: <reason>"

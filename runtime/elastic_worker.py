@@ -170,6 +170,7 @@ class ElasticWorker:
             self.engine = Engine(plan, self.model, self.optim, rank=rank, device=self.device,
                                  param_dtype=self.param_dtype, autocast_dtype=self.autocast_dtype,
                                  grad_clip=self.cfg.train.grad_clip,
+                                 grad_accum_dtype=torch.float64 if self.cfg.train.exact_reduction else None,
                                  collective_timeout=self._timeout(), phase=self.faults,
                                  transfers=transfers,  # collective with the others' reconfigure
                                  restore=None if record.restore is None else Path(record.restore))

@@ -70,11 +70,15 @@ class Engine:
                  autocast_dtype: torch.dtype | None = None, grad_clip: float = 1.0,
                  world: dist.ProcessGroup | None = None, collective_timeout: timedelta | None = None,
                  phase: Callable[[str, int], None] | None = None,
-                 transfers: list[Transfer] | None = None, restore: Path | None = None):
+                 transfers: list[Transfer] | None = None, restore: Path | None = None,
+                 grad_accum_dtype: torch.dtype | None = None):
         """`transfers`: a worker joining a running job receives its layers from their
         holders (collective with the other workers' `reconfigure`); `restore`: it loads
         them from that checkpoint (collective with the others' `restore`); otherwise every
-        layer is built fresh, from its seed."""
+        layer is built fresh, from its seed. `grad_accum_dtype` (float64: the config's
+        `train.exact_reduction`): gradients are summed over microbatches and replicas in
+        that dtype, in `main_grad`, and rounded to the parameters' dtype once, after the
+        sync, so that the sum does not depend on the plan's split of the batch."""
         self.model = model
         self.optim = optim
         self.rank = rank
@@ -82,6 +86,7 @@ class Engine:
         self.param_dtype = param_dtype
         self.autocast_dtype = autocast_dtype
         self.grad_clip = grad_clip
+        self.grad_accum_dtype = grad_accum_dtype if grad_accum_dtype != param_dtype else None
         self.collective_timeout = collective_timeout
         self._phase = phase or (lambda name, iteration: None)
         self._has_phase_hooks = phase is not None
@@ -137,7 +142,20 @@ class Engine:
         module = self.model.build_layer(index, self.tp, self.param_dtype, self.device)
         if self._has_phase_hooks:
             module.register_forward_hook(self._phase_hook)
+        if self.grad_accum_dtype is not None:
+            for p in module.parameters():
+                p.main_grad = None
+                p.register_post_accumulate_grad_hook(self._accumulate)
         return LayerState(index, module, build_optimizer(module, self.optim), self.model.shard_dims(index))
+
+    def _accumulate(self, p: torch.Tensor) -> None:
+        """Move a microbatch's gradient into the wide `main_grad` (post-accumulate hook:
+        autograd has just added it to `p.grad`, which starts empty for each microbatch)."""
+        if p.main_grad is None:
+            p.main_grad = p.grad.to(self.grad_accum_dtype)
+        else:
+            p.main_grad.add_(p.grad)
+        p.grad = None
 
     def _phase_hook(self, module, args, output) -> None:
         """Forward hook: report the layer's forward, and its backward when the gradient
@@ -295,6 +313,9 @@ class Engine:
     def _forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> list[torch.Tensor]:
         for state in self.layers.values():
             state.optimizer.zero_grad(set_to_none=True)
+            if self.grad_accum_dtype is not None:
+                for p in state.module.parameters():
+                    p.main_grad = None
         is_first = any(s.is_first for s in self.stages)
         is_last = any(s.is_last for s in self.stages)
         args = (inputs,) if is_first else ()
@@ -310,15 +331,23 @@ class Engine:
         return torch.autocast(self.device.type, dtype=self.autocast_dtype)
 
     def _local_grads(self, layer: int) -> list[torch.Tensor]:
+        """The layer's gradients as summed so far: `main_grad` when gradients accumulate
+        wide, else `grad` (zeros for a parameter this iteration did not reach)."""
         grads = []
         for p in self.layers[layer].module.parameters():
-            if p.grad is None:  # a parameter this iteration did not reach
+            if self.grad_accum_dtype is not None:
+                if p.main_grad is None:
+                    p.main_grad = torch.zeros_like(p, dtype=self.grad_accum_dtype)
+                grads.append(p.main_grad)
+                continue
+            if p.grad is None:
                 p.grad = torch.zeros_like(p)
             grads.append(p.grad)
         return grads
 
     def _sync_gradients(self) -> None:
-        """Sum each layer's gradient over its replica group, one bucket per distinct group."""
+        """Sum each layer's gradient over its replica group, one bucket per distinct group;
+        then, when gradients accumulate wide, round them into `grad` once."""
         for bucket in self.groups.buckets:
             if bucket.group is None:
                 continue
@@ -327,6 +356,10 @@ class Engine:
             dist.all_reduce(flat, group=bucket.group)
             for grad, synced in zip(grads, _unflatten_dense_tensors(flat, grads)):
                 grad.copy_(synced)
+        if self.grad_accum_dtype is not None:
+            for state in self.layers.values():
+                for p, wide in zip(state.module.parameters(), self._local_grads(state.index)):
+                    p.grad = wide.to(p.dtype)
 
     def _commit(self, losses: list[torch.Tensor], stop: bool = False) -> tuple[float, float, bool]:
         """World all-reduce of [squared grad norm, loss, stop requests]; every rank gets
@@ -336,7 +369,8 @@ class Engine:
         (non-sharded) tensors are counted by tp rank 0 only. The loss comes from tp rank 0
         of each pipeline's last stage. Completing this all-reduce is the commit point.
         """
-        counted = [p.grad for layer in self._grad_norm_owner
+        wide = self.grad_accum_dtype is not None  # the norm of the unrounded sums
+        counted = [(p.main_grad if wide else p.grad) for layer in sorted(self._grad_norm_owner)
                    for name, p in self.layers[layer].module.named_parameters()
                    if name in self.layers[layer].shard_dims or self.info.tp_rank == 0]
         squared = torch.zeros((), dtype=torch.float64, device=self.device)

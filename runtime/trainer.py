@@ -137,6 +137,7 @@ def train(cfg: Config, plan, rank: int, device: torch.device, console: Console) 
     engine = Engine(plan, model, optimizer_settings(cfg), rank=rank, device=device,
                     param_dtype=param_dtype, autocast_dtype=autocast_dtype,
                     grad_clip=cfg.train.grad_clip,
+                    grad_accum_dtype=torch.float64 if cfg.train.exact_reduction else None,
                     collective_timeout=timedelta(seconds=cfg.parallel.timeout_s),
                     restore=None if resume is None else resume[1], phase=_fault_injector(rank))
     log = _MetricsLog(out_dir / "metrics.jsonl", append=resume is not None) if rank == 0 else None

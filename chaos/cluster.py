@@ -1,0 +1,109 @@
+"""A local cluster of simulated nodes: an etcd (one member or three) and one agent per
+node, each agent with its workers, all real processes on this machine.
+
+A node is an agent process started in a session of its own, so that killing the node
+(`os.killpg`) takes the agent and its workers at once, as a machine that vanishes does.
+Nodes are named `node<i>` by their index as launched; an added node takes the next
+index. The cluster knows a worker's pid from the job's store (`members/<worker>`, the
+worker's own announcement), and which nodes are live from its processes.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from planaria.elastic.etcd_client import EtcdClient, EtcdSettings
+from planaria.elastic.etcd_server import EmbeddedEtcd, EmbeddedEtcdCluster
+
+
+class LocalCluster:
+    """`nodes` agents of `nproc` workers each, training CONFIG with `overrides`."""
+
+    def __init__(self, config: str | Path, overrides: list[str], *, nodes: int, nproc: int,
+                 out_dir: Path, run_id: str, etcd_members: int = 1, lease_ttl_s: int = 3,
+                 env: dict[str, str] | None = None):
+        self.config, self.overrides = str(config), list(overrides)
+        self.nproc, self.run_id, self.lease_ttl_s = nproc, run_id, lease_ttl_s
+        self.min_nodes = nodes
+        self.out_dir = Path(out_dir)
+        self.log_dir = self.out_dir / "logs"
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.env = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
+        self.etcd = (EmbeddedEtcdCluster(etcd_members, log_dir=self.log_dir) if etcd_members > 1
+                     else EmbeddedEtcd(log=self.log_dir / "etcd.log")).start()
+        self.client = EtcdClient(EtcdSettings(endpoint=self.etcd.endpoint))
+        self.prefix = f"/planaria/{run_id}/"
+        self.agents: dict[int, subprocess.Popen] = {}
+        for _ in range(nodes):
+            self.add_node()
+
+    # ------------------------------------------------------------ nodes
+    def add_node(self) -> int:
+        index = len(self.agents)
+        log = open(self.log_dir / f"agent-node{index}.log", "w", encoding="utf-8")
+        self.agents[index] = subprocess.Popen(
+            [sys.executable, "-m", "planaria.elastic.agent", "--node", f"node{index}",
+             "--nproc-per-node", str(self.nproc), "--etcd", self.etcd.endpoint, "--run-id", self.run_id,
+             "--nnodes", str(self.min_nodes), "--lease-ttl", str(self.lease_ttl_s),
+             "--log-dir", str(self.log_dir), self.config, *self.overrides],
+            stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True)
+        return index
+
+    def live_nodes(self) -> list[int]:
+        return [i for i, agent in self.agents.items() if agent.poll() is None]
+
+    def kill_node(self, index: int) -> None:
+        """SIGKILL the node's agent and workers together."""
+        try:
+            os.killpg(self.agents[index].pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+    def kill_agent(self, index: int) -> None:
+        """SIGKILL the agent alone (its workers die with it: PR_SET_PDEATHSIG)."""
+        self.agents[index].send_signal(signal.SIGKILL)
+
+    def worker_pid(self, index: int, local: int) -> int | None:
+        value, _ = self.client.get(self.prefix + f"members/node{index}.{local}")
+        return json.loads(value)["pid"] if value else None
+
+    def signal_worker(self, index: int, local: int, signum: int) -> bool:
+        pid = self.worker_pid(index, local)
+        if pid is None:
+            return False
+        try:
+            os.kill(pid, signum)
+        except ProcessLookupError:
+            return False
+        return True
+
+    def kill_etcd_member(self, member: int) -> None:
+        self.etcd.members[member].kill()
+
+    def live_etcd_members(self) -> list[int]:
+        members = getattr(self.etcd, "members", [self.etcd])
+        return [i for i, m in enumerate(members) if m.process is not None and m.process.poll() is None]
+
+    # -------------------------------------------------------------- job
+    def outcome(self) -> str | None:
+        """The job's end as the leader recorded it ("ok" or "failed: ..."), or None."""
+        value, _ = self.client.get(self.prefix + "done")
+        return value.decode() if value else None
+
+    def store_json(self, key: str):
+        value, _ = self.client.get(self.prefix + key)
+        return json.loads(value) if value else None
+
+    def store_keys(self, prefix: str) -> list[str]:
+        return self.client.keys_with_prefix(self.prefix + prefix)
+
+    def close(self) -> None:
+        for index in list(self.agents):
+            self.kill_node(index)
+        for agent in self.agents.values():
+            agent.wait()
+        self.etcd.stop()

@@ -1,0 +1,87 @@
+"""What the chaos harness injects, and when: `KIND@STEP[:target=T]`.
+
+    kill-worker@6            SIGKILL one worker (the seed picks a live one)
+    kill-node@3:target=2     SIGKILL node 2's agent and workers together (a machine vanishes)
+    kill-agent@4             SIGKILL an agent only (its workers die with it)
+    hang-worker@5:target=1.0 SIGSTOP worker 0 of node 1 (it neither dies nor answers)
+    kill-etcd-member@7       SIGKILL one etcd member (with --etcd-members 3)
+    add-node@9               start one more node
+
+A fault at step S fires once the job has committed S steps, while step S runs. A target
+is a node index as launched (`2`: node2) or a node and a local rank (`2.0`); without
+one, the harness's seeded random generator picks a live node. Faults at the same step
+fire together. Everything is checked before anything starts: `validate` names what is
+wrong and what to write instead.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+KINDS = ("kill-worker", "kill-node", "kill-agent", "hang-worker", "kill-etcd-member", "add-node")
+WORKER_KINDS = ("kill-worker", "hang-worker")
+_SPEC = re.compile(r"^(?P<kind>[a-z-]+)@(?P<step>\d+)(?::target=(?P<target>\d+(?:\.\d+)?))?$")
+
+
+class FaultSpecError(ValueError):
+    """A fault that cannot be injected; the message says why and what would do."""
+
+
+@dataclass(frozen=True)
+class FaultSpec:
+    kind: str
+    step: int
+    node: int | None = None
+    """The node index as launched; None: the harness picks a live one."""
+    local: int | None = None
+    """The worker's local rank (worker kinds only); None: the harness picks."""
+
+    def __str__(self) -> str:
+        target = "" if self.node is None else f":target={self.node}" + (
+            "" if self.local is None else f".{self.local}")
+        return f"{self.kind}@{self.step}{target}"
+
+
+def parse_fault(text: str) -> FaultSpec:
+    match = _SPEC.match(text.strip())
+    if not match:
+        raise FaultSpecError(f"bad fault {text!r}: expected KIND@STEP[:target=NODE[.LOCAL]], "
+                             f"such as kill-node@3 or kill-worker@6:target=2.0")
+    kind = match["kind"]
+    if kind not in KINDS:
+        raise FaultSpecError(f"unknown fault kind {kind!r} in {text!r}; known kinds: {', '.join(KINDS)}")
+    node = local = None
+    if match["target"]:
+        node_text, _, local_text = match["target"].partition(".")
+        node, local = int(node_text), (int(local_text) if local_text else None)
+        if kind in ("kill-etcd-member", "add-node") and local is not None:
+            raise FaultSpecError(f"{text!r}: {kind} takes no worker target")
+        if local is not None and kind not in WORKER_KINDS:
+            raise FaultSpecError(f"{text!r}: {kind} acts on a whole node; give target={node}")
+    return FaultSpec(kind, int(match["step"]), node, local)
+
+
+def validate(faults: list[FaultSpec], *, steps: int, nodes: int, nproc: int, etcd_members: int) -> None:
+    """Refuse faults the job cannot meet: a step at or beyond `train.steps`, a target that
+    does not exist (nodes added by add-node count, in order), an etcd member to kill with
+    a single-member etcd."""
+    launched = nodes
+    for fault in sorted(faults, key=lambda f: f.step):
+        if fault.step >= steps:
+            raise FaultSpecError(f"{fault}: step {fault.step} is beyond the job's train.steps={steps} "
+                                 f"(steps are 0 to {steps - 1}); use an earlier step or raise train.steps")
+        if fault.kind == "add-node":
+            launched += 1
+            continue
+        if fault.kind == "kill-etcd-member":
+            if etcd_members < 3:
+                raise FaultSpecError(f"{fault}: etcd has {etcd_members} member(s); losing one would "
+                                     "lose etcd. Run with --etcd-members 3")
+            if fault.node is not None and fault.node >= etcd_members:
+                raise FaultSpecError(f"{fault}: etcd members are 0 to {etcd_members - 1}")
+            continue
+        if fault.node is not None and fault.node >= launched:
+            raise FaultSpecError(f"{fault}: there is no node {fault.node} by step {fault.step}; nodes "
+                                 f"are 0 to {launched - 1} (add-node adds the next index)")
+        if fault.local is not None and fault.local >= nproc:
+            raise FaultSpecError(f"{fault}: nodes have {nproc} worker(s), local ranks 0 to {nproc - 1}")

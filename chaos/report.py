@@ -1,0 +1,280 @@
+"""What a chaos run did, in numbers a person can check: report.json, a table, a plot.
+
+Everything is read back from what the run left: the workers' commit logs
+(`commits-<worker>.jsonl`: one line per committed step), the controller's account of
+each reconfiguration and the workers' recovery timings (from the job's store), and the
+harness's own list of injected faults. Nothing is taken on the harness's word that can
+be read from the job itself.
+"""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+
+@dataclass
+class InjectedFault:
+    """A fault as the harness injected it."""
+
+    fault: str
+    """The spec with its target resolved, e.g. kill-node@3:target=2."""
+    step: int
+    time: float
+
+
+@dataclass
+class Recovery:
+    fault: str
+    step: int
+    detect_s: float | None
+    """From the fault to the controller's detection; None: nothing to detect (an etcd member)."""
+    plan_s: float | None
+    """From detection to the next epoch's publication (statuses, decision, plan)."""
+    transfer_s: float | None
+    """The slowest worker's layer transfers in the new epoch."""
+    total_s: float | None
+    """From the fault to the first step committed in the new epoch."""
+    bytes_moved: int
+    epoch: int | None
+    """The epoch the job recovered into."""
+    note: str = ""
+
+
+@dataclass
+class Report:
+    completed: bool
+    outcome: str
+    steps: int
+    steps_committed: int
+    max_loss_diff: float | None
+    committed_steps_lost: int
+    checkpoint_loads: int
+    ettr: float | None
+    wall_s: float
+    recoveries: list[Recovery] = field(default_factory=list)
+    losses: dict[int, float] = field(default_factory=dict)
+    reference_losses: dict[int, float] = field(default_factory=dict)
+    commit_times: list[tuple[float, int]] = field(default_factory=list)
+    """(time since the first commit, iteration) of every step, in commit order."""
+    live_nodes: list[tuple[float, int]] = field(default_factory=list)
+    """(time since the first commit, live nodes) as the harness sampled it."""
+    first_commit_time: float | None = None
+
+    def summary(self) -> dict:
+        data = asdict(self)
+        for bulky in ("losses", "reference_losses", "commit_times", "live_nodes", "first_commit_time"):
+            data.pop(bulky)
+        return data
+
+
+def read_commits(out_dir: Path) -> dict[str, list[dict]]:
+    """Each worker's committed steps, in the order it committed them."""
+    logs = {}
+    for path in sorted(Path(out_dir).glob("commits-*.jsonl")):
+        lines = path.read_text().splitlines()
+        logs[path.stem.removeprefix("commits-")] = [json.loads(line) for line in lines if line.strip()]
+    return logs
+
+
+def committed_iterations(out_dir: Path) -> int:
+    """How many steps the job has committed so far (the newest iteration + 1)."""
+    newest = -1
+    for entries in read_commits(out_dir).values():
+        if entries:
+            newest = max(newest, max(e["iteration"] for e in entries))
+    return newest + 1
+
+
+def step_losses(logs: dict[str, list[dict]]) -> tuple[dict[int, float], list[tuple[float, int]], int]:
+    """(loss per iteration, (time, iteration) of each step's first commit, steps lost):
+    a step is lost when it was committed in one epoch and committed again in a later one
+    (the job went back to a checkpoint)."""
+    losses: dict[int, float] = {}
+    first_commit: dict[int, float] = {}
+    epochs: dict[int, set[int]] = {}
+    for entries in logs.values():
+        for e in entries:
+            i = e["iteration"]
+            losses.setdefault(i, e["loss"])
+            first_commit[i] = min(first_commit.get(i, e["time"]), e["time"])
+            epochs.setdefault(i, set()).add(e["epoch"])
+    lost = sum(len(found) - 1 for found in epochs.values())
+    times = sorted((t, i) for i, t in first_commit.items())
+    return losses, times, lost
+
+
+def recoveries(faults: list[InjectedFault], events: list[dict], timings: dict[int, list[dict]],
+               logs: dict[str, list[dict]]) -> list[Recovery]:
+    """One entry per fault: the first reconfiguration the controller detected after it
+    (simultaneous faults share one)."""
+    first_step_in = {}
+    for entries in logs.values():
+        for e in entries:
+            if not e.get("rolled_forward"):
+                first_step_in[e["epoch"]] = min(first_step_in.get(e["epoch"], e["time"]), e["time"])
+    found = []
+    for fault in faults:
+        event = next((ev for ev in sorted(events, key=lambda ev: ev["epoch"])
+                      if ev["detected_s"] >= fault.time), None)
+        if fault.fault.startswith("kill-etcd-member"):
+            found.append(Recovery(fault.fault, fault.step, None, None, None, None, 0, None,
+                                  note="etcd member: no reconfiguration needed"))
+            continue
+        if event is None:
+            note = ("the job ended before the node joined" if fault.fault.startswith("add-node")
+                    else "no reconfiguration followed")
+            found.append(Recovery(fault.fault, fault.step, None, None, None, None, 0, None, note=note))
+            continue
+        epoch = event["epoch"]
+        worker_timings = timings.get(epoch, [])
+        transfers = [t["transfer_s"] - t["rendezvous_s"] for t in worker_timings
+                     if "transfer_s" in t and "rendezvous_s" in t]
+        resumed = first_step_in.get(epoch)
+        found.append(Recovery(
+            fault.fault, fault.step, detect_s=event["detected_s"] - fault.time,
+            plan_s=event["published_s"] - event["detected_s"],
+            transfer_s=max(transfers) if transfers else None,
+            total_s=None if resumed is None else resumed - fault.time,
+            bytes_moved=sum(int(t.get("bytes_received", 0)) for t in worker_timings), epoch=epoch))
+    return found
+
+
+def build_report(*, out_dir: Path, steps: int, outcome: str, faults: list[InjectedFault],
+                 events: list[dict], timings: dict[int, list[dict]], reference: dict,
+                 live_nodes: list[tuple[float, int]], wall_s: float) -> Report:
+    logs = read_commits(out_dir)
+    losses, times, lost = step_losses(logs)
+    ref_losses = {int(k): v for k, v in reference["losses"].items()}
+    diffs = [abs(loss - ref_losses[i]) for i, loss in losses.items() if i in ref_losses]
+    start = times[0][0] if times else 0.0
+    ettr = None
+    if times and reference.get("step_s"):
+        trained_s = times[-1][0] - start + reference["step_s"]
+        ettr = min(1.0, len(losses) * reference["step_s"] / trained_s)
+    return Report(
+        completed=outcome == "ok" and len(losses) == steps, outcome=outcome, steps=steps,
+        steps_committed=len(losses), max_loss_diff=max(diffs) if diffs else None,
+        committed_steps_lost=lost,
+        checkpoint_loads=sum(1 for ev in events if ev.get("restored") is not None),
+        ettr=ettr, wall_s=wall_s, recoveries=recoveries(faults, events, timings, logs),
+        losses=losses, reference_losses=ref_losses,
+        commit_times=[(t - start, i) for t, i in times],
+        live_nodes=[(t - start, n) for t, n in live_nodes], first_commit_time=times[0][0] if times else None)
+
+
+def write_json_atomically(path: Path, data) -> None:
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        json.dump(data, f, indent=2, sort_keys=True)
+        f.write("\n")
+    os.replace(tmp, path)
+
+
+def write_report(report: Report, out_dir: Path) -> Path:
+    """report.json (the summary and the per-step series), atomically."""
+    data = report.summary()
+    data["series"] = {"losses": report.losses, "reference_losses": report.reference_losses,
+                      "commit_times": report.commit_times, "live_nodes": report.live_nodes}
+    path = Path(out_dir) / "report.json"
+    write_json_atomically(path, data)
+    return path
+
+
+def _fmt(value, unit: str = "") -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.2f}{unit}"
+    return f"{value}{unit}"
+
+
+def recovery_table(recoveries: list[Recovery]):
+    from rich.table import Table
+
+    table = Table(title="recoveries", title_justify="left")
+    for column in ("fault", "step", "detect", "plan", "transfer", "total", "moved"):
+        table.add_column(column, justify="left" if column == "fault" else "right", no_wrap=True)
+    for r in recoveries:
+        table.add_row(r.fault, str(r.step), _fmt(r.detect_s, " s"), _fmt(r.plan_s, " s"),
+                      _fmt(r.transfer_s, " s"), _fmt(r.total_s, " s"),
+                      "-" if not r.bytes_moved else f"{r.bytes_moved / 2**20:.2f} MiB")
+        if r.note:
+            table.add_row(f"  {r.note}", "", "", "", "", "", "")
+    return table
+
+
+def verdict_table(report: Report):
+    from rich.table import Table
+
+    table = Table(title="verdict", title_justify="left", show_header=False)
+    table.add_column(justify="left")
+    table.add_column(justify="right")
+    diff = "-" if report.max_loss_diff is None else f"{report.max_loss_diff:.2e}"
+    rows = [("completed", "yes" if report.completed else f"no ({report.outcome})"),
+            ("steps committed", f"{report.steps_committed} of {report.steps}"),
+            ("committed steps lost", str(report.committed_steps_lost)),
+            ("checkpoint loads", str(report.checkpoint_loads)),
+            ("max loss diff vs reference", diff),
+            ("ETTR", "-" if report.ettr is None else f"{report.ettr:.2f}"),
+            ("wall time", f"{report.wall_s:.1f} s")]
+    for name, value in rows:
+        table.add_row(name, value)
+    return table
+
+
+def plot_report(report: Report, faults: list[InjectedFault], path: Path) -> Path:
+    """Three panels sharing nothing but a purpose: loss against the reference with the
+    faults marked (by step), throughput over time and live nodes over time."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_loss, ax_rate, ax_nodes) = plt.subplots(3, 1, figsize=(9, 10), constrained_layout=True)
+    ref = sorted(report.reference_losses.items())
+    run = sorted(report.losses.items())
+    ax_loss.plot([i for i, _ in ref], [v for _, v in ref], color="0.6", linewidth=3, label="reference (no faults)")
+    ax_loss.plot([i for i, _ in run], [v for _, v in run], color="tab:blue", linewidth=1.2, label="with faults")
+    for fault in faults:
+        ax_loss.axvline(fault.step, color="tab:red", linestyle="--", linewidth=0.8)
+        ax_loss.annotate(fault.fault.split(":")[0], (fault.step, 1), xycoords=("data", "axes fraction"),
+                         rotation=90, va="top", ha="right", fontsize=8, color="tab:red")
+    ax_loss.set(xlabel="step", ylabel="loss", title="Loss against the fault-free reference")
+    ax_loss.legend(loc="lower left")
+
+    # Throughput: steps committed per bin of about a twentieth of the run, as steps.
+    times = [t for t, _ in report.commit_times]
+    if times:
+        bin_s = max(0.5, (times[-1] - times[0]) / 20)
+        edges = [times[0] + k * bin_s for k in range(int((times[-1] - times[0]) / bin_s) + 2)]
+        counts = [sum(1 for t in times if lo <= t < lo + bin_s) / bin_s for lo in edges]
+        ax_rate.step(edges, counts, where="post", color="tab:green")
+    ax_rate.set(xlabel="seconds since the first step", ylabel="steps / s", title="Throughput")
+
+    end = times[-1] if times else None
+    nodes = [(t, n) for t, n in report.live_nodes if end is None or t <= end]
+    if nodes:
+        ax_nodes.step([t for t, _ in nodes], [n for _, n in nodes], where="post", color="tab:purple")
+        ax_nodes.set_ylim(0, max(n for _, n in nodes) + 1)
+    ax_nodes.set(xlabel="seconds since the first step", ylabel="live nodes",
+                 title="Live nodes (agents running)")
+    ax_nodes.yaxis.get_major_locator().set_params(integer=True)
+    ax_nodes.sharex(ax_rate)
+    if times:  # the start-up before the first step (minutes on a large model) is not the story
+        ax_rate.set_xlim(left=-1.0, right=times[-1] + 0.5)
+    for fault in faults:
+        moment = _since_first_commit(report, fault)
+        if moment is not None:
+            for ax in (ax_rate, ax_nodes):
+                ax.axvline(moment, color="tab:red", linestyle="--", linewidth=0.8)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _since_first_commit(report: Report, fault: InjectedFault) -> float | None:
+    return None if report.first_commit_time is None else fault.time - report.first_commit_time
