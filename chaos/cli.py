@@ -97,7 +97,8 @@ def _chaos(args: argparse.Namespace) -> int:
     from planaria.chaos.harness import ChaosSettings, run_chaos
     from planaria.runtime.config import ConfigError
 
-    console = Console(highlight=False, soft_wrap=True)
+    # A log file or pipe gets 120 columns: the recovery table's, unsqueezed.
+    console = Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 120)
     overrides = list(args.overrides)
     if args.fault_tolerance is not None:
         overrides.append(f"parallel.fault_tolerance={args.fault_tolerance}")

@@ -6,8 +6,11 @@
     hang-worker@5:target=1.0 SIGSTOP worker 0 of node 1 (it neither dies nor answers)
     kill-etcd-member@7       SIGKILL one etcd member (with --etcd-members 3)
     add-node@9               start one more node
+    kill-node@3+1.5          1.5 s after step 3 is reached (during the recovery of a
+                             fault at step 3, say)
 
-A fault at step S fires once the job has committed S steps, while step S runs. A target
+A fault at step S fires once the job has committed S steps, while step S runs; `+D`
+delays it D seconds past that moment (the job may be recovering meanwhile). A target
 is a node index as launched (`2`: node2) or a node and a local rank (`2.0`); without
 one, the harness's seeded random generator picks a live node. Faults at the same step
 fire together. Everything is checked before anything starts: `validate` names what is
@@ -20,7 +23,8 @@ from dataclasses import dataclass
 
 KINDS = ("kill-worker", "kill-node", "kill-agent", "hang-worker", "kill-etcd-member", "add-node")
 WORKER_KINDS = ("kill-worker", "hang-worker")
-_SPEC = re.compile(r"^(?P<kind>[a-z-]+)@(?P<step>\d+)(?::target=(?P<target>\d+(?:\.\d+)?))?$")
+_SPEC = re.compile(r"^(?P<kind>[a-z-]+)@(?P<step>\d+)(?:\+(?P<delay>\d+(?:\.\d*)?)s?)?"
+                   r"(?::target=(?P<target>\d+(?:\.\d+)?))?$")
 
 
 class FaultSpecError(ValueError):
@@ -35,18 +39,20 @@ class FaultSpec:
     """The node index as launched; None: the harness picks a live one."""
     local: int | None = None
     """The worker's local rank (worker kinds only); None: the harness picks."""
+    delay_s: float = 0.0
+    """Seconds past the moment step `step` was reached."""
 
     def __str__(self) -> str:
         target = "" if self.node is None else f":target={self.node}" + (
             "" if self.local is None else f".{self.local}")
-        return f"{self.kind}@{self.step}{target}"
+        return f"{self.kind}@{self.step}{f'+{self.delay_s:g}' if self.delay_s else ''}{target}"
 
 
 def parse_fault(text: str) -> FaultSpec:
     match = _SPEC.match(text.strip())
     if not match:
-        raise FaultSpecError(f"bad fault {text!r}: expected KIND@STEP[:target=NODE[.LOCAL]], "
-                             f"such as kill-node@3 or kill-worker@6:target=2.0")
+        raise FaultSpecError(f"bad fault {text!r}: expected KIND@STEP[+SECONDS][:target=NODE[.LOCAL]], "
+                             f"such as kill-node@3, kill-node@3+1.5 or kill-worker@6:target=2.0")
     kind = match["kind"]
     if kind not in KINDS:
         raise FaultSpecError(f"unknown fault kind {kind!r} in {text!r}; known kinds: {', '.join(KINDS)}")
@@ -58,7 +64,7 @@ def parse_fault(text: str) -> FaultSpec:
             raise FaultSpecError(f"{text!r}: {kind} takes no worker target")
         if local is not None and kind not in WORKER_KINDS:
             raise FaultSpecError(f"{text!r}: {kind} acts on a whole node; give target={node}")
-    return FaultSpec(kind, int(match["step"]), node, local)
+    return FaultSpec(kind, int(match["step"]), node, local, float(match["delay"] or 0))
 
 
 def validate(faults: list[FaultSpec], *, steps: int, nodes: int, nproc: int, etcd_members: int) -> None:

@@ -24,7 +24,7 @@ from rich.console import Console
 from planaria.chaos.cluster import LocalCluster
 from planaria.chaos.faults import FaultSpec, validate
 from planaria.chaos.report import (InjectedFault, Report, build_report, committed_iterations, plot_report,
-                                   read_commits, recovery_table, step_losses, verdict_table,
+                                   read_commits, recovery_notes, recovery_table, step_losses, verdict_table,
                                    write_json_atomically, write_report)
 from planaria.runtime.config import load_config
 
@@ -60,6 +60,8 @@ def run_chaos(settings: ChaosSettings, console: Console) -> Report:
     write_report(report, out)
     plot = plot_report(report, run.injected, out / "report.png")
     console.print(recovery_table(report.recoveries))
+    for note in recovery_notes(report.recoveries):
+        console.print(f"  {note}")
     console.print(verdict_table(report))
     console.print(f"report: {out / 'report.json'}   plot: {plot}")
     return report
@@ -114,6 +116,8 @@ class _Run:
         self.injected: list[InjectedFault] = []
         self.live_nodes: list[tuple[float, int]] = []
         self.rng = random.Random(settings.seed)
+        self._reached: dict[FaultSpec, float] = {}
+        """When each pending fault's step was reached."""
         self.outcome = "not started"
 
     def execute(self, reference: dict | None) -> Report | None:
@@ -140,7 +144,11 @@ class _Run:
         shown = -1
         while True:
             committed = committed_iterations(self.out_dir)
-            due = [f for f in self.pending if f.step <= committed]
+            now = time.time()
+            for fault in self.pending:
+                if fault.step <= committed:
+                    self._reached.setdefault(fault, now)
+            due = [f for f in self.pending if f in self._reached and now - self._reached[f] >= f.delay_s]
             if due:
                 self.pending = [f for f in self.pending if f not in due]
                 for fault in due:
@@ -186,7 +194,7 @@ class _Run:
                     self.console.print(f"  [yellow]{fault}: worker node{node}.{local} is not running; skipped[/]")
                     return
                 target = f"{node}.{local}"
-        spec = f"{kind}@{fault.step}:target={target}"
+        spec = f"{str(fault).split(':')[0]}:target={target}"
         self.injected.append(InjectedFault(spec, committed, time.time()))
         self.console.print(f"  [red]fault[/] {spec} (job at step {committed})")
 

@@ -40,6 +40,10 @@ class Recovery:
     bytes_moved: int
     epoch: int | None
     """The epoch the job recovered into."""
+    plan_shape: list[int] | None = None
+    """Stages of each pipeline in that epoch."""
+    transfers: int = 0
+    """Layer shards copied between workers to enter it."""
     note: str = ""
 
 
@@ -133,12 +137,17 @@ def recoveries(faults: list[InjectedFault], events: list[dict], timings: dict[in
         transfers = [t["transfer_s"] - t["rendezvous_s"] for t in worker_timings
                      if "transfer_s" in t and "rendezvous_s" in t]
         resumed = first_step_in.get(epoch)
+        # Measured by the receivers; a receiver that died in that epoch never reported,
+        # and then the planner's count of the bytes its transfers carry stands in.
+        received = sum(int(t.get("bytes_received", 0)) for t in worker_timings)
+        moved = received if received or not event.get("transfers") else int(event.get("moved_bytes", 0))
         found.append(Recovery(
             fault.fault, fault.step, detect_s=event["detected_s"] - fault.time,
             plan_s=event["published_s"] - event["detected_s"],
             transfer_s=max(transfers) if transfers else None,
             total_s=None if resumed is None else resumed - fault.time,
-            bytes_moved=sum(int(t.get("bytes_received", 0)) for t in worker_timings), epoch=epoch))
+            bytes_moved=moved, epoch=epoch, plan_shape=event.get("plan_shape"),
+            transfers=int(event.get("transfers", 0))))
     return found
 
 
@@ -196,15 +205,19 @@ def recovery_table(recoveries: list[Recovery]):
     from rich.table import Table
 
     table = Table(title="recoveries", title_justify="left")
-    for column in ("fault", "step", "detect", "plan", "transfer", "total", "moved"):
+    for column in ("fault", "step", "detect", "plan", "transfer", "total", "copies", "moved", "plan shape"):
         table.add_column(column, justify="left" if column == "fault" else "right", no_wrap=True)
     for r in recoveries:
         table.add_row(r.fault, str(r.step), _fmt(r.detect_s, " s"), _fmt(r.plan_s, " s"),
-                      _fmt(r.transfer_s, " s"), _fmt(r.total_s, " s"),
-                      "-" if not r.bytes_moved else f"{r.bytes_moved / 2**20:.2f} MiB")
-        if r.note:
-            table.add_row(f"  {r.note}", "", "", "", "", "", "")
+                      _fmt(r.transfer_s, " s"), _fmt(r.total_s, " s"), str(r.transfers),
+                      "-" if not r.bytes_moved else f"{r.bytes_moved / 2**20:.2f} MiB",
+                      "-" if r.plan_shape is None else str(r.plan_shape))
+
     return table
+
+
+def recovery_notes(recoveries: list[Recovery]) -> list[str]:
+    return [f"{r.fault}: {r.note}" for r in recoveries if r.note]
 
 
 def verdict_table(report: Report):

@@ -44,13 +44,56 @@ def test_the_issues_command_loses_nothing_in_float32(tmp_path):
     assert "nothing was lost" in proc.stdout
 
 
+def assert_nothing_lost(proc, tmp_path, steps: int) -> dict:
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-4000:]
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert report["completed"] and report["steps_committed"] == steps, report
+    assert report["committed_steps_lost"] == 0 and report["checkpoint_loads"] == 0, report
+    assert report["max_loss_diff"] < 1e-6, report
+    return report
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_a_hung_worker_an_agent_and_an_etcd_member(tmp_path):
+    """The other kinds, on a 3-member etcd: a worker SIGSTOPped (its peers time out after
+    parallel.timeout_s; the leader has its agent kill it), an agent SIGKILLed, an etcd
+    member SIGKILLed (no reconfiguration)."""
+    proc = chaos(["--nodes", "6", "--fault-tolerance", "1", "--etcd-members", "3",
+                  "--fault", "hang-worker@3:target=5.0", "--fault", "kill-agent@8:target=0",
+                  "--fault", "kill-etcd-member@12", "parallel.min_stages=2", "parallel.timeout_s=4"],
+                 tmp_path)
+    report = assert_nothing_lost(proc, tmp_path, 30)
+    hang, agent, member = report["recoveries"]
+    assert hang["fault"] == "hang-worker@3:target=5.0" and hang["total_s"] is not None
+    assert agent["fault"] == "kill-agent@8:target=0" and agent["total_s"] is not None
+    assert member["fault"].startswith("kill-etcd-member@12") and member["epoch"] is None
+    assert hang["epoch"] < agent["epoch"]  # two reconfigurations, one each
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_simultaneous_faults_and_a_fault_during_the_recovery(tmp_path):
+    """Six nodes make three 2-stage pipelines (node0-1, node2-3, node4-5). A worker of
+    node3 and all of node2 die at once; a second later, while the job recovers, node5's
+    agent dies too. node0-1 still hold every layer."""
+    proc = chaos(["--nodes", "6", "--fault-tolerance", "1", "--fault", "kill-worker@3:target=3.0",
+                  "--fault", "kill-node@3:target=2", "--fault", "kill-agent@3+1:target=5",
+                  "parallel.min_stages=2"], tmp_path)
+    report = assert_nothing_lost(proc, tmp_path, 30)
+    worker, node, agent = report["recoveries"]
+    assert worker["epoch"] == node["epoch"], "simultaneous faults are one reconfiguration"
+    assert agent["total_s"] is not None, report["recoveries"]  # in that reconfiguration or the next
+    assert agent["epoch"] >= node["epoch"]
+
+
 @pytest.mark.parametrize("args, message", [
     (["--fault", "explode-node@3"], "unknown fault kind 'explode-node'"),
     (["--fault", "kill-node@30"], "step 30 is beyond the job's train.steps=30"),
     (["--fault", "kill-node@3:target=7"], "there is no node 7 by step 3"),
     (["--fault", "kill-worker@3:target=1.2"], "local ranks 0 to 0"),
     (["--fault", "kill-etcd-member@3"], "Run with --etcd-members 3"),
-    (["--fault", "kill-node"], "expected KIND@STEP[:target=NODE[.LOCAL]]"),
+    (["--fault", "kill-node"], "expected KIND@STEP[+SECONDS][:target=NODE[.LOCAL]]"),
 ])
 def test_bad_faults_are_refused_before_anything_starts(args, message, tmp_path):
     proc = chaos(["--nodes", "4", *args], tmp_path, timeout=60)
