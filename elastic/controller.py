@@ -157,8 +157,9 @@ class Controller:
                      reason: str) -> None:
         event = EpochEvent(epoch=self.epoch + 1, reason=reason, detected_s=time.time())
         members = set(self.plan.rank_of_worker())
-        if reason == "join":  # nobody failed: stop everyone at the next iteration boundary
-            self.store.set(f"epoch/{self.epoch}/reconfigure", "join")
+        # Stop everyone at the next iteration boundary (a join: nobody failed), and abandon
+        # the epoch's rendezvous if it is still going on (a peer died before joining it).
+        self.store.set(f"epoch/{self.epoch}/reconfigure", reason)
         time.sleep(self.debounce_s)
         statuses = self._collect_statuses(members, alive_now, kill)
         event.statuses_s = time.time()

@@ -166,3 +166,24 @@ def test_only_checkpoints_with_a_manifest_count_and_pruning_keeps_the_newest(tmp
     assert [k for k, _ in complete_checkpoints(tmp_path)] == [3]
     assert not step_dir(tmp_path, 7).exists()
     assert json.loads((step_dir(tmp_path, 3) / "manifest.json").read_text())["iteration"] == 3
+
+
+def test_a_rendezvous_is_given_up_when_the_control_plane_abandons_the_epoch():
+    """A peer that died before registering would hold the others in the rendezvous until
+    the store's timeout; once the controller asks the epoch to stop, the wait ends."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from planaria.runtime.coordination import StoreCoordinator
+
+    store = dist.HashStore()
+    store.set_timeout(timedelta(seconds=300))
+    rendezvous = StoreCoordinator(store, ("node0", 0)).rendezvous_store(1)  # kept by the coordinator
+    rendezvous.set("present", "1")
+    assert rendezvous.get("present") == b"1"
+    store.set("epoch/1/reconfigure", "failure")
+    start = time.monotonic()
+    with pytest.raises(dist.DistStoreError, match="epoch 1 was abandoned"):
+        rendezvous.get("rank-of-a-dead-peer")
+    assert time.monotonic() - start < 5
