@@ -1,12 +1,13 @@
 # The two commands of the README, each doing its own set-up on a fresh machine:
 #   make train   # train configs/tiny.yaml in 2 processes, plan chosen by the planner (torchrun, CPU or GPU)
-#   make test    # the test suite (about 2-3 minutes on 2 CPU cores)
+#   make test    # the test suite (about 15 minutes on 2 CPU cores)
+#   make test-slow  # the longer runs kept out of it (a few minutes)
 PYTHON ?= python3
 NPROC ?= 2
 CONFIG ?= configs/tiny.yaml
 ARGS ?=
 
-.PHONY: setup train test test-only bench
+.PHONY: setup train test test-only test-slow bench
 
 setup:
 	@bash .ci/setup
@@ -19,6 +20,9 @@ test: setup test-only
 
 test-only:
 	$(PYTHON) -m pytest -q
+
+test-slow: setup
+	$(PYTHON) -m pytest -q -m slow
 
 bench: setup
 	$(PYTHON) benchmarks/step_time.py

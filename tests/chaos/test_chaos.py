@@ -17,8 +17,15 @@ from tests.launch import TINY
 pytest.importorskip("pyetcd")
 
 
-def chaos(args: list[str], tmp_path, timeout: float = 600) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="1", XDG_CACHE_HOME=str(tmp_path / "cache"))
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    """One reference cache for this module's runs (fresh: every reference is computed here);
+    runs of the same job and cluster shape share their reference, as a user's do."""
+    return tmp_path_factory.mktemp("chaos-cache")
+
+
+def chaos(args: list[str], tmp_path, cache, timeout: float = 600) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1", XDG_CACHE_HOME=str(cache))
     return subprocess.run([sys.executable, "-m", "planaria.chaos.cli", "chaos", str(TINY), *args,
                            "--out", str(tmp_path / "out")],
                           capture_output=True, text=True, timeout=timeout, env=env)
@@ -26,9 +33,9 @@ def chaos(args: list[str], tmp_path, timeout: float = 600) -> subprocess.Complet
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(600)
-def test_the_issues_command_loses_nothing_in_float32(tmp_path):
+def test_the_issues_command_loses_nothing_in_float32(tmp_path, cache):
     proc = chaos(["--nodes", "6", "--fault-tolerance", "1", "--fault", "kill-node@3",
-                  "--fault", "kill-worker@6", "--fault", "add-node@9", "parallel.min_stages=2"], tmp_path)
+                  "--fault", "kill-worker@6", "--fault", "add-node@9", "parallel.min_stages=2"], tmp_path, cache)
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-4000:]
     report = json.loads((tmp_path / "out" / "report.json").read_text())
     assert report["completed"] and report["steps_committed"] == 30
@@ -53,16 +60,17 @@ def assert_nothing_lost(proc, tmp_path, steps: int) -> dict:
     return report
 
 
+@pytest.mark.slow  # ~90 s; each kind is also in the default suite (tests/elastic, tests/runtime)
 @pytest.mark.multiprocess
 @pytest.mark.timeout(600)
-def test_a_hung_worker_an_agent_and_an_etcd_member(tmp_path):
-    """The other kinds, on a 3-member etcd: a worker SIGSTOPped (its peers time out after
-    parallel.timeout_s; the leader has its agent kill it), an agent SIGKILLed, an etcd
-    member SIGKILLed (no reconfiguration)."""
+def test_a_hung_worker_an_agent_and_an_etcd_member(tmp_path, cache):
+    """The other kinds, through the harness, on a 3-member etcd: a worker SIGSTOPped (its
+    peers time out after parallel.timeout_s; the leader has its agent kill it), an agent
+    SIGKILLed, an etcd member SIGKILLed (no reconfiguration)."""
     proc = chaos(["--nodes", "6", "--fault-tolerance", "1", "--etcd-members", "3",
                   "--fault", "hang-worker@3:target=5.0", "--fault", "kill-agent@8:target=0",
                   "--fault", "kill-etcd-member@12", "parallel.min_stages=2", "parallel.timeout_s=4"],
-                 tmp_path)
+                 tmp_path, cache)
     report = assert_nothing_lost(proc, tmp_path, 30)
     hang, agent, member = report["recoveries"]
     assert hang["fault"] == "hang-worker@3:target=5.0" and hang["total_s"] is not None
@@ -73,13 +81,13 @@ def test_a_hung_worker_an_agent_and_an_etcd_member(tmp_path):
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(600)
-def test_simultaneous_faults_and_a_fault_during_the_recovery(tmp_path):
+def test_simultaneous_faults_and_a_fault_during_the_recovery(tmp_path, cache):
     """Six nodes make three 2-stage pipelines (node0-1, node2-3, node4-5). A worker of
     node3 and all of node2 die at once; a second later, while the job recovers, node5's
     agent dies too. node0-1 still hold every layer."""
     proc = chaos(["--nodes", "6", "--fault-tolerance", "1", "--fault", "kill-worker@3:target=3.0",
                   "--fault", "kill-node@3:target=2", "--fault", "kill-agent@3+1:target=5",
-                  "parallel.min_stages=2"], tmp_path)
+                  "parallel.min_stages=2"], tmp_path, cache)
     report = assert_nothing_lost(proc, tmp_path, 30)
     worker, node, agent = report["recoveries"]
     assert worker["epoch"] == node["epoch"], "simultaneous faults are one reconfiguration"
@@ -95,8 +103,8 @@ def test_simultaneous_faults_and_a_fault_during_the_recovery(tmp_path):
     (["--fault", "kill-etcd-member@3"], "Run with --etcd-members 3"),
     (["--fault", "kill-node"], "expected KIND@STEP[+SECONDS][:target=NODE[.LOCAL]]"),
 ])
-def test_bad_faults_are_refused_before_anything_starts(args, message, tmp_path):
-    proc = chaos(["--nodes", "4", *args], tmp_path, timeout=60)
+def test_bad_faults_are_refused_before_anything_starts(args, message, tmp_path, cache):
+    proc = chaos(["--nodes", "4", *args], tmp_path, cache, timeout=60)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert message in proc.stderr and "Traceback" not in proc.stderr
     assert not (tmp_path / "out").exists(), "nothing may start for a bad fault"
