@@ -114,11 +114,13 @@ def recoveries(faults: list[InjectedFault], events: list[dict], timings: dict[in
                logs: dict[str, list[dict]]) -> list[Recovery]:
     """One entry per fault: the first reconfiguration the controller detected after it
     (simultaneous faults share one)."""
-    first_step_in = {}
-    for entries in logs.values():
-        for e in entries:
-            if not e.get("rolled_forward"):
-                first_step_in[e["epoch"]] = min(first_step_in.get(e["epoch"], e["time"]), e["time"])
+    stepped = sorted((e["time"], e["epoch"]) for entries in logs.values() for e in entries
+                     if not e.get("rolled_forward"))
+
+    def resumed_after(fault_time: float, epoch: int) -> float | None:
+        """The first step committed after the fault in that epoch or a later one (the
+        epoch may itself have failed before its first step: a fault during a recovery)."""
+        return next((t for t, e in stepped if t > fault_time and e >= epoch), None)
     found = []
     for fault in faults:
         event = next((ev for ev in sorted(events, key=lambda ev: ev["epoch"])
@@ -136,7 +138,7 @@ def recoveries(faults: list[InjectedFault], events: list[dict], timings: dict[in
         worker_timings = timings.get(epoch, [])
         transfers = [t["transfer_s"] - t["rendezvous_s"] for t in worker_timings
                      if "transfer_s" in t and "rendezvous_s" in t]
-        resumed = first_step_in.get(epoch)
+        resumed = resumed_after(fault.time, epoch)
         # Measured by the receivers; a receiver that died in that epoch never reported,
         # and then the planner's count of the bytes its transfers carry stands in.
         received = sum(int(t.get("bytes_received", 0)) for t in worker_timings)
