@@ -75,6 +75,15 @@ class Job:
         return {node: agent.wait(timeout=timeout) for node, agent in self.agents.items()}
 
 
+def run_until_only_this_node_left(job: Job, node: str) -> None:
+    """Wait for the job's end: `node` left it (exit 1), every other agent ended "ok"."""
+    try:
+        codes = job.wait()
+    finally:
+        job.close()
+    assert codes[node] == 1 and all(c == 0 for n, c in codes.items() if n != node), f"{codes}\n{job.logs()}"
+
+
 @pytest.fixture(scope="module")
 def reference():
     return reference_run(JOB)
@@ -151,12 +160,7 @@ def test_two_workers_per_node_one_dies_and_its_agent_takes_the_node_out(etcd, tm
     left go on in place, moving tp shards between workers of the same tp rank."""
     job = Job(etcd, tmp_path, 4, [*OVERRIDES, "parallel.tp=2"], run_id="two-per-node", nproc=2,
               env={"node3": {"PLANARIA_FAULTS": "node3.1:backward@2#2"}})
-    try:
-        codes = job.wait()
-    finally:
-        job.close()
-    assert codes["node3"] == 1 and all(c == 0 for n, c in codes.items() if n != "node3"), \
-        f"{codes}\n{job.logs()}"
+    run_until_only_this_node_left(job, "node3")
     logs = job.logs()
     assert "worker node3.1 exited with code -9" in logs
     (epoch,) = [line for line in logs.splitlines() if "controller: epoch" in line]
@@ -240,12 +244,7 @@ def test_hung_worker_is_killed_by_its_agent_on_the_leaders_request(etcd, tmp_pat
     it reports nothing, so the leader asks its agent to kill it; the node leaves."""
     job = Job(etcd, tmp_path, 4, [*OVERRIDES, "parallel.timeout_s=4"], run_id="hung",
               env={"node2": {"PLANARIA_FAULTS": "node2.0:backward@2!hang"}})
-    try:
-        codes = job.wait()
-    finally:
-        job.close()
-    assert codes["node2"] == 1 and all(c == 0 for n, c in codes.items() if n != "node2"), \
-        f"{codes}\n{job.logs()}"
+    run_until_only_this_node_left(job, "node2")
     assert "worker node2.0 did not report" in job.logs()
     check_against_reference(tmp_path, reference, job)
 
