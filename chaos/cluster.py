@@ -84,6 +84,10 @@ class LocalCluster:
     def kill_etcd_member(self, member: int) -> None:
         self.etcd.members[member].kill()
 
+    def restart_etcd_member(self, member: int) -> None:
+        """Start a killed member again on its data directory; it catches up from the quorum."""
+        self.etcd.members[member].start(wait=False)
+
     def live_etcd_members(self) -> list[int]:
         members = getattr(self.etcd, "members", [self.etcd])
         return [i for i, m in enumerate(members) if m.process is not None and m.process.poll() is None]

@@ -16,16 +16,19 @@ import random
 import signal
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from rich.console import Console
 
 from planaria.chaos.cluster import LocalCluster
-from planaria.chaos.faults import FaultSpec, validate
+from planaria.chaos.faults import FaultSpec, FaultSpecError, validate
+from planaria.chaos.progress import RunProgress
 from planaria.chaos.report import (InjectedFault, Report, build_report, committed_iterations, plot_report,
                                    read_commits, recovery_notes, recovery_table, step_losses, verdict_table,
                                    write_json_atomically, write_report)
+from planaria.chaos.sources import (RandomFaults, TraceReplay, find_trace, random_kinds, read_trace,
+                                    replay_schedule)
 from planaria.runtime.config import load_config
 
 POLL_S = 0.1
@@ -44,18 +47,54 @@ class ChaosSettings:
     timeout_s: float = 900.0
     reference_cache: Path | None = None
     """Where cached references live; None: $XDG_CACHE_HOME/planaria/chaos-references."""
+    random_rate: float | None = None
+    """Random faults a minute (`--random`); None: none."""
+    random_nodes: tuple[int, int] | None = None
+    """Live nodes the random process keeps to (low, high); None: (nodes - 2, nodes), at least 1."""
+    random_kinds: tuple[str, ...] | None = None
+    """Kinds the random process draws; None: every kind that applies."""
+    trace: Path | None = None
+    """A preemption trace to replay (`--trace`); None: none."""
+    time_scale: float = 1.0
+    """Trace seconds per second of the run."""
+    etcd_restart_s: float = 10.0
+    """A killed etcd member is started again this long after (as its supervisor would)."""
+
+    def clock_sources(self) -> tuple[RandomFaults | None, TraceReplay | None, int]:
+        """(the random process, the trace replay, trace events left out by the node cap),
+        checked: a trace replays alone, since its node indices assume nobody else adds nodes."""
+        if self.trace is not None and (self.faults or self.random_rate is not None):
+            raise FaultSpecError("--trace replays alone: its removals name nodes by the order the "
+                                 "trace added them; drop --fault and --random, or drop --trace")
+        random_faults = replay = None
+        left_out = 0
+        if self.random_rate is not None:
+            low, high = self.random_nodes or (max(1, self.nodes - 2), self.nodes)
+            random_faults = RandomFaults(self.random_rate, self.seed, low=low, high=high,
+                                         kinds=self.random_kinds or random_kinds(None, self.etcd_members))
+        if self.trace is not None:
+            schedule, left_out = replay_schedule(read_trace(self.trace), self.nodes, self.time_scale,
+                                                 name=find_trace(self.trace).name)
+            replay = TraceReplay(schedule)
+        return random_faults, replay, left_out
 
 
 def run_chaos(settings: ChaosSettings, console: Console) -> Report:
     cfg = load_config(settings.config, settings.overrides)
     validate(settings.faults, steps=cfg.train.steps, nodes=settings.nodes, nproc=settings.nproc,
              etcd_members=settings.etcd_members)
+    random_faults, replay, left_out = settings.clock_sources()
     out = Path(settings.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     reference = reference_run(settings, console)
     console.print(f"[bold]chaos run[/]: {settings.nodes} nodes x {settings.nproc} worker(s), "
-                  f"{len(settings.faults)} fault(s): {', '.join(map(str, settings.faults)) or 'none'}")
-    run = _Run(settings, out / "run", console, steps=cfg.train.steps)
+                  f"{_describe_faults(settings, replay, left_out)}")
+    if replay is not None and replay.duration_s > cfg.train.steps * reference["step_s"]:
+        console.print(f"  [yellow]the trace runs {replay.duration_s:.0f} s; the job trains about "
+                      f"{cfg.train.steps * reference['step_s']:.0f} s without faults and may end first "
+                      f"(raise train.steps or --time-scale to replay all of it)[/]")
+    run = _Run(settings, out / "run", console, steps=cfg.train.steps, random_faults=random_faults,
+               replay=replay)
     report = run.execute(reference)
     write_report(report, out)
     plot = plot_report(report, run.injected, out / "report.png")
@@ -65,6 +104,22 @@ def run_chaos(settings: ChaosSettings, console: Console) -> Report:
     console.print(verdict_table(report))
     console.print(f"report: {out / 'report.json'}   plot: {plot}")
     return report
+
+
+def _describe_faults(settings: ChaosSettings, replay: TraceReplay | None, left_out: int) -> str:
+    parts = []
+    if settings.faults:
+        parts.append(f"{len(settings.faults)} fault(s): {', '.join(map(str, settings.faults))}")
+    if settings.random_rate is not None:
+        low, high = settings.random_nodes or (max(1, settings.nodes - 2), settings.nodes)
+        parts.append(f"random faults, {settings.random_rate:g} a minute (seed {settings.seed}), "
+                     f"{low} to {high} live nodes")
+    if replay is not None:
+        removals = sum(1 for s in replay.pending if s.fault.kind == "kill-node")
+        parts.append(f"trace {find_trace(settings.trace).name} at {settings.time_scale:g}x: "
+                     f"{removals} removal(s) and {len(replay.pending) - removals} addition(s) over "
+                     f"{replay.duration_s:.0f} s ({left_out} trace event(s) beyond {settings.nodes} nodes left out)")
+    return "; ".join(parts) or "no faults"
 
 
 # ----------------------------------------------------------------- reference
@@ -110,15 +165,20 @@ class _Run:
     """One job on a fresh local cluster, with `faults` injected (the settings' by default)."""
 
     def __init__(self, settings: ChaosSettings, out_dir: Path, console: Console, *, steps: int,
-                 faults: list[FaultSpec] | None = None):
+                 faults: list[FaultSpec] | None = None, random_faults: RandomFaults | None = None,
+                 replay: TraceReplay | None = None):
         self.settings, self.out_dir, self.console, self.steps = settings, Path(out_dir), console, steps
         self.pending = sorted(settings.faults if faults is None else faults, key=lambda f: f.step)
+        self.random_faults, self.replay = random_faults, replay
+        self._etcd_restarts: list[tuple[float, int]] = []
+        """(when, member): killed etcd members to start again."""
         self.injected: list[InjectedFault] = []
         self.live_nodes: list[tuple[float, int]] = []
         self.rng = random.Random(settings.seed)
         self._reached: dict[FaultSpec, float] = {}
         """When each pending fault's step was reached."""
         self.outcome = "not started"
+        self.progress: RunProgress | None = None
 
     def execute(self, reference: dict | None) -> Report | None:
         self.out_dir.mkdir(parents=True, exist_ok=True)
@@ -141,30 +201,56 @@ class _Run:
                             live_nodes=self.live_nodes, wall_s=time.time() - started)
 
     def _drive(self, cluster: LocalCluster, started: float) -> str:
-        shown = -1
-        while True:
-            committed = committed_iterations(self.out_dir)
-            now = time.time()
-            for fault in self.pending:
-                if fault.step <= committed:
-                    self._reached.setdefault(fault, now)
-            due = [f for f in self.pending if f in self._reached and now - self._reached[f] >= f.delay_s]
-            if due:
-                self.pending = [f for f in self.pending if f not in due]
-                for fault in due:
+        self.progress = progress = RunProgress(self.console, self.steps)
+        first_step = None
+        with progress:
+            while True:
+                committed = committed_iterations(self.out_dir)
+                now = time.time()
+                if first_step is None and committed > 0:
+                    first_step = now
+                for fault in self._due(committed, now, first_step, cluster):
                     self._inject(cluster, fault, committed)
-            self.live_nodes.append((time.time(), len(cluster.live_nodes())))
-            if committed != shown:
-                shown = committed
-                self.console.print(f"  step {committed}/{self.steps} | live nodes {len(cluster.live_nodes())}")
-            if not cluster.live_nodes():
-                return cluster.outcome() or "failed: every node is gone"
-            if time.time() - started > self.settings.timeout_s:
-                return f"timed out after {self.settings.timeout_s:.0f} s"
-            outcome = cluster.outcome()
-            if outcome is not None and all(a.poll() is not None for a in cluster.agents.values()):
-                return outcome
-            time.sleep(POLL_S)
+                self._restart_etcd_members(cluster, now)
+                live = len(cluster.live_nodes())
+                self.live_nodes.append((time.time(), live))
+                progress.update(committed, live)
+                if not live:
+                    return cluster.outcome() or "failed: every node is gone"
+                if time.time() - started > self.settings.timeout_s:
+                    return f"timed out after {self.settings.timeout_s:.0f} s"
+                outcome = cluster.outcome()
+                if outcome is not None and all(a.poll() is not None for a in cluster.agents.values()):
+                    return outcome
+                time.sleep(POLL_S)
+
+    def _due(self, committed: int, now: float, first_step: float | None,
+             cluster: LocalCluster) -> list[FaultSpec]:
+        """Faults to inject now: scheduled ones whose step (and delay) has come, then, once
+        the job has taken its first step, the random process's and the trace's."""
+        for fault in self.pending:
+            if fault.step <= committed:
+                self._reached.setdefault(fault, now)
+        due = [f for f in self.pending if f in self._reached and now - self._reached[f] >= f.delay_s]
+        self.pending = [f for f in self.pending if f not in due]
+        if first_step is None:
+            return due
+        elapsed = now - first_step
+        if self.random_faults is not None:
+            etcd_all_up = len(cluster.live_etcd_members()) == self.settings.etcd_members
+            due += [replace(f, step=committed) for f in
+                    self.random_faults.due(elapsed, len(cluster.live_nodes()), etcd_all_up)]
+        if self.replay is not None:
+            for step in self.replay.due(elapsed):
+                self.progress.note(f"  trace {step.source} at {step.at_s:.1f} s")
+                due.append(replace(step.fault, step=committed))
+        return due
+
+    def _restart_etcd_members(self, cluster: LocalCluster, now: float) -> None:
+        for when, member in [r for r in self._etcd_restarts if r[0] <= now]:
+            self._etcd_restarts.remove((when, member))
+            cluster.restart_etcd_member(member)
+            self.progress.note(f"  etcd member {member} started again")
 
     def _inject(self, cluster: LocalCluster, fault: FaultSpec, committed: int) -> None:
         kind = fault.kind
@@ -174,11 +260,12 @@ class _Run:
             members = cluster.live_etcd_members()
             member = fault.node if fault.node is not None else self.rng.choice(members)
             cluster.kill_etcd_member(member)
+            self._etcd_restarts.append((time.time() + self.settings.etcd_restart_s, member))
             target = f"{member}"
         else:
             live = cluster.live_nodes()
             if fault.node is not None and fault.node not in live:
-                self.console.print(f"  [yellow]{fault}: node {fault.node} is already gone; skipped[/]")
+                self.progress.note(f"  [yellow]{fault}: node {fault.node} is already gone; skipped[/]")
                 return
             node = fault.node if fault.node is not None else self.rng.choice(live)
             if kind == "kill-node":
@@ -191,12 +278,12 @@ class _Run:
                 local = fault.local if fault.local is not None else self.rng.randrange(self.settings.nproc)
                 signum = signal.SIGKILL if kind == "kill-worker" else signal.SIGSTOP
                 if not cluster.signal_worker(node, local, signum):
-                    self.console.print(f"  [yellow]{fault}: worker node{node}.{local} is not running; skipped[/]")
+                    self.progress.note(f"  [yellow]{fault}: worker node{node}.{local} is not running; skipped[/]")
                     return
                 target = f"{node}.{local}"
         spec = f"{str(fault).split(':')[0]}:target={target}"
         self.injected.append(InjectedFault(spec, committed, time.time()))
-        self.console.print(f"  [red]fault[/] {spec} (job at step {committed})")
+        self.progress.note(f"  [red]fault[/] {spec} (job at step {committed})")
 
 
 def _events_and_timings(cluster: LocalCluster) -> tuple[list[dict], dict[int, list[dict]]]:

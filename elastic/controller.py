@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from planaria.runtime.checkpointing import complete_checkpoints, prune, write_manifest
 from planaria.runtime.coordination import EpochRecord, ReachableDeadline, Worker, worker_key
-from planaria.runtime.exactly_once import CommitRecord, InconsistentStatuses, WorkerStatus, resolve
+from planaria.runtime.exactly_once import CommitRecord, InconsistentStatuses, Resolution, WorkerStatus, resolve
 from planaria.templates.plan import Plan, missing_from, transfers_from
 from planaria.templates.planner import Planner
 
@@ -167,20 +167,25 @@ class Controller:
         survivors = set(statuses)
         joiners = alive_now() - members - self._killed
         event.joined = sorted(worker_key(w) for w in joiners)
-        try:
-            resolution = resolve(list(statuses.values())) if statuses else None
-        except InconsistentStatuses as err:
-            raise JobFailed(str(err)) from None
-        if resolution is None:
+        if not statuses:
             raise JobFailed("every worker of the job failed before reporting a status; see the "
                             "workers' logs, then restart the job (from its last checkpoint)")
+        # A worker that holds no layer (a joiner whose entry into the epoch failed) knows
+        # nothing of the job's progress: it takes part in the next plan as a joiner does,
+        # but neither in the exactly-once rule nor as a source of layers.
+        stateful = {w: s for w, s in statuses.items() if s.holds}
+        try:
+            resolution = (resolve(list(stateful.values())) if stateful
+                          else Resolution(self.plan.first_iteration, None))
+        except InconsistentStatuses as err:
+            raise JobFailed(str(err)) from None
         first = resolution.first_iteration
         self._check_progress(first)
         nodes = self._whole_nodes(survivors | joiners)
         if len(nodes) < self.planner.n0:
             raise JobFailed(f"{len(nodes)} node(s) left, but one replica of the model needs "
                             f"n0={self.planner.n0}; add nodes and restart from the last checkpoint")
-        choice, transfers, restore, first = self._next_plan(nodes, statuses, first)
+        choice, transfers, restore, first = self._next_plan(nodes, stateful, first)
         plan = choice.plan
         if restore is not None:
             resolution = None  # everyone loads the checkpoint: nothing to roll forward

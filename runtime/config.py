@@ -95,6 +95,9 @@ class ParallelConfig:
     """'gloo', 'nccl', or 'auto' (nccl when CUDA is present)."""
     timeout_s: float = 300.0
     """Collective timeout in seconds."""
+    connect_timeout_s: float = 30.0
+    """Seconds an elastic epoch's process groups get to connect (at most timeout_s): a peer
+    that died after the epoch's rendezvous fails the epoch this soon."""
     audit_every: int = 0
     """Every this many steps, compare checksums of each layer across its replicas; 0: never."""
     audit_repair: bool = False
@@ -223,6 +226,9 @@ def check_config(cfg: Config) -> Config:
     if cfg.checkpoint.every < 0 or cfg.checkpoint.keep < 1:
         raise ConfigError(f"checkpoint.every must be 0 (off) or more and checkpoint.keep at least 1; "
                           f"got every={cfg.checkpoint.every}, keep={cfg.checkpoint.keep}")
+    if p.timeout_s <= 0 or p.connect_timeout_s <= 0:
+        raise ConfigError(f"parallel.timeout_s and parallel.connect_timeout_s must be positive seconds; "
+                          f"got {p.timeout_s} and {p.connect_timeout_s}")
     for key in ("pp", "dp", "fault_tolerance"):
         if getattr(p, key) < 0:
             raise ConfigError(f"parallel.{key} must not be negative, got {getattr(p, key)}")

@@ -47,6 +47,7 @@ from planaria.runtime.data import build_dataset
 from planaria.runtime.engine import Engine, StepResult
 from planaria.runtime.audit import audit_replicas
 from planaria.runtime.faults import FaultInjector, corruption_after_step, flip_a_bit
+from planaria.runtime.groups import set_operation_timeout
 from planaria.runtime.model import LayerModel
 
 ENV_STORE, ENV_NODE, ENV_LOCAL_RANK = "PLANARIA_STORE", "PLANARIA_NODE", "PLANARIA_LOCAL_RANK"
@@ -136,7 +137,8 @@ class ElasticWorker:
         finished = False
         try:
             dist.init_process_group(self.backend, store=self.coordinator.rendezvous_store(epoch),
-                                    rank=rank, world_size=plan.world_size, timeout=self._timeout())
+                                    rank=rank, world_size=plan.world_size, timeout=self._connect_timeout())
+            set_operation_timeout(None, self._timeout())
             timing["rendezvous_s"] = time.time()
             self._enter_epoch(plan, rank, record)
             timing["transfer_s"] = time.time()
@@ -172,6 +174,7 @@ class ElasticWorker:
                                  grad_clip=self.cfg.train.grad_clip,
                                  grad_accum_dtype=torch.float64 if self.cfg.train.exact_reduction else None,
                                  collective_timeout=self._timeout(), phase=self.faults,
+                                 connect_timeout=self._connect_timeout(),
                                  transfers=transfers,  # collective with the others' reconfigure
                                  restore=None if record.restore is None else Path(record.restore))
             return
@@ -252,6 +255,13 @@ class ElasticWorker:
         from datetime import timedelta
 
         return timedelta(seconds=self.cfg.parallel.timeout_s)
+
+    def _connect_timeout(self):
+        """An epoch's process groups connect within this: a peer that died after the
+        rendezvous (a fault during a recovery) fails the epoch in seconds, not minutes."""
+        from datetime import timedelta
+
+        return timedelta(seconds=min(self.cfg.parallel.connect_timeout_s, self.cfg.parallel.timeout_s))
 
     def _log(self, message: str) -> None:
         self.console.print(f"[{self.name}] {message}", markup=False)

@@ -71,7 +71,7 @@ class Engine:
                  world: dist.ProcessGroup | None = None, collective_timeout: timedelta | None = None,
                  phase: Callable[[str, int], None] | None = None,
                  transfers: list[Transfer] | None = None, restore: Path | None = None,
-                 grad_accum_dtype: torch.dtype | None = None):
+                 grad_accum_dtype: torch.dtype | None = None, connect_timeout: timedelta | None = None):
         """`transfers`: a worker joining a running job receives its layers from their
         holders (collective with the other workers' `reconfigure`); `restore`: it loads
         them from that checkpoint (collective with the others' `restore`); otherwise every
@@ -88,6 +88,7 @@ class Engine:
         self.grad_clip = grad_clip
         self.grad_accum_dtype = grad_accum_dtype if grad_accum_dtype != param_dtype else None
         self.collective_timeout = collective_timeout
+        self.connect_timeout = connect_timeout
         self._phase = phase or (lambda name, iteration: None)
         self._has_phase_hooks = phase is not None
         self.iteration = plan.first_iteration
@@ -123,7 +124,8 @@ class Engine:
         self.plan = plan
         self.info = plan.rank_info(self.rank)
         self.pipeline = plan.pipelines[self.info.pipeline]
-        self.groups = EpochGroups.build(plan, self.rank, world, timeout=self.collective_timeout)
+        self.groups = EpochGroups.build(plan, self.rank, world, timeout=self.collective_timeout,
+                                        connect_timeout=self.connect_timeout)
         new_tp = self.groups.tensor_parallel
         if self.tp is None:
             self.tp = new_tp

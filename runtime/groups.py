@@ -43,7 +43,9 @@ class EpochGroups:
 
     @classmethod
     def build(cls, plan: Plan, rank: int, world: dist.ProcessGroup | None = None,
-              timeout=None) -> "EpochGroups":
+              timeout=None, connect_timeout=None) -> "EpochGroups":
+        """`connect_timeout`: the groups connect under it (a peer that died since the
+        rendezvous fails the epoch this soon), then take `timeout` for their operations."""
         if dist.get_world_size(world) != plan.world_size:
             raise ValueError(
                 f"the plan of epoch {plan.epoch} has {plan.world_size} ranks but the process "
@@ -52,9 +54,11 @@ class EpochGroups:
         owned: list[dist.ProcessGroup] = []
 
         def new_group(ranks: tuple[int, ...]) -> dist.ProcessGroup | None:
-            group = dist.new_group(list(ranks), timeout=timeout)
+            group = dist.new_group(list(ranks), timeout=connect_timeout or timeout)
             if rank in ranks:
                 owned.append(group)
+                if connect_timeout is not None and timeout is not None:
+                    set_operation_timeout(group, timeout)
                 return group
             return None
 
@@ -70,6 +74,17 @@ class EpochGroups:
         for group in self._owned:
             dist.destroy_process_group(group)
         self._owned.clear()
+
+
+def set_operation_timeout(group: dist.ProcessGroup | None, timeout) -> None:
+    """The timeout of a connected group's operations. A group connects (gloo: a full mesh
+    of sockets) under the timeout it was created with; on a peer that died after the
+    rendezvous the listening side waits that long, so groups are created under a short
+    connect timeout and given the operations' one afterwards. torch has no public setter
+    for it; `_set_pg_timeout` is what `init_process_group` itself relies on."""
+    from torch.distributed.distributed_c10d import _set_pg_timeout
+
+    _set_pg_timeout(timeout, group)
 
 
 def _mine(rank: int, groups: list) -> dist.ProcessGroup:

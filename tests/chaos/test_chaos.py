@@ -121,3 +121,39 @@ def test_fault_specs_and_targets():
     with pytest.raises(FaultSpecError, match="no node 4 by step 3"):
         validate([parse_fault("add-node@4"), parse_fault("kill-node@3:target=4")],
                  steps=10, nodes=4, nproc=1, etcd_members=1)
+
+
+@pytest.mark.parametrize("trace_text, extra, message", [
+    ("0,add,a\n0,add,b\n0,add,c\n0,add,d\n2000,remove;a\n", [], "trace.csv:5: expected time_ms,add|remove,NODE"),
+    ("0,add,a\n0,add,b\n", [], "never has 4 nodes live at once (at most 2)"),
+    ("0,add,a\n0,add,b\n0,add,c\n0,add,d\n", ["--fault", "kill-node@3"], "--trace replays alone"),
+    ("0,add,a\n0,add,b\n0,add,c\n0,add,d\n", ["--time-scale", "0"], "--time-scale 0: must be > 0"),
+    (None, ["--random", "2", "--random-kinds", "kill-node,melt"], "unknown kind(s) ['melt']"),
+    (None, ["--random", "2", "--random-nodes", "5"], "expected LOW-HIGH"),
+])
+def test_bad_traces_and_random_settings_are_refused_before_anything_starts(trace_text, extra, message,
+                                                                           tmp_path, cache):
+    if trace_text is not None:
+        (tmp_path / "trace.csv").write_text(trace_text)
+        extra = ["--trace", str(tmp_path / "trace.csv"), *extra]
+    proc = chaos(["--nodes", "4", *extra], tmp_path, cache, timeout=60)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert message in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "out").exists(), "nothing may start for bad input"
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_a_trace_replay_removes_and_adds_nodes(tmp_path, cache):
+    """A small trace, replayed at its own pace: one of four nodes is preempted 1.5 s into
+    training and a new one arrives 2 s later; the job takes it in and loses nothing."""
+    (tmp_path / "trace.csv").write_text("0,add,a\n0,add,b\n0,add,c\n0,add,d\n0,add,e\n"
+                                        "1500,remove,b\n3500,add,f\n")
+    proc = chaos(["--nodes", "4", "--fault-tolerance", "1", "--trace", str(tmp_path / "trace.csv"),
+                  "parallel.min_stages=2", "train.steps=80"], tmp_path, cache)
+    report = assert_nothing_lost(proc, tmp_path, 80)
+    removal, addition = report["recoveries"]
+    assert removal["fault"].startswith("kill-node@") and removal["fault"].endswith(":target=1")
+    assert removal["total_s"] is not None
+    assert addition["fault"].startswith("add-node") and addition["epoch"] is not None, addition
+    assert "trace trace.csv:6 remove b" in proc.stdout and "1 trace event(s) beyond 4 nodes" in proc.stdout
