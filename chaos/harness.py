@@ -24,7 +24,7 @@ from rich.console import Console
 from planaria.chaos.cluster import LocalCluster
 from planaria.chaos.faults import FaultSpec, FaultSpecError, validate
 from planaria.chaos.progress import RunProgress
-from planaria.chaos.report import (InjectedFault, Report, build_report, committed_iterations, plot_report,
+from planaria.chaos.report import (InjectedFault, Report, build_report, CommitTail, plot_report,
                                    read_commits, recovery_notes, recovery_table, step_losses, verdict_table,
                                    write_json_atomically, write_report)
 from planaria.chaos.sources import (RandomFaults, TraceReplay, find_trace, random_kinds, read_trace,
@@ -203,9 +203,10 @@ class _Run:
     def _drive(self, cluster: LocalCluster, started: float) -> str:
         self.progress = progress = RunProgress(self.console, self.steps)
         first_step = None
+        tail = CommitTail(self.out_dir)
         with progress:
             while True:
-                committed = committed_iterations(self.out_dir)
+                committed = tail.committed()
                 now = time.time()
                 if first_step is None and committed > 0:
                     first_step = now

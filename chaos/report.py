@@ -83,13 +83,27 @@ def read_commits(out_dir: Path) -> dict[str, list[dict]]:
     return logs
 
 
-def committed_iterations(out_dir: Path) -> int:
-    """How many steps the job has committed so far (the newest iteration + 1)."""
-    newest = -1
-    for entries in read_commits(out_dir).values():
-        if entries:
-            newest = max(newest, max(e["iteration"] for e in entries))
-    return newest + 1
+class CommitTail:
+    """How many steps the job has committed so far (the newest iteration + 1), read from
+    the commit logs incrementally: a long run's logs are not parsed whole ten times a
+    second."""
+
+    def __init__(self, out_dir: Path):
+        self.out_dir = Path(out_dir)
+        self._offsets: dict[Path, int] = {}
+        self.newest = -1
+
+    def committed(self) -> int:
+        for path in self.out_dir.glob("commits-*.jsonl"):
+            with open(path, "rb") as f:
+                f.seek(self._offsets.get(path, 0))
+                data = f.read()
+            complete = data[:data.rfind(b"\n") + 1]  # a line being written is read next time
+            self._offsets[path] = self._offsets.get(path, 0) + len(complete)
+            for line in complete.splitlines():
+                if line.strip():
+                    self.newest = max(self.newest, json.loads(line)["iteration"])
+        return self.newest + 1
 
 
 def step_losses(logs: dict[str, list[dict]]) -> tuple[dict[int, float], list[tuple[float, int]], int]:
@@ -254,10 +268,13 @@ def plot_report(report: Report, faults: list[InjectedFault], path: Path) -> Path
     run = sorted(report.losses.items())
     ax_loss.plot([i for i, _ in ref], [v for _, v in ref], color="0.6", linewidth=3, label="reference (no faults)")
     ax_loss.plot([i for i, _ in run], [v for _, v in run], color="tab:blue", linewidth=1.2, label="with faults")
-    for fault in faults:
-        ax_loss.axvline(fault.step, color="tab:red", linestyle="--", linewidth=0.8)
-        ax_loss.annotate(fault.fault.split(":")[0], (fault.step, 1), xycoords=("data", "axes fraction"),
-                         rotation=90, va="top", ha="right", fontsize=8, color="tab:red")
+    named = len(faults) <= 12  # a soak's dozens of faults are marked, not named
+    for k, fault in enumerate(faults):
+        ax_loss.axvline(fault.step, color="tab:red", linestyle="--", linewidth=0.8 if named else 0.5,
+                        label=None if named or k else f"faults ({len(faults)})")
+        if named:
+            ax_loss.annotate(fault.fault.split(":")[0], (fault.step, 1), xycoords=("data", "axes fraction"),
+                             rotation=90, va="top", ha="right", fontsize=8, color="tab:red")
     ax_loss.set(xlabel="step", ylabel="loss", title="Loss against the fault-free reference")
     ax_loss.legend(loc="lower left")
 
