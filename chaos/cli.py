@@ -125,7 +125,8 @@ def _chaos(args: argparse.Namespace) -> int:
             random_rate=args.random,
             random_nodes=None if args.random_nodes is None else parse_node_range(args.random_nodes),
             random_kinds=None if args.random_kinds is None else random_kinds(args.random_kinds, args.etcd_members),
-            trace=None if args.trace is None else Path(args.trace), time_scale=args.time_scale)
+            trace=None if args.trace is None else Path(args.trace), time_scale=args.time_scale,
+            fresh_reference=args.fresh_reference)
         _interrupt_on_termination()
         report = run_chaos(settings, console)
     except (FaultSpecError, ConfigError, FileNotFoundError) as err:
@@ -149,7 +150,7 @@ def _demo(args: argparse.Namespace) -> int:
     console = Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 120)
     try:
         _interrupt_on_termination()
-        return run_demo(Path(args.out), console, args.overrides)
+        return run_demo(Path(args.out), console, args.overrides, fresh_reference=args.fresh_reference)
     except (FaultSpecError, ConfigError) as err:
         print(f"planaria demo: {err}", file=sys.stderr)
         return 2
@@ -221,6 +222,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="seeds targets left open and the random process (default 0)")
     chaos.add_argument("--etcd-members", type=int, choices=(1, 3), default=1)
     chaos.add_argument("--out", default="chaos-out", help="report.json, report.png and the run's logs")
+    chaos.add_argument("--fresh-reference", action="store_true",
+                       help="run the fault-free reference again even if one is cached (for an ETTR "
+                            "against this machine as it is now)")
     chaos.add_argument("--timeout", type=float, default=900.0, help="seconds before a run counts as hung")
     chaos.set_defaults(func=_chaos)
 
@@ -228,6 +232,7 @@ def build_parser() -> argparse.ArgumentParser:
                                        "one comes back; nothing is lost")
     demo.add_argument("overrides", nargs="*", help="section.key=value for configs/demo.yaml")
     demo.add_argument("--out", default="demo-out", help="report.json, report.png and the logs")
+    demo.add_argument("--fresh-reference", action="store_true", help="run the reference again")
     demo.set_defaults(func=_demo)
     return parser
 

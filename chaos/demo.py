@@ -55,7 +55,8 @@ def outro(out: Path, report) -> str:
         "planaria chaos --help.")
 
 
-def run_demo(out_dir: Path, console: Console, overrides: list[str] | None = None) -> int:
+def run_demo(out_dir: Path, console: Console, overrides: list[str] | None = None,
+             fresh_reference: bool = False) -> int:
     if not CONFIG.is_file():
         console.print(f"planaria demo: {CONFIG} is missing; the demo runs from a clone of the "
                       "repository (pip install -e .)")
@@ -64,7 +65,7 @@ def run_demo(out_dir: Path, console: Console, overrides: list[str] | None = None
     cfg = load_config(CONFIG, overrides)
     console.print(Panel(intro(cfg, cfg.train.steps), title="planaria demo", expand=False), soft_wrap=False)
     settings = ChaosSettings(CONFIG, overrides, nodes=NODES, faults=[parse_fault(f) for f in FAULTS],
-                             out_dir=Path(out_dir), timeout_s=900.0)
+                             out_dir=Path(out_dir), timeout_s=900.0, fresh_reference=fresh_reference)
     report = run_chaos(settings, console)
     ok = report.completed and report.committed_steps_lost == 0
     if ok:

@@ -14,6 +14,7 @@ import json
 import os
 import random
 import signal
+import statistics
 import time
 import uuid
 from dataclasses import dataclass, field, replace
@@ -57,6 +58,9 @@ class ChaosSettings:
     """A preemption trace to replay (`--trace`); None: none."""
     time_scale: float = 1.0
     """Trace seconds per second of the run."""
+    fresh_reference: bool = False
+    """Run the reference again even when a cached one exists (its step time is this
+    machine's now)."""
     etcd_restart_s: float = 10.0
     """A killed etcd member is started again this long after (as its supervisor would)."""
 
@@ -142,9 +146,11 @@ def _cache_dir(settings: ChaosSettings) -> Path:
 def reference_run(settings: ChaosSettings, console: Console) -> dict:
     """{"losses": {iteration: loss}, "step_s": seconds per step} of the job with no fault."""
     cache = _cache_dir(settings) / f"{_reference_key(settings)}.json"
-    if cache.exists():
-        console.print(f"reference: cached ({cache.name})")
-        return json.loads(cache.read_text())
+    if cache.exists() and not settings.fresh_reference:
+        data = json.loads(cache.read_text())
+        console.print(f"reference: cached ({cache.name}, {data['step_s']:.3f} s a step; "
+                      "--fresh-reference measures it again)")
+        return data
     console.print("[bold]reference run[/] (no faults; cached for next time)")
     cfg = load_config(settings.config, settings.overrides)
     run = _Run(settings, Path(settings.out_dir) / "reference", console, steps=cfg.train.steps, faults=[])
@@ -153,8 +159,13 @@ def reference_run(settings: ChaosSettings, console: Console) -> dict:
         raise RuntimeError(f"the reference run (no faults) did not finish: {run.outcome}; see "
                            f"{run.out_dir / 'logs'}. Fix the job before injecting faults into it")
     losses, times, _ = step_losses(read_commits(run.out_dir))
-    step_s = (times[-1][0] - times[0][0]) / max(1, len(times) - 1)
-    data = {"losses": {str(i): v for i, v in losses.items()}, "step_s": step_s}
+    # The mean step is the ETTR's fault-free time per step; the median beside it shows
+    # whether the machine was busy with something else meanwhile (then the two differ,
+    # and --fresh-reference measures again).
+    gaps = [b[0] - a[0] for a, b in zip(times, times[1:])]
+    data = {"losses": {str(i): v for i, v in losses.items()},
+            "step_s": (times[-1][0] - times[0][0]) / max(1, len(times) - 1),
+            "median_step_s": statistics.median(gaps) if gaps else 0.0}
     cache.parent.mkdir(parents=True, exist_ok=True)
     write_json_atomically(cache, data)
     return data
