@@ -69,11 +69,15 @@ class Report:
     """(time since the first commit, iteration) of every step, in commit order."""
     live_nodes: list[tuple[float, int]] = field(default_factory=list)
     """(time since the first commit, live nodes) as the harness sampled it."""
+    training_nodes: list[tuple[float, int]] = field(default_factory=list)
+    """(time of an epoch's first commit since the first commit, nodes whose workers
+    committed steps in that epoch): the nodes the job's plan used."""
     first_commit_time: float | None = None
 
     def summary(self) -> dict:
         data = asdict(self)
-        for bulky in ("losses", "reference_losses", "commit_times", "live_nodes", "first_commit_time"):
+        for bulky in ("losses", "reference_losses", "commit_times", "live_nodes", "training_nodes",
+                      "first_commit_time"):
             data.pop(bulky)
         return data
 
@@ -196,7 +200,21 @@ def build_report(*, out_dir: Path, steps: int, outcome: str, faults: list[Inject
         ettr=ettr, wall_s=wall_s, recoveries=recoveries(faults, events, timings, logs),
         losses=losses, reference_losses=ref_losses,
         commit_times=[(t - start, i) for t, i in times],
-        live_nodes=[(t - start, n) for t, n in live_nodes], first_commit_time=times[0][0] if times else None)
+        live_nodes=[(t - start, n) for t, n in live_nodes], training_nodes=training_nodes(logs, start),
+        first_commit_time=times[0][0] if times else None)
+
+
+def training_nodes(logs: dict[str, list[dict]], start: float) -> list[tuple[float, int]]:
+    """Per epoch, in order: (its first commit, since `start`; the nodes that committed in it)."""
+    first: dict[int, float] = {}
+    nodes: dict[int, set[str]] = {}
+    for worker, entries in logs.items():
+        for e in entries:
+            if e.get("rolled_forward"):
+                continue
+            first[e["epoch"]] = min(first.get(e["epoch"], e["time"]), e["time"])
+            nodes.setdefault(e["epoch"], set()).add(worker.rsplit(".", 1)[0])
+    return [(first[e] - start, len(nodes[e])) for e in sorted(first, key=first.get)]
 
 
 def write_json_atomically(path: Path, data) -> None:
@@ -212,7 +230,8 @@ def write_report(report: Report, out_dir: Path) -> Path:
     """report.json (the summary and the per-step series), atomically."""
     data = report.summary()
     data["series"] = {"losses": report.losses, "reference_losses": report.reference_losses,
-                      "commit_times": report.commit_times, "live_nodes": report.live_nodes}
+                      "commit_times": report.commit_times, "live_nodes": report.live_nodes,
+                      "training_nodes": report.training_nodes}
     path = Path(out_dir) / "report.json"
     write_json_atomically(path, data)
     return path
@@ -287,22 +306,30 @@ def plot_report(report: Report, faults: list[InjectedFault], path: Path) -> Path
     ax_loss.set(xlabel="step", ylabel="loss", title="Loss against the fault-free reference")
     ax_loss.legend(loc="lower left")
 
-    # Throughput: steps committed per bin of about a twentieth of the run, as steps.
+    # Throughput: steps committed per bin of about a twentieth of the run; the last,
+    # partial bin is divided by its own width.
     times = [t for t, _ in report.commit_times]
     if times:
-        bin_s = max(0.5, (times[-1] - times[0]) / 20)
-        edges = [times[0] + k * bin_s for k in range(int((times[-1] - times[0]) / bin_s) + 2)]
-        counts = [sum(1 for t in times if lo <= t < lo + bin_s) / bin_s for lo in edges]
-        ax_rate.step(edges, counts, where="post", color="tab:green")
+        span = times[-1] - times[0]
+        bin_s = max(0.5, span / 20)
+        edges = [times[0] + k * bin_s for k in range(int(span / bin_s) + 1)]
+        widths = [min(bin_s, times[-1] - lo) or bin_s for lo in edges]
+        counts = [sum(1 for t in times if lo <= t < lo + bin_s) / w for lo, w in zip(edges, widths)]
+        ax_rate.step(edges + [times[-1]], counts + counts[-1:], where="post", color="tab:green")
     ax_rate.set(xlabel="seconds since the first step", ylabel="steps / s", title="Throughput")
 
     end = times[-1] if times else None
     nodes = [(t, n) for t, n in report.live_nodes if end is None or t <= end]
     if nodes:
-        ax_nodes.step([t for t, _ in nodes], [n for _, n in nodes], where="post", color="tab:purple")
+        ax_nodes.step([t for t, _ in nodes], [n for _, n in nodes], where="post", color="tab:purple",
+                      label="live (agents running)")
+        training = [(t, n) for t, n in report.training_nodes if end is None or t <= end]
+        if training:
+            ax_nodes.step([t for t, _ in training] + [end], [n for _, n in training] + [training[-1][1]],
+                          where="post", color="tab:orange", linestyle="--", label="training (in the plan)")
         ax_nodes.set_ylim(0, max(n for _, n in nodes) + 1)
-    ax_nodes.set(xlabel="seconds since the first step", ylabel="live nodes",
-                 title="Live nodes (agents running)")
+        ax_nodes.legend(loc="lower left")
+    ax_nodes.set(xlabel="seconds since the first step", ylabel="nodes", title="Nodes")
     ax_nodes.yaxis.get_major_locator().set_params(integer=True)
     ax_nodes.sharex(ax_rate)
     if times:  # the start-up before the first step (minutes on a large model) is not the story
