@@ -157,3 +157,18 @@ def test_a_trace_replay_removes_and_adds_nodes(tmp_path, cache):
     assert removal["total_s"] is not None
     assert addition["fault"].startswith("add-node") and addition["epoch"] is not None, addition
     assert "trace trace.csv:6 remove b" in proc.stdout and "1 trace event(s) beyond 4 nodes" in proc.stdout
+
+
+@pytest.mark.slow  # ~2 min: the demo's reference and its run; `make test-slow`
+@pytest.mark.multiprocess
+@pytest.mark.timeout(900)
+def test_the_demo_loses_nothing(tmp_path, cache):
+    env = dict(os.environ, OMP_NUM_THREADS="1", XDG_CACHE_HOME=str(cache))
+    proc = subprocess.run([sys.executable, "-m", "planaria.chaos.cli", "demo", "--out", str(tmp_path / "out")],
+                          capture_output=True, text=True, timeout=850, env=env)
+    report = assert_nothing_lost(proc, tmp_path, 300)
+    kinds = [r["fault"].split(":")[0] for r in report["recoveries"]]
+    assert kinds == ["kill-node@60", "add-node@70", "kill-node@230"]
+    assert report["recoveries"][1]["epoch"] is not None, "the new node joined"
+    assert all(r["total_s"] is not None for r in report["recoveries"])
+    assert "nothing was lost" in proc.stdout and "report.png" in proc.stdout
