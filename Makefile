@@ -1,5 +1,6 @@
 # The commands of the README, each doing its own set-up on a fresh machine:
 #   make demo    # 4 local nodes train; two are killed, one comes back; nothing is lost (a few minutes)
+#   make soak    # 30 minutes of random faults on 4-6 nodes (docs/chaos.md); make replay: the p3 trace
 #   make train   # train configs/tiny.yaml in 2 processes, plan chosen by the planner (torchrun, CPU or GPU)
 #   make test    # the test suite (about 15 minutes on 2 CPU cores)
 #   make test-slow  # the longer runs kept out of it (a few minutes)
@@ -8,13 +9,23 @@ NPROC ?= 2
 CONFIG ?= configs/tiny.yaml
 ARGS ?=
 
-.PHONY: setup demo train test test-only test-slow bench
+.PHONY: setup demo soak replay train test test-only test-slow bench
 
 setup:
 	@bash .ci/setup
 
 demo: setup
 	$(PYTHON) -m planaria.chaos.cli demo $(ARGS)
+
+# The long chaos runs of docs/chaos.md, not part of the test suite.
+soak: setup
+	$(PYTHON) -m planaria.chaos.cli chaos configs/soak.yaml --nodes 6 --etcd-members 3 \
+		--random 1.5 --random-nodes 4-6 --seed 1 --fresh-reference --timeout 5400 --out soak-out $(ARGS)
+
+replay: setup
+	$(PYTHON) -m planaria.chaos.cli chaos configs/tiny.yaml --nodes 6 --fault-tolerance 1 \
+		--trace p3 --time-scale 68 --fresh-reference --timeout 3600 --out replay-out \
+		parallel.min_stages=2 checkpoint.every=20 train.steps=6000 train.log_every=500 $(ARGS)
 
 train: setup
 	OMP_NUM_THREADS=1 $(PYTHON) -m torch.distributed.run --standalone --nproc-per-node=$(NPROC) \
