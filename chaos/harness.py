@@ -101,7 +101,7 @@ def run_chaos(settings: ChaosSettings, console: Console) -> Report:
                replay=replay)
     report = run.execute(reference)
     write_report(report, out)
-    plot = plot_report(report, run.injected, out / "report.png")
+    plot = plot_report(report, out / "report.png")
     console.print(recovery_table(report.recoveries))
     for note in recovery_notes(report.recoveries):
         console.print(f"  {note}")

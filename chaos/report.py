@@ -9,6 +9,7 @@ be read from the job itself.
 from __future__ import annotations
 
 import json
+import math
 import os
 import tempfile
 from dataclasses import asdict, dataclass, field
@@ -73,11 +74,15 @@ class Report:
     """(time of an epoch's first commit since the first commit, nodes whose workers
     committed steps in that epoch): the nodes the job's plan used."""
     first_commit_time: float | None = None
+    faults: list[InjectedFault] = field(default_factory=list)
+    """As injected, with their times (the plot marks them)."""
+
+    SERIES = ("losses", "reference_losses", "commit_times", "live_nodes", "training_nodes",
+              "first_commit_time", "faults")
 
     def summary(self) -> dict:
         data = asdict(self)
-        for bulky in ("losses", "reference_losses", "commit_times", "live_nodes", "training_nodes",
-                      "first_commit_time"):
+        for bulky in self.SERIES:
             data.pop(bulky)
         return data
 
@@ -201,7 +206,7 @@ def build_report(*, out_dir: Path, steps: int, outcome: str, faults: list[Inject
         losses=losses, reference_losses=ref_losses,
         commit_times=[(t - start, i) for t, i in times],
         live_nodes=[(t - start, n) for t, n in live_nodes], training_nodes=training_nodes(logs, start),
-        first_commit_time=times[0][0] if times else None)
+        first_commit_time=times[0][0] if times else None, faults=list(faults))
 
 
 def training_nodes(logs: dict[str, list[dict]], start: float) -> list[tuple[float, int]]:
@@ -227,14 +232,29 @@ def write_json_atomically(path: Path, data) -> None:
 
 
 def write_report(report: Report, out_dir: Path) -> Path:
-    """report.json (the summary and the per-step series), atomically."""
+    """report.json (the summary and the per-step series: enough to draw the plot again),
+    atomically."""
     data = report.summary()
-    data["series"] = {"losses": report.losses, "reference_losses": report.reference_losses,
-                      "commit_times": report.commit_times, "live_nodes": report.live_nodes,
-                      "training_nodes": report.training_nodes}
+    series = asdict(report)
+    data["series"] = {name: series[name] for name in Report.SERIES}
     path = Path(out_dir) / "report.json"
     write_json_atomically(path, data)
     return path
+
+
+def load_report(path: Path) -> Report:
+    """A report as `write_report` wrote it (to redraw its plot, say)."""
+    data = json.loads(Path(path).read_text())
+    series = data.pop("series")
+    recoveries = [Recovery(**r) for r in data.pop("recoveries")]
+    return Report(**data, recoveries=recoveries,
+                  losses={int(k): v for k, v in series["losses"].items()},
+                  reference_losses={int(k): v for k, v in series["reference_losses"].items()},
+                  commit_times=[tuple(x) for x in series["commit_times"]],
+                  live_nodes=[tuple(x) for x in series["live_nodes"]],
+                  training_nodes=[tuple(x) for x in series.get("training_nodes", [])],
+                  first_commit_time=series.get("first_commit_time"),
+                  faults=[InjectedFault(**f) for f in series.get("faults", [])])
 
 
 def _fmt(value, unit: str = "") -> str:
@@ -283,9 +303,10 @@ def verdict_table(report: Report):
     return table
 
 
-def plot_report(report: Report, faults: list[InjectedFault], path: Path) -> Path:
+def plot_report(report: Report, path: Path) -> Path:
     """Three panels sharing nothing but a purpose: loss against the reference with the
     faults marked (by step), throughput over time and live nodes over time."""
+    faults = report.faults
     import matplotlib
 
     matplotlib.use("Agg")
@@ -309,12 +330,13 @@ def plot_report(report: Report, faults: list[InjectedFault], path: Path) -> Path
     # Throughput: steps committed per bin of about a twentieth of the run; the last,
     # partial bin is divided by its own width.
     times = [t for t, _ in report.commit_times]
-    if times:
-        span = times[-1] - times[0]
+    span = times[-1] - times[0] if times else 0.0
+    if span > 0:
         bin_s = max(0.5, span / 20)
-        edges = [times[0] + k * bin_s for k in range(int(span / bin_s) + 1)]
-        widths = [min(bin_s, times[-1] - lo) or bin_s for lo in edges]
-        counts = [sum(1 for t in times if lo <= t < lo + bin_s) / w for lo, w in zip(edges, widths)]
+        edges = [times[0] + k * bin_s for k in range(max(1, math.ceil(span / bin_s)))]
+        bounds = edges[1:] + [times[-1]]
+        counts = [sum(1 for t in times if lo <= t < hi or t == hi == times[-1]) / (hi - lo)
+                  for lo, hi in zip(edges, bounds)]
         ax_rate.step(edges + [times[-1]], counts + counts[-1:], where="post", color="tab:green")
     ax_rate.set(xlabel="seconds since the first step", ylabel="steps / s", title="Throughput")
 
