@@ -25,7 +25,8 @@ from rich.console import Console
 from planaria.chaos.cluster import LocalCluster
 from planaria.chaos.faults import FaultSpec, FaultSpecError, validate
 from planaria.chaos.progress import RunProgress
-from planaria.chaos.report import (InjectedFault, Report, build_report, CommitTail, plot_report,
+from planaria.chaos.report import (InjectedFault, Report, build_report, CommitTail, format_epoch_event,
+                                   plot_report,
                                    read_commits, recovery_notes, recovery_table, step_losses, verdict_table,
                                    write_json_atomically, write_report)
 from planaria.chaos.sources import (RandomFaults, TraceReplay, find_trace, random_kinds, read_trace,
@@ -190,6 +191,8 @@ class _Run:
         """When each pending fault's step was reached."""
         self.outcome = "not started"
         self.progress: RunProgress | None = None
+        self._events_polled = 0.0
+        self._epochs_shown = 0
 
     def execute(self, reference: dict | None) -> Report | None:
         self.out_dir.mkdir(parents=True, exist_ok=True)
@@ -224,6 +227,9 @@ class _Run:
                 for fault in self._due(committed, now, first_step, cluster):
                     self._inject(cluster, fault, committed)
                 self._restart_etcd_members(cluster, now)
+                if now - self._events_polled >= 1.0:
+                    self._events_polled = now
+                    self._show_new_epochs(cluster)
                 live = len(cluster.live_nodes())
                 self.live_nodes.append((time.time(), live))
                 outcome = cluster.outcome()
@@ -258,6 +264,21 @@ class _Run:
                 self.progress.note(f"  trace {step.source} at {step.at_s:.1f} s")
                 due.append(replace(step.fault, step=committed))
         return due
+
+    def _show_new_epochs(self, cluster: LocalCluster) -> None:
+        """A line per reconfiguration as the leader publishes it: the recoveries as they
+        happen, before the table at the end."""
+        try:
+            current = int(cluster.store_json("epoch") or 0)
+        except (TypeError, ValueError):
+            return
+        for epoch in range(self._epochs_shown + 1, current + 1):
+            event = cluster.store_json(f"epoch/{epoch}/event")
+            if event is None and epoch == current:
+                return  # published a moment ago; its account follows the record
+            if event is not None:  # (none: its leader died between the two writes)
+                self.progress.note(format_epoch_event(event))
+            self._epochs_shown = epoch
 
     def _restart_etcd_members(self, cluster: LocalCluster, now: float) -> None:
         for when, member in [r for r in self._etcd_restarts if r[0] <= now]:

@@ -265,6 +265,20 @@ def _fmt(value, unit: str = "") -> str:
     return f"{value}{unit}"
 
 
+def format_epoch_event(event: dict) -> str:
+    """One line for a reconfiguration the leader published (`epoch/<e>/event`)."""
+    who = "; ".join(part for part in (
+        f"failed {', '.join(event['failed'])}" if event.get("failed") else "",
+        f"joined {', '.join(event['joined'])}" if event.get("joined") else "") if part)
+    moved, count = event.get("moved_bytes") or 0, event.get("transfers", 0)
+    copies = f"{count} layer cop{'y' if count == 1 else 'ies'} ({moved / 2**20:.2f} MiB)"
+    restored = event.get("restored")
+    source = copies if restored is None else f"back to the checkpoint of step {restored}"
+    return (f"  [cyan]epoch {event['epoch']}[/]: {event['reason']} ({who or '-'}) -> pipelines of "
+            f"{event.get('plan_shape')} stages from step {event.get('first_iteration')}, {source}, "
+            f"published {event['published_s'] - event['detected_s']:.2f} s after detection")
+
+
 def recovery_table(recoveries: list[Recovery]):
     from rich.table import Table
 

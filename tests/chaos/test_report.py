@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import json
 
-from planaria.chaos.report import InjectedFault, build_report, load_report, plot_report, write_report
+from planaria.chaos.report import (InjectedFault, build_report, format_epoch_event, load_report, plot_report,
+                                   write_report)
 
 
 def commit_log(path, entries):
@@ -41,3 +42,15 @@ def test_a_report_from_commit_logs_round_trips_and_draws(tmp_path):
     assert again == report
     png = plot_report(again, tmp_path / "report.png")
     assert png.stat().st_size > 10_000
+
+
+def test_an_epoch_event_reads_as_a_line():
+    event = {"epoch": 3, "reason": "failure", "failed": ["node2.0"], "joined": ["node6.0"], "transfers": 1,
+             "moved_bytes": 3 * 2**19, "plan_shape": [2, 2], "first_iteration": 61, "restored": None,
+             "detected_s": 10.0, "published_s": 10.25}
+    assert format_epoch_event(event) == (
+        "  [cyan]epoch 3[/]: failure (failed node2.0; joined node6.0) -> pipelines of [2, 2] stages "
+        "from step 61, 1 layer copy (1.50 MiB), published 0.25 s after detection")
+    event.update(restored=40, failed=[], joined=[])
+    assert "(-) -> " in format_epoch_event(event)
+    assert "back to the checkpoint of step 40" in format_epoch_event(event)
