@@ -25,8 +25,8 @@ from rich.console import Console
 from planaria.chaos.cluster import LocalCluster
 from planaria.chaos.faults import FaultSpec, FaultSpecError, validate
 from planaria.chaos.progress import RunProgress
+from planaria.chaos.plot import plot_report
 from planaria.chaos.report import (InjectedFault, Report, build_report, CommitTail, format_epoch_event,
-                                   plot_report,
                                    read_commits, recovery_notes, recovery_table, step_losses, verdict_table,
                                    write_json_atomically, write_report)
 from planaria.chaos.sources import (RandomFaults, TraceReplay, find_trace, random_kinds, read_trace,

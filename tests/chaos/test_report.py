@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 
-from planaria.chaos.report import (InjectedFault, build_report, format_epoch_event, load_report, plot_report,
-                                   write_report)
+from planaria.chaos.plot import plot_report
+from planaria.chaos.report import InjectedFault, build_report, format_epoch_event, load_report, write_report
 
 
 def commit_log(path, entries):
