@@ -67,6 +67,7 @@ from planaria.elastic.etcd_client import EtcdClient, EtcdSettings, EtcdUnavailab
 from planaria.elastic.etcd_store import EtcdStore
 from planaria.runtime.config import ConfigError, load_config
 from planaria.runtime.coordination import Worker, worker_key
+from planaria.runtime.heartbeat import ENV as HEARTBEAT_ENV, silent_for
 from planaria.runtime.planning import build_planner, cost_model
 
 POLL_S = 0.1
@@ -146,6 +147,7 @@ class Agent:
         if self._lease_lost.is_set():
             self.log("this node's lease expired while etcd was away; registering again")
             self._register()
+        self._kill_frozen_workers()
         if self._reap():
             if self.restarts < self.max_restarts and self._signal is None:
                 self._restart()
@@ -238,12 +240,14 @@ class Agent:
         error_file = self._error_file(worker)
         error_file.parent.mkdir(parents=True, exist_ok=True)
         error_file.unlink(missing_ok=True)
+        self._heartbeat_file(worker).unlink(missing_ok=True)
         env = dict(os.environ, PLANARIA_STORE=self.store_url, PLANARIA_NODE=worker[0],
                    PLANARIA_LOCAL_RANK=str(worker[1]), PYTHONUNBUFFERED="1",
                    PLANARIA_DIE_WITH_AGENT="1", TORCHELASTIC_RUN_ID=self.run_id,
                    TORCHELASTIC_RESTART_COUNT=str(self.restarts),
                    TORCHELASTIC_MAX_RESTARTS=str(self.max_restarts),
-                   TORCHELASTIC_ERROR_FILE=str(error_file), **self.settings.to_env())
+                   TORCHELASTIC_ERROR_FILE=str(error_file), **self.settings.to_env(),
+                   **{HEARTBEAT_ENV: str(self._heartbeat_file(worker))})
         if self.restarts:  # an injected fault fires in the first incarnation only
             env.pop("PLANARIA_FAULTS", None)
         env.setdefault("OMP_NUM_THREADS", "1")
@@ -257,6 +261,22 @@ class Agent:
 
     def _running(self) -> list[Worker]:
         return [w for w, p in self.workers.items() if p.poll() is None]
+
+    def _heartbeat_file(self, worker: Worker) -> Path:
+        return self.error_dir / worker_key(worker) / "heartbeat"
+
+    def _kill_frozen_workers(self) -> None:
+        """SIGKILL a worker whose heartbeat stopped (runtime/heartbeat.py): frozen, it
+        would hold the job up until the leader's status timeout; dead, it is a failure
+        like any other, seen at once."""
+        limit = self.cfg.parallel.heartbeat_timeout_s or self.cfg.parallel.timeout_s
+        now = time.time()
+        for worker, proc in self.workers.items():
+            silent = silent_for(self._heartbeat_file(worker), now)
+            if proc.poll() is None and silent is not None and silent > limit:
+                self.log(f"worker {worker_key(worker)} froze (no heartbeat for {silent:.0f} s); killing it")
+                proc.kill()
+                proc.wait()
 
     def _reap(self) -> bool:
         """Delete the alive keys of exited workers; True if one exited before the job ended."""

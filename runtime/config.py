@@ -95,6 +95,10 @@ class ParallelConfig:
     """'gloo', 'nccl', or 'auto' (nccl when CUDA is present)."""
     timeout_s: float = 300.0
     """Collective timeout in seconds."""
+    heartbeat_timeout_s: float = 0.0
+    """An elastic worker whose process shows no sign of life (its heartbeat thread is
+    frozen with it: SIGSTOP, a swapping machine) for this long is killed by its agent, so
+    that the job recovers without waiting for its status; 0: timeout_s."""
     connect_timeout_s: float = 30.0
     """Seconds an elastic epoch's process groups get to connect (at most timeout_s): a peer
     that died after the epoch's rendezvous fails the epoch this soon."""
@@ -226,6 +230,9 @@ def check_config(cfg: Config) -> Config:
     if cfg.checkpoint.every < 0 or cfg.checkpoint.keep < 1:
         raise ConfigError(f"checkpoint.every must be 0 (off) or more and checkpoint.keep at least 1; "
                           f"got every={cfg.checkpoint.every}, keep={cfg.checkpoint.keep}")
+    if p.heartbeat_timeout_s < 0:
+        raise ConfigError(f"parallel.heartbeat_timeout_s must be 0 (the collective timeout) or positive "
+                          f"seconds; got {p.heartbeat_timeout_s}")
     if p.timeout_s <= 0 or p.connect_timeout_s <= 0:
         raise ConfigError(f"parallel.timeout_s and parallel.connect_timeout_s must be positive seconds; "
                           f"got {p.timeout_s} and {p.connect_timeout_s}")

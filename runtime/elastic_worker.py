@@ -48,6 +48,7 @@ from planaria.runtime.engine import Engine, StepResult
 from planaria.runtime.audit import audit_replicas
 from planaria.runtime.faults import FaultInjector, corruption_after_step, flip_a_bit
 from planaria.runtime.groups import set_operation_timeout
+from planaria.runtime.heartbeat import start_beating
 from planaria.runtime.model import LayerModel
 
 ENV_STORE, ENV_NODE, ENV_LOCAL_RANK = "PLANARIA_STORE", "PLANARIA_NODE", "PLANARIA_LOCAL_RANK"
@@ -287,6 +288,7 @@ def run_elastic(cfg: Config, console: Console, device: torch.device, backend: st
     address, node, local_rank = elastic_environment()
     if os.environ.get("PLANARIA_DIE_WITH_AGENT") == "1":
         _die_with_parent()
+    start_beating()  # for the agent's watch on frozen workers (runtime/heartbeat.py)
     if not os.environ.get("PLANARIA_DEBUG"):
         # A failed peer makes torch's schedule runtime log its whole action table as an
         # error; here that is the expected start of a recovery, which the worker reports

@@ -239,11 +239,26 @@ def test_same_run_id_with_another_config_is_refused(etcd, tmp_path):
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
-def test_hung_worker_is_killed_by_its_agent_on_the_leaders_request(etcd, tmp_path, reference):
-    """node2's worker stops (SIGSTOP) in a backward. Its peers time out (parallel.timeout_s);
-    it reports nothing, so the leader asks its agent to kill it; the node leaves."""
-    job = Job(etcd, tmp_path, 4, [*OVERRIDES, "parallel.timeout_s=4"], run_id="hung",
+def test_a_frozen_worker_is_killed_by_its_agent(etcd, tmp_path, reference):
+    """node2's worker stops (SIGSTOP) in a backward. Its heartbeat stops with it, so its
+    agent kills it after parallel.heartbeat_timeout_s (default: timeout_s), without waiting
+    for the leader; the node leaves and the others go on."""
+    job = Job(etcd, tmp_path, 4, [*OVERRIDES, "parallel.timeout_s=4"], run_id="frozen",
               env={"node2": {"PLANARIA_FAULTS": "node2.0:backward@2!hang"}})
+    run_until_only_this_node_left(job, "node2")
+    assert "worker node2.0 froze (no heartbeat for" in job.logs()
+    assert "did not report" not in job.logs()
+    check_against_reference(tmp_path, reference, job)
+
+
+@pytest.mark.slow  # the path a stuck but beating worker takes; the frozen one is above
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_hung_worker_is_killed_by_its_agent_on_the_leaders_request(etcd, tmp_path, reference):
+    """The same, with the heartbeat watch out of the way: node2's worker reports nothing,
+    so the leader, after its status timeout, asks its agent to kill it."""
+    job = Job(etcd, tmp_path, 4, [*OVERRIDES, "parallel.timeout_s=4", "parallel.heartbeat_timeout_s=1000"],
+              run_id="hung", env={"node2": {"PLANARIA_FAULTS": "node2.0:backward@2!hang"}})
     run_until_only_this_node_left(job, "node2")
     assert "worker node2.0 did not report" in job.logs()
     check_against_reference(tmp_path, reference, job)
