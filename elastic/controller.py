@@ -31,7 +31,7 @@ from typing import Callable
 
 import torch.distributed as dist
 
-from planaria.runtime.checkpointing import complete_checkpoints, prune, write_manifest
+from planaria.runtime.checkpointing import complete_checkpoints, prune, step_dir, write_manifest
 from planaria.runtime.coordination import EpochRecord, ReachableDeadline, Worker, worker_key
 from planaria.runtime.exactly_once import CommitRecord, InconsistentStatuses, Resolution, WorkerStatus, resolve
 from planaria.templates.plan import Plan, missing_from, transfers_from
@@ -121,6 +121,8 @@ class Controller:
         epoch = int(self.store.get("epoch"))
         record = EpochRecord.from_json(self.store.get(f"epoch/{epoch}/record").decode())
         self.epoch, self.plan = epoch, record.plan
+        # Checkpoints an earlier leader completed (and pruned): not to be completed again.
+        self.completed_checkpoints = [i for i, _ in self._checkpoint_list()]
         if self.store.check(["done"]):
             self.outcome = self.store.get("done").decode()
         self.log(f"controller: resumed at epoch {epoch}")
@@ -264,6 +266,9 @@ class Controller:
                 break
             if self.store.add(key, 0) < total:
                 break
+            if not step_dir(policy.directory, k).is_dir():  # completed and pruned already
+                self.completed_checkpoints.append(k)
+                continue
             commit = CommitRecord(**json.loads(self.store.get(f"checkpoint/{k}/commit")))
             write_manifest(policy.directory, commit, self.plan.num_layers, self.plan.tp)
             self.completed_checkpoints.append(k)

@@ -1,0 +1,44 @@
+"""A new leader takes over a job that has completed and pruned checkpoints: it must not
+try to complete them again (their directories are gone), and it goes on completing new
+ones. Found by replaying the p3 trace: every leader after the first crashed on it."""
+from __future__ import annotations
+
+import json
+
+import torch.distributed as dist
+
+from planaria.elastic.controller import CheckpointPolicy, Controller
+from planaria.runtime.checkpointing import complete_checkpoints, step_dir
+from planaria.runtime.config import load_config
+from planaria.runtime.planning import build_planner, cost_model
+from tests.launch import TINY
+
+
+def complete_in_store(store, k: int, shards: int) -> None:
+    store.add(f"checkpoint/{k}/shards", shards)
+    store.set(f"checkpoint/{k}/commit", json.dumps({"iteration": k, "loss": 1.0, "grad_norm": 1.0}))
+
+
+def test_a_new_leader_skips_checkpoints_an_earlier_one_completed_and_pruned(tmp_path):
+    cfg = load_config(TINY, ["parallel.fault_tolerance=1"])
+    planner = build_planner(cfg, cost_model(cfg, hardware_name="h100", gpus_per_node=1))
+    store = dist.HashStore()
+    policy = CheckpointPolicy(tmp_path / "ckpt", every=10, keep=2)
+    logs: list[str] = []
+    first = Controller(store, planner, total_steps=100, checkpoints=policy, log=logs.append)
+    plan = first.start([(f"node{i}", 0) for i in range(4)])
+    shards = plan.num_layers * plan.tp
+    for k in (9, 19, 29):  # the workers wrote every shard of three checkpoints
+        step_dir(policy.directory, k).mkdir(parents=True)
+        complete_in_store(store, k, shards)
+    first._complete_checkpoints()
+    assert [i for i, _ in complete_checkpoints(policy.directory)] == [19, 29]  # 9 was pruned
+
+    second = Controller(store, planner, total_steps=100, checkpoints=policy, log=logs.append)
+    assert second.resume()
+    second._complete_checkpoints()  # 9's directory is gone: nothing to write there
+    assert not step_dir(policy.directory, 9).exists()
+    step_dir(policy.directory, 39).mkdir()
+    complete_in_store(store, 39, shards)
+    second._complete_checkpoints()
+    assert [i for i, _ in complete_checkpoints(policy.directory)] == [29, 39]
