@@ -144,6 +144,8 @@ class Controller:
             return "finished"
         joiners = set(self._whole_nodes(alive - members))
         failed_report = any(not s.finished for s in statuses.values())
+        if joiners and not (gone or failed_report) and not self._epoch_trained():
+            return "running"  # a join waits until the epoch in force has committed a step
         if gone or failed_report or joiners:
             reason = ("failure" if gone or failed_report else "join")
             try:
@@ -182,8 +184,8 @@ class Controller:
         except InconsistentStatuses as err:
             raise JobFailed(str(err)) from None
         first = resolution.first_iteration
-        self._check_progress(first)
         nodes = self._whole_nodes(survivors | joiners)
+        self._check_progress(first, nodes)
         if len(nodes) < self.planner.n0:
             raise JobFailed(f"{len(nodes)} node(s) left, but one replica of the model needs "
                             f"n0={self.planner.n0}; add nodes and restart from the last checkpoint")
@@ -298,12 +300,22 @@ class Controller:
         return {w: WorkerStatus.from_json(self.store.get(k).decode())
                 for w, k in keys.items() if self.store.check([k])}
 
-    def _check_progress(self, first_iteration: int) -> None:
-        last = self.plan.first_iteration
-        self._stalled = self._stalled + 1 if first_iteration <= last else 0
+    def _check_progress(self, first_iteration: int, nodes: list[str]) -> None:
+        """Fail the job after `max_stalled` reconfigurations in a row that made no progress
+        on the same nodes: the same plan failing again and again is a fault of the job
+        (a crash at one step, a bad node), which retrying will not cure. Churn is not:
+        when nodes came or went, the next plan differs, and the job waits it out (joins
+        are deferred until an epoch commits a step, so churn cannot keep it from training)."""
+        if first_iteration > self.plan.first_iteration:
+            self._stalled = 0
+        elif set(nodes) == {s.node for p in self.plan.pipelines for s in p.stages}:
+            self._stalled += 1
         if self._stalled >= self.max_stalled:
-            raise JobFailed(f"{self._stalled} reconfigurations in a row without a committed step "
-                            f"(stuck at iteration {first_iteration}); see the workers' logs")
+            raise JobFailed(f"{self._stalled} reconfigurations in a row on the same nodes without a "
+                            f"committed step (stuck at iteration {first_iteration}); see the workers' logs")
+
+    def _epoch_trained(self) -> bool:
+        return bool(self.store.check([f"epoch/{self.epoch}/trained"]))
 
     def _whole_nodes(self, workers: set[Worker]) -> list[str]:
         """Nodes all of whose workers are in `workers` (a stage needs the whole node)."""

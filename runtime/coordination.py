@@ -208,6 +208,11 @@ class StoreCoordinator:
         self.store.set(f"checkpoint/{iteration}/commit", json.dumps(vars(commit)))
         self.store.add(f"checkpoint/{iteration}/shards", shards)
 
+    def mark_trained(self, epoch: int) -> None:
+        """This epoch committed a step: the controller may now absorb joiners (it defers
+        a join until the epoch in force has made progress, so churn cannot livelock it)."""
+        self.store.set(f"epoch/{epoch}/trained", "1")
+
     def reconfigure_requested(self, epoch: int) -> bool:
         return self.store.check([f"epoch/{epoch}/reconfigure"])
 

@@ -198,7 +198,9 @@ class ElasticWorker:
     def _steps(self, epoch: int, first: int, timing: dict, request) -> None:
         for iteration in range(first, self.cfg.train.steps):
             result = self.engine.train_step(iteration, self.dataset, self.cfg.data.seed, request=request)
-            timing.setdefault("first_step_s", time.time())
+            if "first_step_s" not in timing:
+                timing["first_step_s"] = time.time()
+                self.coordinator.mark_trained(epoch)
             self._record_commit(result, epoch)
             self.checkpointer.after_step(self.engine)
             self._after_step(iteration)
