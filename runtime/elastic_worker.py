@@ -47,7 +47,7 @@ from planaria.runtime.data import build_dataset
 from planaria.runtime.engine import Engine, StepResult
 from planaria.runtime.audit import audit_replicas
 from planaria.runtime.faults import FaultInjector, corruption_after_step, flip_a_bit
-from planaria.runtime.groups import set_operation_timeout
+from planaria.runtime.groups import forget_failed_world, set_operation_timeout
 from planaria.runtime.heartbeat import start_beating
 from planaria.runtime.model import LayerModel
 
@@ -231,6 +231,7 @@ class ElasticWorker:
                 dist.destroy_process_group()
             except Exception:  # a broken group may refuse; it is dropped all the same
                 pass
+        forget_failed_world()
         gc.collect()
 
     # --------------------------------------------------------------- helpers

@@ -107,3 +107,22 @@ def _build_buckets(plan: Plan, rank: int, new_group) -> list[GradientBucket]:
             buckets.append(GradientBucket(ranks=ranks, layers=sorted(layers_by_ranks[ranks]),
                                           group=group))
     return buckets
+
+
+def forget_failed_world() -> None:
+    """After an `init_process_group` that failed (a peer never came), make this process's
+    next world group carry the same name as its peers'.
+
+    torch names the default group from a per-process counter that it advances before
+    connecting and resets only in `destroy_process_group`, which refuses when no world
+    is initialized. So a worker whose epoch failed in the rendezvous would name its next
+    world "1" while the survivors, who destroyed theirs, name it "0": the two sides wait
+    for different keys until the connect timeout, epoch after epoch. Resetting the
+    counter (a private field; checked, so a torch without it changes nothing) is what
+    `destroy_process_group` would have done.
+    """
+    if dist.is_initialized():
+        return
+    world = getattr(dist.distributed_c10d, "_world", None)
+    if world is not None and hasattr(world, "group_count"):
+        world.group_count = 0
