@@ -14,6 +14,10 @@ Subcommands available now:
                 [--trace FILE --time-scale X] [section.key=value ...]
                                                        inject faults into a local cluster's job and
                                                        compare it with the same job without them
+  planaria simulate --trace FILE|p3|g4dn|synthetic:EVERY --model NAME|CONFIG.yaml [--hardware NAME]
+                [--gpus-per-node G] [--fault-tolerance F] [--policy planaria|checkpoint|redundancy|all]
+                [--json] [--plot FILE]                 replay a preemption trace at cluster scale
+                                                       and compare recovery policies (docs/simulator.md)
 """
 from __future__ import annotations
 
@@ -175,7 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--gpus-per-node", type=int, default=1, help="workers per node (tensor parallelism)")
     plan.add_argument("--fault-tolerance", type=int, default=None,
                       help="f (default: parallel.fault_tolerance of the config)")
-    plan.add_argument("--hardware", default="cpu", help="a100, h100, h200 or cpu (measured here)")
+    plan.add_argument("--hardware", default="cpu", help="a100, h100, h200, v100, t4 or cpu (measured here)")
     plan.add_argument("--profile", action="store_true",
                       help="measure the real layers on this machine instead of the analytic model")
     plan.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -234,6 +238,10 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--out", default="demo-out", help="report.json, report.png and the logs")
     demo.add_argument("--fresh-reference", action="store_true", help="run the reference again")
     demo.set_defaults(func=_demo)
+
+    from planaria.chaos.simulator.cli import add_parser as add_simulate
+
+    add_simulate(sub)
     return parser
 
 

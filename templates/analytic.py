@@ -1,6 +1,7 @@
 """The analytic cost model: per-layer costs from FLOPs and bytes, and hardware presets.
 
-Owns `hardware(name)` (the presets a100, h100, h200, and cpu measured on the spot),
+Owns `hardware(name)` (the presets a100, h100, h200, the spot-trace instances' v100
+and t4, and cpu measured on the spot),
 `analytic_cost_model(shape, hw, ...)`, and the formulas both sources of a `CostModel`
 share: FLOPs per layer, tensor-parallel all-reduce times, state bytes per parameter,
 activation and boundary bytes. The profiler (`planaria.templates.profiler`) measures
@@ -29,7 +30,7 @@ import numpy as np
 
 from planaria.templates.costs import CostModel, Hardware, LayerCost, ModelShape
 
-HARDWARE_NAMES = ("a100", "h100", "h200", "cpu")
+HARDWARE_NAMES = ("a100", "h100", "h200", "v100", "t4", "cpu")
 DTYPE_NAMES = ("float32", "bfloat16", "float64")
 
 # Parameters, gradients and both Adam moments are kept in the master dtype: float32
@@ -65,8 +66,25 @@ _GPU_PRESETS = {
     "h200": dict(device_memory_bytes=135_000_000_000, peak_flops=989e12,
                  intra_node_bandwidth=360e9, inter_node_bandwidth=50e9,
                  matmul_efficiency=0.4, link_latency_s=1e-5),
+    # The GPUs of the spot traces' instances (p3: V100, g4dn: T4; one GPU per instance in
+    # the traces' smallest sizes), for `planaria simulate`. Neither has bf16: training
+    # runs in fp16 with fp32 masters, the same bytes as bf16 here.
+    # V100 SXM2 16GB: 16e9, ~15e9 usable; 125e12 fp16 tensor-core peak (vendor spec);
+    # NVLink 2: 150 GB/s per direction, ~120e9 B/s achieved. Inter-node: the single-GPU
+    # instance's "up to 10 Gb/s" = 1.25e9 B/s (vendor spec). 0.35 of peak: fp16 V100
+    # training reaches less of its peak than A100 (typical achieved).
+    "v100": dict(device_memory_bytes=15_000_000_000, peak_flops=125e12,
+                 intra_node_bandwidth=120e9, inter_node_bandwidth=1.25e9,
+                 matmul_efficiency=0.35, link_latency_s=3e-5),
+    # T4 16GB: ~15e9 usable; 65e12 fp16 tensor-core peak (vendor spec), no NVLink (PCIe 3:
+    # ~12e9 B/s). Inter-node: "up to 25 Gb/s" = 3.1e9 B/s (vendor spec). 0.3 of peak: a
+    # 70 W inference part throttles under sustained training load (typical achieved).
+    "t4": dict(device_memory_bytes=15_000_000_000, peak_flops=65e12,
+               intra_node_bandwidth=12e9, inter_node_bandwidth=3.1e9,
+               matmul_efficiency=0.3, link_latency_s=3e-5),
 }
-_GPUS_PER_NODE = 8  # DGX/HGX A100, H100 and H200 nodes (vendor spec)
+_GPUS_PER_NODE = {"a100": 8, "h100": 8, "h200": 8,  # DGX/HGX nodes (vendor spec)
+                  "v100": 1, "t4": 1}  # p3.2xlarge, g4dn.xlarge: the traces' instances
 
 
 def hardware(name: str, *, gpus_per_node: int | None = None) -> Hardware:
@@ -88,7 +106,7 @@ def hardware(name: str, *, gpus_per_node: int | None = None) -> Hardware:
         raise ValueError(f"gpus_per_node must be at least 1, got {gpus_per_node}")
     if name == "cpu":
         return _cpu_hardware(gpus_per_node or 1)
-    return Hardware(name=name, gpus_per_node=gpus_per_node or _GPUS_PER_NODE, **_GPU_PRESETS[name])
+    return Hardware(name=name, gpus_per_node=gpus_per_node or _GPUS_PER_NODE[name], **_GPU_PRESETS[name])
 
 
 @functools.lru_cache(maxsize=None)

@@ -42,9 +42,15 @@ class Template:
 
     num_nodes: int
     partition: StagePartition
+    _times: dict[int, float] = field(default_factory=dict, compare=False, repr=False)
+    """Memo of iteration_time: instantiation asks for the same counts again and again
+    (every candidate deadline, every event of a simulated trace)."""
 
     def iteration_time(self, num_microbatches: int) -> float:
-        return self.partition.iteration_time(num_microbatches)
+        time_s = self._times.get(num_microbatches)
+        if time_s is None:
+            time_s = self._times[num_microbatches] = self.partition.iteration_time(num_microbatches)
+        return time_s
 
     def max_microbatches(self, deadline: float, limit: int) -> int:
         """Most microbatches (≤ limit) this pipeline finishes within `deadline`."""
@@ -95,10 +101,12 @@ class Planner:
     settings: PlannerSettings
     templates: dict[int, Template] = field(default_factory=dict)
     n0: int = 0
+    _deadlines: dict[tuple[int, ...], list[float]] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         self.n0 = self._smallest_feasible_size()
-        for size in range(self.n0, 2 * self.n0):
+        most = self.costs.num_layers // self.settings.virtual_stages  # a stage needs a layer
+        for size in range(self.n0, min(2 * self.n0, most + 1)):
             self._feasible(size)  # build the templates up front; sizes that do not fit are skipped
 
     # ------------------------------------------------------------- templates
@@ -261,8 +269,11 @@ class Planner:
         total = self.settings.total_microbatches
         # The best deadline is the finishing time of some pipeline: T_s(m) for a size s
         # and a count m. Binary search over those candidates is exact.
-        candidates = sorted({self.template(s).iteration_time(m)
-                             for s in sizes for m in range(1, total + 1)})
+        key = tuple(sizes)
+        if key not in self._deadlines:
+            self._deadlines[key] = sorted({self.template(s).iteration_time(m)
+                                           for s in sizes for m in range(1, total + 1)})
+        candidates = self._deadlines[key]
         lo, hi = 0, len(candidates) - 1
         best = self._pack(num_nodes, candidates[hi], want, sizes)
         if best is None:
