@@ -25,7 +25,7 @@ soak: setup
 replay: setup
 	$(PYTHON) -m planaria.chaos.cli chaos configs/tiny.yaml --nodes 6 --fault-tolerance 1 \
 		--trace p3 --time-scale 68 --fresh-reference --timeout 3600 --out replay-out \
-		parallel.min_stages=2 checkpoint.every=20 train.steps=6000 train.log_every=500 $(ARGS)
+		parallel.min_stages=2 parallel.timeout_s=10 checkpoint.every=20 train.steps=6000 train.log_every=500 $(ARGS)
 
 train: setup
 	OMP_NUM_THREADS=1 $(PYTHON) -m torch.distributed.run --standalone --nproc-per-node=$(NPROC) \
