@@ -106,30 +106,51 @@ def print_table(data: dict, console) -> None:
                   f"{od['tokens_per_dollar']:,.0f} tokens/$")
 
 
-def plot(sim: Simulation, path: Path) -> None:
-    """Throughput of each policy over the trace, and the live nodes."""
+def _binned(series, duration_s: float, bins: int) -> tuple[list[float], list[float]]:
+    """Time-weighted mean of a step function (time, value, ...) over equal bins."""
+    width = duration_s / bins
+    points = [(t, v) for t, v, *_ in series] + [(duration_s, 0.0)]
+    sums = [0.0] * bins
+    for (t0, v), (t1, _) in zip(points, points[1:]):
+        b = int(t0 // width)
+        while t0 < t1 and b < bins:
+            end = min(t1, (b + 1) * width)
+            sums[b] += v * (end - t0)
+            t0, b = end, b + 1
+    return [(i + 0.5) * width for i in range(bins)], [x / width for x in sums]
+
+
+def plot(sim: Simulation, path: Path, bins: int = 120) -> None:
+    """Per policy: throughput averaged over short windows (time down counts as zero) with the
+    live nodes behind it, and the tokens kept so far."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(10, 4.5))
+    fig, (ax, kept) = plt.subplots(2, 1, figsize=(10, 6.5), sharex=True,
+                                   gridspec_kw={"height_ratios": [3, 2]})
+    duration = sim.availability.duration_s
     for name, result in sim.results.items():
-        points = result.series + [(result.duration_s, *result.series[-1][1:])]
-        ax.step([p[0] / 3600 for p in points], [p[1] for p in points], where="post", label=name, linewidth=1)
-    ax.set_xlabel("hours")
-    ax.set_ylabel("tokens/s")
+        centres, rates = _binned(result.series, duration, bins)
+        ax.plot([c / 3600 for c in centres], rates, label=name, linewidth=1.2)
+        kept.plot([t / 3600 for t, _ in [(0.0, 0.0), *result.token_times]],
+                  [k for _, k in [(0.0, 0.0), *result.token_times]], label=name, linewidth=1.2)
+    ax.set_ylabel(f"tokens/s (mean over {duration / bins / 60:.0f} min)")
     ax.set_ylim(bottom=0)
     nodes = ax.twinx()
-    counts = sim.availability.counts() + [(sim.availability.duration_s, sim.availability.counts()[-1][1])]
+    counts = sim.availability.counts() + [(duration, sim.availability.counts()[-1][1])]
     nodes.step([c[0] / 3600 for c in counts], [c[1] for c in counts], where="post", color="grey",
-               alpha=0.4, label="live nodes")
+               alpha=0.35, label="live nodes")
     nodes.set_ylabel("live nodes")
     nodes.set_ylim(bottom=0)
-    lines = ax.get_legend_handles_labels()
+    handles, labels = ax.get_legend_handles_labels()
     extra = nodes.get_legend_handles_labels()
-    ax.legend(lines[0] + extra[0], lines[1] + extra[1], loc="lower left", fontsize=8)
-    ax.set_title(f"{sim.job.name} on {sim.availability.name} ({sim.hardware})")
+    ax.legend(handles + extra[0], labels + extra[1], loc="lower left", fontsize=8)
+    kept.set_ylabel("tokens kept")
+    kept.set_xlabel("hours")
+    kept.legend(loc="upper left", fontsize=8)
+    ax.set_title(f"{sim.job.name} on {sim.availability.name} ({sim.hardware}, f={sim.fault_tolerance})")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp{path.suffix}")
