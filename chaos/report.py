@@ -64,6 +64,8 @@ class Report:
     ettr: float | None
     wall_s: float
     recoveries: list[Recovery] = field(default_factory=list)
+    reference_step_s: float | None = None
+    """The fault-free run's time a step on this machine (the ETTR's yardstick)."""
     losses: dict[int, float] = field(default_factory=dict)
     reference_losses: dict[int, float] = field(default_factory=dict)
     commit_times: list[tuple[float, int]] = field(default_factory=list)
@@ -203,6 +205,7 @@ def build_report(*, out_dir: Path, steps: int, outcome: str, faults: list[Inject
         committed_steps_lost=lost,
         checkpoint_loads=sum(1 for ev in events if ev.get("restored") is not None),
         ettr=ettr, wall_s=wall_s, recoveries=recoveries(faults, events, timings, logs),
+        reference_step_s=reference.get("step_s"),
         losses=losses, reference_losses=ref_losses,
         commit_times=[(t - start, i) for t, i in times],
         live_nodes=[(t - start, n) for t, n in live_nodes], training_nodes=training_nodes(logs, start),

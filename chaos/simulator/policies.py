@@ -37,11 +37,18 @@ class Job:
 
     tokens_per_step: int
     calibration: Calibration
+    fixed_iteration_s: float | None = None
+    """Every plan's iteration time, when measured rather than planned (a local chaos run,
+    whose nodes share one machine's cores)."""
+    lose_partial_iteration: bool = True
+    """False when the recovery's cost already includes re-running the iteration in flight."""
 
 
 def _running(planner: Planner, choice: PlanChoice, job: Job, iteration_s: float | None = None,
              lost_nodes: int = 0) -> Running:
     iteration = choice.iteration_time_s if iteration_s is None else iteration_s
+    if job.fixed_iteration_s is not None:
+        iteration = job.fixed_iteration_s
     nodes = sum(len(p.stages) for p in choice.plan.pipelines) - lost_nodes
     return Running(nodes=nodes, tokens_per_s=job.tokens_per_step / iteration, iteration_s=iteration,
                    checkpoint_s=checkpoint_seconds(planner.costs, choice.plan, job.calibration))
@@ -116,18 +123,21 @@ class PlanariaPolicy:
         in_plan = {s.node for p in self.plan.pipelines for s in p.stages} if self.plan else set()
         failed = in_plan & set(change.removed)
         newly_lost = bool(self.plan) and bool(failed) and bool(lost_layers(self.plan, alive))
-        lost = "checkpoint" if newly_lost and not self.state_lost else ("iteration" if failed else "none")
+        in_flight = "iteration" if failed and self.job.lose_partial_iteration else "none"
+        lost = "checkpoint" if newly_lost and not self.state_lost else in_flight
         self.state_lost = self.state_lost or newly_lost
         if len(live) < self.planner.n0:
             return Outcome(None, lost=lost, note=f"{len(live)} nodes < n0={self.planner.n0}: stalled")
         if current is not None and not failed and not change.added:
-            return Outcome(current, note="a node outside the plan left")
+            return Outcome(current, downtime_s=change.downtime_s or 0.0, note="no node of the plan left")
         cal = self.cal
         old = self.plan
         choice = self._instantiate(live, None if self.state_lost or old is None else old)
         downtime = cal.control_s + choice.planning_time_s + cal.regroup_s
         if failed:
             downtime += cal.detection_s
+        if change.downtime_s is not None:
+            downtime = change.downtime_s  # measured: detection, recovery and the re-run together
         if self.state_lost:
             downtime += load_seconds(self.planner.costs, choice.plan, cal)
             note = "replicas exhausted: back to the checkpoint"

@@ -158,3 +158,39 @@ def test_bad_input_is_a_clear_error(args, message, capsys):
 def test_calibration_rejects_nonsense():
     with pytest.raises(ValueError, match="transfer_efficiency"):
         Calibration(transfer_efficiency=0)
+
+
+def _chaos_report(faults, *, step_s=0.1, gap_s=None, steps=3000, start=1000.0):
+    """A chaos report as the harness writes it: a step every `step_s`, and after each fault
+    a pause of `gap_s[kind]` seconds."""
+    t, commits, pending = 0.0, [], sorted(faults, key=lambda f: f[1])
+    for i in range(steps):
+        while pending and pending[0][1] <= t:
+            kind, _, _ = pending.pop(0)
+            t += gap_s[kind]
+        commits.append([t, i])
+        t += step_s
+    last = commits[-1][0]
+    return {"steps_committed": steps, "ettr": steps * step_s / (last + step_s), "reference_step_s": step_s,
+            "series": {"first_commit_time": start, "commit_times": commits,
+                       "faults": [{"fault": f"{kind}@0:target={target}", "time": start + at}
+                                  for kind, at, target in faults]}}
+
+
+def test_chaos_run_replayed_through_the_simulator_gives_its_ettr():
+    from pathlib import Path
+
+    from planaria.chaos.simulator.local import fault_costs, predict_ettr
+
+    gaps = {"kill-node": 5.0, "add-node": 8.0, "kill-etcd-member": 2.0}
+    faults = [("kill-node", 30.0, 2), ("add-node", 60.0, 6), ("kill-etcd-member", 100.0, 0),
+              ("kill-node", 150.0, 4), ("add-node", 200.0, 7)]
+    report = _chaos_report(faults, gap_s=gaps)
+    costs = fault_costs(report)
+    assert costs == pytest.approx(gaps, abs=0.11)  # within a step
+    config = Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml"
+    predicted = predict_ettr(report, costs, config, ["parallel.min_stages=2"], nodes=6)
+    assert predicted == pytest.approx(report["ettr"], abs=0.01)
+    # A run whose faults cost twice as much is predicted lower, by about the extra time.
+    slower = _chaos_report(faults, gap_s={k: 2 * v for k, v in gaps.items()})
+    assert predict_ettr(slower, costs, config, ["parallel.min_stages=2"], nodes=6) > slower["ettr"] + 0.05

@@ -1,0 +1,109 @@
+"""Predict a local chaos run's ETTR with the simulator, to check the simulator against
+measurement (docs/simulator.md, "Checked against the chaos runs").
+
+A chaos report (`planaria chaos ... --out DIR`, DIR/report.json) records which faults
+hit which nodes when, and every step's commit time. From one report this module
+measures what each kind of fault costs on this machine (`fault_costs`: the training
+time lost in the window after each fault, against the fault-free step time; median per
+kind); it turns another report's faults into an `Availability` whose changes carry
+those costs (`chaos_availability`), runs the Planaria policy over it with the job's own
+planner (which decides when a layer loses every replica and the job goes back to a
+checkpoint), and returns the ETTR the simulator predicts beside the one the run
+measured (`predict_ettr`).
+
+The step time is the run's fault-free reference, the same for every plan: on a machine
+whose two cores all local nodes share, it nearly is. What a fault costs here is mostly
+not what it costs on a GPU cluster: a new node's processes start on the same two cores
+as the training, and an etcd member's restart takes CPU from it too. That is why the
+costs are measured per kind on this machine rather than taken from the GPU calibration.
+"""
+from __future__ import annotations
+
+import bisect
+import json
+import re
+import statistics
+from pathlib import Path
+
+from planaria.chaos.simulator.availability import Availability, Change
+from planaria.chaos.simulator.calibration import Calibration
+from planaria.chaos.simulator.engine import simulate
+from planaria.chaos.simulator.policies import Job, PlanariaPolicy
+
+_FAULT = re.compile(r"(?P<kind>[a-z-]+)@(?P<step>\d+)(?::target=(?P<target>[0-9.]+))?")
+NODE_LOSSES = ("kill-worker", "kill-node", "kill-agent", "hang-worker")
+
+
+def load(path: Path) -> dict:
+    return json.loads(Path(path).read_text())
+
+
+def reference_step_s(report: dict) -> float:
+    """The fault-free step time: recorded by newer reports, else solved from their ETTR
+    (ETTR = steps · s / (last commit time + s))."""
+    if report.get("reference_step_s"):
+        return float(report["reference_step_s"])
+    steps, ettr = report["steps_committed"], report["ettr"]
+    last = report["series"]["commit_times"][-1][0]
+    return ettr * last / (steps - ettr)
+
+
+def _faults(report: dict):
+    series = report["series"]
+    for fault in series["faults"]:
+        match = _FAULT.fullmatch(fault["fault"])
+        if match is None:
+            raise ValueError(f"cannot read the fault {fault['fault']!r} of the report")
+        target = match.group("target")
+        yield (match.group("kind"), max(0.0, fault["time"] - series["first_commit_time"]),
+               None if target is None else int(float(target)))
+
+
+def fault_costs(report: dict, window_s: float = 30.0) -> dict[str, float]:
+    """Per fault kind, the median training time lost in the `window_s` after a fault: the
+    window minus the steps committed in it times the fault-free step time."""
+    times = [t for t, _ in report["series"]["commit_times"]]
+    step_s = reference_step_s(report)
+    lost: dict[str, list[float]] = {}
+    for kind, at, _ in _faults(report):
+        steps = bisect.bisect(times, at + window_s) - bisect.bisect(times, at)
+        lost.setdefault(kind, []).append(max(0.0, window_s - steps * step_s))
+    return {kind: statistics.median(values) for kind, values in lost.items()}
+
+
+def chaos_availability(report: dict, *, nodes: int, costs: dict[str, float]) -> Availability:
+    """The faults of a chaos report as changes of named nodes (`node<i>`) from its first
+    committed step to its last, each carrying the cost of its kind."""
+    missing = {kind for kind, _, _ in _faults(report)} - set(costs)
+    if missing:
+        raise ValueError(f"no measured cost for fault kind(s) {sorted(missing)}: calibrate on a "
+                         "report that has them")
+    duration = report["series"]["commit_times"][-1][0] + reference_step_s(report)
+    live = {f"node{i}" for i in range(nodes)}
+    changes = []
+    for kind, at, target in _faults(report):
+        node = f"node{target}" if target is not None else None
+        if kind == "add-node":
+            live.add(node)
+            changes.append(Change(at, added=(node,), downtime_s=costs[kind]))
+        elif kind in NODE_LOSSES and node in live:
+            live.discard(node)
+            changes.append(Change(at, removed=(node,), downtime_s=costs[kind]))
+        else:  # an etcd member: no node changes, the job still pays for it
+            changes.append(Change(at, downtime_s=costs[kind]))
+    return Availability("chaos report", tuple(f"node{i}" for i in range(nodes)), tuple(changes), duration)
+
+
+def predict_ettr(report: dict, costs: dict[str, float], config: Path, overrides: list[str], *,
+                 nodes: int) -> float:
+    """The ETTR the simulator predicts for the chaos run of `report` (run with `config`,
+    `overrides`, on `nodes` nodes), with `costs` per fault kind."""
+    from planaria.runtime.config import load_config
+    from planaria.runtime.planning import build_planner, cost_model
+
+    cfg = load_config(config, overrides)
+    planner = build_planner(cfg, cost_model(cfg, hardware_name="cpu", gpus_per_node=cfg.parallel.tp))
+    job = Job(tokens_per_step=cfg.train.global_batch * cfg.model.seq_len,
+              calibration=Calibration(), fixed_iteration_s=reference_step_s(report),
+              lose_partial_iteration=False)  # the measured cost includes the re-run
+    return simulate(PlanariaPolicy(planner, job), chaos_availability(report, nodes=nodes, costs=costs)).ettr
