@@ -136,8 +136,10 @@ def _chaos(args: argparse.Namespace) -> int:
     except (FaultSpecError, ConfigError, FileNotFoundError) as err:
         print(f"planaria chaos: {err}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("planaria chaos: interrupted; the local cluster was stopped", file=sys.stderr)
+    except KeyboardInterrupt as interrupt:
+        report = getattr(interrupt, "report", None)
+        print("planaria chaos: interrupted; the local cluster was stopped"
+              + (f"; the report of the run so far: {report}" if report else ""), file=sys.stderr)
         return 130
     nothing_lost = report.completed and report.committed_steps_lost == 0
     console.print("[bold green]nothing was lost[/]" if nothing_lost else "[bold red]the job lost work or did not finish[/]")
@@ -158,8 +160,10 @@ def _demo(args: argparse.Namespace) -> int:
     except (FaultSpecError, ConfigError) as err:
         print(f"planaria demo: {err}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("planaria demo: interrupted; the local cluster was stopped", file=sys.stderr)
+    except KeyboardInterrupt as interrupt:
+        report = getattr(interrupt, "report", None)
+        print("planaria demo: interrupted; the local cluster was stopped"
+              + (f"; the report of the run so far: {report}" if report else ""), file=sys.stderr)
         return 130
 
 

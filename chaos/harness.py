@@ -108,7 +108,17 @@ def run_chaos(settings: ChaosSettings, console: Console) -> Report:
         console.print(f"  {note}")
     console.print(verdict_table(report))
     console.print(f"report: {out / 'report.json'}   plot: {plot}")
+    if run.interrupted:
+        raise RunInterrupted(out / "report.json")
     return report
+
+
+class RunInterrupted(KeyboardInterrupt):
+    """The run was stopped by the user; `report` holds what it did until then."""
+
+    def __init__(self, report: Path):
+        super().__init__(str(report))
+        self.report = report
 
 
 def _describe_faults(settings: ChaosSettings, replay: TraceReplay | None, left_out: int) -> str:
@@ -156,6 +166,8 @@ def reference_run(settings: ChaosSettings, console: Console) -> dict:
     cfg = load_config(settings.config, settings.overrides)
     run = _Run(settings, Path(settings.out_dir) / "reference", console, steps=cfg.train.steps, faults=[])
     run.execute(None)
+    if run.interrupted:
+        raise KeyboardInterrupt("the reference run was interrupted")
     if run.outcome != "ok":
         raise RuntimeError(f"the reference run (no faults) did not finish: {run.outcome}; see "
                            f"{run.out_dir / 'logs'}. Fix the job before injecting faults into it")
@@ -190,6 +202,8 @@ class _Run:
         self._reached: dict[FaultSpec, float] = {}
         """When each pending fault's step was reached."""
         self.outcome = "not started"
+        self.interrupted = False
+        """Ctrl-C (or SIGTERM) stopped the run: its report covers the run so far."""
         self.progress: RunProgress | None = None
         self._events_polled = 0.0
         self._epochs_shown = 0
@@ -204,7 +218,10 @@ class _Run:
                                run_id=f"chaos-{uuid.uuid4().hex[:8]}",
                                etcd_members=self.settings.etcd_members)
         try:
-            self.outcome = self._drive(cluster, started)
+            try:
+                self.outcome = self._drive(cluster, started)
+            except KeyboardInterrupt:
+                self.interrupted, self.outcome = True, "interrupted"
             events, timings = _events_and_timings(cluster)
         finally:
             cluster.close()

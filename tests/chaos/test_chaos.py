@@ -172,3 +172,50 @@ def test_the_demo_loses_nothing(tmp_path, cache):
     assert report["recoveries"][1]["epoch"] is not None, "the new node joined"
     assert all(r["total_s"] is not None for r in report["recoveries"])
     assert "nothing was lost" in proc.stdout and "report.png" in proc.stdout
+
+
+@pytest.mark.slow  # ~1 min: a reference run, then a run stopped half way; `make test-slow`
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_an_interrupted_run_stops_its_cluster_and_reports_the_run_so_far(tmp_path):
+    """SIGTERM (as `timeout` sends it) half way through the faulted run: the command exits
+    130, leaves no process of its cluster behind, and writes the report of what ran."""
+    import signal
+    import time
+
+    from pathlib import Path
+
+    from planaria.chaos.harness import ChaosSettings, _reference_key
+
+    out = tmp_path / "out"
+    overrides = ["train.steps=100000"]
+    # A reference of 100,000 steps is not what this test is about: a cached one stands in.
+    settings = ChaosSettings(Path(TINY), overrides, nodes=2, nproc=1, faults=[], out_dir=out)
+    cached = tmp_path / "cache" / "planaria" / "chaos-references" / f"{_reference_key(settings)}.json"
+    cached.parent.mkdir(parents=True)
+    cached.write_text(json.dumps({"losses": {}, "step_s": 0.05, "median_step_s": 0.05}))
+    env = dict(os.environ, OMP_NUM_THREADS="1", XDG_CACHE_HOME=str(tmp_path / "cache"))
+    proc = subprocess.Popen([sys.executable, "-m", "planaria.chaos.cli", "chaos", str(TINY), "--nodes", "2",
+                             "--fault", "kill-worker@30:target=1.0", *overrides, "--out", str(out)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True)
+    commits = out / "run"
+    deadline = time.monotonic() + 400
+    try:
+        while time.monotonic() < deadline:
+            logs = list(commits.glob("commits-*.jsonl")) if commits.exists() else []
+            if sum(len(p.read_text().splitlines()) for p in logs) > 60:
+                break
+            time.sleep(0.5)
+        else:
+            pytest.fail("the faulted run never committed 60 steps")
+    finally:
+        proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 130, stderr[-2000:]
+    assert "the report of the run so far" in stderr
+    report = json.loads((out / "report.json").read_text())
+    assert report["outcome"] == "interrupted" and not report["completed"]
+    assert report["steps_committed"] > 30 and report["recoveries"]
+    leftover = subprocess.run(["pgrep", "-f", str(out)], capture_output=True, text=True).stdout.split()
+    assert not leftover, f"processes of the stopped cluster are still running: {leftover}"
