@@ -31,6 +31,7 @@ def policy_summary(sim: Simulation, result: SimResult, target_tokens: float) -> 
         "reconfigurations": reconfigurations,
         "downtime_s": sum(e["downtime_s"] for e in result.events),
         "stalls": len(result.stalled_at),
+        "stalled_at_s": list(result.stalled_at),
         "node_seconds": {a: result.accounts[a] for a in ACCOUNTS},
         "node_seconds_share": {a: result.accounts[a] / total for a in ACCOUNTS},
     }
@@ -93,7 +94,7 @@ def print_table(data: dict, console) -> None:
         table.add_column(column, justify="left" if column == "policy" else "right")
     for name, p in data["policies"].items():
         if p.get("fits") is False:
-            table.add_row(name, "-", "-", "-", "-", "-", "-", "-", "-", "-", f"does not fit: {p['reason']}")
+            table.add_row(name, "-", "-", "-", "-", "-", "-", "-", "-", "-", "does not fit (below)")
             continue
         every = p["checkpoint_every_s"]
         table.add_row(name, f"{p['ettr']:.3f}", f"{p['tokens']:.3e}", f"{p['tokens_per_s']:,.0f}",
@@ -101,6 +102,11 @@ def print_table(data: dict, console) -> None:
                       "-" if every is None else f"{every / 60:.1f} min", str(p["checkpoint_loads"]),
                       str(p["reconfigurations"]), str(p["stalls"]))
     console.print(table)
+    for name, p in data["policies"].items():
+        if p.get("stalls"):
+            when = ", ".join(_hours(t) for t in p["stalled_at_s"][:8]) + (" ..." if p["stalls"] > 8 else "")
+            console.print(f"[yellow]{name} stalled {p['stalls']} time(s): fewer than n0={p['n0']} live nodes "
+                          f"held the model, at {when}[/]")
     od = data["on_demand"]
     console.print(f"on demand, no faults, {od['nodes']} nodes: {od['tokens']:.3e} tokens, "
                   f"{od['tokens_per_dollar']:,.0f} tokens/$")
