@@ -65,7 +65,7 @@ from pathlib import Path
 from planaria.elastic.controller import CheckpointPolicy, Controller, StaleLeader
 from planaria.elastic.etcd_client import EtcdClient, EtcdSettings, EtcdUnavailable
 from planaria.elastic.etcd_store import EtcdStore
-from planaria.runtime.config import ConfigError, load_config
+from planaria.runtime.config import ConfigError, load_config, status_timeout_s
 from planaria.runtime.coordination import Worker, worker_key
 from planaria.runtime.heartbeat import ENV as HEARTBEAT_ENV, silent_for
 from planaria.runtime.planning import build_planner, cost_model
@@ -390,7 +390,7 @@ class Agent:
         costs = cost_model(self.cfg, hardware_name=self.hardware, gpus_per_node=self.nproc)
         return Controller(
             self.store, build_planner(self.cfg, costs), total_steps=self.cfg.train.steps,
-            gpus_per_node=self.nproc, status_timeout_s=self.cfg.parallel.timeout_s + 15,
+            gpus_per_node=self.nproc, status_timeout_s=status_timeout_s(self.cfg.parallel),
             log=lambda message: self.log(message),
             checkpoints=CheckpointPolicy(self.cfg.checkpoint_dir, self.cfg.checkpoint.every,
                                          self.cfg.checkpoint.keep))

@@ -27,6 +27,7 @@ from planaria.elastic.etcd_client import EtcdClient, EtcdSettings
 from planaria.elastic.etcd_server import EmbeddedEtcd, EmbeddedEtcdCluster
 from planaria.elastic.etcd_store import EtcdStore
 from planaria.runtime.config import load_config
+from planaria.runtime.config import status_timeout_s as default_status_timeout
 from planaria.runtime.coordination import Worker, worker_key
 from planaria.runtime.planning import build_planner, cost_model
 
@@ -69,11 +70,11 @@ class LocalJob:
         else:
             raise ValueError(f"store must be 'tcp' or 'etcd', got {store!r}")
         costs = cost_model(self.cfg, hardware_name=hardware, gpus_per_node=gpus_per_node)
-        timeout = self.cfg.parallel.timeout_s
         self.controller = Controller(
             self.store, build_planner(self.cfg, costs), total_steps=self.cfg.train.steps,
             gpus_per_node=gpus_per_node,
-            status_timeout_s=status_timeout_s if status_timeout_s is not None else timeout + 15,
+            status_timeout_s=(status_timeout_s if status_timeout_s is not None
+                              else default_status_timeout(self.cfg.parallel)),
             log=self.log, checkpoints=CheckpointPolicy(self.cfg.checkpoint_dir, self.cfg.checkpoint.every,
                                                       self.cfg.checkpoint.keep))
         self.processes: dict[Worker, subprocess.Popen] = {}

@@ -266,6 +266,21 @@ def check_config(cfg: Config) -> Config:
     return cfg
 
 
+# gloo retries a connection refused by a dead peer (its retry limit is 3), each attempt
+# under the connect timeout, and connects to the dead peers one after another.
+GLOO_CONNECT_ATTEMPTS = 4
+
+
+def status_timeout_s(p: "ParallelConfig") -> float:
+    """How long the leader waits for a live worker's status after a failure before it
+    kills the worker as hung: the collective timeout, plus what an epoch's connection to
+    peers that died after its rendezvous can take (gloo's retries of the connect timeout),
+    plus margin. A shorter wait killed every survivor of a triple node loss in the p3
+    replay while they were still failing their connections, and with them the job."""
+    connect = min(p.connect_timeout_s, p.timeout_s)
+    return p.timeout_s + GLOO_CONNECT_ATTEMPTS * connect + 15.0
+
+
 def uses_planner(cfg: Config) -> bool:
     """No explicit layout and no pp/dp: the planner chooses the plan for the processes at hand."""
     p = cfg.parallel
