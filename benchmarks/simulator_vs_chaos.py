@@ -5,8 +5,9 @@
         --run replay-out/report.json configs/tiny.yaml 6 parallel.min_stages=2 ... \\
         --run demo-out/report.json configs/demo.yaml 4
 
-`--calibrate`: the chaos report whose faults give the cost of each fault kind on this
-machine (the median training time lost in the 30 s after a fault of that kind).
+`--calibrate`: the chaos report whose recoveries give the cost of each fault kind on
+this machine (`planaria.chaos.simulator.local.fault_costs`: medians of the recoveries'
+durations, and a new node's boot until it asks to join).
 `--run REPORT CONFIG NODES [OVERRIDES...]`: a chaos run to predict: its report, the
 config and overrides it ran with, and the nodes it started with. Prints, per run, the
 ETTR the simulator predicts from the run's faults, the measured one, and the error.
@@ -30,7 +31,7 @@ def main() -> int:
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     costs = fault_costs(load(args.calibrate))
-    print("cost of each fault kind (s of training lost, median), from", args.calibrate)
+    print("cost of each fault kind (s, median; boot: a new node until it asks to join), from", args.calibrate)
     for kind, seconds in sorted(costs.items()):
         print(f"  {kind:18s} {seconds:6.2f}")
     print("\n| run | faults | predicted ETTR | measured ETTR | error |")

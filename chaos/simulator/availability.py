@@ -25,6 +25,8 @@ from pathlib import Path
 from planaria.chaos.faults import FaultSpecError
 from planaria.chaos.sources import BUNDLED_TRACES, find_trace, read_trace
 
+SIMULTANEOUS_S = 1.0
+"""Changes this close together reach a job as one (the control plane debounces them)."""
 SYNTHETIC_NODES = 30
 """Oobleck's synthetic traces start with 30 nodes."""
 _UNITS = {"s": 1, "m": 60, "min": 60, "h": 3600, "d": 86400}
@@ -221,3 +223,40 @@ def _from_counts(name: str, counts: list[tuple[float, int]], *, nodes: int | Non
         elif added or removed:
             changes.append(Change(at / time_scale, tuple(added), tuple(removed)))
     return Availability(name, initial, tuple(changes), counts[-1][0] / time_scale)
+
+
+def with_boot_delay(availability: Availability, boot_s: float) -> Availability:
+    """The nodes as a job can use them: an added node becomes usable `boot_s` after it
+    arrives (its agent starts, its worker imports torch and builds the model, then it
+    asks to join); a node removed before then never joins, and its removal touches no
+    job. The nodes live at the start are usable at once."""
+    if boot_s <= 0:
+        return availability
+    ready: dict[str, float] = {}
+    gone_early: set[str] = set()
+    for change in availability.changes:
+        for node in change.added:
+            ready[node] = change.at_s + boot_s
+        for node in change.removed:
+            if node in ready and ready[node] > change.at_s:
+                gone_early.add(node)
+    events: list[tuple[float, int, Change]] = []
+    for order, change in enumerate(availability.changes):
+        removed = tuple(n for n in change.removed if n not in gone_early)
+        if removed or (not change.added and not change.removed and change.downtime_s is not None):
+            events.append((change.at_s, order, Change(change.at_s, removed=removed, downtime_s=change.downtime_s)))
+        for node in change.added:
+            if node not in gone_early and ready[node] <= availability.duration_s:
+                events.append((ready[node], order, Change(ready[node], added=(node,), downtime_s=change.downtime_s)))
+    events.sort(key=lambda e: (e[0], e[1]))
+    merged: list[Change] = []
+    for at, _, change in events:  # changes within a second of each other are one
+        if merged and at - merged[-1].at_s <= SIMULTANEOUS_S:
+            last = merged[-1]
+            costs = [c for c in (last.downtime_s, change.downtime_s) if c is not None]
+            added = tuple(n for n in last.added + change.added if n not in change.removed)
+            removed = last.removed + tuple(n for n in change.removed if n not in last.added)
+            merged[-1] = Change(last.at_s, added, removed, max(costs) if costs else None)
+        else:
+            merged.append(change)
+    return Availability(availability.name, availability.initial, tuple(merged), availability.duration_s)

@@ -44,6 +44,12 @@ class Calibration:
     """Bytes/s each node writes a checkpoint shard to (and reads it from) shared
     storage: assumed, a parallel file system's per-client speed. Checkpoints are
     sharded: every node saves and loads only its own stages."""
+    boot_s: float = 60.0
+    """From a node's arrival in the trace to its worker asking to join: the instance
+    boots, the agent starts, the worker imports torch, initialises CUDA and builds the
+    model. Measured 4-5 s for a local node on the development machine (the chaos
+    reports' detection of an add-node); assumed 60 s for a GPU instance from a warm
+    image. A node preempted before then never joins. All policies wait for it."""
     bamboo_failover_s: float = 1.0
     """Bamboo's switch to the redundant copy after detection (its predecessor already
     runs the lost stage's forward): assumed as short as Planaria's control plane."""

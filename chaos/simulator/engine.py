@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 from planaria.chaos.simulator.availability import Availability, Change
 
-ACCOUNTS = ("trained", "redone", "checkpointing", "recovering", "unused", "stalled")
+ACCOUNTS = ("trained", "redone", "checkpointing", "recovering", "unused", "stalled", "booting")
 LOSSES = ("none", "iteration", "checkpoint")
 
 

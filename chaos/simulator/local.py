@@ -2,10 +2,10 @@
 measurement (docs/simulator.md, "Checked against the chaos runs").
 
 A chaos report (`planaria chaos ... --out DIR`, DIR/report.json) records which faults
-hit which nodes when, and every step's commit time. From one report this module
-measures what each kind of fault costs on this machine (`fault_costs`: the training
-time lost in the window after each fault, against the fault-free step time; median per
-kind); it turns another report's faults into an `Availability` whose changes carry
+hit which nodes when, every step's commit time, and each recovery's phases. From one
+report this module measures what each kind of fault costs on this machine
+(`fault_costs`: median per kind of the recoveries' durations, and how long a new node
+takes to boot before it asks to join); it turns another report's faults into an `Availability` whose changes carry
 those costs (`chaos_availability`), runs the Planaria policy over it with the job's own
 planner (which decides when a layer loses every replica and the job goes back to a
 checkpoint), and returns the ETTR the simulator predicts beside the one the run
@@ -25,7 +25,7 @@ import re
 import statistics
 from pathlib import Path
 
-from planaria.chaos.simulator.availability import Availability, Change
+from planaria.chaos.simulator.availability import Availability, Change, with_boot_delay
 from planaria.chaos.simulator.calibration import Calibration
 from planaria.chaos.simulator.engine import simulate
 from planaria.chaos.simulator.policies import Job, PlanariaPolicy
@@ -59,22 +59,46 @@ def _faults(report: dict):
                None if target is None else int(float(target)))
 
 
-def fault_costs(report: dict, window_s: float = 30.0) -> dict[str, float]:
-    """Per fault kind, the median training time lost in the `window_s` after a fault: the
-    window minus the steps committed in it times the fault-free step time."""
+def _window_loss(report: dict, kind: str, window_s: float) -> float | None:
+    """Median training time lost in the `window_s` after each fault of `kind`: the window
+    minus the steps committed in it times the fault-free step time."""
     times = [t for t, _ in report["series"]["commit_times"]]
     step_s = reference_step_s(report)
-    lost: dict[str, list[float]] = {}
-    for kind, at, _ in _faults(report):
-        steps = bisect.bisect(times, at + window_s) - bisect.bisect(times, at)
-        lost.setdefault(kind, []).append(max(0.0, window_s - steps * step_s))
-    return {kind: statistics.median(values) for kind, values in lost.items()}
+    lost = [max(0.0, window_s - (bisect.bisect(times, at + window_s) - bisect.bisect(times, at)) * step_s)
+            for k, at, _ in _faults(report) if k == kind]
+    return statistics.median(lost) if lost else None
+
+
+def fault_costs(report: dict) -> dict[str, float]:
+    """What each kind of fault cost the run of `report`, median over its faults, from the
+    report's recoveries: a node lost, from the fault to the first step after it (detection,
+    re-plan, copies, the re-run); a node added, from the join's detection to the first step
+    with it (the drain, re-plan, the joiner's connect, copies), its boot apart
+    (`"boot"`: from the node's start to the join's detection). A kind with no recovery (an
+    etcd member killed: no node changes) costs what the 10 s after it lost."""
+    by_kind: dict[str, list[float]] = {}
+    boots: list[float] = []
+    for recovery in report["recoveries"]:
+        kind = recovery["fault"].split("@")[0]
+        if recovery["total_s"] is None:
+            continue
+        if kind == "add-node":
+            boots.append(recovery["detect_s"] or 0.0)
+            by_kind.setdefault(kind, []).append(recovery["total_s"] - (recovery["detect_s"] or 0.0))
+        else:
+            by_kind.setdefault(kind, []).append(recovery["total_s"])
+    costs = {kind: statistics.median(values) for kind, values in by_kind.items()}
+    if boots:
+        costs["boot"] = statistics.median(boots)
+    for kind in {k for k, _, _ in _faults(report)} - set(costs):
+        costs[kind] = _window_loss(report, kind, 10.0)
+    return costs
 
 
 def chaos_availability(report: dict, *, nodes: int, costs: dict[str, float]) -> Availability:
     """The faults of a chaos report as changes of named nodes (`node<i>`) from its first
     committed step to its last, each carrying the cost of its kind."""
-    missing = {kind for kind, _, _ in _faults(report)} - set(costs)
+    missing = {kind for kind, _, _ in _faults(report)} - {k for k, v in costs.items() if v is not None}
     if missing:
         raise ValueError(f"no measured cost for fault kind(s) {sorted(missing)}: calibrate on a "
                          "report that has them")
@@ -106,4 +130,6 @@ def predict_ettr(report: dict, costs: dict[str, float], config: Path, overrides:
     job = Job(tokens_per_step=cfg.train.global_batch * cfg.model.seq_len,
               calibration=Calibration(), fixed_iteration_s=reference_step_s(report),
               lose_partial_iteration=False)  # the measured cost includes the re-run
-    return simulate(PlanariaPolicy(planner, job), chaos_availability(report, nodes=nodes, costs=costs)).ettr
+    availability = with_boot_delay(chaos_availability(report, nodes=nodes, costs=costs), costs.get("boot", 0.0))
+    every = cfg.checkpoint.every * job.fixed_iteration_s if cfg.checkpoint.every else float("inf")
+    return simulate(PlanariaPolicy(planner, job, checkpoint_every_s=every), availability).ettr

@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from planaria.chaos.simulator.availability import Availability
+from planaria.chaos.simulator.availability import Availability, with_boot_delay
 from planaria.chaos.simulator.calibration import Calibration, young_daly_interval
 from planaria.chaos.simulator.engine import SimResult, simulate
 from planaria.chaos.simulator.models import SimJob
@@ -77,6 +77,8 @@ def run_simulation(job: SimJob, availability: Availability, *, hardware_name: st
     cal = calibration or Calibration()
     sim = Simulation(job, availability, hardware_name, gpus_per_node, fault_tolerance, cal, prices or Prices())
     common = Job(tokens_per_step=job.tokens_per_step, calibration=cal)
+    usable = with_boot_delay(availability, cal.boot_s)
+    booting = availability.node_seconds() - usable.node_seconds()
     for name in policies:
         try:
             planner = _planner(job, hardware_name, gpus_per_node, fault_tolerance if name == "planaria" else 0,
@@ -85,11 +87,13 @@ def run_simulation(job: SimJob, availability: Availability, *, hardware_name: st
             sim.unfit[name] = str(err)
             continue
         sim.n0[name] = planner.n0
-        if planner.n0 > availability.peak:
+        if planner.n0 > usable.peak:
             sim.unfit[name] = (f"the smallest pipeline needs n0={planner.n0} nodes; the trace never "
-                               f"has more than {availability.peak}")
+                               f"has more than {usable.peak} ready at once")
             continue
-        sim.results[name] = _run_policy(name, planner, common, availability)
+        result = _run_policy(name, planner, common, usable)
+        result.accounts["booting"] = booting  # live but not yet able to join: the same for all
+        sim.results[name] = result
         if name == "planaria":
             peak = planner.instantiate(availability.peak)
             sim.fault_free_tokens_per_s = job.tokens_per_step / peak.iteration_time_s

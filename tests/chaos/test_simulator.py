@@ -171,7 +171,10 @@ def _chaos_report(faults, *, step_s=0.1, gap_s=None, steps=3000, start=1000.0):
         commits.append([t, i])
         t += step_s
     last = commits[-1][0]
+    recoveries = [{"fault": f"{kind}@0:target={target}", "total_s": gap_s[kind], "detect_s": 0.0}
+                  for kind, at, target in faults if kind != "kill-etcd-member"]  # no recovery: no node changed
     return {"steps_committed": steps, "ettr": steps * step_s / (last + step_s), "reference_step_s": step_s,
+            "recoveries": recoveries,
             "series": {"first_commit_time": start, "commit_times": commits,
                        "faults": [{"fault": f"{kind}@0:target={target}", "time": start + at}
                                   for kind, at, target in faults]}}
@@ -187,10 +190,27 @@ def test_chaos_run_replayed_through_the_simulator_gives_its_ettr():
               ("kill-node", 150.0, 4), ("add-node", 200.0, 7)]
     report = _chaos_report(faults, gap_s=gaps)
     costs = fault_costs(report)
-    assert costs == pytest.approx(gaps, abs=0.11)  # within a step
+    assert costs == pytest.approx({**gaps, "boot": 0.0}, abs=0.11)  # within a step
     config = Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml"
     predicted = predict_ettr(report, costs, config, ["parallel.min_stages=2"], nodes=6)
     assert predicted == pytest.approx(report["ettr"], abs=0.01)
     # A run whose faults cost twice as much is predicted lower, by about the extra time.
     slower = _chaos_report(faults, gap_s={k: 2 * v for k, v in gaps.items()})
     assert predict_ettr(slower, costs, config, ["parallel.min_stages=2"], nodes=6) > slower["ettr"] + 0.05
+
+
+def test_a_node_joins_after_its_boot_and_one_gone_sooner_never_joins():
+    from planaria.chaos.simulator.availability import with_boot_delay
+
+    raw = Availability("t", ("a", "b"), (Change(100.0, added=("c", "d")), Change(130.0, removed=("d",)),
+                                         Change(300.0, removed=("c",))), duration_s=400.0)
+    usable = with_boot_delay(raw, 60.0)
+    # c and d arrive together; d leaves before it could join, so only c joins, at 160 s.
+    assert [(c.at_s, c.added, c.removed) for c in usable.changes] == [(160.0, ("c",), ()), (300.0, (), ("c",))]
+    booting = raw.node_seconds() - usable.node_seconds()
+    assert booting == pytest.approx(60.0 + 30.0)  # c's boot, and d's half boot
+    sim = run_simulation(JOB, raw, hardware_name="a100", calibration=Calibration(boot_s=60.0),
+                         policies=("checkpoint",))
+    result = sim.results["checkpoint"]
+    assert result.accounts["booting"] == pytest.approx(booting)
+    assert sum(result.accounts.values()) == pytest.approx(raw.node_seconds())
