@@ -124,7 +124,8 @@ class CommitTail:
 def step_losses(logs: dict[str, list[dict]]) -> tuple[dict[int, float], list[tuple[float, int]], int]:
     """(loss per iteration, (time, iteration) of each step's first commit, steps lost):
     a step is lost when it was committed in one epoch and committed again in a later one
-    (the job went back to a checkpoint)."""
+    (the job went back to a checkpoint). A roll-forward is not a second commit: it applies,
+    on a worker one step behind, the step its peers committed (the exactly-once rule)."""
     losses: dict[int, float] = {}
     first_commit: dict[int, float] = {}
     epochs: dict[int, set[int]] = {}
@@ -133,7 +134,8 @@ def step_losses(logs: dict[str, list[dict]]) -> tuple[dict[int, float], list[tup
             i = e["iteration"]
             losses.setdefault(i, e["loss"])
             first_commit[i] = min(first_commit.get(i, e["time"]), e["time"])
-            epochs.setdefault(i, set()).add(e["epoch"])
+            if not e.get("rolled_forward"):
+                epochs.setdefault(i, set()).add(e["epoch"])
     lost = sum(len(found) - 1 for found in epochs.values())
     times = sorted((t, i) for i, t in first_commit.items())
     return losses, times, lost

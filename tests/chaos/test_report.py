@@ -54,3 +54,19 @@ def test_an_epoch_event_reads_as_a_line():
     event.update(restored=40, failed=[], joined=[])
     assert "(-) -> " in format_epoch_event(event)
     assert "back to the checkpoint of step 40" in format_epoch_event(event)
+
+
+def test_a_roll_forward_is_not_a_lost_step_but_a_second_commit_is():
+    from planaria.chaos.report import step_losses
+
+    def entry(iteration, epoch, rolled=False):
+        return {"iteration": iteration, "loss": 1.0, "epoch": epoch, "rolled_forward": rolled,
+                "time": 100.0 + iteration + epoch}
+
+    # node1 was one step behind when epoch 0 failed: epoch 1 rolls step 2 forward on it.
+    rolled = {"node0": [entry(0, 0), entry(1, 0), entry(2, 0), entry(3, 1)],
+              "node1": [entry(0, 0), entry(1, 0), entry(2, 1, rolled=True), entry(3, 1)]}
+    assert step_losses(rolled)[2] == 0
+    # Every replica lost: epoch 1 went back to the checkpoint of step 1 and ran step 2 again.
+    redone = {"node0": [entry(0, 0), entry(1, 0), entry(2, 0), entry(2, 1), entry(3, 1)]}
+    assert step_losses(redone)[2] == 1
