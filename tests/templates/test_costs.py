@@ -110,7 +110,12 @@ def test_bad_jobs_are_refused_naming_the_key():
 
 
 def test_presets():
-    assert set(HARDWARE_NAMES) == {"a100", "h100", "h200", "cpu"}
+    assert set(HARDWARE_NAMES) == {"a100", "h100", "h200", "v100", "t4", "cpu"}
+    # The spot traces' instances: one 16 GB GPU each, fp16 peaks of the vendor spec.
+    v100, t4 = hardware("v100"), hardware("t4")
+    assert v100.gpus_per_node == t4.gpus_per_node == 1
+    assert v100.peak_flops == 125e12 and t4.peak_flops == 65e12
+    assert v100.device_memory_bytes == t4.device_memory_bytes < 16e9
     a100, h100, h200 = hardware("a100"), hardware("h100"), hardware("h200")
     assert a100.peak_flops == 312e12 and h100.peak_flops == h200.peak_flops == 989e12
     assert a100.gpus_per_node == h100.gpus_per_node == 8
