@@ -123,8 +123,8 @@ def test_presets():
     assert h100.intra_node_bandwidth > a100.intra_node_bandwidth > a100.inter_node_bandwidth
     assert h100.inter_node_bandwidth == 2 * a100.inter_node_bandwidth  # 400 vs 200 Gb/s
     assert hardware("h100", gpus_per_node=4).gpus_per_node == 4
-    with pytest.raises(ValueError, match=r"valid names are \['a100', 'h100', 'h200', 'cpu'\]"):
-        hardware("v100")
+    with pytest.raises(ValueError, match=r"valid names are \['a100', 'h100', 'h200', 'v100', 't4', 'cpu'\]"):
+        hardware("b200")
 
 
 def test_cpu_is_measured():
