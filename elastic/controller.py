@@ -102,6 +102,7 @@ class Controller:
         self.checkpoints = checkpoints
         self.completed_checkpoints: list[int] = []
         self._stalled = 0
+        self._join_deferred = -1  # the epoch whose join wait was logged
         self._killed: set[Worker] = set()
 
     # ------------------------------------------------------------- start
@@ -145,7 +146,13 @@ class Controller:
         joiners = set(self._whole_nodes(alive - members))
         failed_report = any(not s.finished for s in statuses.values())
         if joiners and not (gone or failed_report) and not self._epoch_trained():
-            return "running"  # a join waits until the epoch in force has committed a step
+            # A join waits until the epoch in force has committed a step: under churn,
+            # joins that each restart the epoch would otherwise keep it from training.
+            if self._join_deferred != self.epoch:
+                self._join_deferred = self.epoch
+                self.log(f"controller: {sorted(joiners)} ready to join; waiting for epoch "
+                         f"{self.epoch}'s first committed step")
+            return "running"
         if gone or failed_report or joiners:
             reason = ("failure" if gone or failed_report else "join")
             try:
