@@ -5,8 +5,8 @@ A chaos report (`planaria chaos ... --out DIR`, DIR/report.json) records which f
 hit which nodes when, every step's commit time, and each recovery's phases. From one
 report this module measures what each kind of fault costs on this machine
 (`fault_costs`: median per kind of the recoveries' durations, and how long a new node
-takes to boot before it asks to join); it turns another report's faults into an `Availability` whose changes carry
-those costs (`chaos_availability`), runs the Planaria policy over it with the job's own
+takes to boot before it asks to join); it turns another report's faults into an
+`Availability` whose changes carry those costs (`chaos_availability`), runs the Planaria policy over it with the job's own
 planner (which decides when a layer loses every replica and the job goes back to a
 checkpoint), and returns the ETTR the simulator predicts beside the one the run
 measured (`predict_ettr`).
@@ -21,17 +21,15 @@ from __future__ import annotations
 
 import bisect
 import json
-import re
 import statistics
 from pathlib import Path
 
+from planaria.chaos.faults import parse_fault
 from planaria.chaos.simulator.availability import Availability, Change, with_boot_delay
 from planaria.chaos.simulator.calibration import Calibration
 from planaria.chaos.simulator.engine import simulate
 from planaria.chaos.simulator.policies import Job, PlanariaPolicy
-
-_FAULT = re.compile(r"(?P<kind>[a-z-]+)@(?P<step>\d+)(?::target=(?P<target>[0-9.]+))?")
-NODE_LOSSES = ("kill-worker", "kill-node", "kill-agent", "hang-worker")
+from planaria.chaos.sources import NODE_LOSSES
 
 
 def load(path: Path) -> dict:
@@ -49,14 +47,11 @@ def reference_step_s(report: dict) -> float:
 
 
 def _faults(report: dict):
+    """(kind, seconds after the first commit, node index or None) of each injected fault."""
     series = report["series"]
     for fault in series["faults"]:
-        match = _FAULT.fullmatch(fault["fault"])
-        if match is None:
-            raise ValueError(f"cannot read the fault {fault['fault']!r} of the report")
-        target = match.group("target")
-        yield (match.group("kind"), max(0.0, fault["time"] - series["first_commit_time"]),
-               None if target is None else int(float(target)))
+        spec = parse_fault(fault["fault"])
+        yield spec.kind, max(0.0, fault["time"] - series["first_commit_time"]), spec.node
 
 
 def _window_loss(report: dict, kind: str, window_s: float) -> float | None:
