@@ -142,6 +142,7 @@ def test_bad_traces_and_random_settings_are_refused_before_anything_starts(trace
     assert not (tmp_path / "out").exists(), "nothing may start for bad input"
 
 
+@pytest.mark.slow  # ~1 min; the replay's scheduling is in tests/chaos/test_sources.py; `make test-slow`
 @pytest.mark.multiprocess
 @pytest.mark.timeout(600)
 def test_a_trace_replay_removes_and_adds_nodes(tmp_path, cache):
