@@ -11,7 +11,7 @@ from planaria.chaos.simulator.runner import POLICIES, Simulation
 
 
 def policy_summary(sim: Simulation, result: SimResult, target_tokens: float) -> dict:
-    gpus = sim_gpus_per_node(sim)
+    gpus = sim.gpus_per_node
     gpu_hours = sim.availability.node_seconds() * gpus / 3600
     cost = gpu_hours * sim.prices.spot
     total = sum(result.accounts.values()) or 1.0
@@ -37,15 +37,9 @@ def policy_summary(sim: Simulation, result: SimResult, target_tokens: float) -> 
     }
 
 
-def sim_gpus_per_node(sim: Simulation) -> int:
-    from planaria.templates.analytic import hardware
-
-    return hardware(sim.hardware, gpus_per_node=sim.gpus_per_node).gpus_per_node
-
-
 def summary(sim: Simulation, target_tokens: float) -> dict:
     av = sim.availability
-    gpus = sim_gpus_per_node(sim)
+    gpus = sim.gpus_per_node
     on_demand_tokens = sim.fault_free_tokens_per_s * av.duration_s
     on_demand_cost = av.peak * gpus * av.duration_s / 3600 * sim.prices.on_demand
     policies = {name: policy_summary(sim, result, target_tokens) for name, result in sim.results.items()}

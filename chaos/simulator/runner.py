@@ -42,7 +42,8 @@ class Simulation:
     job: SimJob
     availability: Availability
     hardware: str
-    gpus_per_node: int | None
+    gpus_per_node: int
+    """As resolved: the option, or the preset's default."""
     fault_tolerance: int
     calibration: Calibration
     prices: Prices
@@ -75,6 +76,7 @@ def run_simulation(job: SimJob, availability: Availability, *, hardware_name: st
     if unknown:
         raise ValueError(f"unknown policy {unknown[0]!r}; valid: {', '.join(POLICIES)} or all")
     cal = calibration or Calibration()
+    gpus_per_node = hardware(hardware_name, gpus_per_node=gpus_per_node).gpus_per_node
     sim = Simulation(job, availability, hardware_name, gpus_per_node, fault_tolerance, cal, prices or Prices())
     common = Job(tokens_per_step=job.tokens_per_step, calibration=cal)
     usable = with_boot_delay(availability, cal.boot_s)
