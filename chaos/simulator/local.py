@@ -6,16 +6,22 @@ hit which nodes when, every step's commit time, and each recovery's phases. From
 report this module measures what each kind of fault costs on this machine
 (`fault_costs`: median per kind of the recoveries' durations, and how long a new node
 takes to boot before it asks to join); it turns another report's faults into an
-`Availability` whose changes carry those costs (`chaos_availability`), runs the Planaria policy over it with the job's own
-planner (which decides when a layer loses every replica and the job goes back to a
-checkpoint), and returns the ETTR the simulator predicts beside the one the run
-measured (`predict_ettr`).
+`Availability` whose changes carry those costs (`chaos_availability`), runs the Planaria
+policy over it with the job's own planner (which decides when a layer loses every
+replica and the job goes back to a checkpoint), and returns the ETTR the simulator
+predicts (`predict_ettr`), to set beside the one the run measured (`measured_ettr`).
 
-The step time is the run's fault-free reference, the same for every plan: on a machine
-whose two cores all local nodes share, it nearly is. What a fault costs here is mostly
-not what it costs on a GPU cluster: a new node's processes start on the same two cores
-as the training, and an etcd member's restart takes CPU from it too. That is why the
-costs are measured per kind on this machine rather than taken from the GPU calibration.
+Both need the job's fault-free step time, and both take the run's own (`quiet_step_s`:
+its steps away from any fault) rather than its cached reference's: on a machine that
+other work shares, a run's speed drifts from one run to the next (by up to 25% between
+the runs in docs/simulator.md), and that drift is not what a fault costs. The report's
+own ETTR, against the reference, carries it; `measured_ettr` does not. The step time is
+the same for every plan: on a machine whose two cores all local nodes share, it nearly is.
+
+What a fault costs here is mostly not what it costs on a GPU cluster: a new node's
+processes start on the same two cores as the training, and an etcd member's restart
+takes CPU from it too. That is why the costs are measured per kind on this machine
+rather than taken from the GPU calibration.
 """
 from __future__ import annotations
 
@@ -46,6 +52,36 @@ def reference_step_s(report: dict) -> float:
     return ettr * last / (steps - ettr)
 
 
+QUIET_S = 20.0
+"""Steps that begin this long after a fault or later are past its recovery's effects."""
+
+
+def quiet_step_s(report: dict, quiet_s: float = QUIET_S) -> float:
+    """The run's own fault-free step time: the mean time between commits over the steps
+    that begin at least `quiet_s` after the latest fault and end before the next one
+    (checkpoint pauses included, as in the reference's step time). The reference's when
+    no step is that far from every fault."""
+    times = [t for t, _ in report["series"]["commit_times"]]
+    faults = sorted(at for _, at, _ in _faults(report))
+    quiet = [end - begin for begin, end in zip(times, times[1:])
+             if _clear_of(faults, begin, end, quiet_s)]
+    return sum(quiet) / len(quiet) if quiet else reference_step_s(report)
+
+
+def _clear_of(faults: list[float], begin: float, end: float, quiet_s: float) -> bool:
+    i = bisect.bisect(faults, end)
+    return (i == 0 or begin - faults[i - 1] >= quiet_s) and (i == len(faults) or faults[i] > end)
+
+
+def measured_ettr(report: dict, step_s: float | None = None) -> float:
+    """The run's ETTR against `step_s` (default: its own `quiet_step_s`): the steps it
+    committed times the fault-free step time, over its time from the first commit to the
+    end of the last step."""
+    step_s = quiet_step_s(report) if step_s is None else step_s
+    last = report["series"]["commit_times"][-1][0]
+    return report["steps_committed"] * step_s / (last + step_s)
+
+
 def _faults(report: dict):
     """(kind, seconds after the first commit, node index or None) of each injected fault."""
     series = report["series"]
@@ -58,7 +94,7 @@ def _window_loss(report: dict, kind: str, window_s: float) -> float | None:
     """Median training time lost in the `window_s` after each fault of `kind`: the window
     minus the steps committed in it times the fault-free step time."""
     times = [t for t, _ in report["series"]["commit_times"]]
-    step_s = reference_step_s(report)
+    step_s = quiet_step_s(report)
     lost = [max(0.0, window_s - (bisect.bisect(times, at + window_s) - bisect.bisect(times, at)) * step_s)
             for k, at, _ in _faults(report) if k == kind]
     return statistics.median(lost) if lost else None
@@ -90,14 +126,17 @@ def fault_costs(report: dict) -> dict[str, float]:
     return costs
 
 
-def chaos_availability(report: dict, *, nodes: int, costs: dict[str, float]) -> Availability:
+def chaos_availability(report: dict, *, nodes: int, costs: dict[str, float],
+                       step_s: float | None = None) -> Availability:
     """The faults of a chaos report as changes of named nodes (`node<i>`) from its first
-    committed step to its last, each carrying the cost of its kind."""
+    committed step to the end of its last (`step_s` long; default `quiet_step_s`), each
+    carrying the cost of its kind."""
     missing = {kind for kind, _, _ in _faults(report)} - {k for k, v in costs.items() if v is not None}
     if missing:
         raise ValueError(f"no measured cost for fault kind(s) {sorted(missing)}: calibrate on a "
                          "report that has them")
-    duration = report["series"]["commit_times"][-1][0] + reference_step_s(report)
+    step_s = quiet_step_s(report) if step_s is None else step_s
+    duration = report["series"]["commit_times"][-1][0] + step_s
     live = {f"node{i}" for i in range(nodes)}
     changes = []
     for kind, at, target in _faults(report):
@@ -114,17 +153,20 @@ def chaos_availability(report: dict, *, nodes: int, costs: dict[str, float]) -> 
 
 
 def predict_ettr(report: dict, costs: dict[str, float], config: Path, overrides: list[str], *,
-                 nodes: int) -> float:
+                 nodes: int, step_s: float | None = None) -> float:
     """The ETTR the simulator predicts for the chaos run of `report` (run with `config`,
-    `overrides`, on `nodes` nodes), with `costs` per fault kind."""
+    `overrides`, on `nodes` nodes), with `costs` per fault kind and every step `step_s`
+    long (default: the run's `quiet_step_s`); compare with `measured_ettr(report, step_s)`."""
     from planaria.runtime.config import load_config
     from planaria.runtime.planning import build_planner, cost_model
 
+    step_s = quiet_step_s(report) if step_s is None else step_s
     cfg = load_config(config, overrides)
     planner = build_planner(cfg, cost_model(cfg, hardware_name="cpu", gpus_per_node=cfg.parallel.tp))
     job = Job(tokens_per_step=cfg.train.global_batch * cfg.model.seq_len,
-              calibration=Calibration(), fixed_iteration_s=reference_step_s(report),
+              calibration=Calibration(), fixed_iteration_s=step_s,
               lose_partial_iteration=False)  # the measured cost includes the re-run
-    availability = with_boot_delay(chaos_availability(report, nodes=nodes, costs=costs), costs.get("boot", 0.0))
+    availability = with_boot_delay(chaos_availability(report, nodes=nodes, costs=costs, step_s=step_s),
+                                   costs.get("boot", 0.0))
     every = cfg.checkpoint.every * job.fixed_iteration_s if cfg.checkpoint.every else float("inf")
     return simulate(PlanariaPolicy(planner, job, checkpoint_every_s=every), availability).ettr

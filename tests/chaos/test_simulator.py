@@ -160,9 +160,11 @@ def test_calibration_rejects_nonsense():
         Calibration(transfer_efficiency=0)
 
 
-def _chaos_report(faults, *, step_s=0.1, gap_s=None, steps=3000, start=1000.0):
+def _chaos_report(faults, *, step_s=0.1, gap_s=None, steps=3000, start=1000.0, reference_step_s=None):
     """A chaos report as the harness writes it: a step every `step_s`, and after each fault
-    a pause of `gap_s[kind]` seconds."""
+    a pause of `gap_s[kind]` seconds; its reference ran at `reference_step_s` (default
+    `step_s`)."""
+    reference_step_s = reference_step_s or step_s
     t, commits, pending = 0.0, [], sorted(faults, key=lambda f: f[1])
     for i in range(steps):
         while pending and pending[0][1] <= t:
@@ -173,7 +175,8 @@ def _chaos_report(faults, *, step_s=0.1, gap_s=None, steps=3000, start=1000.0):
     last = commits[-1][0]
     recoveries = [{"fault": f"{kind}@0:target={target}", "total_s": gap_s[kind], "detect_s": 0.0}
                   for kind, at, target in faults if kind != "kill-etcd-member"]  # no recovery: no node changed
-    return {"steps_committed": steps, "ettr": steps * step_s / (last + step_s), "reference_step_s": step_s,
+    return {"steps_committed": steps, "ettr": steps * reference_step_s / (last + reference_step_s),
+            "reference_step_s": reference_step_s,
             "recoveries": recoveries,
             "series": {"first_commit_time": start, "commit_times": commits,
                        "faults": [{"fault": f"{kind}@0:target={target}", "time": start + at}
@@ -197,6 +200,25 @@ def test_chaos_run_replayed_through_the_simulator_gives_its_ettr():
     # A run whose faults cost twice as much is predicted lower, by about the extra time.
     slower = _chaos_report(faults, gap_s={k: 2 * v for k, v in gaps.items()})
     assert predict_ettr(slower, costs, config, ["parallel.min_stages=2"], nodes=6) > slower["ettr"] + 0.05
+
+
+def test_a_run_faster_than_its_reference_is_predicted_against_its_own_steps():
+    """The machine ran the chaos run 20% faster than its cached reference: the report's
+    ETTR (against the reference) is inflated by that, the prediction and `measured_ettr`
+    (against the run's steps away from faults) are not."""
+    from pathlib import Path
+
+    from planaria.chaos.simulator.local import fault_costs, measured_ettr, predict_ettr, quiet_step_s
+
+    gaps = {"kill-node": 5.0, "add-node": 8.0}
+    faults = [("kill-node", 30.0, 2), ("add-node", 100.0, 6), ("kill-node", 200.0, 4)]
+    report = _chaos_report(faults, step_s=0.08, gap_s=gaps, reference_step_s=0.1)
+    assert quiet_step_s(report) == pytest.approx(0.08)
+    own = measured_ettr(report)
+    assert report["ettr"] > own * 1.2  # the drift the report's own figure carries
+    config = Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml"
+    predicted = predict_ettr(report, fault_costs(report), config, ["parallel.min_stages=2"], nodes=6)
+    assert predicted == pytest.approx(own, abs=0.01)
 
 
 def test_a_node_joins_after_its_boot_and_one_gone_sooner_never_joins():
