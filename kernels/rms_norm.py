@@ -1,5 +1,20 @@
-"""RMSNorm: the pure-PyTorch reference (CPU path and test oracle for a fused kernel)."""
+"""RMSNorm, y = x / sqrt(mean(x^2) + eps) * weight: the Triton kernel and its reference.
+
+The kernel normalises one row per program in float32 and saves the row's 1/rms for the
+backward, which recomputes x_hat = x/rms rather than storing it (one tensor of x's size
+less). The weight's gradient is a sum over every row: each program accumulates its
+rows' share in float32 and the shares are summed afterwards, so no atomics make it
+depend on scheduling.
+"""
+from __future__ import annotations
+
 import torch
+
+from planaria.kernels.dispatch import next_power_of_2, program_count, tl, triton, use_triton
+
+MAX_HIDDEN = 65536
+"""Widest row one program normalises (its whole row is in registers)."""
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -7,3 +22,85 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
     compute = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
     normed = compute * torch.rsqrt(compute.pow(2).mean(dim=-1, keepdim=True) + eps)
     return normed.to(x.dtype) * weight
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, kernels: str = "auto") -> torch.Tensor:
+    """RMSNorm over the last dimension of `x` (see `planaria.kernels.dispatch`)."""
+    if use_triton("rms_norm", kernels, x, weight, unsupported=_unsupported(x, weight)):
+        return _RMSNorm.apply(x, weight, eps)
+    return rms_norm_reference(x, weight, eps)
+
+
+def _unsupported(x: torch.Tensor, weight: torch.Tensor) -> str | None:
+    if x.dtype not in DTYPES or weight.dtype not in DTYPES:
+        return f"dtype {x.dtype}/{weight.dtype} (the kernel takes float32, bfloat16, float16)"
+    if x.shape[-1] > MAX_HIDDEN:
+        return f"hidden size {x.shape[-1]} > {MAX_HIDDEN}"
+    if weight.shape != x.shape[-1:]:
+        return f"weight of shape {tuple(weight.shape)} for rows of {x.shape[-1]}"
+    return None
+
+
+class _RMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1]).contiguous()
+        out_dtype = torch.promote_types(x.dtype, weight.dtype)
+        y = torch.empty(rows.shape, dtype=out_dtype, device=x.device)
+        rstd = torch.empty(rows.shape[0], dtype=torch.float32, device=x.device)
+        block = next_power_of_2(rows.shape[1])
+        _forward_kernel[(rows.shape[0],)](rows, weight, y, rstd, rows.shape[1], eps, BLOCK=block)
+        ctx.save_for_backward(rows, weight, rstd)
+        ctx.x_shape = x.shape
+        return y.view(*x.shape[:-1], rows.shape[1])
+
+    @staticmethod
+    def backward(ctx, grad_y: torch.Tensor):
+        rows, weight, rstd = ctx.saved_tensors
+        grad_rows = grad_y.reshape(rows.shape).contiguous()
+        grad_x = torch.empty_like(rows)
+        programs = program_count(rows.device, rows.shape[0])
+        partial = torch.zeros(programs, rows.shape[1], dtype=torch.float32, device=rows.device)
+        rows_per_program = -(-rows.shape[0] // programs)
+        _backward_kernel[(programs,)](rows, weight, rstd, grad_rows, grad_x, partial, rows.shape[0],
+                                      rows.shape[1], rows_per_program, BLOCK=next_power_of_2(rows.shape[1]))
+        grad_weight = partial.sum(0).to(weight.dtype)
+        return grad_x.view(ctx.x_shape), grad_weight, None
+
+
+if triton is not None:
+    @triton.jit
+    def _forward_kernel(X, W, Y, RSTD, n_cols, eps, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < n_cols
+        x = tl.load(X + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.rsqrt(tl.sum(x * x, axis=0) / n_cols + eps)
+        # As the reference: the normalised row in x's dtype, then times the weight.
+        normed = (x * rstd).to(X.dtype.element_ty).to(tl.float32)
+        w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(Y + row * n_cols + cols, (normed * w).to(Y.dtype.element_ty), mask=mask)
+        tl.store(RSTD + row, rstd)
+
+    @triton.jit
+    def _backward_kernel(X, W, RSTD, DY, DX, DW_PARTIAL, n_rows, n_cols, rows_per_program,
+                         BLOCK: tl.constexpr):
+        program = tl.program_id(0)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < n_cols
+        w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+        dw = tl.zeros((BLOCK,), dtype=tl.float32)
+        first = program.to(tl.int64) * rows_per_program  # int64 bounds: row * n_cols may pass 2^31
+        last = tl.minimum(first + rows_per_program, n_rows)
+        for row in range(first, last):
+            offsets = row * n_cols + cols
+            x = tl.load(X + offsets, mask=mask, other=0.0).to(tl.float32)
+            dy = tl.load(DY + offsets, mask=mask, other=0.0).to(tl.float32)
+            rstd = tl.load(RSTD + row)
+            x_hat = x * rstd
+            dy_w = dy * w
+            # d/dx of x * rstd(x): rstd * (dy_w - x_hat * mean(dy_w * x_hat))
+            dx = rstd * (dy_w - x_hat * (tl.sum(dy_w * x_hat, axis=0) / n_cols))
+            tl.store(DX + offsets, dx.to(DX.dtype.element_ty), mask=mask)
+            dw += dy * x_hat.to(X.dtype.element_ty).to(tl.float32)
+        tl.store(DW_PARTIAL + program * n_cols + cols, dw, mask=mask)

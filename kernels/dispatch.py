@@ -1,0 +1,113 @@
+"""Which implementation of a fused operation runs: the Triton kernel or its PyTorch reference.
+
+The decision, per call, in this order:
+
+1. the caller's flag (`model.kernels` in a config): "reference" always takes the
+   reference; "auto" (the default) and "triton" go on;
+2. `PLANARIA_KERNELS=reference` takes the reference too; otherwise the kernel runs when
+   Triton is installed and the tensors are on a GPU, or when `PLANARIA_KERNELS=triton`
+   asks for it on CPU, where the kernel runs through Triton's interpreter (slow: for
+   tests and debugging only);
+3. the operation's own check of the shapes and dtypes (`unsupported`, a reason or None).
+
+When Triton was asked for (the flag or the environment) but cannot run, or the shape is
+not supported, the reference runs and a warning says why, once per operation and reason.
+"auto" on a machine without a GPU takes the reference silently: that is the CPU path.
+
+Triton decides at decoration time whether a kernel is compiled or interpreted, from
+`TRITON_INTERPRET`. Without a GPU no kernel can be compiled, so this module sets
+`TRITON_INTERPRET=1` before importing Triton when no GPU is present (unless the
+environment already says otherwise); the kernels are then decorated as interpreted
+functions, which run only when `PLANARIA_KERNELS=triton` selects them.
+"""
+from __future__ import annotations
+
+import os
+import warnings
+
+import torch
+
+MODES = ("auto", "triton", "reference")
+ENV = "PLANARIA_KERNELS"
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the references still work; the dispatcher says so when asked for Triton
+    triton = None
+    tl = None
+
+_warned: set[tuple[str, str]] = set()
+
+
+def check_mode(mode: str) -> str:
+    if mode not in MODES:
+        raise ValueError(f"kernels must be one of {MODES}, got {mode!r}")
+    return mode
+
+
+def _env_mode() -> str | None:
+    value = os.environ.get(ENV, "").strip().lower()
+    if value and value not in ("triton", "reference"):
+        raise ValueError(f"{ENV}={value!r}: set it to 'triton' or 'reference', or unset it")
+    return value or None
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _imported_compiled() -> bool:
+    """Triton was imported before this module could ask for its interpreter: its own
+    library (tl.sum, ...) is then compiled-only and no kernel can run on CPU."""
+    return type(tl.sum).__name__ != "InterpretedFunction"
+
+
+def use_triton(op: str, mode: str, *tensors: torch.Tensor, unsupported: str | None = None) -> bool:
+    """Whether `op` runs its Triton kernel on `tensors` (see the module docstring)."""
+    if check_mode(mode) == "reference":
+        return False
+    env = _env_mode()
+    if env == "reference":
+        return False
+    asked = mode == "triton" or env == "triton"
+    on_gpu = all(t.is_cuda for t in tensors)
+    if triton is None:
+        reason = "Triton is not installed (pip install 'planaria[kernels]')"
+    elif on_gpu and interpreting():
+        reason = "TRITON_INTERPRET=1 is set on a machine with a GPU; unset it to compile the kernels"
+    elif not on_gpu and not (env == "triton" and interpreting()):
+        reason = ("the tensors are not on a GPU (PLANARIA_KERNELS=triton runs the kernels through "
+                  "Triton's interpreter on CPU, for testing)")
+    elif not on_gpu and _imported_compiled():
+        reason = ("Triton was imported before planaria.kernels, without TRITON_INTERPRET=1: set "
+                  "TRITON_INTERPRET=1 in the environment, or import planaria first")
+    elif unsupported is not None:
+        _warn_once(op, unsupported)  # Triton would run: the shape is why it does not
+        return False
+    else:
+        return True
+    if asked or on_gpu:
+        _warn_once(op, reason)
+    return False
+
+
+def _warn_once(op: str, reason: str) -> None:
+    if (op, reason) not in _warned:
+        _warned.add((op, reason))
+        warnings.warn(f"planaria.kernels: {op} runs its PyTorch reference: {reason}", stacklevel=3)
+
+
+def next_power_of_2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def program_count(device: torch.device, rows: int) -> int:
+    """Programs for a kernel that loops over rows and keeps per-program partial sums:
+    one per streaming multiprocessor on a GPU, a few in the interpreter."""
+    if device.type == "cuda":
+        return max(1, min(rows, torch.cuda.get_device_properties(device).multi_processor_count))
+    return max(1, min(rows, 4))
