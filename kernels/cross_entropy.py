@@ -21,10 +21,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from planaria.kernels.dispatch import tl, triton, use_triton
+from planaria.kernels.dispatch import next_power_of_2, rows_per_block, tl, triton, use_triton
 
 IGNORE_INDEX = -100
-BLOCK_V = 1024
+MAX_BLOCK_V = 4096
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -86,8 +86,10 @@ def token_stats(logits: torch.Tensor, target: torch.Tensor, group, ignore_index:
         row_max = torch.empty(rows, dtype=torch.float32, device=logits.device)
         sum_exp = torch.empty_like(row_max)
         target_logit = torch.empty_like(row_max)
-        _stats_kernel[(rows,)](logits, logits.stride(0), target, row_max, sum_exp, target_logit,
-                               logits.shape[1], start, BLOCK_V=BLOCK_V)
+        block_v, block_r = _blocks(logits)
+        _stats_kernel[(triton.cdiv(rows, block_r),)](logits, logits.stride(0), target, row_max, sum_exp,
+                                                     target_logit, rows, logits.shape[1], start,
+                                                     BLOCK_R=block_r, BLOCK_V=block_v)
     else:
         x = logits.to(_compute_dtype(logits))
         row_max = x.max(dim=1).values
@@ -111,8 +113,10 @@ def logits_gradient(logits: torch.Tensor, target: torch.Tensor, lse: torch.Tenso
     start, _ = vocab_range(logits.shape[1], group)
     out = torch.empty_like(logits) if out is None else out
     if use_kernel:
-        _gradient_kernel[(logits.shape[0],)](logits, logits.stride(0), target, lse, scale, out, out.stride(0),
-                                             logits.shape[1], start, BLOCK_V=BLOCK_V)
+        block_v, block_r = _blocks(logits)
+        _gradient_kernel[(triton.cdiv(logits.shape[0], block_r),)](
+            logits, logits.stride(0), target, lse, scale, out, out.stride(0), logits.shape[0], logits.shape[1],
+            start, BLOCK_R=block_r, BLOCK_V=block_v)
         return out
     grad = (logits.to(lse.dtype) - lse[:, None]).exp()
     local = target - start
@@ -121,6 +125,12 @@ def logits_gradient(logits: torch.Tensor, target: torch.Tensor, lse: torch.Tenso
     grad[rows, local[held]] -= 1.0
     out.copy_(grad * scale[:, None])
     return out
+
+
+def _blocks(logits: torch.Tensor) -> tuple[int, int]:
+    """(vocabulary entries, rows) a program takes at once."""
+    block_v = min(MAX_BLOCK_V, next_power_of_2(logits.shape[1]))
+    return block_v, rows_per_block(logits.device, block_v)
 
 
 class _CrossEntropy(torch.autograd.Function):
@@ -159,35 +169,39 @@ class _AllGatherVocabulary(torch.autograd.Function):
 
 if triton is not None:
     @triton.jit
-    def _stats_kernel(LOGITS, stride, TARGET, MAX, SUMEXP, TARGET_LOGIT, vocab, vocab_start,
-                      BLOCK_V: tl.constexpr):
-        row = tl.program_id(0).to(tl.int64)
-        base = LOGITS + row * stride
-        running_max = float("-inf")
-        running_sum = 0.0
+    def _stats_kernel(LOGITS, stride, TARGET, MAX, SUMEXP, TARGET_LOGIT, n_rows, vocab, vocab_start,
+                      BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr):
+        rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+        in_rows = rows < n_rows
+        rows = tl.minimum(rows, n_rows - 1)  # the block's spare rows read the last one (never stored)
+        base = LOGITS + rows[:, None] * stride
+        running_max = tl.full((BLOCK_R,), float("-inf"), tl.float32)
+        running_sum = tl.zeros((BLOCK_R,), tl.float32)
         for first in range(0, vocab, BLOCK_V):
             cols = first + tl.arange(0, BLOCK_V)
-            x = tl.load(base + cols, mask=cols < vocab, other=float("-inf")).to(tl.float32)
-            new_max = tl.maximum(running_max, tl.max(x, axis=0))
-            running_sum = running_sum * tl.exp(running_max - new_max) + tl.sum(tl.exp(x - new_max), axis=0)
+            x = tl.load(base + cols[None, :], mask=cols[None, :] < vocab, other=float("-inf")).to(tl.float32)
+            new_max = tl.maximum(running_max, tl.max(x, axis=1))
+            running_sum = running_sum * tl.exp(running_max - new_max) + tl.sum(tl.exp(x - new_max[:, None]), axis=1)
             running_max = new_max
-        local = tl.load(TARGET + row) - vocab_start
+        local = tl.load(TARGET + rows) - vocab_start
         held = (local >= 0) & (local < vocab)
-        target_logit = tl.load(base + local, mask=held, other=0.0).to(tl.float32)
-        tl.store(MAX + row, running_max)
-        tl.store(SUMEXP + row, running_sum)
-        tl.store(TARGET_LOGIT + row, tl.where(held, target_logit, 0.0))
+        target_logit = tl.load(LOGITS + rows * stride + local, mask=held, other=0.0).to(tl.float32)
+        tl.store(MAX + rows, running_max, mask=in_rows)
+        tl.store(SUMEXP + rows, running_sum, mask=in_rows)
+        tl.store(TARGET_LOGIT + rows, tl.where(held, target_logit, 0.0), mask=in_rows)
 
     @triton.jit
-    def _gradient_kernel(LOGITS, stride, TARGET, LSE, SCALE, GRAD, grad_stride, vocab, vocab_start,
-                         BLOCK_V: tl.constexpr):
-        row = tl.program_id(0).to(tl.int64)
-        lse = tl.load(LSE + row)
-        scale = tl.load(SCALE + row)
-        local = tl.load(TARGET + row) - vocab_start
+    def _gradient_kernel(LOGITS, stride, TARGET, LSE, SCALE, GRAD, grad_stride, n_rows, vocab, vocab_start,
+                         BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr):
+        rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+        in_rows = rows < n_rows
+        rows = tl.minimum(rows, n_rows - 1)
+        lse = tl.load(LSE + rows)[:, None]
+        scale = tl.load(SCALE + rows)[:, None]
+        local = (tl.load(TARGET + rows) - vocab_start)[:, None]
         for first in range(0, vocab, BLOCK_V):
-            cols = first + tl.arange(0, BLOCK_V)
-            mask = cols < vocab
-            x = tl.load(LOGITS + row * stride + cols, mask=mask, other=0.0).to(tl.float32)
+            cols = first + tl.arange(0, BLOCK_V)[None, :]
+            x = tl.load(LOGITS + rows[:, None] * stride + cols, mask=cols < vocab, other=0.0).to(tl.float32)
             grad = tl.exp(x - lse) - tl.where(cols == local, 1.0, 0.0)
-            tl.store(GRAD + row * grad_stride + cols, (grad * scale).to(GRAD.dtype.element_ty), mask=mask)
+            tl.store(GRAD + rows[:, None] * grad_stride + cols, (grad * scale).to(GRAD.dtype.element_ty),
+                     mask=in_rows[:, None] & (cols < vocab))

@@ -95,6 +95,21 @@ def use_triton(op: str, mode: str, *tensors: torch.Tensor, unsupported: str | No
     return False
 
 
+def describe(mode: str) -> str:
+    """What `mode` runs on this machine, for a job's start-up line (GPU tensors assumed
+    where a GPU is present)."""
+    env = _env_mode()
+    if check_mode(mode) == "reference" or env == "reference":
+        return "PyTorch references"
+    if triton is None:
+        return "PyTorch references (Triton is not installed)"
+    if torch.cuda.is_available() and not interpreting():
+        return "Triton"
+    if env == "triton" and interpreting() and not _imported_compiled():
+        return "Triton through its interpreter (slow: for tests)"
+    return "PyTorch references (no GPU)"
+
+
 def _warn_once(op: str, reason: str) -> None:
     if (op, reason) not in _warned:
         _warned.add((op, reason))
@@ -105,9 +120,22 @@ def next_power_of_2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
 
-def program_count(device: torch.device, rows: int) -> int:
-    """Programs for a kernel that loops over rows and keeps per-program partial sums:
-    one per streaming multiprocessor on a GPU, a few in the interpreter."""
+def program_count(device: torch.device, blocks: int) -> int:
+    """Programs for a kernel that loops over blocks of rows and keeps per-program partial
+    sums: one per streaming multiprocessor on a GPU, a few in the interpreter."""
     if device.type == "cuda":
-        return max(1, min(rows, torch.cuda.get_device_properties(device).multi_processor_count))
-    return max(1, min(rows, 4))
+        return max(1, min(blocks, torch.cuda.get_device_properties(device).multi_processor_count))
+    return max(1, min(blocks, 4))
+
+
+def rows_per_block(device: torch.device, width: int) -> int:
+    """Rows one program takes at once, for rows `width` elements wide (a power of two).
+
+    On a GPU, a few rows only when they are narrow (one row of a 7B model's 4096 fills a
+    program's registers). In the interpreter every operation of a program costs the same
+    Python overhead whatever its size, so a block holds as many rows as fit 16k elements:
+    without that, training even the tiny model through it takes minutes a step."""
+    budget = 2048 if device.type == "cuda" else 16384
+    limit = 16 if device.type == "cuda" else 1024
+    rows = max(1, min(limit, budget // max(1, width)))
+    return 1 << (rows.bit_length() - 1)  # the largest power of two not above it

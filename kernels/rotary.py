@@ -3,19 +3,18 @@ Triton kernel and its reference.
 
 x: (batch, seq, heads, head_dim); cos, sin: (seq, head_dim/2) (longer tables are cut to
 x's sequence). Pair i of a head is (x[..., 2i], x[..., 2i+1]), rotated by the angle of
-position t and frequency i. The kernel rotates every head of one position per program;
-the backward is the same kernel rotating the other way (a rotation's transpose is its
+position t and frequency i. The kernel rotates a block of (position, head) rows per
+program; the backward is the same kernel rotating the other way (a rotation's transpose is its
 inverse), so nothing is saved but the tables.
 """
 from __future__ import annotations
 
 import torch
 
-from planaria.kernels.dispatch import next_power_of_2, tl, triton, use_triton
+from planaria.kernels.dispatch import next_power_of_2, rows_per_block, tl, triton, use_triton
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-MAX_POSITION_ELEMENTS = 65536
-"""Most elements (heads x head_dim) one program rotates."""
+MAX_HEAD_DIM = 8192
 
 
 def rotary_tables(seq_len: int, head_dim: int, theta: float, dtype: torch.dtype,
@@ -49,8 +48,8 @@ def _unsupported(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> str |
     for name, table in (("cos", cos), ("sin", sin)):
         if table.dim() != 2 or table.shape[0] < x.shape[1] or table.shape[1] != half:
             return f"{name} of shape {tuple(table.shape)} for x of shape {tuple(x.shape)}"
-    if x.shape[2] * x.shape[3] > MAX_POSITION_ELEMENTS:
-        return f"{x.shape[2]} heads x {x.shape[3]} > {MAX_POSITION_ELEMENTS} elements a position"
+    if x.shape[3] > MAX_HEAD_DIM:
+        return f"head_dim {x.shape[3]} > {MAX_HEAD_DIM}"
     return None
 
 
@@ -58,8 +57,11 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool
     x = x.contiguous()
     b, t, h, d = x.shape
     out = torch.empty_like(x)
-    _rotary_kernel[(b * t,)](x, cos, sin, out, t, h, d // 2, cos.stride(0), sin.stride(0),
-                             INVERSE=inverse, BLOCK_H=next_power_of_2(h), BLOCK_HALF=next_power_of_2(d // 2))
+    rows, half = b * t * h, next_power_of_2(d // 2)
+    block_rows = rows_per_block(x.device, half)
+    _rotary_kernel[(triton.cdiv(rows, block_rows),)](x, cos, sin, out, rows, t, h, d // 2, cos.stride(0),
+                                                     sin.stride(0), INVERSE=inverse, BLOCK_R=block_rows,
+                                                     BLOCK_HALF=half)
     return out
 
 
@@ -80,18 +82,17 @@ class _Rotary(torch.autograd.Function):
 
 if triton is not None:
     @triton.jit
-    def _rotary_kernel(X, COS, SIN, OUT, seq, heads, half, cos_stride, sin_stride,
-                       INVERSE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
-        position = tl.program_id(0).to(tl.int64)  # batch * seq + t
-        t = position % seq
-        h = tl.arange(0, BLOCK_H)[:, None]
-        i = tl.arange(0, BLOCK_HALF)[None, :]
-        mask = (h < heads) & (i < half)
-        cos = tl.load(COS + t * cos_stride + i, mask=i < half, other=0.0).to(tl.float32)
-        sin = tl.load(SIN + t * sin_stride + i, mask=i < half, other=0.0).to(tl.float32)
+    def _rotary_kernel(X, COS, SIN, OUT, n_rows, seq, heads, half, cos_stride, sin_stride,
+                       INVERSE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr):
+        rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)  # (b, t, h) flattened
+        t = (rows // heads) % seq
+        i = tl.arange(0, BLOCK_HALF)
+        mask = (rows[:, None] < n_rows) & (i[None, :] < half)
+        cos = tl.load(COS + t[:, None] * cos_stride + i[None, :], mask=mask, other=0.0).to(tl.float32)
+        sin = tl.load(SIN + t[:, None] * sin_stride + i[None, :], mask=mask, other=0.0).to(tl.float32)
         if INVERSE:
             sin = -sin
-        even_at = position * heads * half * 2 + h * half * 2 + 2 * i
+        even_at = rows[:, None] * half * 2 + 2 * i[None, :]
         even = tl.load(X + even_at, mask=mask, other=0.0).to(tl.float32)
         odd = tl.load(X + even_at + 1, mask=mask, other=0.0).to(tl.float32)
         tl.store(OUT + even_at, (even * cos - odd * sin).to(OUT.dtype.element_ty), mask=mask)

@@ -11,7 +11,11 @@ import torch.nn.functional as F
 
 from planaria.kernels.dispatch import tl, triton, use_triton
 
-BLOCK = 1024
+
+def _block(t: torch.Tensor) -> int:
+    # Larger in the interpreter, where each program's operations cost the same whatever their size.
+    return 1024 if t.is_cuda else 16384
+
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -40,7 +44,8 @@ class _SwiGLU(torch.autograd.Function):
         gate, up = gate.contiguous(), up.contiguous()
         out = torch.empty_like(gate)
         n = gate.numel()
-        _forward_kernel[(triton.cdiv(n, BLOCK),)](gate, up, out, n, BLOCK=BLOCK)
+        block = _block(gate)
+        _forward_kernel[(triton.cdiv(n, block),)](gate, up, out, n, BLOCK=block)
         ctx.save_for_backward(gate, up)
         return out
 
@@ -50,7 +55,8 @@ class _SwiGLU(torch.autograd.Function):
         grad_out = grad_out.contiguous()
         grad_gate, grad_up = torch.empty_like(gate), torch.empty_like(up)
         n = gate.numel()
-        _backward_kernel[(triton.cdiv(n, BLOCK),)](gate, up, grad_out, grad_gate, grad_up, n, BLOCK=BLOCK)
+        block = _block(gate)
+        _backward_kernel[(triton.cdiv(n, block),)](gate, up, grad_out, grad_gate, grad_up, n, BLOCK=block)
         return grad_gate, grad_up
 
 

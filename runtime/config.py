@@ -15,6 +15,8 @@ from typing import Any
 
 import yaml
 
+from planaria.kernels import MODES as KERNEL_MODES
+from planaria.kernels import describe as describe_kernels
 from planaria.runtime.model import ModelConfig
 from planaria.templates.costs import ModelShape
 from planaria.templates.layout import homogeneous_layout, plan_from_layout
@@ -250,6 +252,8 @@ def check_config(cfg: Config) -> Config:
     for key, size in (("model.vocab_size", m.vocab_size), ("model.ffn_hidden", m.ffn_dim)):
         if size % p.tp:
             raise ConfigError(f"{key}={size} is not divisible by parallel.tp={p.tp}")
+    if m.kernels not in KERNEL_MODES:
+        raise ConfigError(f"model.kernels {m.kernels!r} is unknown; use one of {KERNEL_MODES}")
     if t.dtype not in DTYPES:
         raise ConfigError(f"train.dtype {t.dtype!r} is unknown; use one of {DTYPES}")
     if t.lr_schedule not in ("cosine", "constant"):
@@ -366,7 +370,8 @@ def describe(cfg: Config, plan: Plan) -> str:
             f"plan: {len(plan.pipelines)} pipeline(s), stages "
             f"{[len(pl.stages) for pl in plan.pipelines]}, microbatches "
             f"{[pl.num_microbatches for pl in plan.pipelines]}, tp {plan.tp}, "
-            f"schedule {plan.schedule} (v={plan.virtual_stages})")
+            f"schedule {plan.schedule} (v={plan.virtual_stages}) | kernels: {describe_kernels(cfg.model.kernels)}"
+            + (", fused head and loss" if cfg.model.fused_head_loss else ""))
 
 
 def _parameter_count(m: ModelConfig) -> int:

@@ -266,10 +266,13 @@ class Engine:
                               self.groups.pipeline, self.device)
         total = self.plan.total_microbatches
 
-        def loss_fn(logits_local: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        last = self.model.num_layers - 1
+        head = self.layers[last].module if last in self.layers else None  # only the last stage's loss runs
+
+        def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
             # Scaled by the iteration's total microbatches, all pipelines together, so
             # the summed gradient is the full batch's mean whatever the split.
-            return self.model.loss(logits_local, target, tp) / total
+            return self.model.loss(output, target, tp, head=head) / total
 
         schedule = PlanSchedule(stages, self.plan.schedule, self.pipeline.num_microbatches, loss_fn)
         return schedule, stages

@@ -19,12 +19,13 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from planaria.kernels import apply_rotary_reference, rms_norm_reference, rotary_tables, swiglu_reference
+from planaria.kernels import apply_rotary, linear_cross_entropy, rms_norm, rotary_tables, swiglu
 from planaria.runtime.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
     TensorParallel,
     VocabParallelEmbedding,
+    copy_to_tp,
     vocab_parallel_cross_entropy,
 )
 
@@ -48,6 +49,14 @@ class ModelConfig:
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     init_std: float = 0.02
+    kernels: str = "auto"
+    """Fused Triton kernels (planaria.kernels): "auto" where Triton and a GPU are present,
+    "triton" the same but warning when they cannot run, "reference" plain PyTorch.
+    PLANARIA_KERNELS=triton runs them through Triton's interpreter on CPU (for tests)."""
+    fused_head_loss: bool = False
+    """The output projection and the loss as one operation over chunks of tokens
+    (planaria.kernels.linear_cross_entropy): the full logits never exist. The last
+    layer then outputs the normalised hidden states and the loss applies the head."""
 
     @property
     def head_dim(self) -> int:
@@ -65,13 +74,14 @@ class ModelConfig:
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, kernels: str = "auto"):
         super().__init__()
         self.eps = eps
+        self.kernels = kernels
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm_reference(x, self.weight, self.eps)
+        return rms_norm(x, self.weight, self.eps, kernels=self.kernels)
 
 
 class Embedding(nn.Module):
@@ -96,6 +106,7 @@ class Attention(nn.Module):
         c = cfg.d_model
         self.local_heads = cfg.n_heads // tp.size
         self.head_dim = cfg.head_dim
+        self.kernels = cfg.kernels
         self.wq = ColumnParallelLinear(torch.randn(c, c, generator=gen) * cfg.init_std, tp)
         self.wk = ColumnParallelLinear(torch.randn(c, c, generator=gen) * cfg.init_std, tp)
         self.wv = ColumnParallelLinear(torch.randn(c, c, generator=gen) * cfg.init_std, tp)
@@ -104,8 +115,8 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
         shape = (b, t, self.local_heads, self.head_dim)
-        q = apply_rotary_reference(self.wq(x).view(shape), cos, sin)
-        k = apply_rotary_reference(self.wk(x).view(shape), cos, sin)
+        q = apply_rotary(self.wq(x).view(shape), cos, sin, kernels=self.kernels)
+        k = apply_rotary(self.wk(x).view(shape), cos, sin, kernels=self.kernels)
         v = self.wv(x).view(shape)
         # (B, H, T, hd) for scaled_dot_product_attention
         y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
@@ -119,12 +130,13 @@ class FeedForward(nn.Module):
     def __init__(self, cfg: ModelConfig, gen: torch.Generator, tp: TensorParallel, out_std: float):
         super().__init__()
         c, h = cfg.d_model, cfg.ffn_dim
+        self.kernels = cfg.kernels
         self.w_gate = ColumnParallelLinear(torch.randn(h, c, generator=gen) * cfg.init_std, tp)
         self.w_up = ColumnParallelLinear(torch.randn(h, c, generator=gen) * cfg.init_std, tp)
         self.w_down = RowParallelLinear(torch.randn(c, h, generator=gen) * out_std, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w_down(swiglu_reference(self.w_gate(x), self.w_up(x)))
+        return self.w_down(swiglu(self.w_gate(x), self.w_up(x), kernels=self.kernels))
 
 
 class Block(nn.Module):
@@ -140,9 +152,9 @@ class Block(nn.Module):
         super().__init__()
         # GPT-2's scaling of the residual projections keeps the stream's variance flat in depth.
         out_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
-        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.kernels)
         self.attn = Attention(cfg, gen, tp, out_std)
-        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.kernels)
         self.mlp = FeedForward(cfg, gen, tp, out_std)
         self.recompute = recompute
         cos, sin = rotary_tables(cfg.seq_len, cfg.head_dim, cfg.rope_theta, torch.float64)
@@ -161,18 +173,30 @@ class Block(nn.Module):
 
 
 class Head(nn.Module):
-    """Final norm and output projection: (B, T, C) -> logits (B, T, V/tp), split by vocabulary."""
+    """Final norm and output projection: (B, T, C) -> logits (B, T, V/tp), split by
+    vocabulary; with `fused_head_loss`, (B, T, C) normalised, and `loss` projects."""
 
     TP_SHARD_DIMS = {"output.weight": 0}
 
     def __init__(self, cfg: ModelConfig, gen: torch.Generator, tp: TensorParallel):
         super().__init__()
-        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.kernels)
         full = torch.randn(cfg.vocab_size, cfg.d_model, generator=gen) * cfg.init_std
         self.output = ColumnParallelLinear(full, tp)
+        self.fused_loss, self.kernels = cfg.fused_head_loss, cfg.kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.output(self.norm(x))
+        normed = self.norm(x)
+        return normed if self.fused_loss else self.output(normed)
+
+    def loss(self, output: torch.Tensor, target: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+        """Mean token cross-entropy of this head's `output` (see `forward`)."""
+        if not self.fused_loss:
+            return vocab_parallel_cross_entropy(output, target, tp, kernels=self.kernels)
+        # Megatron's f before the vocabulary-parallel projection: the input's gradient
+        # shares are summed over the tp ranks in the backward.
+        return linear_cross_entropy(copy_to_tp(output, tp), self.output.weight, target,
+                                    tp.group if tp.size > 1 else None, kernels=self.kernels)
 
 
 class LayerModel:
@@ -208,6 +232,13 @@ class LayerModel:
             layer = cls(self.cfg, gen, tp)
         return layer.to(device=device, dtype=dtype)
 
-    @staticmethod
-    def loss(logits_local: torch.Tensor, target: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
-        return vocab_parallel_cross_entropy(logits_local, target, tp)
+    def loss(self, output: torch.Tensor, target: torch.Tensor, tp: TensorParallel,
+             head: nn.Module | None = None) -> torch.Tensor:
+        """Mean token cross-entropy of the last layer's `output`: vocabulary-parallel
+        logits, or with `fused_head_loss` the hidden states that `head` (the last layer,
+        which then must be given) projects inside the loss."""
+        if head is not None:
+            return head.loss(output, target, tp)
+        if self.cfg.fused_head_loss:
+            raise ValueError("model.fused_head_loss: the loss needs the head layer, whose projection it applies")
+        return vocab_parallel_cross_entropy(output, target, tp, kernels=self.cfg.kernels)

@@ -52,15 +52,18 @@ def profile_model(cfg: Config, *, device: torch.device | str | None = None,
     targets = torch.randint(m.vocab_size, (t.micro_batch, m.seq_len), generator=gen).to(device)
     hidden = torch.randn(t.micro_batch, m.seq_len, m.d_model, generator=gen, dtype=param_dtype)
 
+    built: dict[int, torch.nn.Module] = {}
+
     def build_layer(index: int) -> torch.nn.Module:
-        return model.build_layer(index, solo, param_dtype, device)
+        built[index] = model.build_layer(index, solo, param_dtype, device)
+        return built[index]
 
     def make_input(index: int) -> torch.Tensor:
         # The residual stream is in the parameter dtype, float32 under bf16 autocast too.
         return (tokens if index == 0 else hidden).to(device)
 
-    def loss_fn(logits: torch.Tensor) -> torch.Tensor:
-        return LayerModel.loss(logits, targets, solo)
+    def loss_fn(output: torch.Tensor) -> torch.Tensor:
+        return model.loss(output, targets, solo, head=built.get(model.num_layers - 1))
 
     settings = OptimizerSettings(lr=t.lr, min_lr=t.min_lr, warmup_steps=t.warmup_steps,
                                  lr_schedule=t.lr_schedule, total_steps=t.steps,

@@ -11,7 +11,7 @@ what "the same training job" means.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -31,8 +31,11 @@ class ReferenceRun:
 
 
 def build_reference_model(model: LayerModel, dtype: torch.dtype, device: torch.device) -> nn.Sequential:
+    """The model whole, in plain PyTorch: the PyTorch references of the fused kernels,
+    and a head that outputs the full logits (the oracle the fused paths are held to)."""
     single = TensorParallel()  # tp = 1: every layer full size
-    return nn.Sequential(*(model.build_layer(i, single, dtype, device) for i in range(model.num_layers)))
+    plain = LayerModel(replace(model.cfg, kernels="reference", fused_head_loss=False), model.seed, model.recompute)
+    return nn.Sequential(*(plain.build_layer(i, single, dtype, device) for i in range(plain.num_layers)))
 
 
 def train_reference(model: LayerModel, optim: OptimizerSettings, dataset, *, steps: int,

@@ -25,6 +25,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from planaria.kernels import cross_entropy
+
 
 @dataclass
 class TensorParallel:
@@ -119,44 +121,8 @@ class VocabParallelEmbedding(nn.Module):
         return reduce_from_tp(embedded, self.tp)
 
 
-class _VocabParallelCrossEntropy(torch.autograd.Function):
-    """Mean cross-entropy over logits split by vocabulary; the full softmax never meets one rank."""
-
-    @staticmethod
-    def forward(ctx, logits_local, target, tp):
-        # logits_local: (N, V/tp), target: (N,) global vocabulary ids
-        logits = logits_local.float() if logits_local.dtype in (torch.float16, torch.bfloat16) else logits_local
-        row_max = logits.max(dim=-1).values
-        tp.all_reduce(row_max, op=dist.ReduceOp.MAX)
-        shifted = logits - row_max.unsqueeze(-1)
-        vocab_start = tp.rank * logits.shape[-1]
-        local_target = target - vocab_start
-        outside = (local_target < 0) | (local_target >= logits.shape[-1])
-        local_target = local_target.masked_fill(outside, 0)
-        target_logit = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1)
-        target_logit = tp.all_reduce(target_logit.masked_fill(outside, 0.0))
-        exp = shifted.exp()
-        sum_exp = tp.all_reduce(exp.sum(dim=-1))
-        loss = sum_exp.log() - target_logit  # (N,)
-        ctx.save_for_backward(exp / sum_exp.unsqueeze(-1), local_target, outside)
-        ctx.input_dtype = logits_local.dtype
-        return loss.mean()
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        softmax, local_target, outside = ctx.saved_tensors
-        grad = softmax.clone()
-        rows = torch.arange(grad.shape[0], device=grad.device)
-        grad[rows, local_target] -= (~outside).to(grad.dtype)
-        grad *= grad_output / grad.shape[0]
-        return grad.to(ctx.input_dtype), None, None
-
-
 def vocab_parallel_cross_entropy(logits_local: torch.Tensor, target: torch.Tensor,
-                                 tp: TensorParallel) -> torch.Tensor:
-    """Mean token cross-entropy. logits_local: (..., V/tp), target: (...)."""
-    logits_2d = logits_local.reshape(-1, logits_local.shape[-1])  # (N, V/tp)
-    if tp.size == 1:
-        return F.cross_entropy(logits_2d.float() if logits_2d.dtype == torch.bfloat16 else logits_2d,
-                               target.reshape(-1))
-    return _VocabParallelCrossEntropy.apply(logits_2d, target.reshape(-1), tp)
+                                 tp: TensorParallel, kernels: str = "auto") -> torch.Tensor:
+    """Mean token cross-entropy. logits_local: (..., V/tp), target: (...): the ranks
+    exchange two numbers per token, never logits (planaria.kernels.cross_entropy)."""
+    return cross_entropy(logits_local, target, tp.group if tp.size > 1 else None, kernels=kernels)

@@ -1,0 +1,35 @@
+"""`configs/tiny.yaml` trains the same with the Triton kernels (through the interpreter
+on CPU) as with the PyTorch references, in float32: the same losses step by step."""
+from __future__ import annotations
+
+import pytest
+
+from planaria.kernels import dispatch
+from tests.launch import read_metrics, torchrun_train
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(600)]
+if dispatch.triton is None:
+    pytest.skip("Triton is not installed (pip install -e '.[test]' installs it)", allow_module_level=True)
+
+STEPS = 3
+JOB = [f"train.steps={STEPS}", "train.global_batch=4", "train.log_every=100"]
+CASES = {
+    # rms_norm, apply_rotary, swiglu, and the vocabulary-parallel cross-entropy over tp=2
+    "tp2": (2, ["parallel.tp=2"]),
+    # the fused linear + cross-entropy head, two pipeline stages
+    "pp2-fused-head": (2, ["parallel.pp=2", "model.fused_head_loss=true"]),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_tiny_trains_the_same_with_the_kernels_as_with_the_references(case, tmp_path):
+    nproc, overrides = CASES[case]
+    runs = {}
+    for mode in ("reference", "triton"):
+        proc = torchrun_train(nproc, JOB + overrides, tmp_path / mode, env={dispatch.ENV: mode}, timeout=540)
+        assert "runs its PyTorch reference" not in proc.stderr, proc.stderr[-2000:]
+        said = "kernels: Triton through its interpreter" if mode == "triton" else "kernels: PyTorch references"
+        assert said in proc.stdout, proc.stdout[-2000:]
+        runs[mode] = [m["loss"] for m in read_metrics(tmp_path / mode)]
+    assert len(runs["triton"]) == STEPS
+    assert runs["triton"] == pytest.approx(runs["reference"], rel=1e-5)
