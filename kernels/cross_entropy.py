@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from planaria.kernels.dispatch import next_power_of_2, rows_per_block, tl, triton, use_triton
+from planaria.kernels.dispatch import next_power_of_2, rows_per_block, tl, triton, use_triton, warps
 
 IGNORE_INDEX = -100
 MAX_BLOCK_V = 4096
@@ -89,7 +89,8 @@ def token_stats(logits: torch.Tensor, target: torch.Tensor, group, ignore_index:
         block_v, block_r = _blocks(logits)
         _stats_kernel[(triton.cdiv(rows, block_r),)](logits, logits.stride(0), target, row_max, sum_exp,
                                                      target_logit, rows, logits.shape[1], start,
-                                                     BLOCK_R=block_r, BLOCK_V=block_v)
+                                                     BLOCK_R=block_r, BLOCK_V=block_v,
+                                                     num_warps=warps(block_r * block_v))
     else:
         x = logits.to(_compute_dtype(logits))
         row_max = x.max(dim=1).values
@@ -116,7 +117,7 @@ def logits_gradient(logits: torch.Tensor, target: torch.Tensor, lse: torch.Tenso
         block_v, block_r = _blocks(logits)
         _gradient_kernel[(triton.cdiv(logits.shape[0], block_r),)](
             logits, logits.stride(0), target, lse, scale, out, out.stride(0), logits.shape[0], logits.shape[1],
-            start, BLOCK_R=block_r, BLOCK_V=block_v)
+            start, BLOCK_R=block_r, BLOCK_V=block_v, num_warps=warps(block_r * block_v))
         return out
     grad = (logits.to(lse.dtype) - lse[:, None]).exp()
     local = target - start

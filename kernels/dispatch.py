@@ -139,3 +139,9 @@ def rows_per_block(device: torch.device, width: int) -> int:
     limit = 16 if device.type == "cuda" else 1024
     rows = max(1, min(limit, budget // max(1, width)))
     return 1 << (rows.bit_length() - 1)  # the largest power of two not above it
+
+
+def warps(elements: int) -> int:
+    """Warps for a program holding `elements` values at once: more threads for wider
+    blocks, so that each keeps a few dozen values in registers."""
+    return 4 if elements <= 2048 else 8 if elements <= 8192 else 16 if elements <= 32768 else 32

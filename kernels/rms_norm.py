@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from planaria.kernels.dispatch import next_power_of_2, program_count, rows_per_block, tl, triton, use_triton
+from planaria.kernels.dispatch import next_power_of_2, program_count, rows_per_block, tl, triton, use_triton, warps
 
 MAX_HIDDEN = 65536
 """Widest row one program normalises (its whole row is in registers)."""
@@ -55,7 +55,8 @@ class _RMSNorm(torch.autograd.Function):
         rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
         width, block_rows = _blocks(rows)
         _forward_kernel[(triton.cdiv(n_rows, block_rows),)](rows, weight, y, rstd, n_rows, n_cols, eps,
-                                                            BLOCK_R=block_rows, BLOCK=width)
+                                                            BLOCK_R=block_rows, BLOCK=width,
+                                                            num_warps=warps(block_rows * width))
         ctx.save_for_backward(rows, weight, rstd)
         ctx.x_shape = x.shape
         return y.view(*x.shape[:-1], n_cols)
@@ -71,7 +72,8 @@ class _RMSNorm(torch.autograd.Function):
         programs = program_count(rows.device, blocks)
         partial = torch.zeros(programs, n_cols, dtype=torch.float32, device=rows.device)
         _backward_kernel[(programs,)](rows, weight, rstd, grad_rows, grad_x, partial, n_rows, n_cols,
-                                      triton.cdiv(blocks, programs), BLOCK_R=block_rows, BLOCK=width)
+                                      triton.cdiv(blocks, programs), BLOCK_R=block_rows, BLOCK=width,
+                                      num_warps=warps(block_rows * width))
         return grad_x.view(ctx.x_shape), partial.sum(0).to(weight.dtype), None
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from planaria.kernels.dispatch import next_power_of_2, rows_per_block, tl, triton, use_triton
+from planaria.kernels.dispatch import next_power_of_2, rows_per_block, tl, triton, use_triton, warps
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MAX_HEAD_DIM = 8192
@@ -61,7 +61,7 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool
     block_rows = rows_per_block(x.device, half)
     _rotary_kernel[(triton.cdiv(rows, block_rows),)](x, cos, sin, out, rows, t, h, d // 2, cos.stride(0),
                                                      sin.stride(0), INVERSE=inverse, BLOCK_R=block_rows,
-                                                     BLOCK_HALF=half)
+                                                     BLOCK_HALF=half, num_warps=warps(block_rows * half))
     return out
 
 
