@@ -9,6 +9,7 @@ be read from the job itself.
 """
 from __future__ import annotations
 
+import bisect
 import json
 import os
 import tempfile
@@ -66,6 +67,11 @@ class Report:
     recoveries: list[Recovery] = field(default_factory=list)
     reference_step_s: float | None = None
     """The fault-free run's time a step on this machine (the ETTR's yardstick)."""
+    own_step_s: float | None = None
+    """This run's own fault-free time a step (`own_step_s`): the machine's speed during
+    the run, which on a shared machine drifts from the reference's."""
+    ettr_own_steps: float | None = None
+    """The ETTR against `own_step_s`: what the faults cost, without that drift."""
     losses: dict[int, float] = field(default_factory=dict)
     reference_losses: dict[int, float] = field(default_factory=dict)
     commit_times: list[tuple[float, int]] = field(default_factory=list)
@@ -197,21 +203,47 @@ def build_report(*, out_dir: Path, steps: int, outcome: str, faults: list[Inject
     ref_losses = {int(k): v for k, v in reference["losses"].items()}
     diffs = [abs(loss - ref_losses[i]) for i, loss in losses.items() if i in ref_losses]
     start = times[0][0] if times else 0.0
-    ettr = None
-    if times and reference.get("step_s"):
-        trained_s = times[-1][0] - start + reference["step_s"]
-        ettr = min(1.0, len(losses) * reference["step_s"] / trained_s)
+    last = times[-1][0] - start if times else 0.0
+    own = own_step_s([t for t, _ in times], [f.time for f in faults]) if times else None
+    ettr = ettr_against(len(losses), last, reference["step_s"]) if times and reference.get("step_s") else None
+    ettr_own = ettr_against(len(losses), last, own) if own else None
     return Report(
         completed=outcome == "ok" and len(losses) == steps, outcome=outcome, steps=steps,
         steps_committed=len(losses), max_loss_diff=max(diffs) if diffs else None,
         committed_steps_lost=lost,
         checkpoint_loads=sum(1 for ev in events if ev.get("restored") is not None),
         ettr=ettr, wall_s=wall_s, recoveries=recoveries(faults, events, timings, logs),
-        reference_step_s=reference.get("step_s"),
+        reference_step_s=reference.get("step_s"), own_step_s=own, ettr_own_steps=ettr_own,
         losses=losses, reference_losses=ref_losses,
         commit_times=[(t - start, i) for t, i in times],
         live_nodes=[(t - start, n) for t, n in live_nodes], training_nodes=training_nodes(logs, start),
         first_commit_time=times[0][0] if times else None, faults=list(faults))
+
+
+QUIET_S = 20.0
+"""Steps that begin this long after a fault or later are past its recovery's effects."""
+
+
+def own_step_s(commit_times: list[float], fault_times: list[float], quiet_s: float = QUIET_S) -> float | None:
+    """A run's own fault-free step time: the mean time between commits over the steps that
+    begin at least `quiet_s` after the latest fault and end before the next one
+    (checkpoint pauses included, as in the reference's step time). None when no step is
+    that far from every fault."""
+    faults = sorted(fault_times)
+    quiet = [end - begin for begin, end in zip(commit_times, commit_times[1:])
+             if _clear_of(faults, begin, end, quiet_s)]
+    return sum(quiet) / len(quiet) if quiet else None
+
+
+def _clear_of(faults: list[float], begin: float, end: float, quiet_s: float) -> bool:
+    i = bisect.bisect(faults, end)
+    return (i == 0 or begin - faults[i - 1] >= quiet_s) and (i == len(faults) or faults[i] > end)
+
+
+def ettr_against(steps: int, last_commit_s: float, step_s: float) -> float:
+    """Effective training time ratio: `steps` of `step_s` each over the time from the
+    first commit to the end of the last step (`last_commit_s` after the first, plus one)."""
+    return min(1.0, steps * step_s / (last_commit_s + step_s))
 
 
 def training_nodes(logs: dict[str, list[dict]], start: float) -> list[tuple[float, int]]:
@@ -316,6 +348,9 @@ def verdict_table(report: Report):
             ("checkpoint loads", str(report.checkpoint_loads)),
             ("max loss diff vs reference", diff),
             ("ETTR", "-" if report.ettr is None else f"{report.ettr:.2f}"),
+            ("ETTR against this run's own steps", "-" if report.ettr_own_steps is None else
+             f"{report.ettr_own_steps:.2f} ({report.own_step_s:.3f} s a step away from faults, "
+             f"reference {report.reference_step_s or 0:.3f} s)"),
             ("wall time", f"{report.wall_s:.1f} s")]
     for name, value in rows:
         table.add_row(name, value)

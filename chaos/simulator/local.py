@@ -31,6 +31,7 @@ import statistics
 from pathlib import Path
 
 from planaria.chaos.faults import parse_fault
+from planaria.chaos.report import QUIET_S, ettr_against, own_step_s
 from planaria.chaos.simulator.availability import Availability, Change, with_boot_delay
 from planaria.chaos.simulator.calibration import Calibration
 from planaria.chaos.simulator.engine import simulate
@@ -52,34 +53,18 @@ def reference_step_s(report: dict) -> float:
     return ettr * last / (steps - ettr)
 
 
-QUIET_S = 20.0
-"""Steps that begin this long after a fault or later are past its recovery's effects."""
-
-
 def quiet_step_s(report: dict, quiet_s: float = QUIET_S) -> float:
-    """The run's own fault-free step time: the mean time between commits over the steps
-    that begin at least `quiet_s` after the latest fault and end before the next one
-    (checkpoint pauses included, as in the reference's step time). The reference's when
-    no step is that far from every fault."""
+    """The run's own fault-free step time (`planaria.chaos.report.own_step_s`); the
+    reference's when no step is `quiet_s` from every fault."""
     times = [t for t, _ in report["series"]["commit_times"]]
-    faults = sorted(at for _, at, _ in _faults(report))
-    quiet = [end - begin for begin, end in zip(times, times[1:])
-             if _clear_of(faults, begin, end, quiet_s)]
-    return sum(quiet) / len(quiet) if quiet else reference_step_s(report)
-
-
-def _clear_of(faults: list[float], begin: float, end: float, quiet_s: float) -> bool:
-    i = bisect.bisect(faults, end)
-    return (i == 0 or begin - faults[i - 1] >= quiet_s) and (i == len(faults) or faults[i] > end)
+    own = own_step_s(times, [at for _, at, _ in _faults(report)], quiet_s)
+    return reference_step_s(report) if own is None else own
 
 
 def measured_ettr(report: dict, step_s: float | None = None) -> float:
-    """The run's ETTR against `step_s` (default: its own `quiet_step_s`): the steps it
-    committed times the fault-free step time, over its time from the first commit to the
-    end of the last step."""
+    """The run's ETTR against `step_s` (default: its own `quiet_step_s`)."""
     step_s = quiet_step_s(report) if step_s is None else step_s
-    last = report["series"]["commit_times"][-1][0]
-    return report["steps_committed"] * step_s / (last + step_s)
+    return ettr_against(report["steps_committed"], report["series"]["commit_times"][-1][0], step_s)
 
 
 def _faults(report: dict):

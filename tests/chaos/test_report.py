@@ -70,3 +70,19 @@ def test_a_roll_forward_is_not_a_lost_step_but_a_second_commit_is():
     # Every replica lost: epoch 1 went back to the checkpoint of step 1 and ran step 2 again.
     redone = {"node0": [entry(0, 0), entry(1, 0), entry(2, 0), entry(2, 1), entry(3, 1)]}
     assert step_losses(redone)[2] == 1
+
+
+def test_ettr_against_the_runs_own_steps_leaves_out_the_machines_drift():
+    """The run stepped every 0.8 s where its reference took 1.0 s, and lost 10 s to one
+    fault: against its own steps (those 20 s or more after the fault, and before it) the
+    ETTR counts the fault alone."""
+    from planaria.chaos.report import ettr_against, own_step_s
+
+    times = [0.8 * i for i in range(50)] + [40 + 10 + 0.8 * i for i in range(50)]  # fault at 40 s
+    own = own_step_s(times, [40.0])
+    assert abs(own - 0.8) < 1e-9
+    quiet_after = [b - a for a, b in zip(times, times[1:]) if a >= 60]
+    assert quiet_after, "the steps 20 s after the fault count too"
+    assert abs(ettr_against(100, times[-1], own) - 100 * 0.8 / (times[-1] + 0.8)) < 1e-12
+    assert ettr_against(100, times[-1], 1.0) > ettr_against(100, times[-1], own)  # the drift inflates it
+    assert own_step_s(times, [0.8 * i for i in range(0, 100, 10)]) is None  # no step far from a fault
