@@ -11,8 +11,9 @@ statistics and its gradient come from the kernels of `planaria.kernels.cross_ent
 `hidden` and `weight` are two more matmuls. The gradients are computed during the
 forward, as Liger-Kernel's fused linear cross-entropy does, so the backward only scales
 them by the loss's gradient: peak memory is one chunk of logits instead of N x V (for a
-7B model's 32k vocabulary and 8k tokens: 1 GiB of bf16 logits and as much again for
-their gradient, against the 64 MiB of one chunk).
+7B model's 32k vocabulary and 8k tokens, by arithmetic: 500 MiB of bf16 logits and as
+much again for their gradient, against 62.5 MiB for one chunk of 1024 tokens;
+benchmarks/kernels.py measures it).
 
 With a `group`, the input's gradient is this rank's share: the caller's
 copy-to-tensor-parallel (Megatron's `f`) sums the shares in its backward, as it does
