@@ -11,12 +11,12 @@ import torch.nn.functional as F
 
 from planaria.kernels.dispatch import tl, triton, use_triton
 
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
 
 def _block(t: torch.Tensor) -> int:
     # Larger in the interpreter, where each program's operations cost the same whatever their size.
     return 1024 if t.is_cuda else 16384
-
-DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def swiglu_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
