@@ -41,6 +41,26 @@ from planaria.runtime.transfer import TransferStats, exchange_layers
 from planaria.templates.plan import Plan, Transfer
 
 
+def accumulate_wide(module: nn.Module, dtype: torch.dtype) -> None:
+    """Sum `module`'s gradients over microbatches in `dtype`, in each parameter's
+    `main_grad` (None until the first microbatch's gradient arrives).
+
+    A post-accumulate hook moves each microbatch's gradient there as soon as autograd
+    has put it in `p.grad`, which is left empty for the next microbatch. The profiler
+    registers the same hook, so that the cost model times backward as training runs it.
+    """
+    def move(p: torch.Tensor) -> None:
+        if p.main_grad is None:
+            p.main_grad = p.grad.to(dtype)
+        else:
+            p.main_grad.add_(p.grad)
+        p.grad = None
+
+    for p in module.parameters():
+        p.main_grad = None
+        p.register_post_accumulate_grad_hook(move)
+
+
 @dataclass
 class LayerState:
     """One layer's tp shard on this worker: parameters and their optimizer state."""
@@ -145,19 +165,8 @@ class Engine:
         if self._has_phase_hooks:
             module.register_forward_hook(self._phase_hook)
         if self.grad_accum_dtype is not None:
-            for p in module.parameters():
-                p.main_grad = None
-                p.register_post_accumulate_grad_hook(self._accumulate)
+            accumulate_wide(module, self.grad_accum_dtype)
         return LayerState(index, module, build_optimizer(module, self.optim), self.model.shard_dims(index))
-
-    def _accumulate(self, p: torch.Tensor) -> None:
-        """Move a microbatch's gradient into the wide `main_grad` (post-accumulate hook:
-        autograd has just added it to `p.grad`, which starts empty for each microbatch)."""
-        if p.main_grad is None:
-            p.main_grad = p.grad.to(self.grad_accum_dtype)
-        else:
-            p.main_grad.add_(p.grad)
-        p.grad = None
 
     def _phase_hook(self, module, args, output) -> None:
         """Forward hook: report the layer's forward, and its backward when the gradient

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from planaria.runtime.config import Config, model_shape, torch_dtypes
+from planaria.runtime.engine import accumulate_wide
 from planaria.runtime.model import LayerModel
 from planaria.runtime.optim import OptimizerSettings, build_optimizer
 from planaria.runtime.tensor_parallel import TensorParallel
@@ -34,7 +35,9 @@ def profile_model(cfg: Config, *, device: torch.device | str | None = None,
     update with the engine's optimizer (`build_optimizer`: one AdamW(foreach=False) per
     layer, weight decay on matrices). `hardware_name` names the preset whose links cost
     the tensor-parallel all-reduces and the sends between stages. `num_threads=1`
-    profiles as the workers run under torchrun. `statistic`: "mean" or "median" of the
+    profiles as the workers run under torchrun. With `train.exact_reduction` the
+    layers sum their gradients wide, as the engine's do (`engine.accumulate_wide`),
+    and the update rounds them. `statistic`: "mean" or "median" of the
     timed repeats (the profiler's docstring says why the mean). `measure_links`
     (default: for "cpu" on a CPU device) measures gloo between two processes and uses
     it for the links, message overhead and commit (`profiler.measure_gloo_links`).
@@ -54,8 +57,14 @@ def profile_model(cfg: Config, *, device: torch.device | str | None = None,
 
     built: dict[int, torch.nn.Module] = {}
 
+    # Summing gradients wide costs a cast or an add per parameter per microbatch: a
+    # tenth of a small model's backward on CPU. Time backward and the update with it.
+    wide = torch.float64 if t.exact_reduction and param_dtype != torch.float64 else None
+
     def build_layer(index: int) -> torch.nn.Module:
         built[index] = model.build_layer(index, solo, param_dtype, device)
+        if wide is not None:
+            accumulate_wide(built[index], wide)
         return built[index]
 
     def make_input(index: int) -> torch.Tensor:
@@ -80,6 +89,7 @@ def profile_model(cfg: Config, *, device: torch.device | str | None = None,
                           recompute=t.recompute, repeats=repeats, warmup=warmup,
                           cache_dir=None if cache_dir is None else Path(cache_dir),
                           cache_key={"model": "planaria-llama", "norm_eps": m.norm_eps,
-                                     "rope_theta": m.rope_theta},
+                                     "rope_theta": m.rope_theta,
+                                     "grad_accum": str(wide).removeprefix("torch.")},
                           loss_fn=loss_fn, num_threads=num_threads, make_optimizer=make_optimizer,
                           statistic=statistic, measure_links=measure_links)

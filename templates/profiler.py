@@ -72,7 +72,7 @@ from planaria.templates.analytic import (
 )
 from planaria.templates.costs import CostModel, Hardware, LayerCost, ModelShape
 
-CACHE_VERSION = 3
+CACHE_VERSION = 4
 STATISTICS = ("mean", "median")
 _AUTOCAST = {"bfloat16": torch.bfloat16}
 
@@ -256,30 +256,50 @@ def measure_update(layer: torch.nn.Module,
     does it per layer: gradient norm, clip by it, optimizer step, zero the gradients.
 
     Runs on the gradients the layer holds (zeros where it has none), restored before
-    every repeat; the first step creates the optimizer's state and is a warm-up.
+    every repeat; the first step creates the optimizer's state and is a warm-up. When a
+    hook summed them wide, in `p.main_grad` (the runtime's `train.exact_reduction`), the
+    timed update also rounds them into `p.grad` and takes the norm of the wide sums, as
+    the trainer does.
     """
     params = [p for p in layer.parameters() if p.requires_grad]
     if not params:
         return 0.0
     optimizer = (make_optimizer(layer) if make_optimizer is not None
                  else torch.optim.AdamW(params, foreach=False))
-    grads = [p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)
-             for p in params]
+    wide = next((p.main_grad.dtype for p in params
+                 if getattr(p, "main_grad", None) is not None), None)
+    grads = [_held_gradient(p, wide) for p in params]
     device = params[0].device
     times = []
     for i in range(max(warmup, 1) + repeats):
         for p, g in zip(params, grads):
-            p.grad = g.clone()
+            if wide is not None:
+                p.main_grad = g.clone()
+            else:
+                p.grad = g.clone()
         _sync(device)
         start = time.perf_counter()
-        norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
-        torch.nn.utils.clip_grads_with_norm_(params, 1.0, norm, foreach=True)
+        if wide is not None:
+            for p in params:
+                p.grad = p.main_grad.to(p.dtype)
+        summed = [p.main_grad if wide is not None else p.grad for p in params]
+        norm = torch.nn.utils.get_total_norm(summed, foreach=True)
+        torch.nn.utils.clip_grads_with_norm_(params, 1.0, norm.to(params[0].dtype), foreach=True)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         _sync(device)
         if i >= max(warmup, 1):
             times.append(time.perf_counter() - start)
     return summary(times)
+
+
+def _held_gradient(p: torch.Tensor, wide: torch.dtype | None) -> torch.Tensor:
+    """`p`'s summed gradient (`main_grad` in dtype `wide` when summed wide), or zeros
+    for a parameter no backward reached, as the trainer gives it."""
+    held = getattr(p, "main_grad", None) if wide is not None else p.grad
+    if held is not None:
+        return held.detach().clone()
+    return torch.zeros_like(p, dtype=wide or p.dtype)
 
 
 def saved_activation_bytes(layer: torch.nn.Module, forward: Callable[[], torch.Tensor]) -> int:

@@ -180,3 +180,36 @@ def test_statistic_is_checked():
                          measure_links=False).source == "profiled"
     with pytest.raises(ValueError, match="statistic"):
         profile_model(tiny(), statistic="mode", measure_links=False)
+
+
+def test_layers_are_profiled_with_the_trainers_wide_gradient_sums(tmp_path):
+    """With train.exact_reduction the engine sums gradients in float64 by a hook; the
+    profile times backward with that hook, and a profile taken without it is not reused."""
+    profile_model(tiny("train.exact_reduction=true"), cache_dir=tmp_path)
+    profile_model(tiny("train.exact_reduction=false"), cache_dir=tmp_path)
+    keys = sorted(json.loads(path.read_text())["key"]["extra"]["grad_accum"]
+                  for path in tmp_path.glob("profile-*.json"))
+    assert keys == ["None", "float64"]
+
+
+def test_update_steps_on_the_wide_sums():
+    """measure_update on gradients summed wide (main_grad, grad empty) rounds and steps
+    on them, as the engine does; stepping on the empty grad would leave SGD's weights."""
+    from planaria.runtime.engine import accumulate_wide
+    from planaria.templates.profiler import measure_update
+
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(4, 3, bias=False)
+    accumulate_wide(layer, torch.float64)
+    for _ in range(2):  # two microbatches, summed in main_grad
+        layer(torch.randn(5, 4)).square().sum().backward()
+    weight = layer.weight
+    summed = weight.main_grad.clone()
+    assert weight.grad is None and summed.dtype == torch.float64
+    before = weight.detach().clone()
+    steps = 1 + 2  # max(warmup, 1) + repeats, every one from the same sums
+    measure_update(layer, lambda m: torch.optim.SGD(m.parameters(), lr=0.01),
+                   repeats=2, warmup=1)
+    scale = min(1.0, 1.0 / (float(summed.norm()) + 1e-6))  # clipped to norm 1
+    expected = before - steps * 0.01 * (summed * scale).float()
+    torch.testing.assert_close(weight.detach(), expected, rtol=1e-5, atol=1e-6)
