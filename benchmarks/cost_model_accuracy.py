@@ -12,8 +12,10 @@ Cases (every one 2 processes, pp=2, synthetic data, float32, OMP_NUM_THREADS=1):
 
 For every case and repeat:
   (i)   the plan, exactly as the trainer builds it: `plan_from_config(cfg, world_size=2)`;
-  (ii)  a fresh profile: `profile_model(cfg, num_threads=1)` (the trainer's workers run
-        with OMP_NUM_THREADS=1), which also measures gloo between two processes;
+  (ii)  a fresh profile: `profile_model(cfg, num_threads=1, concurrent_workers=2)` (the
+        trainer's workers run with OMP_NUM_THREADS=1, two of them on this machine's two
+        cores: the layers are timed beside a process computing a block), which also
+        measures gloo between two processes;
   (iii) the prediction: the plan's own layer ranges (not a fresh partition) evaluated by
         `evaluate_partition` into a `StagePartition`; its schedule replayed 200 times
         with message costs drawn from their measured spread (`replay_iteration_time`),
@@ -230,7 +232,7 @@ def one_repeat(args, name: str, cfg, plan, r: int, tmp: Path) -> dict:
 
     _wait_quiet(args.quiet, args.wait_quiet)
     profiler._measure_gloo_links.cache_clear()  # fresh links for every repeat
-    costs = profile_model(cfg, num_threads=1)
+    costs = profile_model(cfg, num_threads=1, concurrent_workers=WORLD)
     before = predict_before(plan, profile_model(cfg, num_threads=1, statistic="median",
                                                 repeats=5, measure_links=False))
     pred = predict(plan, costs)

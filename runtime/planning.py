@@ -7,6 +7,7 @@ it as a table a person can read or as JSON for tools.
 from __future__ import annotations
 
 import json
+import os
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -35,7 +36,8 @@ class PlanReport:
 
 
 def cost_model(cfg: Config, *, hardware_name: str, gpus_per_node: int, profile: bool = False,
-               cache_dir: Path | None = None, device: torch.device | None = None) -> CostModel:
+               cache_dir: Path | None = None, device: torch.device | None = None,
+               concurrent_workers: int = 1) -> CostModel:
     if profile:
         from planaria.runtime.profile import profile_model
 
@@ -44,7 +46,7 @@ def cost_model(cfg: Config, *, hardware_name: str, gpus_per_node: int, profile: 
         # CPU workers run one thread each under torchrun; profile the way they run.
         on_cpu = (device or torch.device("cuda" if torch.cuda.is_available() else "cpu")).type == "cpu"
         return profile_model(cfg, hardware_name=hardware_name, cache_dir=cache_dir, device=device,
-                             num_threads=1 if on_cpu else None)
+                             num_threads=1 if on_cpu else None, concurrent_workers=concurrent_workers)
     hw = hardware(hardware_name, gpus_per_node=gpus_per_node)
     return analytic_cost_model(model_shape(cfg.model), hw, tp=gpus_per_node, micro_batch=cfg.train.micro_batch,
                                dtype=cfg.train.dtype, recompute=cfg.train.recompute)
@@ -52,9 +54,9 @@ def cost_model(cfg: Config, *, hardware_name: str, gpus_per_node: int, profile: 
 
 def plan_job(cfg: Config, *, nodes: int, gpus_per_node: int, fault_tolerance: int,
              hardware_name: str, profile: bool = False, cache_dir: Path | None = None,
-             device: torch.device | None = None) -> PlanReport:
+             device: torch.device | None = None, concurrent_workers: int = 1) -> PlanReport:
     costs = cost_model(cfg, hardware_name=hardware_name, gpus_per_node=gpus_per_node, profile=profile,
-                       cache_dir=cache_dir, device=device)
+                       cache_dir=cache_dir, device=device, concurrent_workers=concurrent_workers)
     started = time.perf_counter()
     planner = build_planner(cfg, costs, fault_tolerance=fault_tolerance)
     choice = planner.instantiate(nodes)
@@ -101,11 +103,15 @@ def plan_for_world(cfg: Config, world_size: int, rank: int, device: torch.device
     """
     payload: list = [None]
     if rank == 0:
+        # CPU workers of this host share its cores: profile beside as many busy ones.
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+        neighbours = min(local, os.cpu_count() or 1) if device.type == "cpu" else 1
         try:
             report = plan_job(cfg, nodes=world_size // cfg.parallel.tp, gpus_per_node=cfg.parallel.tp,
                               fault_tolerance=cfg.parallel.fault_tolerance,
                               hardware_name=detect_hardware_name(device), profile=True,
-                              cache_dir=Path(cfg.output.dir) / "profile-cache", device=device)
+                              cache_dir=Path(cfg.output.dir) / "profile-cache", device=device,
+                              concurrent_workers=neighbours)
             summary = (f"planner: n0={report.planner.n0}, {report.choice.replicas} replica(s), "
                        f"estimated {report.choice.iteration_time_s * 1000:.1f} ms per step "
                        f"(planned in {report.planning_time_s:.2f} s)")

@@ -8,11 +8,18 @@ model, and the planner nothing of torch.
 """
 from __future__ import annotations
 
+import json
+import os
+import selectors
+import subprocess
+import sys
+from contextlib import contextmanager
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
-from planaria.runtime.config import Config, model_shape, torch_dtypes
+from planaria.runtime.config import Config, ModelConfig, model_shape, torch_dtypes
 from planaria.runtime.engine import accumulate_wide
 from planaria.runtime.model import LayerModel
 from planaria.runtime.optim import OptimizerSettings, build_optimizer
@@ -26,7 +33,7 @@ def profile_model(cfg: Config, *, device: torch.device | str | None = None,
                   cache_dir: str | Path | None = None, hardware_name: str = "cpu",
                   num_threads: int | None = None, repeats: int = 20,
                   warmup: int = 2, statistic: str = "mean",
-                  measure_links: bool | None = None) -> CostModel:
+                  measure_links: bool | None = None, concurrent_workers: int = 1) -> CostModel:
     """Measure the config's layers on `device` (default: CUDA if present, else CPU).
 
     One microbatch of `train.micro_batch` sequences, `train.dtype` (bf16 autocast over
@@ -41,7 +48,15 @@ def profile_model(cfg: Config, *, device: torch.device | str | None = None,
     timed repeats (the profiler's docstring says why the mean). `measure_links`
     (default: for "cpu" on a CPU device) measures gloo between two processes and uses
     it for the links, message overhead and commit (`profiler.measure_gloo_links`).
+    `concurrent_workers`: how many of the job's workers compute at once on this machine
+    (CPU jobs: a torchrun job's workers share the host's cores). The layers are then
+    timed while `concurrent_workers - 1` other processes run a block's forward and
+    backward (`worker_load`): on a shared VM a layer runs up to a half slower beside
+    busy neighbours than beside idle cores, and training always has them. GPU workers
+    compute on their own devices: there it changes nothing.
     """
+    if concurrent_workers < 1:
+        raise ValueError(f"concurrent_workers must be at least 1, got {concurrent_workers}")
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(device)
@@ -90,6 +105,72 @@ def profile_model(cfg: Config, *, device: torch.device | str | None = None,
                           cache_dir=None if cache_dir is None else Path(cache_dir),
                           cache_key={"model": "planaria-llama", "norm_eps": m.norm_eps,
                                      "rope_theta": m.rope_theta,
-                                     "grad_accum": str(wide).removeprefix("torch.")},
+                                     "grad_accum": str(wide).removeprefix("torch."),
+                                     "concurrent_workers": concurrent_workers},
                           loss_fn=loss_fn, num_threads=num_threads, make_optimizer=make_optimizer,
-                          statistic=statistic, measure_links=measure_links)
+                          statistic=statistic, measure_links=measure_links,
+                          background=(lambda: worker_load(cfg, concurrent_workers - 1, device))
+                          if device.type == "cpu" else None)
+
+
+@contextmanager
+def worker_load(cfg: Config, workers: int, device: torch.device, *, start_timeout_s: float = 120.0):
+    """While inside: `workers` processes, each repeating a block's forward and backward
+    of `cfg` with one thread on the CPU, as the job's other workers would compute.
+
+    Fresh interpreters (`python -m planaria.runtime.profile --load-worker`, so callers
+    need no `__main__` guard), warm before the body runs, killed after it. Yields their
+    process ids.
+    """
+    if workers <= 0:
+        yield []
+        return
+    spec = json.dumps({"model": asdict(cfg.model), "micro_batch": cfg.train.micro_batch,
+                       "dtype": cfg.train.dtype, "seed": cfg.train.seed,
+                       "recompute": cfg.train.recompute})
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    procs = [subprocess.Popen([sys.executable, "-m", "planaria.runtime.profile", "--load-worker", spec],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+             for _ in range(workers)]
+    try:
+        for proc in procs:
+            _wait_ready(proc, start_timeout_s)
+        yield [proc.pid for proc in procs]
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+
+
+def _wait_ready(proc: subprocess.Popen, timeout_s: float) -> None:
+    with selectors.DefaultSelector() as sel:
+        sel.register(proc.stdout, selectors.EVENT_READ)
+        line = proc.stdout.readline() if sel.select(timeout_s) else ""
+    if line.strip() != "ready":
+        proc.kill()
+        _, err = proc.communicate()
+        raise RuntimeError(f"a load process for the profile did not start within {timeout_s:.0f} s "
+                           f"(exit code {proc.returncode}): {err.strip()[-2000:]}")
+
+
+def _load_worker(spec: dict) -> None:
+    """A block's forward and backward, over and over, until killed."""
+    torch.set_num_threads(1)
+    m = ModelConfig(**spec["model"])
+    param_dtype, _ = torch_dtypes(spec["dtype"])
+    block = LayerModel(m, seed=spec["seed"], recompute=spec["recompute"]).build_layer(
+        1, TensorParallel(), param_dtype, torch.device("cpu"))
+    x = torch.randn(spec["micro_batch"], m.seq_len, m.d_model, dtype=param_dtype, requires_grad=True)
+    block(x).sum().backward()
+    print("ready", flush=True)
+    while True:
+        for _ in range(4):
+            block(x).sum().backward()
+        block.zero_grad(set_to_none=True)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "--load-worker":
+        _load_worker(json.loads(sys.argv[2]))
+    else:
+        sys.exit("usage: python -m planaria.runtime.profile --load-worker SPEC (used by worker_load)")

@@ -125,21 +125,30 @@ def optimizer_settings(cfg: Config) -> OptimizerSettings:
                              weight_decay=t.weight_decay)
 
 
+def engine_from_config(cfg: Config, plan, rank: int, device: torch.device, *,
+                       restore: Path | None = None, phase=None) -> Engine:
+    """The Engine this trainer runs for `cfg` (dtypes, clipping, wide gradient sums,
+    collective timeout), on the default process group; benchmarks build theirs here too."""
+    param_dtype, autocast_dtype = torch_dtypes(cfg.train.dtype)
+    model = LayerModel(cfg.model, seed=cfg.train.seed, recompute=cfg.train.recompute)
+    return Engine(plan, model, optimizer_settings(cfg), rank=rank, device=device,
+                  param_dtype=param_dtype, autocast_dtype=autocast_dtype,
+                  grad_clip=cfg.train.grad_clip,
+                  grad_accum_dtype=torch.float64 if cfg.train.exact_reduction else None,
+                  collective_timeout=timedelta(seconds=cfg.parallel.timeout_s),
+                  restore=restore, phase=phase)
+
+
 def train(cfg: Config, plan, rank: int, device: torch.device, console: Console) -> list[StepResult]:
     out_dir = Path(cfg.output.dir)
     dataset = build_dataset(cfg.data.source, seq_len=cfg.model.seq_len,
                             vocab_size=cfg.model.vocab_size, seed=cfg.data.seed)
-    param_dtype, autocast_dtype = torch_dtypes(cfg.train.dtype)
-    model = LayerModel(cfg.model, seed=cfg.train.seed, recompute=cfg.train.recompute)
     resume = _checkpoint_to_resume(cfg)
     if resume is not None:
         plan = replace(plan, first_iteration=resume[0] + 1)
-    engine = Engine(plan, model, optimizer_settings(cfg), rank=rank, device=device,
-                    param_dtype=param_dtype, autocast_dtype=autocast_dtype,
-                    grad_clip=cfg.train.grad_clip,
-                    grad_accum_dtype=torch.float64 if cfg.train.exact_reduction else None,
-                    collective_timeout=timedelta(seconds=cfg.parallel.timeout_s),
-                    restore=None if resume is None else resume[1], phase=_fault_injector(rank))
+    engine = engine_from_config(cfg, plan, rank, device,
+                                restore=None if resume is None else resume[1],
+                                phase=_fault_injector(rank))
     log = _MetricsLog(out_dir / "metrics.jsonl", append=resume is not None) if rank == 0 else None
     if rank == 0:
         console.print(describe(cfg, plan))

@@ -57,7 +57,7 @@ import sys
 import tempfile
 import time
 import warnings
-from contextlib import contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Callable
@@ -134,7 +134,8 @@ def profile_layers(build_layer: Callable[[int], torch.nn.Module],
                    loss_fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
                    num_threads: int | None = None,
                    make_optimizer: Callable[[torch.nn.Module], torch.optim.Optimizer] | None = None,
-                   statistic: str = "mean", measure_links: bool = False) -> CostModel:
+                   statistic: str = "mean", measure_links: bool = False,
+                   background: Callable[[], AbstractContextManager] | None = None) -> CostModel:
     """Measure layers 0, 1 and the head of a model and return its profiled `CostModel`.
 
     `build_layer(i)` builds layer i at tp = 1 in the parameter dtype on the device to
@@ -149,7 +150,9 @@ def profile_layers(build_layer: Callable[[int], torch.nn.Module],
     builds the optimizer whose step is timed (default `AdamW(foreach=False)`).
     `statistic` ("mean" or "median") summarises the timed repeats. `measure_links`
     also measures gloo links between two processes and puts them into the hardware
-    (for CPU jobs; see `measure_gloo_links`).
+    (for CPU jobs; see `measure_gloo_links`). `background()`, when given, is entered
+    around the layer measurements (not the links'): the caller's way to measure under
+    the load the job's other workers put on the same machine; name it in `cache_key`.
     See the module docstring for what is measured and how tp > 1 is derived.
     """
     check_job(shape, tp=tp, micro_batch=micro_batch, dtype=dtype)
@@ -164,12 +167,13 @@ def profile_layers(build_layer: Callable[[int], torch.nn.Module],
         cached = _read_cache(path, key) if path is not None else None
         if cached is None:
             measured = {}
-            for kind, index in (("embedding", 0), ("block", 1), ("head", shape.num_layers - 1)):
-                layer_loss = loss_fn if kind == "head" else None
-                measured[kind] = measure_layer(build_layer(index), make_input(index), dtype=dtype,
-                                               repeats=repeats, warmup=warmup, loss_fn=layer_loss,
-                                               is_last=kind == "head",
-                                               make_optimizer=make_optimizer, statistic=statistic)
+            with (background or nullcontext)():
+                for kind, index in (("embedding", 0), ("block", 1), ("head", shape.num_layers - 1)):
+                    layer_loss = loss_fn if kind == "head" else None
+                    measured[kind] = measure_layer(build_layer(index), make_input(index), dtype=dtype,
+                                                   repeats=repeats, warmup=warmup, loss_fn=layer_loss,
+                                                   is_last=kind == "head", make_optimizer=make_optimizer,
+                                                   statistic=statistic)
             links = None
             if measure_links:
                 try:

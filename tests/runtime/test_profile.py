@@ -213,3 +213,32 @@ def test_update_steps_on_the_wide_sums():
     scale = min(1.0, 1.0 / (float(summed.norm()) + 1e-6))  # clipped to norm 1
     expected = before - steps * 0.01 * (summed * scale).float()
     torch.testing.assert_close(weight.detach(), expected, rtol=1e-5, atol=1e-6)
+
+
+def _cpu_ticks(pid: int) -> int:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])  # utime + stime
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
+def test_worker_load_computes_beside_the_profile_and_stops_after():
+    """concurrent_workers > 1 times the layers beside busy processes, as a torchrun job's
+    other workers are; they compute while the body runs and are gone after it."""
+    import time
+
+    from planaria.runtime.profile import worker_load
+
+    with worker_load(tiny(), 2, torch.device("cpu")) as pids:
+        assert len(pids) == 2
+        before = [_cpu_ticks(pid) for pid in pids]
+        time.sleep(0.5)
+        assert all(_cpu_ticks(pid) > b for pid, b in zip(pids, before))
+    assert not any(Path(f"/proc/{pid}").exists() for pid in pids)
+
+
+def test_concurrent_workers_enter_the_cache_key_and_are_checked(tmp_path):
+    profile_model(tiny(), cache_dir=tmp_path, concurrent_workers=2)
+    (path,) = tmp_path.glob("profile-*.json")
+    assert json.loads(path.read_text())["key"]["extra"]["concurrent_workers"] == 2
+    with pytest.raises(ValueError, match="concurrent_workers must be at least 1"):
+        profile_model(tiny(), concurrent_workers=0)
