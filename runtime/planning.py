@@ -37,7 +37,10 @@ class PlanReport:
 
 def cost_model(cfg: Config, *, hardware_name: str, gpus_per_node: int, profile: bool = False,
                cache_dir: Path | None = None, device: torch.device | None = None,
-               concurrent_workers: int = 1) -> CostModel:
+               concurrent_workers: int | None = None) -> CostModel:
+    """The job's cost model: profiled on `device`, or analytic from the hardware preset.
+    `concurrent_workers` (profiling on CPU): how many workers compute at once on this
+    machine; default a node's `gpus_per_node`, at most one per core."""
     if profile:
         from planaria.runtime.profile import profile_model
 
@@ -45,6 +48,8 @@ def cost_model(cfg: Config, *, hardware_name: str, gpus_per_node: int, profile: 
             cfg = replace(cfg, parallel=replace(cfg.parallel, tp=gpus_per_node))
         # CPU workers run one thread each under torchrun; profile the way they run.
         on_cpu = (device or torch.device("cuda" if torch.cuda.is_available() else "cpu")).type == "cpu"
+        if concurrent_workers is None:
+            concurrent_workers = min(gpus_per_node, os.cpu_count() or 1) if on_cpu else 1
         return profile_model(cfg, hardware_name=hardware_name, cache_dir=cache_dir, device=device,
                              num_threads=1 if on_cpu else None, concurrent_workers=concurrent_workers)
     hw = hardware(hardware_name, gpus_per_node=gpus_per_node)
@@ -54,7 +59,7 @@ def cost_model(cfg: Config, *, hardware_name: str, gpus_per_node: int, profile: 
 
 def plan_job(cfg: Config, *, nodes: int, gpus_per_node: int, fault_tolerance: int,
              hardware_name: str, profile: bool = False, cache_dir: Path | None = None,
-             device: torch.device | None = None, concurrent_workers: int = 1) -> PlanReport:
+             device: torch.device | None = None, concurrent_workers: int | None = None) -> PlanReport:
     costs = cost_model(cfg, hardware_name=hardware_name, gpus_per_node=gpus_per_node, profile=profile,
                        cache_dir=cache_dir, device=device, concurrent_workers=concurrent_workers)
     started = time.perf_counter()

@@ -3,8 +3,9 @@
 Owns `profile_model(cfg)`, which builds the config's real layers (`LayerModel`) at
 tp = 1 with the trainer's dtypes and recomputation setting and hands them to
 `planaria.templates.profiler.profile_layers`, and `model_shape(cfg.model)`, the
-planner's view of the model section. The profiler itself knows nothing of Planaria's
-model, and the planner nothing of torch.
+planner's view of the model section, and `worker_load`, the busy neighbours a CPU
+job's layers are timed beside (`concurrent_workers`). The profiler itself knows
+nothing of Planaria's model, and the planner nothing of torch.
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import os
 import selectors
 import subprocess
 import sys
+import tempfile
 from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
@@ -129,28 +131,33 @@ def worker_load(cfg: Config, workers: int, device: torch.device, *, start_timeou
                        "dtype": cfg.train.dtype, "seed": cfg.train.seed,
                        "recompute": cfg.train.recompute})
     env = dict(os.environ, OMP_NUM_THREADS="1")
+    # stderr to a file: a pipe nobody reads could fill up and stall the load.
+    logs = [tempfile.TemporaryFile(mode="w+") for _ in range(workers)]
     procs = [subprocess.Popen([sys.executable, "-m", "planaria.runtime.profile", "--load-worker", spec],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-             for _ in range(workers)]
+                              stdout=subprocess.PIPE, stderr=log, text=True, env=env)
+             for log in logs]
     try:
-        for proc in procs:
-            _wait_ready(proc, start_timeout_s)
+        for proc, log in zip(procs, logs):
+            _wait_ready(proc, log, start_timeout_s)
         yield [proc.pid for proc in procs]
     finally:
-        for proc in procs:
+        for proc, log in zip(procs, logs):
             proc.kill()
             proc.wait()
+            proc.stdout.close()
+            log.close()
 
 
-def _wait_ready(proc: subprocess.Popen, timeout_s: float) -> None:
+def _wait_ready(proc: subprocess.Popen, log, timeout_s: float) -> None:
     with selectors.DefaultSelector() as sel:
         sel.register(proc.stdout, selectors.EVENT_READ)
         line = proc.stdout.readline() if sel.select(timeout_s) else ""
     if line.strip() != "ready":
         proc.kill()
-        _, err = proc.communicate()
+        proc.wait()
+        log.seek(0)
         raise RuntimeError(f"a load process for the profile did not start within {timeout_s:.0f} s "
-                           f"(exit code {proc.returncode}): {err.strip()[-2000:]}")
+                           f"(exit code {proc.returncode}): {log.read().strip()[-2000:]}")
 
 
 def _load_worker(spec: dict) -> None:

@@ -242,3 +242,18 @@ def test_concurrent_workers_enter_the_cache_key_and_are_checked(tmp_path):
     assert json.loads(path.read_text())["key"]["extra"]["concurrent_workers"] == 2
     with pytest.raises(ValueError, match="concurrent_workers must be at least 1"):
         profile_model(tiny(), concurrent_workers=0)
+
+
+def test_a_load_process_that_fails_to_start_is_reported_with_its_error(tmp_path):
+    import subprocess
+    import sys
+    import tempfile
+
+    from planaria.runtime.profile import _wait_ready
+
+    with tempfile.TemporaryFile(mode="w+") as log:
+        proc = subprocess.Popen([sys.executable, "-c", "import sys; sys.stderr.write('no such model'); sys.exit(3)"],
+                                stdout=subprocess.PIPE, stderr=log, text=True)
+        with pytest.raises(RuntimeError, match=r"exit code 3\): no such model"):
+            _wait_ready(proc, log, timeout_s=60)
+        proc.stdout.close()
