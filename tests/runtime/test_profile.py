@@ -185,8 +185,9 @@ def test_statistic_is_checked():
 def test_layers_are_profiled_with_the_trainers_wide_gradient_sums(tmp_path):
     """With train.exact_reduction the engine sums gradients in float64 by a hook; the
     profile times backward with that hook, and a profile taken without it is not reused."""
-    profile_model(tiny("train.exact_reduction=true"), cache_dir=tmp_path)
-    profile_model(tiny("train.exact_reduction=false"), cache_dir=tmp_path)
+    for exact in ("true", "false"):
+        profile_model(tiny(f"train.exact_reduction={exact}"), cache_dir=tmp_path, repeats=1,
+                      measure_links=False)
     keys = sorted(json.loads(path.read_text())["key"]["extra"]["grad_accum"]
                   for path in tmp_path.glob("profile-*.json"))
     assert keys == ["None", "float64"]
@@ -237,7 +238,7 @@ def test_worker_load_computes_beside_the_profile_and_stops_after():
 
 
 def test_concurrent_workers_enter_the_cache_key_and_are_checked(tmp_path):
-    profile_model(tiny(), cache_dir=tmp_path, concurrent_workers=2)
+    profile_model(tiny(), cache_dir=tmp_path, concurrent_workers=2, repeats=1, measure_links=False)
     (path,) = tmp_path.glob("profile-*.json")
     assert json.loads(path.read_text())["key"]["extra"]["concurrent_workers"] == 2
     with pytest.raises(ValueError, match="concurrent_workers must be at least 1"):
