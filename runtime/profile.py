@@ -149,6 +149,7 @@ def worker_load(cfg: Config, workers: int, device: torch.device, *, start_timeou
 
 
 def _wait_ready(proc: subprocess.Popen, log, timeout_s: float) -> None:
+    """Wait for a load process's "ready" line; kill it and raise with its stderr otherwise."""
     with selectors.DefaultSelector() as sel:
         sel.register(proc.stdout, selectors.EVENT_READ)
         line = proc.stdout.readline() if sel.select(timeout_s) else ""
