@@ -40,7 +40,7 @@ def cost_model(cfg: Config, *, hardware_name: str, gpus_per_node: int, profile: 
                concurrent_workers: int | None = None) -> CostModel:
     """The job's cost model: profiled on `device`, or analytic from the hardware preset.
     `concurrent_workers` (profiling on CPU): how many workers compute at once on this
-    machine; default a node's `gpus_per_node`, at most one per core."""
+    machine, default a node's `gpus_per_node`; counted at most one per core."""
     if profile:
         from planaria.runtime.profile import profile_model
 
@@ -48,10 +48,10 @@ def cost_model(cfg: Config, *, hardware_name: str, gpus_per_node: int, profile: 
             cfg = replace(cfg, parallel=replace(cfg.parallel, tp=gpus_per_node))
         # CPU workers run one thread each under torchrun; profile the way they run.
         on_cpu = (device or torch.device("cuda" if torch.cuda.is_available() else "cpu")).type == "cpu"
-        if concurrent_workers is None:
-            concurrent_workers = min(gpus_per_node, os.cpu_count() or 1) if on_cpu else 1
+        # CPU workers of one machine share its cores: profile beside as many busy ones.
+        busy = min(concurrent_workers or gpus_per_node, os.cpu_count() or 1) if on_cpu else 1
         return profile_model(cfg, hardware_name=hardware_name, cache_dir=cache_dir, device=device,
-                             num_threads=1 if on_cpu else None, concurrent_workers=concurrent_workers)
+                             num_threads=1 if on_cpu else None, concurrent_workers=busy)
     hw = hardware(hardware_name, gpus_per_node=gpus_per_node)
     return analytic_cost_model(model_shape(cfg.model), hw, tp=gpus_per_node, micro_batch=cfg.train.micro_batch,
                                dtype=cfg.train.dtype, recompute=cfg.train.recompute)
@@ -108,15 +108,12 @@ def plan_for_world(cfg: Config, world_size: int, rank: int, device: torch.device
     """
     payload: list = [None]
     if rank == 0:
-        # CPU workers of this host share its cores: profile beside as many busy ones.
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-        neighbours = min(local, os.cpu_count() or 1) if device.type == "cpu" else 1
         try:
             report = plan_job(cfg, nodes=world_size // cfg.parallel.tp, gpus_per_node=cfg.parallel.tp,
                               fault_tolerance=cfg.parallel.fault_tolerance,
                               hardware_name=detect_hardware_name(device), profile=True,
                               cache_dir=Path(cfg.output.dir) / "profile-cache", device=device,
-                              concurrent_workers=neighbours)
+                              concurrent_workers=int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
             summary = (f"planner: n0={report.planner.n0}, {report.choice.replicas} replica(s), "
                        f"estimated {report.choice.iteration_time_s * 1000:.1f} ms per step "
                        f"(planned in {report.planning_time_s:.2f} s)")
