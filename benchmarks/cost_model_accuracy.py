@@ -82,6 +82,8 @@ class Prediction:
     """The schedule's formula over layer compute and the sends of the first path."""
     messages_s: float
     """Added by the per-microbatch message work at the boundaries."""
+    runtime_s: float
+    """Added by the pipeline runtime's own work per action (`Hardware.action_overhead_s`)."""
     update_s: float
     commit_s: float
     stage_times_s: tuple[float, ...]
@@ -107,14 +109,17 @@ def predict(plan, costs) -> Prediction:
 
     hw = costs.hardware
     bare_layers = tuple(replace(layer, optimizer_s=0.0) for layer in costs.layers)
-    bare_hw = replace(hw, message_overhead_s=0.0, collective_latency_s=0.0)
+    bare_hw = replace(hw, message_overhead_s=0.0, collective_latency_s=0.0, action_overhead_s=0.0)
     _, layers = time_with(replace(costs, layers=bare_layers, hardware=bare_hw))
-    _, with_messages = time_with(replace(costs, layers=bare_layers,
-                                         hardware=replace(hw, collective_latency_s=0.0)))
+    _, with_messages = time_with(replace(costs, layers=bare_layers, hardware=replace(
+        hw, collective_latency_s=0.0, action_overhead_s=0.0)))
+    _, with_runtime = time_with(replace(costs, layers=bare_layers,
+                                        hardware=replace(hw, collective_latency_s=0.0)))
     part, formula = time_with(costs)
     update = max(part.update_times, default=0.0)
     replayed = replay_iteration_time(costs, part, m).mean_s
     return Prediction(total_s=replayed, formula_s=formula, layers_s=layers, messages_s=with_messages - layers,
+                      runtime_s=with_runtime - with_messages,
                       update_s=update, commit_s=part.fixed_time_s, stage_times_s=part.stage_times)
 
 
@@ -122,7 +127,7 @@ def predict_before(plan, costs_before) -> float:
     """What the cost model predicted before it counted updates, messages and the commit."""
     bare = replace(costs_before, layers=tuple(replace(l, optimizer_s=0.0) for l in costs_before.layers),
                    hardware=replace(costs_before.hardware, message_overhead_s=0.0,
-                                    collective_latency_s=0.0))
+                                    collective_latency_s=0.0, action_overhead_s=0.0))
     return predict(plan, bare).formula_s
 
 
@@ -211,7 +216,7 @@ def drive(args, names: list[str]) -> int:
         _, plan, layout = cases[name]
         med = {k: statistics.median(row[k] for row in rows[name])
                for k in ("measured_s", "predicted_s", "formula_s", "before_s", "layers_s", "messages_s",
-                         "update_s", "commit_s")}
+                         "runtime_s", "update_s", "commit_s")}
         med["error"] = med["predicted_s"] / med["measured_s"] - 1
         med["before_error"] = med["before_s"] / med["measured_s"] - 1
         med["formula_error"] = med["formula_s"] / med["measured_s"] - 1
@@ -260,18 +265,19 @@ def one_repeat(args, name: str, cfg, plan, r: int, tmp: Path) -> dict:
     hw = costs.hardware
     return {"measured_s": measured, "foreign_cpu": foreign, "step_times_s": times,
             "predicted_s": pred.total_s, "formula_s": pred.formula_s, "before_s": before, "layers_s": pred.layers_s,
-            "messages_s": pred.messages_s, "update_s": pred.update_s, "commit_s": pred.commit_s,
+            "messages_s": pred.messages_s, "runtime_s": pred.runtime_s, "update_s": pred.update_s, "commit_s": pred.commit_s,
             "stage_times_s": list(pred.stage_times_s),
             "link": {"latency_s": hw.link_latency_s, "bandwidth": hw.inter_node_bandwidth,
                      "message_overhead_s": hw.message_overhead_s,
-                     "collective_latency_s": hw.collective_latency_s}}
+                     "collective_latency_s": hw.collective_latency_s,
+                     "action_overhead_s": hw.action_overhead_s}}
 
 
 def print_table(results: dict[str, dict]) -> None:
     print("\n| case | stages (layers) | m | measured (ms) | predicted (ms) | error | "
           "per-repeat error (median) | formula (ms) | formula error | before (ms) | "
-          "before error | layers + sends | messages | update | commit |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "before error | layers + sends | messages | runtime | update | commit |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for name, r in results.items():
         m = r["median"]
         print(f"| {name} | {r['plan']} | {r['microbatches']} | {m['measured_s'] * 1e3:.1f} | "
@@ -279,7 +285,7 @@ def print_table(results: dict[str, dict]) -> None:
               f"{m['paired_error'] * 100:+.1f}% | {m['formula_s'] * 1e3:.1f} | "
               f"{m['formula_error'] * 100:+.1f}% | {m['before_s'] * 1e3:.1f} | "
               f"{m['before_error'] * 100:+.1f}% | {m['layers_s'] * 1e3:.1f} | "
-              f"{m['messages_s'] * 1e3:.1f} | {m['update_s'] * 1e3:.2f} | {m['commit_s'] * 1e3:.2f} |")
+              f"{m['messages_s'] * 1e3:.1f} | {m['runtime_s'] * 1e3:.1f} | {m['update_s'] * 1e3:.2f} | {m['commit_s'] * 1e3:.2f} |")
     for name, r in results.items():
         times = ", ".join(f"{row['measured_s'] * 1e3:.1f}/{row['predicted_s'] * 1e3:.1f}"
                           for row in r["repeats"])

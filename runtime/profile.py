@@ -25,6 +25,7 @@ from planaria.runtime.config import Config, ModelConfig, model_shape, torch_dtyp
 from planaria.runtime.engine import accumulate_wide
 from planaria.runtime.model import LayerModel
 from planaria.runtime.optim import OptimizerSettings, build_optimizer
+from planaria.runtime.pipeline_probe import measure_action_overhead
 from planaria.runtime.tensor_parallel import TensorParallel
 from planaria.templates.analytic import hardware
 from planaria.templates.costs import CostModel
@@ -49,7 +50,9 @@ def profile_model(cfg: Config, *, device: torch.device | str | None = None,
     and the update rounds them. `statistic`: "mean" or "median" of the
     timed repeats (the profiler's docstring says why the mean). `measure_links`
     (default: for "cpu" on a CPU device) measures gloo between two processes and uses
-    it for the links, message overhead and commit (`profiler.measure_gloo_links`).
+    it for the links, message overhead and commit (`profiler.measure_gloo_links`), and
+    the pipeline runtime's own cost per action
+    (`pipeline_probe.measure_action_overhead`).
     `concurrent_workers`: how many of the job's workers compute at once on this machine
     (CPU jobs: a torchrun job's workers share the host's cores). The layers are then
     timed while `concurrent_workers - 1` other processes run a block's forward and
@@ -108,11 +111,13 @@ def profile_model(cfg: Config, *, device: torch.device | str | None = None,
                           cache_key={"model": "planaria-llama", "norm_eps": m.norm_eps,
                                      "rope_theta": m.rope_theta,
                                      "grad_accum": str(wide).removeprefix("torch."),
-                                     "concurrent_workers": concurrent_workers},
+                                     "concurrent_workers": concurrent_workers,
+                                     "runtime_probe": "1f1b-2-stages" if measure_links else None},
                           loss_fn=loss_fn, num_threads=num_threads, make_optimizer=make_optimizer,
                           statistic=statistic, measure_links=measure_links,
                           background=(lambda: worker_load(cfg, concurrent_workers - 1, device))
-                          if device.type == "cpu" else None)
+                          if device.type == "cpu" else None,
+                          runtime_probe=measure_action_overhead)
 
 
 @contextmanager

@@ -105,6 +105,15 @@ class Hardware:
     """Time of an all-reduce of a few bytes among a job's workers: the per-iteration
     commit all-reduce of [squared gradient norm, loss]. 0 in the GPU presets (tens of
     microseconds, lost in their iteration times); measured on CPU."""
+    action_overhead_s: float = 0.0
+    """What the pipeline runtime itself costs a worker per action (one chunk's forward,
+    backward, or split-backward half for one microbatch), beyond the layers' compute and
+    the messages' `message_overhead_s`: the schedule's dispatch, the stage's input and
+    output bookkeeping, building the point-to-point ops. Every stage pays it for every
+    action, so it is part of the stage time. 0 in the GPU presets (the host runs ahead
+    of the device, so it hides behind compute); on CPU a few tenths of a millisecond,
+    measured by running the runtime itself on known work
+    (`planaria.runtime.pipeline_probe`)."""
 
     def __post_init__(self) -> None:
         for name in ("device_memory_bytes", "peak_flops", "gpus_per_node",
@@ -112,7 +121,8 @@ class Hardware:
             if not getattr(self, name) > 0:
                 raise ValueError(f"hardware {self.name!r}: {name} must be positive, "
                                  f"got {getattr(self, name)}")
-        for name in ("link_latency_s", "message_overhead_s", "collective_latency_s"):
+        for name in ("link_latency_s", "message_overhead_s", "collective_latency_s",
+                     "action_overhead_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"hardware {self.name!r}: {name} must not be negative, "
                                  f"got {getattr(self, name)}")
@@ -193,6 +203,13 @@ class CostModel:
         message out and one in (the activation one way, its gradient the other), each
         `Hardware.message_overhead_s`. Part of stage time, unlike `send_time`."""
         return 2 * self.hardware.message_overhead_s
+
+    def chunk_overhead(self, schedule: str) -> float:
+        """Per microbatch, what the runtime's actions on one chunk cost its worker:
+        `Hardware.action_overhead_s` for each (forward and backward; forward, input and
+        weight gradient for zb1f1b, whose backward is two actions)."""
+        actions = 3 if schedule == "zb1f1b" else 2
+        return actions * self.hardware.action_overhead_s
 
     def commit_time(self) -> float:
         """The per-iteration commit all-reduce (`Hardware.collective_latency_s`)."""

@@ -26,7 +26,9 @@ Stage time also counts what the runtime does per microbatch besides compute: at 
 boundary a stage touches (each model-stage boundary joins two ranks when `S > 1`), one
 message out and one in per microbatch, `CostModel.boundary_overhead()`. A stage has
 `2v` boundary sides less the pipeline's two ends, so this depends on the stage's place,
-never on where the cuts are. The partitioner optimises these per-microbatch terms.
+never on where the cuts are. And the runtime's own work per action on each of its `v`
+chunks (`CostModel.chunk_overhead`: forward and backward, three actions for zb1f1b),
+the same for every chunk. The partitioner optimises these per-microbatch terms.
 
 Per-iteration terms come on top (`StagePartition.iteration_time`): the slowest stage's
 parameter update, `max_s Σ optimizer_s` over its layers (every stage updates at the same
@@ -318,10 +320,13 @@ class _Problem:
         # Per-microbatch message work: per boundary side, constant per position (module
         # docstring). A one-stage pipeline sends nothing (its chunks hand over locally).
         side = costs.boundary_overhead() if num_stages > 1 else 0.0
+        # The runtime's own work per action, for every chunk however it is cut.
+        action = costs.chunk_overhead(schedule)
         S, P = num_stages, self.P
-        self.overhead = [side * (2 * virtual_stages - (s == 0) - (s == S - 1)) for s in range(S)]
+        self.overhead = [side * (2 * virtual_stages - (s == 0) - (s == S - 1))
+                         + action * virtual_stages for s in range(S)]
         """Per stage."""
-        self.chunk_overhead = [side * ((j > 0) + (j < P - 1)) for j in range(P)]
+        self.chunk_overhead = [side * ((j > 0) + (j < P - 1)) + action for j in range(P)]
         """Per model stage."""
         self.fixed = costs.commit_time()
         self.profiles = _activation_profiles(schedule, num_stages, num_microbatches, virtual_stages)

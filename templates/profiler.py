@@ -72,7 +72,7 @@ from planaria.templates.analytic import (
 )
 from planaria.templates.costs import CostModel, Hardware, LayerCost, ModelShape
 
-CACHE_VERSION = 4
+CACHE_VERSION = 5
 STATISTICS = ("mean", "median")
 _AUTOCAST = {"bfloat16": torch.bfloat16}
 
@@ -111,6 +111,9 @@ class GlooLinks:
     message_overhead_quantiles: tuple[float, ...] = ()
     """The per-message costs of the measured rounds as equally likely values (see
     `Hardware.message_overhead_quantiles`)."""
+    action_overhead_s: float = 0.0
+    """The pipeline runtime's own cost per action (`Hardware.action_overhead_s`), when
+    `profile_layers` was given a `runtime_probe`; else 0."""
 
     def __post_init__(self) -> None:  # from the JSON cache, a list
         object.__setattr__(self, "message_overhead_quantiles",
@@ -123,7 +126,8 @@ class GlooLinks:
                        inter_node_bandwidth=self.bandwidth, link_latency_s=self.latency_s,
                        message_overhead_s=self.message_overhead_s,
                        message_overhead_quantiles=self.message_overhead_quantiles,
-                       collective_latency_s=self.collective_latency_s)
+                       collective_latency_s=self.collective_latency_s,
+                       action_overhead_s=self.action_overhead_s)
 
 
 def profile_layers(build_layer: Callable[[int], torch.nn.Module],
@@ -135,7 +139,8 @@ def profile_layers(build_layer: Callable[[int], torch.nn.Module],
                    num_threads: int | None = None,
                    make_optimizer: Callable[[torch.nn.Module], torch.optim.Optimizer] | None = None,
                    statistic: str = "mean", measure_links: bool = False,
-                   background: Callable[[], AbstractContextManager] | None = None) -> CostModel:
+                   background: Callable[[], AbstractContextManager] | None = None,
+                   runtime_probe: Callable[[GlooLinks], float] | None = None) -> CostModel:
     """Measure layers 0, 1 and the head of a model and return its profiled `CostModel`.
 
     `build_layer(i)` builds layer i at tp = 1 in the parameter dtype on the device to
@@ -153,7 +158,11 @@ def profile_layers(build_layer: Callable[[int], torch.nn.Module],
     (for CPU jobs; see `measure_gloo_links`). `background()`, when given, is entered
     around the layer measurements (not the links'): the caller's way to measure under
     the load the job's other workers put on the same machine; name it in `cache_key`.
-    See the module docstring for what is measured and how tp > 1 is derived.
+    `runtime_probe(links)`, when given with `measure_links`, returns the pipeline
+    runtime's own cost per action (`Hardware.action_overhead_s`) given the measured
+    links; the caller's pipeline runtime, which this module cannot import (name it in
+    `cache_key` too). See the module docstring for what is measured and how tp > 1 is
+    derived.
     """
     check_job(shape, tp=tp, micro_batch=micro_batch, dtype=dtype)
     if repeats < 1 or warmup < 0:
@@ -174,14 +183,18 @@ def profile_layers(build_layer: Callable[[int], torch.nn.Module],
                                                    repeats=repeats, warmup=warmup, loss_fn=layer_loss,
                                                    is_last=kind == "head", make_optimizer=make_optimizer,
                                                    statistic=statistic)
-            links = None
+            links, complete = None, True
             if measure_links:
                 try:
                     links = measure_gloo_links(message_bytes=max(measured["block"].output_bytes, 1))
-                except RuntimeError as err:  # plan on with the preset's links, and say so
-                    warnings.warn(f"could not measure gloo links ({err}); using the "
-                                  f"{hw.name!r} preset's", stacklevel=2)
-            if path is not None and (links is not None or not measure_links):  # else: retry next time
+                    if runtime_probe is not None:
+                        links = replace(links, action_overhead_s=runtime_probe(links))
+                except RuntimeError as err:  # plan on with what was measured, and say so
+                    warnings.warn(f"could not measure gloo links or the pipeline runtime ({err}); "
+                                  f"using the {hw.name!r} preset's links where unmeasured",
+                                  stacklevel=2)
+                    complete = False
+            if path is not None and complete:  # else: retry next time
                 _write_cache(path, key, measured, links)
         else:
             measured, links = cached
@@ -417,10 +430,20 @@ def measure_gloo_links(message_bytes: int = 32 << 10, *, rounds: int = 300, comp
 @functools.lru_cache(maxsize=None)
 def _measure_gloo_links(message_bytes: int, rounds: int, compute_s: float,
                         timeout_s: float) -> GlooLinks:
+    params = {"message_bytes": message_bytes, "rounds": rounds, "compute_s": compute_s}
+    result = run_pair("planaria.templates.profiler", "--link-worker", params,
+                      timeout_s=timeout_s, what="measuring gloo links")
+    return GlooLinks(**result)
+
+
+def run_pair(module: str, flag: str, params: dict, *, timeout_s: float, what: str) -> dict:
+    """Run `python -m module flag RANK PORT PARAMS_JSON` as two fresh processes with one
+    thread each, which join a gloo group of two on a free loopback port; return the JSON
+    object rank 0 prints last. Raises RuntimeError naming `what` if either fails or
+    they take over `timeout_s`."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    params = json.dumps({"message_bytes": message_bytes, "rounds": rounds, "compute_s": compute_s})
     # A job's worker (torchrun) has the job's rendezvous in its environment; the pair
     # must not join it (TORCHELASTIC_USE_AGENT_STORE would send it to the job's store).
     job = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
@@ -428,8 +451,8 @@ def _measure_gloo_links(message_bytes: int, rounds: int, compute_s: float,
     env = {k: v for k, v in os.environ.items()
            if k not in job and not k.startswith("TORCHELASTIC_")}
     env["OMP_NUM_THREADS"] = "1"
-    procs = [subprocess.Popen([sys.executable, "-m", "planaria.templates.profiler", "--link-worker",
-                               str(rank), str(port), params],
+    procs = [subprocess.Popen([sys.executable, "-m", module, flag, str(rank), str(port),
+                               json.dumps(params)],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
              for rank in (0, 1)]
     try:
@@ -438,12 +461,12 @@ def _measure_gloo_links(message_bytes: int, rounds: int, compute_s: float,
         for proc in procs:
             proc.kill()
             proc.communicate()
-        raise RuntimeError(f"measuring gloo links took over {timeout_s:.0f} s; is loopback TCP "
+        raise RuntimeError(f"{what} took over {timeout_s:.0f} s; is loopback TCP "
                            "blocked?") from None
     for proc, (_, err) in zip(procs, outputs):
         if proc.returncode != 0:
-            raise RuntimeError(f"measuring gloo links failed (exit {proc.returncode}):\n{err[-2000:]}")
-    return GlooLinks(**json.loads(outputs[0][0].strip().splitlines()[-1]))
+            raise RuntimeError(f"{what} failed (exit {proc.returncode}):\n{err[-2000:]}")
+    return json.loads(outputs[0][0].strip().splitlines()[-1])
 
 
 def _link_worker(rank: int, port: int, message_bytes: int, rounds: int, compute_s: float) -> None:

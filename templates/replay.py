@@ -11,7 +11,8 @@ messages, measured by `planaria.templates.profiler.measure_gloo_links` as the qu
 
 `replay_iteration_time` replays the schedule's action lists (`build_schedule`) action by
 action, as `templates.schedules.simulate` does, with each action taking its chunk's
-compute plus one drawn message cost per boundary side it touches, and each hop to the
+compute plus the runtime's own work per action (`Hardware.action_overhead_s`) plus one
+drawn message cost per boundary side it touches, and each hop to the
 other rank arriving a one-way transfer later. The mean makespan over many draws, plus
 the slowest stage's update and the commit, is the expected iteration time. With every
 draw at the mean it agrees with the formula where the formula is exact (equal stages).
@@ -68,8 +69,8 @@ def replay_iteration_time(costs: CostModel, partition: StagePartition, num_micro
     rng = random.Random(seed)
     draw = (lambda: rng.choice(quantiles)) if quantiles else (lambda: hw.message_overhead_s)
     fixed = max(partition.update_times, default=0.0) + partition.fixed_time_s
-    spans = sorted(_makespan(schedule, S * v, S, durations, hops, draw) + fixed
-                   for _ in range(trials))
+    spans = sorted(_makespan(schedule, S * v, S, durations, hops, draw, hw.action_overhead_s)
+                   + fixed for _ in range(trials))
     return ReplayResult(mean_s=statistics.fmean(spans), p10_s=_quantile(spans, 0.1),
                         p90_s=_quantile(spans, 0.9), trials=trials)
 
@@ -98,11 +99,13 @@ def _messages(action: Action, num_model_stages: int, num_ranks: int) -> int:
 
 
 def _makespan(schedule: dict[int, list[Action]], num_model_stages: int, num_ranks: int,
-              durations: list[dict[str, float]], hops: list[float], draw) -> float:
+              durations: list[dict[str, float]], hops: list[float], draw,
+              action_overhead: float = 0.0) -> float:
     """One replay (`templates.schedules.replay`), with drawn message costs and transfers."""
     def duration(action: Action) -> float:
         messages = _messages(action, num_model_stages, num_ranks)
-        return durations[action.stage][action.kind] + sum(draw() for _ in range(messages))
+        return (durations[action.stage][action.kind] + action_overhead
+                + sum(draw() for _ in range(messages)))
 
     def delay(dependency: Action, action: Action) -> float:
         crossed = dependency.stage % num_ranks != action.stage % num_ranks

@@ -171,8 +171,37 @@ def test_profile_measures_links_on_cpu_and_caches_them(tmp_path):
     assert cached.hardware == measured.hardware and cached.layers == measured.layers
     data = json.loads(next(tmp_path.glob("profile-*.json")).read_text())
     assert data["links"]["message_bytes"] == 2 * 64 * 64 * 4  # the block's output
+    assert data["links"]["action_overhead_s"] == measured.hardware.action_overhead_s
     plain = profile_model(cfg, measure_links=False, repeats=2, warmup=1)
     assert plain.hardware.message_overhead_s == 0 and plain.hardware.collective_latency_s == 0
+    assert plain.hardware.action_overhead_s == 0
+
+
+def test_the_pipeline_runtime_costs_something_per_action():
+    """Two processes run the real schedule runtime on known work; what it adds beyond
+    the work and the messages is the runtime's own, per action."""
+    from planaria.runtime.pipeline_probe import measure_action_overhead
+
+    links = measure_gloo_links(32 << 10, rounds=40)
+    per_action = measure_action_overhead(links, microbatches=4, rounds=12)
+    # Python dispatch, input and output bookkeeping, building the p2p ops: tens of
+    # microseconds at the very least, never tens of milliseconds.
+    assert 1e-5 < per_action < 0.02
+    with pytest.raises(ValueError, match="microbatches must be at least 1"):
+        measure_action_overhead(links, microbatches=0)
+
+
+def test_the_action_overhead_is_what_the_step_leaves_after_work_messages_and_transfers():
+    from planaria.runtime.pipeline_probe import action_overhead
+    from planaria.templates.profiler import GlooLinks
+
+    links = GlooLinks(latency_s=1e-4, bandwidth=1e9, message_overhead_s=9.9,
+                      collective_latency_s=1e-4, message_bytes=100_000)
+    transfers = 2 * (1e-4 + 1e-4)
+    # Four microbatches, two stages: 5 stage-times; each 2 x work + 2 x message + 2 x action.
+    step = 5 * (2 * 1e-3 + 2 * 3e-4 + 2 * 2e-4) + transfers
+    assert action_overhead(step, 1e-3, 3e-4, links, 4) == pytest.approx(2e-4)
+    assert action_overhead(0.0, 1e-3, 3e-4, links, 4) == 0.0  # never negative
 
 
 def test_statistic_is_checked():

@@ -15,13 +15,13 @@ GIB = 1 << 30
 OVERHEAD = 2e-4
 
 
-def uniform_costs(quantiles=(), output_bytes=0, latency=0.0, overhead=OVERHEAD):
+def uniform_costs(quantiles=(), output_bytes=0, latency=0.0, overhead=OVERHEAD, action=0.0):
     """Six layers of the same cost, so that equal cuts make equal model stages."""
     shape = ModelShape(n_layers=4, d_model=64, n_heads=4, vocab_size=256, seq_len=64)
     hw = Hardware(name="test", device_memory_bytes=80 * GIB, peak_flops=1e12, gpus_per_node=1,
                   intra_node_bandwidth=1e9, inter_node_bandwidth=1e9, link_latency_s=latency,
                   message_overhead_s=overhead, message_overhead_quantiles=tuple(quantiles),
-                  collective_latency_s=5e-4)
+                  collective_latency_s=5e-4, action_overhead_s=action)
     layer = LayerCost(forward_s=1e-3, backward_s=2e-3, state_bytes=1, activation_bytes=1,
                       output_bytes=output_bytes, optimizer_s=1e-4)
     return CostModel(shape=shape, hardware=hw, tp=1, micro_batch=1, layers=(layer,) * 6)
@@ -45,6 +45,21 @@ def test_constant_message_costs_reproduce_the_formula_for_equal_stages(schedule,
     result = replay_iteration_time(costs, part, m)
     assert result.trials == 1  # nothing random to draw
     assert result.mean_s == pytest.approx(part.iteration_time(m), rel=1e-12)
+
+
+@pytest.mark.parametrize("schedule,S,v,m,cut", CASES + [("zb1f1b", 2, 1, 4, [(0, 3), (3, 6)])])
+def test_the_runtimes_work_per_action_counts_as_in_the_formula(schedule, S, v, m, cut):
+    # Every chunk runs the same actions, so equal stages stay equal: the formula is exact
+    # (zb1f1b: forward, input and weight halves stay equal, three actions each).
+    plain = uniform_costs(overhead=0.0)
+    busy = uniform_costs(overhead=0.0, action=3e-4)
+    times = []
+    for costs in (plain, busy):
+        part = evaluate_partition(costs, cut, S, num_microbatches=m, schedule=schedule,
+                                  virtual_stages=v)
+        times.append(replay_iteration_time(costs, part, m).mean_s)
+        assert times[-1] == pytest.approx(part.iteration_time(m), rel=1e-12)
+    assert times[1] > times[0] + m * 3e-4
 
 
 @pytest.mark.parametrize("schedule,S,v,m,cut,at_least", [
