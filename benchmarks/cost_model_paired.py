@@ -11,12 +11,14 @@ trainer's Engine (`trainer.engine_from_config`) and alternates, round after roun
 
   (i)  rank 0 profiles the config (`profile_model(cfg, num_threads=1,
        concurrent_workers=2)`: the layers timed beside one process computing a block,
-       as the other worker does in training; gloo links measured afresh by a pair of
-       fresh processes) and predicts the plan's iteration time exactly as
-       `cost_model_accuracy.predict` does (the schedule replayed with message costs
-       drawn from their measured spread), while rank 1 waits. It also predicts from a
-       profile with the other core idle ("idle neighbour", as before
-       `concurrent_workers` existed), for comparison;
+       as the other worker does in training; gloo links and the pipeline runtime's
+       work per action measured afresh by pairs of fresh processes) and predicts the
+       plan's iteration time exactly as `cost_model_accuracy.predict` does (the
+       schedule replayed with message costs drawn from their measured spread), while
+       rank 1 waits. For comparison it also predicts from a profile with the other
+       core idle ("idle neighbour", as before `concurrent_workers` existed) and from
+       the same profile without the runtime's per-action work (as before
+       `Hardware.action_overhead_s` existed);
   (ii) both ranks train `--steps` iterations; the measurement is the median of
        rank 0's `step_time_s` after the first `--warmup` of the round.
 
