@@ -233,10 +233,10 @@ def drive(args, names: list[str]) -> int:
 def one_repeat(args, name: str, cfg, plan, r: int, tmp: Path) -> dict:
     """Profile, predict, then train and measure (again if the machine was busy)."""
     from planaria.runtime.profile import profile_model
-    from planaria.templates import profiler
+    from planaria.runtime import pipeline_probe
 
     _wait_quiet(args.quiet, args.wait_quiet)
-    profiler._measure_gloo_links.cache_clear()  # fresh links for every repeat
+    pipeline_probe._measure.cache_clear()  # fresh links for every repeat
     costs = profile_model(cfg, num_threads=1, concurrent_workers=WORLD)
     before = predict_before(plan, profile_model(cfg, num_threads=1, statistic="median",
                                                 repeats=5, measure_links=False))

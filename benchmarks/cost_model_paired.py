@@ -60,7 +60,7 @@ def worker(args) -> None:
     from planaria.runtime.data import build_dataset
     from planaria.runtime.profile import profile_model
     from planaria.runtime.trainer import engine_from_config
-    from planaria.templates import profiler
+    from planaria.runtime import pipeline_probe
 
     cfg = load_config(CONFIG, CASES[args.case])
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -76,7 +76,7 @@ def worker(args) -> None:
             dist.barrier()
             predicted = idle = bare = per_action = None
             if rank == 0:
-                profiler._measure_gloo_links.cache_clear()  # fresh links every round
+                pipeline_probe._measure.cache_clear()  # fresh links every round
                 costs = profile_model(cfg, num_threads=1, concurrent_workers=world)
                 predicted = predict(plan, costs).total_s
                 per_action = costs.hardware.action_overhead_s

@@ -25,7 +25,7 @@ from planaria.runtime.config import Config, ModelConfig, model_shape, torch_dtyp
 from planaria.runtime.engine import accumulate_wide
 from planaria.runtime.model import LayerModel
 from planaria.runtime.optim import OptimizerSettings, build_optimizer
-from planaria.runtime.pipeline_probe import measure_action_overhead
+from planaria.runtime.pipeline_probe import measure_links_and_runtime
 from planaria.runtime.tensor_parallel import TensorParallel
 from planaria.templates.analytic import hardware
 from planaria.templates.costs import CostModel
@@ -52,7 +52,7 @@ def profile_model(cfg: Config, *, device: torch.device | str | None = None,
     (default: for "cpu" on a CPU device) measures gloo between two processes and uses
     it for the links, message overhead and commit (`profiler.measure_gloo_links`), and
     the pipeline runtime's own cost per action
-    (`pipeline_probe.measure_action_overhead`).
+    (`pipeline_probe.measure_links_and_runtime`).
     `concurrent_workers`: how many of the job's workers compute at once on this machine
     (CPU jobs: a torchrun job's workers share the host's cores). The layers are then
     timed while `concurrent_workers - 1` other processes run a block's forward and
@@ -117,7 +117,7 @@ def profile_model(cfg: Config, *, device: torch.device | str | None = None,
                           statistic=statistic, measure_links=measure_links,
                           background=(lambda: worker_load(cfg, concurrent_workers - 1, device))
                           if device.type == "cpu" else None,
-                          runtime_probe=measure_action_overhead)
+                          link_measurer=measure_links_and_runtime)
 
 
 @contextmanager

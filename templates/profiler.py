@@ -112,8 +112,9 @@ class GlooLinks:
     """The per-message costs of the measured rounds as equally likely values (see
     `Hardware.message_overhead_quantiles`)."""
     action_overhead_s: float = 0.0
-    """The pipeline runtime's own cost per action (`Hardware.action_overhead_s`), when
-    `profile_layers` was given a `runtime_probe`; else 0."""
+    """The pipeline runtime's own cost per action (`Hardware.action_overhead_s`), where
+    the caller's runtime measured it in the same pair (`profile_layers`'s
+    `link_measurer`); else 0."""
 
     def __post_init__(self) -> None:  # from the JSON cache, a list
         object.__setattr__(self, "message_overhead_quantiles",
@@ -140,7 +141,7 @@ def profile_layers(build_layer: Callable[[int], torch.nn.Module],
                    make_optimizer: Callable[[torch.nn.Module], torch.optim.Optimizer] | None = None,
                    statistic: str = "mean", measure_links: bool = False,
                    background: Callable[[], AbstractContextManager] | None = None,
-                   runtime_probe: Callable[[GlooLinks], float] | None = None) -> CostModel:
+                   link_measurer: Callable[[int], GlooLinks] | None = None) -> CostModel:
     """Measure layers 0, 1 and the head of a model and return its profiled `CostModel`.
 
     `build_layer(i)` builds layer i at tp = 1 in the parameter dtype on the device to
@@ -158,11 +159,11 @@ def profile_layers(build_layer: Callable[[int], torch.nn.Module],
     (for CPU jobs; see `measure_gloo_links`). `background()`, when given, is entered
     around the layer measurements (not the links'): the caller's way to measure under
     the load the job's other workers put on the same machine; name it in `cache_key`.
-    `runtime_probe(links)`, when given with `measure_links`, returns the pipeline
-    runtime's own cost per action (`Hardware.action_overhead_s`) given the measured
-    links; the caller's pipeline runtime, which this module cannot import (name it in
-    `cache_key` too). See the module docstring for what is measured and how tp > 1 is
-    derived.
+    `link_measurer(message_bytes)`, used with `measure_links` instead of
+    `measure_gloo_links`, lets the caller measure more in the same pair of processes
+    (the runtime's pipeline probe: `Hardware.action_overhead_s`, which this module
+    cannot import; name it in `cache_key` too). See the module docstring for what is
+    measured and how tp > 1 is derived.
     """
     check_job(shape, tp=tp, micro_batch=micro_batch, dtype=dtype)
     if repeats < 1 or warmup < 0:
@@ -183,18 +184,15 @@ def profile_layers(build_layer: Callable[[int], torch.nn.Module],
                                                    repeats=repeats, warmup=warmup, loss_fn=layer_loss,
                                                    is_last=kind == "head", make_optimizer=make_optimizer,
                                                    statistic=statistic)
-            links, complete = None, True
+            links = None
             if measure_links:
                 try:
-                    links = measure_gloo_links(message_bytes=max(measured["block"].output_bytes, 1))
-                    if runtime_probe is not None:
-                        links = replace(links, action_overhead_s=runtime_probe(links))
-                except RuntimeError as err:  # plan on with what was measured, and say so
-                    warnings.warn(f"could not measure gloo links or the pipeline runtime ({err}); "
-                                  f"using the {hw.name!r} preset's links where unmeasured",
-                                  stacklevel=2)
-                    complete = False
-            if path is not None and complete:  # else: retry next time
+                    links = (link_measurer or measure_gloo_links)(
+                        max(measured["block"].output_bytes, 1))
+                except RuntimeError as err:  # plan on with the preset's links, and say so
+                    warnings.warn(f"could not measure gloo links ({err}); using the "
+                                  f"{hw.name!r} preset's", stacklevel=2)
+            if path is not None and (links is not None or not measure_links):  # else: retry next time
                 _write_cache(path, key, measured, links)
         else:
             measured, links = cached
@@ -470,19 +468,31 @@ def run_pair(module: str, flag: str, params: dict, *, timeout_s: float, what: st
 
 
 def _link_worker(rank: int, port: int, message_bytes: int, rounds: int, compute_s: float) -> None:
-    """One of `measure_gloo_links`'s two processes; rank 0 prints the result as JSON.
-
-    Messages go through `torch.distributed` on a process group of the two, as the
-    pipeline runtime sends them (`isend`/`irecv` with a group and a group peer).
-    """
+    """One of `measure_gloo_links`'s two processes; rank 0 prints the result as JSON."""
     import torch.distributed as dist
     from datetime import timedelta
 
     torch.set_num_threads(1)
-    timeout = timedelta(seconds=60)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=2, timeout=timeout)
-    group = dist.new_group([0, 1])
+                            world_size=2, timeout=timedelta(seconds=60))
+    try:
+        result = measure_pair_links(rank, dist.new_group([0, 1]), message_bytes, rounds, compute_s)
+        if rank == 0:
+            print(json.dumps(result), flush=True)
+    finally:
+        dist.destroy_process_group()
+
+
+def measure_pair_links(rank: int, group, message_bytes: int, rounds: int,
+                       compute_s: float) -> dict:
+    """`measure_gloo_links`'s measurements, run by both processes of a gloo `group` of
+    two (ranks 0 and 1); returns `GlooLinks`' fields (rank 0's are the result).
+
+    Messages go through `torch.distributed` on the group, as the pipeline runtime sends
+    them (`isend`/`irecv` with a group and a group peer).
+    """
+    import torch.distributed as dist
+
     peer, warm = 1 - rank, 5
 
     def ping_pong(nbytes: int, count: int) -> float:
@@ -509,46 +519,41 @@ def _link_worker(rank: int, port: int, message_bytes: int, rounds: int, compute_
         for _ in range(products):
             matrix @ matrix
 
-    try:
-        latency = ping_pong(8, 50)
-        large = ping_pong(_LARGE_MESSAGE, 10)
-        bandwidth = (_LARGE_MESSAGE - 8) / max(large - latency, 1e-9)
-        out = torch.zeros(max(1, message_bytes // 4))
-        into = torch.zeros_like(out)
-        with_messages, without = [], []
-        for i in range(2 * (rounds + warm)):
-            start = time.perf_counter()
+    latency = ping_pong(8, 50)
+    large = ping_pong(_LARGE_MESSAGE, 10)
+    bandwidth = (_LARGE_MESSAGE - 8) / max(large - latency, 1e-9)
+    out = torch.zeros(max(1, message_bytes // 4))
+    into = torch.zeros_like(out)
+    with_messages, without = [], []
+    for i in range(2 * (rounds + warm)):
+        start = time.perf_counter()
+        compute()
+        if i % 2 == 0:  # exchange a message each way, as adjacent stages do
+            sent = dist.isend(out, group=group, group_dst=peer)
+            received = dist.irecv(into, group=group, group_src=peer)
             compute()
-            if i % 2 == 0:  # exchange a message each way, as adjacent stages do
-                sent = dist.isend(out, group=group, group_dst=peer)
-                received = dist.irecv(into, group=group, group_src=peer)
-                compute()
-                received.wait()
-                sent.wait()
-                with_messages.append(time.perf_counter() - start)
-            else:
-                compute()
-                without.append(time.perf_counter() - start)
-            dist.barrier(group=group)  # both start every round together
-        overhead = (statistics.fmean(with_messages[warm:]) - statistics.fmean(without[warm:])) / 2
-        spread = _message_quantiles(with_messages[warm:], statistics.fmean(without[warm:]),
-                                    max(0.0, overhead))
-        pair = torch.zeros(2, dtype=torch.float64)
-        reduces = []
-        for _ in range(rounds + warm):
+            received.wait()
+            sent.wait()
+            with_messages.append(time.perf_counter() - start)
+        else:
             compute()
-            start = time.perf_counter()
-            dist.all_reduce(pair, group=group)
-            reduces.append(time.perf_counter() - start)
-        dist.barrier(group=group)
-        if rank == 0:
-            print(json.dumps({"latency_s": latency, "bandwidth": bandwidth,
-                              "message_overhead_s": max(0.0, overhead),
-                              "message_overhead_quantiles": spread,
-                              "collective_latency_s": statistics.fmean(reduces[warm:]),
-                              "message_bytes": message_bytes}), flush=True)
-    finally:
-        dist.destroy_process_group()
+            without.append(time.perf_counter() - start)
+        dist.barrier(group=group)  # both start every round together
+    overhead = (statistics.fmean(with_messages[warm:]) - statistics.fmean(without[warm:])) / 2
+    spread = _message_quantiles(with_messages[warm:], statistics.fmean(without[warm:]),
+                                max(0.0, overhead))
+    pair = torch.zeros(2, dtype=torch.float64)
+    reduces = []
+    for _ in range(rounds + warm):
+        compute()
+        start = time.perf_counter()
+        dist.all_reduce(pair, group=group)
+        reduces.append(time.perf_counter() - start)
+    dist.barrier(group=group)
+    return {"latency_s": latency, "bandwidth": bandwidth,
+            "message_overhead_s": max(0.0, overhead), "message_overhead_quantiles": spread,
+            "collective_latency_s": statistics.fmean(reduces[warm:]),
+            "message_bytes": message_bytes}
 
 
 def _message_quantiles(with_messages: list[float], baseline: float, mean: float,

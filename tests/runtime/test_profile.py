@@ -178,30 +178,30 @@ def test_profile_measures_links_on_cpu_and_caches_them(tmp_path):
 
 
 def test_the_pipeline_runtime_costs_something_per_action():
-    """Two processes run the real schedule runtime on known work; what it adds beyond
-    the work and the messages is the runtime's own, per action."""
-    from planaria.runtime.pipeline_probe import measure_action_overhead
+    """Two processes measure the links, then run the real schedule runtime on known
+    work; what the runtime adds beyond the work and the messages is its own, per action."""
+    from planaria.runtime.pipeline_probe import measure_links_and_runtime
 
-    links = measure_gloo_links(32 << 10, rounds=40)
-    per_action = measure_action_overhead(links, microbatches=4, rounds=12)
+    links = measure_links_and_runtime(32 << 10, rounds=40)
+    assert links.message_bytes == 32 << 10 and 1e-6 < links.latency_s < 0.05
     # Python dispatch, input and output bookkeeping, building the p2p ops: tens of
     # microseconds at the very least, never tens of milliseconds.
-    assert 1e-5 < per_action < 0.02
-    with pytest.raises(ValueError, match="microbatches must be at least 1"):
-        measure_action_overhead(links, microbatches=0)
+    assert 1e-5 < links.action_overhead_s < 0.02
+    assert links.apply(hardware("cpu")).action_overhead_s == links.action_overhead_s
+    with pytest.raises(ValueError, match="microbatches, probe_rounds and rounds must be at least 1"):
+        measure_links_and_runtime(microbatches=0)
 
 
 def test_the_action_overhead_is_what_the_step_leaves_after_work_messages_and_transfers():
     from planaria.runtime.pipeline_probe import action_overhead
-    from planaria.templates.profiler import GlooLinks
 
-    links = GlooLinks(latency_s=1e-4, bandwidth=1e9, message_overhead_s=9.9,
-                      collective_latency_s=1e-4, message_bytes=100_000)
+    link = dict(latency_s=1e-4, bandwidth=1e9, message_bytes=100_000, microbatches=4)
     transfers = 2 * (1e-4 + 1e-4)
-    # Four microbatches, two stages: 5 stage-times; each 2 x work + 2 x message + 2 x action.
-    step = 5 * (2 * 1e-3 + 2 * 3e-4 + 2 * 2e-4) + transfers
-    assert action_overhead(step, 1e-3, 3e-4, links, 4) == pytest.approx(2e-4)
-    assert action_overhead(0.0, 1e-3, 3e-4, links, 4) == 0.0  # never negative
+    # Four microbatches, two stages: 5 stage-times, each two actions of (work + message
+    # 1.3 ms) and of the runtime's own 0.2 ms; round by round, then the mean.
+    steps = [5 * 2 * (1.3e-3 + 2e-4) + transfers, 5 * 2 * (1.5e-3 + 4e-4) + transfers]
+    assert action_overhead(steps, [1.3e-3, 1.5e-3], **link) == pytest.approx(3e-4)
+    assert action_overhead([0.0], [1e-3], **link) == 0.0  # never negative
 
 
 def test_statistic_is_checked():
