@@ -35,7 +35,13 @@ import time
 import torch
 from torch import nn
 
-from planaria.templates.profiler import GlooLinks, measure_pair_links, run_pair
+from planaria.templates.profiler import (
+    GlooLinks,
+    fixed_work,
+    measure_pair_links,
+    pair_worker,
+    run_pair,
+)
 
 
 def measure_links_and_runtime(message_bytes: int = 32 << 10, *, rounds: int = 300,
@@ -100,63 +106,47 @@ class _WorkStage(nn.Module):
         return _Work.apply(x, self.scale, self.work)
 
 
-def _probe_worker(rank: int, port: int, message_bytes: int, rounds: int, compute_s: float,
-                  probe_rounds: int, microbatches: int) -> None:
-    """One of the probe's two processes: the links first, then the runtime; rank 0
-    prints `GlooLinks`' fields as JSON."""
-    from datetime import timedelta
+def _probe_worker(rank: int, port: int, **params) -> None:
+    """One of the probe's two processes: the links first, then the runtime."""
+    pair_worker(rank, port, lambda group: _links_and_runtime(rank, group, **params))
 
+
+def _links_and_runtime(rank: int, group, message_bytes: int, rounds: int, compute_s: float,
+                       probe_rounds: int, microbatches: int) -> dict:
+    """`GlooLinks`' fields, `action_overhead_s` included (rank 0's are the result)."""
     import torch.distributed as dist
 
     from planaria.runtime.pipeline import PlanSchedule, build_stages
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=2, timeout=timedelta(seconds=60))
-    try:
-        group = dist.group.WORLD
-        links = measure_pair_links(rank, group, message_bytes, rounds, compute_s)
-        matrix = torch.randn(64, 64)
+    links = measure_pair_links(rank, group, message_bytes, rounds, compute_s)
+    work = fixed_work(compute_s)  # the links' kind of work
+    stages = build_stages([(rank, _WorkStage(work))], 2, group, torch.device("cpu"))
+    schedule = PlanSchedule(stages, "1f1b", microbatches, lambda out, target: out.sum())
+    inputs = torch.randn(microbatches, max(1, message_bytes // 4))
+    out, into = torch.zeros(inputs.shape[1]), torch.zeros(inputs.shape[1])
+    steps, exchanges, warm = [], [], 2
+    for _ in range(probe_rounds + warm):
+        dist.barrier(group=group)
         start = time.perf_counter()
-        for _ in range(200):
-            matrix @ matrix
-        products = max(1, round(compute_s / ((time.perf_counter() - start) / 200)))
-
-        def work() -> None:  # the links' kind of fixed work
-            for _ in range(products):
-                matrix @ matrix
-
-        stages = build_stages([(rank, _WorkStage(work))], 2, group, torch.device("cpu"))
-        schedule = PlanSchedule(stages, "1f1b", microbatches, lambda out, target: out.sum())
-        inputs = torch.randn(microbatches, max(1, message_bytes // 4))
-        out, into = torch.zeros(inputs.shape[1]), torch.zeros(inputs.shape[1])
-        steps, exchanges, warm = [], [], 2
-        for _ in range(probe_rounds + warm):
-            dist.barrier(group=group)
-            start = time.perf_counter()
-            if rank == 0:
-                schedule.step(inputs, return_outputs=False)
-            else:
-                schedule.step(target=inputs, losses=[], return_outputs=False)
-            steps.append(time.perf_counter() - start)
-            dist.barrier(group=group)
-            start = time.perf_counter()
-            for _ in range(microbatches):  # two actions' work and messages, raw
-                work()
-                sent = dist.isend(out, group=group, group_dst=1 - rank)
-                received = dist.irecv(into, group=group, group_src=1 - rank)
-                work()
-                received.wait()
-                sent.wait()
-            exchanges.append((time.perf_counter() - start) / (2 * microbatches))
         if rank == 0:
-            links["action_overhead_s"] = action_overhead(
-                steps[warm:], exchanges[warm:], latency_s=links["latency_s"],
-                bandwidth=links["bandwidth"], message_bytes=message_bytes,
-                microbatches=microbatches)
-            print(json.dumps(links), flush=True)
-    finally:
-        dist.destroy_process_group()
+            schedule.step(inputs, return_outputs=False)
+        else:
+            schedule.step(target=inputs, losses=[], return_outputs=False)
+        steps.append(time.perf_counter() - start)
+        dist.barrier(group=group)
+        start = time.perf_counter()
+        for _ in range(microbatches):  # two actions' work and messages, raw
+            work()
+            sent = dist.isend(out, group=group, group_dst=1 - rank)
+            received = dist.irecv(into, group=group, group_src=1 - rank)
+            work()
+            received.wait()
+            sent.wait()
+        exchanges.append((time.perf_counter() - start) / (2 * microbatches))
+    links["action_overhead_s"] = action_overhead(
+        steps[warm:], exchanges[warm:], latency_s=links["latency_s"],
+        bandwidth=links["bandwidth"], message_bytes=message_bytes, microbatches=microbatches)
+    return links
 
 
 if __name__ == "__main__":  # `measure_links_and_runtime`'s worker processes

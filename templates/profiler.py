@@ -468,7 +468,14 @@ def run_pair(module: str, flag: str, params: dict, *, timeout_s: float, what: st
 
 
 def _link_worker(rank: int, port: int, message_bytes: int, rounds: int, compute_s: float) -> None:
-    """One of `measure_gloo_links`'s two processes; rank 0 prints the result as JSON."""
+    """One of `measure_gloo_links`'s two processes."""
+    pair_worker(rank, port, lambda group: measure_pair_links(rank, group, message_bytes,
+                                                             rounds, compute_s))
+
+
+def pair_worker(rank: int, port: int, measure: Callable[[object], dict]) -> None:
+    """The body of one of `run_pair`'s processes: one thread, a gloo group of the two on
+    `port`, `measure(group)` on both; rank 0 prints its result as JSON."""
     import torch.distributed as dist
     from datetime import timedelta
 
@@ -476,11 +483,27 @@ def _link_worker(rank: int, port: int, message_bytes: int, rounds: int, compute_
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=2, timeout=timedelta(seconds=60))
     try:
-        result = measure_pair_links(rank, dist.new_group([0, 1]), message_bytes, rounds, compute_s)
+        result = measure(dist.new_group([0, 1]))
         if rank == 0:
             print(json.dumps(result), flush=True)
     finally:
         dist.destroy_process_group()
+
+
+def fixed_work(compute_s: float) -> Callable[[], None]:
+    """A function doing about `compute_s` seconds of matrix products, sized on the spot:
+    a fixed amount of work, so that a slowdown shows in its time."""
+    matrix = torch.randn(64, 64)
+    start = time.perf_counter()
+    for _ in range(200):
+        matrix @ matrix
+    products = max(1, round(compute_s / ((time.perf_counter() - start) / 200)))
+
+    def work() -> None:
+        for _ in range(products):
+            matrix @ matrix
+
+    return work
 
 
 def measure_pair_links(rank: int, group, message_bytes: int, rounds: int,
@@ -509,16 +532,7 @@ def measure_pair_links(rank: int, group, message_bytes: int, rounds: int,
             times.append((time.perf_counter() - start) / 2)
         return statistics.median(times[warm:])
 
-    matrix = torch.randn(64, 64)
-    start = time.perf_counter()
-    for _ in range(200):
-        matrix @ matrix
-    products = max(1, round(compute_s / ((time.perf_counter() - start) / 200)))
-
-    def compute() -> None:  # a fixed amount of work, so a slowdown shows in its time
-        for _ in range(products):
-            matrix @ matrix
-
+    compute = fixed_work(compute_s)
     latency = ping_pong(8, 50)
     large = ping_pong(_LARGE_MESSAGE, 10)
     bandwidth = (_LARGE_MESSAGE - 8) / max(large - latency, 1e-9)
