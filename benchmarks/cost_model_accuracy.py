@@ -236,7 +236,7 @@ def one_repeat(args, name: str, cfg, plan, r: int, tmp: Path) -> dict:
     from planaria.runtime import pipeline_probe
 
     _wait_quiet(args.quiet, args.wait_quiet)
-    pipeline_probe._measure.cache_clear()  # fresh links for every repeat
+    pipeline_probe.forget_measurements()  # fresh links for every repeat
     costs = profile_model(cfg, num_threads=1, concurrent_workers=WORLD)
     before = predict_before(plan, profile_model(cfg, num_threads=1, statistic="median",
                                                 repeats=5, measure_links=False))

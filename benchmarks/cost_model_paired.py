@@ -76,7 +76,7 @@ def worker(args) -> None:
             dist.barrier()
             predicted = idle = bare = per_action = None
             if rank == 0:
-                pipeline_probe._measure.cache_clear()  # fresh links every round
+                pipeline_probe.forget_measurements()  # fresh links every round
                 costs = profile_model(cfg, num_threads=1, concurrent_workers=world)
                 predicted = predict(plan, costs).total_s
                 per_action = costs.hardware.action_overhead_s

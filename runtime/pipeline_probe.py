@@ -58,6 +58,12 @@ def measure_links_and_runtime(message_bytes: int = 32 << 10, *, rounds: int = 30
                     int(microbatches), float(timeout_s))
 
 
+def forget_measurements() -> None:
+    """Drop the cached measurements: the next profile measures the links and the runtime
+    afresh (the accuracy benchmarks do, for every round)."""
+    _measure.cache_clear()
+
+
 @functools.lru_cache(maxsize=None)
 def _measure(message_bytes: int, rounds: int, compute_s: float, probe_rounds: int,
              microbatches: int, timeout_s: float) -> GlooLinks:
