@@ -131,7 +131,7 @@ def logits_gradient(logits: torch.Tensor, target: torch.Tensor, lse: torch.Tenso
 def _blocks(logits: torch.Tensor) -> tuple[int, int]:
     """(vocabulary entries, rows) a program takes at once."""
     block_v = min(MAX_BLOCK_V, next_power_of_2(logits.shape[1]))
-    return block_v, rows_per_block(logits.device, block_v)
+    return block_v, rows_per_block(block_v)
 
 
 class _CrossEntropy(torch.autograd.Function):

@@ -128,20 +128,31 @@ def program_count(device: torch.device, blocks: int) -> int:
     return max(1, min(blocks, 4))
 
 
-def rows_per_block(device: torch.device, width: int) -> int:
+def rows_per_block(width: int) -> int:
     """Rows one program takes at once, for rows `width` elements wide (a power of two).
 
-    On a GPU, a few rows only when they are narrow (one row of a 7B model's 4096 fills a
-    program's registers). In the interpreter every operation of a program costs the same
-    Python overhead whatever its size, so a block holds as many rows as fit 16k elements:
-    without that, training even the tiny model through it takes minutes a step."""
-    budget = 2048 if device.type == "cuda" else 16384
-    limit = 16 if device.type == "cuda" else 1024
+    Compiled (for a GPU), a few rows only when they are narrow (one row of a 7B model's
+    4096 fills a program's registers). In the interpreter every operation of a program
+    costs the same Python overhead whatever its size, so a block holds as many rows as fit
+    16k elements: without that, training even the tiny model through it takes minutes a
+    step. The choice follows how the kernels run, not where the tensors are, so that
+    `planaria.kernels.compile_check` compiles, on a machine without a GPU, the blocks a
+    GPU would launch."""
+    budget, limit = (16384, 1024) if interpreting() else (2048, 16)
     rows = max(1, min(limit, budget // max(1, width)))
     return 1 << (rows.bit_length() - 1)  # the largest power of two not above it
 
 
+def elementwise_block() -> int:
+    """Elements one program of an elementwise kernel takes: larger in the interpreter,
+    where each program's operations cost the same whatever their size (see
+    `rows_per_block`)."""
+    return 16384 if interpreting() else 1024
+
+
 def warps(elements: int) -> int:
     """Warps for a program holding `elements` values at once: more threads for wider
-    blocks, so that each keeps a few dozen values in registers."""
-    return 4 if elements <= 2048 else 8 if elements <= 8192 else 16 if elements <= 32768 else 32
+    blocks, so that each keeps a few dozen values in registers. The thresholds are
+    Liger-Kernel's; with one fewer step (8 warps for 8192), `compile_check` shows the
+    RMSNorm backward of a 70B model's rows at 224 registers a thread, one block per SM."""
+    return 4 if elements < 2048 else 8 if elements < 8192 else 16 if elements < 32768 else 32

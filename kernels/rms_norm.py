@@ -43,7 +43,7 @@ def _unsupported(x: torch.Tensor, weight: torch.Tensor) -> str | None:
 
 def _blocks(rows: torch.Tensor) -> tuple[int, int]:
     width = next_power_of_2(rows.shape[1])
-    return width, rows_per_block(rows.device, width)
+    return width, rows_per_block(width)
 
 
 class _RMSNorm(torch.autograd.Function):

@@ -58,7 +58,7 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool
     b, t, h, d = x.shape
     out = torch.empty_like(x)
     rows, half = b * t * h, next_power_of_2(d // 2)
-    block_rows = rows_per_block(x.device, half)
+    block_rows = rows_per_block(half)
     _rotary_kernel[(triton.cdiv(rows, block_rows),)](x, cos, sin, out, rows, t, h, d // 2, cos.stride(0),
                                                      sin.stride(0), INVERSE=inverse, BLOCK_R=block_rows,
                                                      BLOCK_HALF=half, num_warps=warps(block_rows * half))

@@ -9,14 +9,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from planaria.kernels.dispatch import tl, triton, use_triton
+from planaria.kernels.dispatch import elementwise_block, tl, triton, use_triton
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def _block(t: torch.Tensor) -> int:
-    # Larger in the interpreter, where each program's operations cost the same whatever their size.
-    return 1024 if t.is_cuda else 16384
 
 
 def swiglu_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -44,7 +39,7 @@ class _SwiGLU(torch.autograd.Function):
         gate, up = gate.contiguous(), up.contiguous()
         out = torch.empty_like(gate)
         n = gate.numel()
-        block = _block(gate)
+        block = elementwise_block()
         _forward_kernel[(triton.cdiv(n, block),)](gate, up, out, n, BLOCK=block)
         ctx.save_for_backward(gate, up)
         return out
@@ -55,7 +50,7 @@ class _SwiGLU(torch.autograd.Function):
         grad_out = grad_out.contiguous()
         grad_gate, grad_up = torch.empty_like(gate), torch.empty_like(up)
         n = gate.numel()
-        block = _block(gate)
+        block = elementwise_block()
         _backward_kernel[(triton.cdiv(n, block),)](gate, up, grad_out, grad_gate, grad_up, n, BLOCK=block)
         return grad_gate, grad_up
 
