@@ -76,11 +76,15 @@ class CompiledKernel:
     registers: int
     local_bytes: int  # per thread: register spills and stack arrays; 0 in a healthy kernel
     shared_bytes: int
+    wide_accesses: int  # global loads and stores in the code moving 16 bytes a thread at once
+    narrow_accesses: int  # and those moving less: one element at a time where rows are strided
+
 
     def line(self) -> str:
         return (f"sm_{self.arch} {self.model:<11} {self.dtype:<8} {self.op:<13} {self.kernel:<17} "
                 f"warps {self.num_warps:>2}  regs {self.registers:>3}  local {self.local_bytes:>5} B  "
-                f"shared {self.shared_bytes:>6} B  {self.constants}")
+                f"shared {self.shared_bytes:>6} B  16-byte accesses {self.wide_accesses:>2} of "
+                f"{self.wide_accesses + self.narrow_accesses:>2}  {self.constants}")
 
 
 class _CompileOnlyDriver:
@@ -185,6 +189,18 @@ def _resources(cubin: bytes, name: str) -> dict[str, int]:
             "shared_bytes": int(fields["SHARED"])}
 
 
+def _global_accesses(ptx: str) -> dict[str, int]:
+    """Global loads and stores in the PTX, by how many bytes each moves for a thread
+    (`ld.global.v4.b32`: 16; `ld.global.b16`: 2). Counted in the code, not executed."""
+    wide = narrow = 0
+    for vector, bits in re.findall(r"\b(?:ld|st)\.global(?:\.[a-z]+)*?(?:\.v(\d))?\.[a-z](\d+)\b", ptx):
+        if int(vector or 1) * int(bits) >= 128:
+            wide += 1
+        else:
+            narrow += 1
+    return {"wide_accesses": wide, "narrow_accesses": narrow}
+
+
 def check(arch: int, dtype: str, model: str, tokens: int = 64) -> list[CompiledKernel]:
     """Compile every launch of every operation at `model`'s sizes for sm_`arch`."""
     if dispatch.triton is None:
@@ -200,7 +216,8 @@ def check(arch: int, dtype: str, model: str, tokens: int = 64) -> list[CompiledK
     return [CompiledKernel(op=op, kernel=name, arch=arch, dtype=dtype, model=model,
                            constants=" ".join(f"{k}={v}" for k, v in constants.items()),
                            num_warps=options["num_warps"],
-                           **_resources(compiled.asm["cubin"], compiled.metadata.name))
+                           **_resources(compiled.asm["cubin"], compiled.metadata.name),
+                           **_global_accesses(compiled.asm["ptx"]))
             for op, (name, options, constants, compiled) in zip(ops, found)]
 
 

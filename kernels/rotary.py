@@ -92,8 +92,13 @@ if triton is not None:
         sin = tl.load(SIN + t[:, None] * sin_stride + i[None, :], mask=mask, other=0.0).to(tl.float32)
         if INVERSE:
             sin = -sin
-        even_at = rows[:, None] * half * 2 + 2 * i[None, :]
-        even = tl.load(X + even_at, mask=mask, other=0.0).to(tl.float32)
-        odd = tl.load(X + even_at + 1, mask=mask, other=0.0).to(tl.float32)
-        tl.store(OUT + even_at, (even * cos - odd * sin).to(OUT.dtype.element_ty), mask=mask)
-        tl.store(OUT + even_at + 1, (even * sin + odd * cos).to(OUT.dtype.element_ty), mask=mask)
+        # Each row's pairs read and written whole, contiguous (vectorised loads and stores),
+        # then split into even and odd lanes in registers: indexing x[2i] and x[2i+1]
+        # directly compiles to one 2-byte access per element.
+        j = tl.arange(0, 2 * BLOCK_HALF)
+        at = rows[:, None] * half * 2 + j[None, :]
+        in_row = (rows[:, None] < n_rows) & (j[None, :] < 2 * half)
+        x = tl.load(X + at, mask=in_row, other=0.0).to(tl.float32)
+        even, odd = tl.split(tl.reshape(x, (BLOCK_R, BLOCK_HALF, 2)))
+        rotated = tl.interleave(even * cos - odd * sin, even * sin + odd * cos)
+        tl.store(OUT + at, rotated.to(OUT.dtype.element_ty), mask=in_row)

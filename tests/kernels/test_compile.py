@@ -4,7 +4,8 @@ The interpreted tests run the kernels' Python; this one runs the compiler a GPU 
 `python -m planaria.kernels.compile_check` drives each operation's forward and backward at
 a 7B model's sizes and at sizes that are powers of two nowhere, and compiles every launch
 down to a cubin. It asserts that every operation's forward and backward kernels compiled
-and that none spills registers to local memory.
+that none spills registers to local memory, and that at a 7B model's sizes their global
+loads and stores are vectorised.
 """
 from __future__ import annotations
 
@@ -39,6 +40,12 @@ def test_every_kernel_compiles_for_sm90_without_spills(tmp_path):
     assert {k["op"] for k in kernels} == {"rms_norm", "swiglu", "apply_rotary", "cross_entropy"}
     assert all(k["arch"] == 90 and k["registers"] > 0 for k in kernels)
     assert [k for k in kernels if k["local_bytes"]] == []
+    # At a 7B model's sizes (rows of multiples of 16 elements) every kernel moves its
+    # rows 16 bytes a thread at once; the elementwise and rotary kernels move nothing
+    # else (the rotary kernel once read each pair's lanes one element at a time).
+    llama = [k for k in kernels if k["model"] == "llama-7b"]
+    assert all(k["wide_accesses"] > 0 for k in llama)
+    assert [k for k in llama if k["op"] in ("swiglu", "apply_rotary") and k["narrow_accesses"]] == []
     # The launches are sized as on a GPU, not as for the interpreter.
     norm = next(k for k in kernels if k["model"] == "llama-7b" and k["kernel"] == "_forward_kernel"
                 and k["op"] == "rms_norm")
