@@ -17,7 +17,8 @@ CASES = {
     # rms_norm, apply_rotary, swiglu and the fused head + loss over a vocabulary split in
     # two (tp=2); the plain vocabulary-parallel cross-entropy has its own test over gloo
     # (test_vocab_parallel.py), and this is the suite's longest kernel test already.
-    "tp2-fused-head": (2, ["parallel.tp=2", "model.fused_head_loss=true"]),
+    # pp=1: the plan is given, so neither run spends its start profiling for the planner.
+    "tp2-fused-head": (2, ["parallel.tp=2", "parallel.pp=1", "model.fused_head_loss=true"]),
 }
 
 
