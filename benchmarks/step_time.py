@@ -287,20 +287,15 @@ def worker_paired_pp2(args) -> None:
     import torch.distributed as dist
 
     from planaria.runtime import trainer
-    from planaria.runtime.config import torch_dtypes as dtypes
     from planaria.runtime.config import plan_from_config
     from planaria.runtime.data import build_dataset
-    from planaria.runtime.engine import Engine
-    from planaria.runtime.model import LayerModel
 
     cfg = _load(args.config, args.overrides)
     rank, world = _init_torchrun_group(cfg)
     try:
-        plan = plan_from_config(cfg, world_size=world)
-        param_dtype, autocast_dtype = dtypes(cfg.train.dtype)
-        engine = Engine(plan, LayerModel(cfg.model, seed=cfg.train.seed), trainer.optimizer_settings(cfg),
-                        rank=rank, device=torch.device("cpu"), param_dtype=param_dtype,
-                        autocast_dtype=autocast_dtype, grad_clip=cfg.train.grad_clip)
+        # The trainer's own Engine: its dtypes, clipping and wide gradient sums.
+        engine = trainer.engine_from_config(cfg, plan_from_config(cfg, world_size=world), rank,
+                                            torch.device("cpu"))
         dataset = build_dataset(cfg.data.source, seq_len=cfg.model.seq_len,
                                 vocab_size=cfg.model.vocab_size, seed=cfg.data.seed)
         pipe = DirectPipeline(cfg, rank, world)
@@ -309,8 +304,9 @@ def worker_paired_pp2(args) -> None:
             for name in (("planaria_pp2", "direct_pp2") if r % 2 == 0 else ("direct_pp2", "planaria_pp2")):
                 dist.barrier()
                 if name == "planaria_pp2":
+                    # The engine runs each iteration once: its blocks carry on from the last.
                     times = [engine.train_step(i, dataset, cfg.data.seed).step_time_s
-                             for i in range(cfg.train.steps)]
+                             for i in range(r * cfg.train.steps, (r + 1) * cfg.train.steps)]
                 else:
                     times = [pipe.step(i)[0] for i in range(cfg.train.steps)]
                 blocks[name].append(times)
@@ -330,7 +326,6 @@ def worker_paired_single(args) -> None:
     from planaria.runtime.config import torch_dtypes as dtypes
     from planaria.runtime.config import plan_from_config
     from planaria.runtime.data import build_dataset
-    from planaria.runtime.engine import Engine
     from planaria.runtime.model import LayerModel
     from planaria.runtime.reference import train_reference
 
@@ -342,17 +337,17 @@ def worker_paired_single(args) -> None:
         param_dtype, autocast_dtype = dtypes(cfg.train.dtype)
         model = LayerModel(cfg.model, seed=cfg.train.seed)
         optim = trainer.optimizer_settings(cfg)
-        engine = Engine(plan_from_config(cfg, world_size=1), model, optim, rank=0,
-                        device=torch.device("cpu"), param_dtype=param_dtype,
-                        autocast_dtype=autocast_dtype, grad_clip=cfg.train.grad_clip)
+        # The trainer's own Engine: its dtypes, clipping and wide gradient sums.
+        engine = trainer.engine_from_config(cfg, plan_from_config(cfg, world_size=1), 0, torch.device("cpu"))
         dataset = build_dataset(cfg.data.source, seq_len=cfg.model.seq_len,
                                 vocab_size=cfg.model.vocab_size, seed=cfg.data.seed)
         blocks: dict[str, list[list[float]]] = {"planaria": [], "plain": []}
         for r in range(args.paired_rounds):
             for name in (("planaria", "plain") if r % 2 == 0 else ("plain", "planaria")):
                 if name == "planaria":
+                    # The engine runs each iteration once: its blocks carry on from the last.
                     times = [engine.train_step(i, dataset, cfg.data.seed).step_time_s
-                             for i in range(cfg.train.steps)]
+                             for i in range(r * cfg.train.steps, (r + 1) * cfg.train.steps)]
                 else:
                     times = train_reference(model, optim, dataset, steps=cfg.train.steps,
                                             global_batch=cfg.train.global_batch,
