@@ -131,8 +131,10 @@ def compiling_for(arch: int, found: list):
         constants = {names[key[0]]: value for key, value in compile["constants"].items()
                      if names[key[0]].isupper()}
         found.append((fn.name, options, constants, compiled))
+        seen.add(fn.jit_function)
         return True  # handled: the JIT returns without loading or launching it
 
+    seen: set = set()
     saved_hook = knobs.runtime.jit_cache_hook
     driver.set_active(_CompileOnlyDriver(target))
     knobs.runtime.jit_cache_hook = hook
@@ -141,6 +143,10 @@ def compiling_for(arch: int, found: list):
     finally:
         knobs.runtime.jit_cache_hook = saved_hook
         driver.set_active(None)  # back to the machine's own driver, found again when next asked for
+        for kernel in seen:
+            # Each kernel keeps, per device, the target its launches compile for: forget
+            # ours, so that a later real launch in this process compiles for the real GPU.
+            kernel.device_caches.clear()
 
 
 def _tuples(value):
@@ -232,8 +238,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if dispatch.interpreting() and os.environ.get("PLANARIA_COMPILE_CHECK_CHILD") != "1":
         env = {**os.environ, **ENV, "PLANARIA_COMPILE_CHECK_CHILD": "1"}
-        return subprocess.run([sys.executable, "-m", "planaria.kernels.compile_check", *sys.argv[1:]],
-                              env=env).returncode
+        return subprocess.run([sys.executable, "-m", "planaria.kernels.compile_check",
+                               *(sys.argv[1:] if argv is None else argv)], env=env).returncode
     results = [r for arch in args.arch for dtype in args.dtype for model in args.model
                for r in check(arch, dtype, model, args.tokens)]
     for r in results:
