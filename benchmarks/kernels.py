@@ -92,16 +92,20 @@ def peak_mib(fn, device: torch.device) -> float | None:
     return (torch.cuda.max_memory_allocated() - before) / 2**20
 
 
+def _outputs(out) -> tuple[torch.Tensor, ...]:
+    return out if isinstance(out, tuple) else (out,)
+
+
 def forward_backward(fn, inputs):
-    """A closure running fn(*inputs) forward and backward (a fixed random output gradient)."""
+    """A closure running fn(*inputs) forward and backward (fixed random output gradients;
+    fn may return a tuple, as a rotary embedding of q and k does)."""
     leaves = [x.detach().requires_grad_(x.is_floating_point()) for x in inputs]
-    out = fn(*leaves)
-    grad = torch.randn_like(out)
+    grads = [torch.randn_like(o) for o in _outputs(fn(*leaves))]
 
     def run():
         for x in leaves:
             x.grad = None
-        fn(*leaves).backward(grad)
+        torch.autograd.backward(_outputs(fn(*leaves)), grads)
     return run
 
 
@@ -118,10 +122,10 @@ def relative_error(fn, reference, inputs) -> float:
     results = []
     for f in (fn, reference):
         leaves = [x.detach().clone().requires_grad_(x.is_floating_point()) for x in inputs]
-        out = f(*leaves)
-        weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(7)).to(out)
-        (out.float() * weights.float()).sum().backward()
-        results.append([out, *(x.grad for x in leaves if x.requires_grad)])
+        outs = _outputs(f(*leaves))
+        gen = torch.Generator().manual_seed(7)
+        sum(((o.float() * torch.randn(o.shape, generator=gen).to(o.device)).sum() for o in outs)).backward()
+        results.append([*outs, *(x.grad for x in leaves if x.requires_grad)])
     return max(((got.double() - want.double()).norm() / want.double().norm().clamp(min=1e-30)).item()
                for got, want in zip(*results))
 
@@ -146,7 +150,7 @@ def cases(tokens: int, dtype: torch.dtype, device: torch.device, sizes: Sizes, c
 
     x, w = randn(tokens, s.hidden), randn(s.hidden)
     gate, up = randn(tokens, s.ffn), randn(tokens, s.ffn)
-    q = randn(seqs, seq, s.heads, s.head_dim)
+    q, k = randn(seqs, seq, s.heads, s.head_dim), randn(seqs, seq, s.heads, s.head_dim)
     cos, sin = K.rotary_tables(seq, s.head_dim, 10000.0, torch.float32, device)
     logits = randn(tokens, s.vocab)
     target = torch.randint(s.vocab, (tokens,), generator=gen, device=device)
@@ -157,7 +161,9 @@ def cases(tokens: int, dtype: torch.dtype, device: torch.device, sizes: Sizes, c
         return torch.compile(fn, dynamic=False, backend=compile_backend)
 
     rms_ref = lambda x, w: K.rms_norm_reference(x, w, 1e-5)  # noqa: E731
-    rope_ref = lambda q: K.apply_rotary_reference(q, cos, sin)  # noqa: E731
+    # q and k rotated, as attention does (Liger's kernel takes both at once).
+    rope_ref = lambda q, k: (K.apply_rotary_reference(q, cos, sin),  # noqa: E731
+                             K.apply_rotary_reference(k, cos, sin))
     ce_ref = lambda logits: F.cross_entropy(logits.float(), target)  # noqa: E731
     lce_ref = lambda x, head: F.cross_entropy((x @ head.T).float(), target)  # noqa: E731
     return [
@@ -169,7 +175,8 @@ def cases(tokens: int, dtype: torch.dtype, device: torch.device, sizes: Sizes, c
                     "planaria": K.swiglu}, [gate, up]),
         ("apply_rotary", {"eager": rope_ref, "compile": compiled(rope_ref),
                           "liger": _liger_rope(lk, cos, sin) if lk else None,
-                          "planaria": lambda q: K.apply_rotary(q, cos, sin)}, [q]),
+                          "planaria": lambda q, k: (K.apply_rotary(q, cos, sin), K.apply_rotary(k, cos, sin))},
+         [q, k]),
         ("cross_entropy", {"eager": ce_ref, "compile": compiled(ce_ref),
                            "liger": (lambda logits: lk.liger_cross_entropy(logits, target)) if lk else None,
                            "planaria": lambda logits: K.cross_entropy(logits, target)}, [logits]),
@@ -182,14 +189,14 @@ def cases(tokens: int, dtype: torch.dtype, device: torch.device, sizes: Sizes, c
 
 
 def _liger_rope(lk, cos, sin):
-    """Liger's rotary on q and k of the same shape, in its (batch, heads, seq, dim) layout,
-    with half-rotation tables of the full head size; the time of one tensor is half."""
+    """Liger's rotary on q and k, in its (batch, heads, seq, dim) layout (views of ours:
+    it transposes them back before its kernel), with half-rotation tables of the full
+    head size."""
     full_cos, full_sin = torch.cat((cos, cos), -1)[None], torch.cat((sin, sin), -1)[None]
 
-    def rope(q):
-        qt = q.transpose(1, 2)
-        out_q, out_k = lk.liger_rope(qt, qt, full_cos.to(q.dtype), full_sin.to(q.dtype))
-        return out_q + out_k  # one output to take the backward from
+    def rope(q, k):
+        return tuple(lk.liger_rope(q.transpose(1, 2), k.transpose(1, 2), full_cos.to(q.dtype),
+                                   full_sin.to(q.dtype)))
     return rope
 
 
