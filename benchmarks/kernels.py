@@ -1,6 +1,7 @@
 """Planaria's Triton kernels against PyTorch eager, torch.compile and Liger-Kernel, on a GPU.
 
     python benchmarks/kernels.py [--dtype bfloat16] [--tokens 8192] [--repeats 100] [--json FILE]
+                                 [--ops rms_norm swiglu ...]
     python benchmarks/kernels.py --smoke     # the script itself, on CPU, in a few seconds
 
 Sizes are a 7B-class LLaMA's (hidden 4096, SwiGLU 11008, 32 heads of 128, vocabulary
@@ -55,6 +56,7 @@ class Sizes:
 
 
 LLAMA_7B = Sizes(hidden=4096, ffn=11008, heads=32, head_dim=128, vocab=32000, seq=2048)
+OPERATIONS = ("rms_norm", "swiglu", "apply_rotary", "cross_entropy", "linear_cross_entropy")
 SMOKE = Sizes(hidden=48, ffn=80, heads=2, head_dim=16, vocab=300, seq=8)
 
 
@@ -212,7 +214,7 @@ def _attempt(what: str, fn, failures: dict):
 
 
 def run(tokens: int, dtype: torch.dtype, device: torch.device, sizes: Sizes, repeats: int, warmup: int,
-        compile_backend: str) -> tuple[list[dict], dict]:
+        compile_backend: str, ops: list[str]) -> tuple[list[dict], dict]:
     """Every case's rows (times, ratio, error, memory) and the failures, printing the table."""
     implementations = ("eager", "compile", "liger", "planaria")
     print("\n| operation | pass | eager ms | compile ms | liger ms | planaria ms | best other / planaria "
@@ -220,6 +222,8 @@ def run(tokens: int, dtype: torch.dtype, device: torch.device, sizes: Sizes, rep
     print("|---|---|---:|---:|---:|---:|---:|---:|")
     rows, failures = [], {}
     for name, impls, inputs in cases(tokens, dtype, device, sizes, compile_backend):
+        if name not in ops:
+            continue
         error = _attempt(f"{name} check", lambda: relative_error(impls["planaria"], impls["eager"], inputs),
                          failures)
         for pass_name, wrap in (("forward", forward_only), ("forward+backward", forward_backward)):
@@ -258,6 +262,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--repeats", type=int, default=100)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--ops", nargs="+", choices=OPERATIONS, default=list(OPERATIONS),
+                        help="time only these operations (all by default)")
     parser.add_argument("--smoke", action="store_true",
                         help="run every case once at tiny sizes on CPU (checks the script, not speed)")
     args = parser.parse_args(argv)
@@ -281,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
     with warnings.catch_warnings():
         # A Planaria kernel falling back to its reference would time the reference.
         warnings.filterwarnings("error", message="planaria.kernels:")
-        rows, failures = run(tokens, dtype, device, sizes, repeats, warmup, backend)
+        rows, failures = run(tokens, dtype, device, sizes, repeats, warmup, backend, args.ops)
     if args.json:
         _write_json(args.json, {"device": name, "dtype": args.dtype, "tokens": tokens, "rows": rows,
                                 "failures": failures})
