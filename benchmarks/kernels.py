@@ -33,6 +33,7 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 import warnings
@@ -270,6 +271,11 @@ def main(argv: list[str] | None = None) -> int:
     if K.dispatch.triton is None:
         print("benchmarks/kernels.py needs Triton (pip install 'planaria[kernels]')", file=sys.stderr)
         return 2
+    if args.smoke and not K.dispatch.interpreting():
+        # A machine with a GPU: Triton was imported to compile; the smoke run interprets.
+        env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
+        return subprocess.run([sys.executable, __file__, *(sys.argv[1:] if argv is None else argv)],
+                              env=env).returncode
     if args.smoke:
         os.environ[K.dispatch.ENV] = "triton"  # the kernels through Triton's interpreter
         device, sizes, tokens, repeats, warmup, backend = torch.device("cpu"), SMOKE, 16, 1, 1, "eager"

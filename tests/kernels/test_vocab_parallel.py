@@ -64,7 +64,10 @@ def _worker(rank: int, port: int, results) -> None:
         dist.destroy_process_group()
 
 
-def test_vocabulary_parallel_cross_entropies_match_the_full_logits():
+def test_vocabulary_parallel_cross_entropies_match_the_full_logits(monkeypatch):
+    # The children are spawned: they import Triton afresh, for its interpreter also on a
+    # machine with a GPU.
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
     ctx = mp.get_context("spawn")
     results = ctx.Manager().dict()
     mp.start_processes(_worker, args=(_free_port(), results), nprocs=WORLD, start_method="spawn", join=True)
