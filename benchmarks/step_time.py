@@ -552,7 +552,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--worker-breakdown-reference", help=argparse.SUPPRESS)
     parser.add_argument("--worker-paired-pp2", help=argparse.SUPPRESS)
     parser.add_argument("--worker-paired-single", help=argparse.SUPPRESS)
-    parser.add_argument("--paired-rounds", type=int, default=6, help=argparse.SUPPRESS)
+    parser.add_argument("--paired-rounds", type=int, default=6,
+                        help="with --breakdown: alternating blocks per paired run (default 6)")
     args = parser.parse_args(argv)
 
     if (args.worker_reference or args.worker_direct_pp or args.worker_breakdown
@@ -656,6 +657,7 @@ def drive(args) -> int:
                 out = Path(tmp) / f"{key}.json"
                 _wait_quiet(args.quiet, args.wait_quiet)
                 foreign = _run([*launcher, str(Path(__file__).resolve()), flag, str(out),
+                                "--paired-rounds", str(args.paired_rounds),
                                 "--config", args.config, *_sets([*overrides, f"parallel.pp={pp}"])],
                                args.timeout * 2, log)
                 breakdown[key] = {"blocks": json.loads(Path(f"{out}.rank0").read_text())["blocks"],
