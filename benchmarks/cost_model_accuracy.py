@@ -49,6 +49,8 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from planaria.chaos.report import write_json_atomically
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -226,7 +228,7 @@ def drive(args, names: list[str]) -> int:
                          "median": med, "repeats": rows[name]}
     print_table(results)
     if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=1))
+        write_json_atomically(Path(args.json), results)
     return 0 if all(abs(r["median"]["error"]) <= 0.15 for r in results.values()) else 1
 
 

@@ -43,6 +43,8 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from planaria.chaos.report import write_json_atomically
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from cost_model_accuracy import CASES, CONFIG, REPO, WORLD, predict  # noqa: E402
@@ -189,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
         results = {name: run_case(args, name, Path(tmp)) for name in names}
     print_table(results)
     if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=1))
+        write_json_atomically(Path(args.json), results)
     return 0 if all(abs(r["paired_error"]) <= 0.15 for r in results.values()) else 1
 
 

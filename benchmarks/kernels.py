@@ -30,7 +30,6 @@ interleaved pairs (LLaMA's original): the same work, a different pairing.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
@@ -44,6 +43,7 @@ import torch
 import torch.nn.functional as F
 
 from planaria import kernels as K
+from planaria.chaos.report import write_json_atomically
 
 
 @dataclass(frozen=True)
@@ -251,12 +251,6 @@ def _fmt(value, spec: str) -> str:
     return "n/a" if value is None else format(value, spec)
 
 
-def _write_json(path: str, payload: dict) -> None:
-    tmp = Path(f"{path}.tmp")
-    tmp.write_text(json.dumps(payload, indent=2))
-    os.replace(tmp, path)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
@@ -295,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
         warnings.filterwarnings("error", message="planaria.kernels:")
         rows, failures = run(tokens, dtype, device, sizes, repeats, warmup, backend, args.ops)
     if args.json:
-        _write_json(args.json, {"device": name, "dtype": args.dtype, "tokens": tokens, "rows": rows,
+        write_json_atomically(Path(args.json), {"device": name, "dtype": args.dtype, "tokens": tokens, "rows": rows,
                                 "failures": failures})
     planaria_failed = [what for what in failures if what.endswith("planaria") or what.endswith("check")]
     worst = max((r["relative_error"] for r in rows if r.get("relative_error") is not None), default=0.0)

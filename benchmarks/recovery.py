@@ -43,6 +43,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from planaria.chaos.report import write_json_atomically
+
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "configs" / "tiny.yaml"
 JOB = ["model.n_layers=8", "model.d_model=256", "model.n_heads=4", "model.seq_len=128",
@@ -197,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"back where it was {result['back_s']:.2f} s", flush=True)
     report(runs)
     if args.json:
-        Path(args.json).write_text(json.dumps(runs, indent=1))
+        write_json_atomically(Path(args.json), runs)
     return 0
 
 

@@ -14,11 +14,11 @@ visible. Takes about a minute on one core.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
 
+from planaria.chaos.report import write_json_atomically
 from planaria.chaos.simulator.availability import load_availability
 from planaria.chaos.simulator.calibration import Calibration
 from planaria.chaos.simulator.models import PRESETS
@@ -103,7 +103,7 @@ def main() -> int:
               f"{_ratio(theirs['planaria'], theirs['checkpoint'])} | {oobleck_ratio} |")
     print(f"\n{time.perf_counter() - started:.0f} s")
     if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=2))
+        write_json_atomically(Path(args.json), rows)
     return 0
 
 

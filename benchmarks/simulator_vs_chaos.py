@@ -22,10 +22,10 @@ difference is the machine's speed drifting between the runs (docs/simulator.md).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
+from planaria.chaos.report import write_json_atomically
 from planaria.chaos.simulator.local import (fault_costs, load, measured_ettr, predict_ettr,
                                             quiet_step_s, reference_step_s)
 
@@ -69,7 +69,7 @@ def main() -> int:
                   f"| {step_s:.3f} / {row['reference_step_s']:.3f} s | {predicted:.3f} | {measured:.3f} "
                   f"| {row['error']:+.1%} | {row['report_ettr']:.3f} |")
     if args.json:
-        Path(args.json).write_text(json.dumps({"costs": calibrations, "runs": rows}, indent=2))
+        write_json_atomically(Path(args.json), {"costs": calibrations, "runs": rows})
     return 0
 
 
