@@ -54,18 +54,20 @@ def main(argv: list[str] | None = None) -> int:
     rank = int(os.environ.get("RANK", "0"))
     try:
         cfg = load_config(args.config, args.overrides)
-        if elastic_environment() is not None:  # started by a Planaria control plane
-            device, backend = _device_and_backend(cfg)
+        elastic = elastic_environment()
+        if elastic is not None:  # started by a Planaria control plane
+            device, backend = _device_and_backend(cfg, local_rank=elastic[2], per_node=elastic[2] + 1)
             return run_elastic(cfg, console, device, backend, optimizer_settings(cfg))
         plan = None if uses_planner(cfg) else plan_from_config(cfg, world_size=world_size)
         if plan is None and world_size % cfg.parallel.tp:
             raise ConfigError(f"{world_size} processes do not make whole nodes of parallel.tp = "
                               f"{cfg.parallel.tp} workers; launch a multiple of {cfg.parallel.tp}")
+        device, backend = _device_and_backend(cfg, local_rank=int(os.environ.get("LOCAL_RANK", "0")),
+                                              per_node=int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     except ConfigError as err:
         if rank == 0:
             console.print(f"[bold red]config error:[/] {err}")
         return 2
-    device, backend = _device_and_backend(cfg)
     _init_process_group(backend, rank, world_size, cfg.parallel.timeout_s)
     try:
         if plan is None:
@@ -82,12 +84,19 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _device_and_backend(cfg: Config) -> tuple[torch.device, str]:
+def _device_and_backend(cfg: Config, *, local_rank: int, per_node: int) -> tuple[torch.device, str]:
+    """This process's device and backend: with NCCL, the GPU of its local rank (torchrun's
+    LOCAL_RANK, or the one a Planaria agent gives it); `per_node` processes on its node."""
     backend = cfg.parallel.backend
     if backend == "auto":
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        per_node = max(per_node, local_rank + 1)
+        gpus = torch.cuda.device_count()
+        if per_node > gpus:  # every rank of the node sees it, so rank 0 says it
+            raise ConfigError(f"{per_node} process(es) on this node but {gpus} GPU(s) visible, and NCCL "
+                              f"needs a GPU per process: launch at most {gpus} per node "
+                              "(--nproc-per-node), or set parallel.backend=gloo to train on CPU")
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank), backend
     return torch.device("cpu"), backend

@@ -116,5 +116,26 @@ def test_cli_refuses_before_creating_a_process_group(tmp_path):
     assert not (tmp_path / "metrics.jsonl").exists()
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("launcher", [
+    # torchrun: two local ranks.
+    {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2",
+     "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"},
+    # A Planaria agent's second worker on its node (its local rank in PLANARIA_LOCAL_RANK).
+    {"PLANARIA_STORE": "127.0.0.1:1", "PLANARIA_NODE": "node0", "PLANARIA_LOCAL_RANK": "1"},
+], ids=["torchrun", "planaria-agent"])
+def test_cli_refuses_more_nccl_processes_than_gpus(launcher, tmp_path):
+    """Two processes on a node with fewer GPUs (none here): a config error naming the
+    counts and the ways out, not a CUDA error from the second rank."""
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", **launcher)
+    proc = subprocess.run(
+        [sys.executable, "-m", "planaria.train", str(TINY), "parallel.pp=2", "parallel.backend=nccl",
+         f"output.dir={tmp_path}"],
+        capture_output=True, text=True, timeout=50, env=env)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "2 process(es) on this node but 0 GPU(s) visible" in proc.stdout
+    assert "parallel.backend=gloo" in proc.stdout
+
+
 def test_layout_must_be_a_list_of_lists():
     assert "e.g. [[4], [2, 2]]" in refused(["parallel.layout=[4,4]"])
