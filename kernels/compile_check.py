@@ -236,8 +236,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=64, help="rows of tokens the launches are sized for")
     parser.add_argument("--json", help="write the report to this file as well")
     args = parser.parse_args(argv)
-    if dispatch.interpreting() and os.environ.get("PLANARIA_COMPILE_CHECK_CHILD") != "1":
-        env = {**os.environ, **ENV, "PLANARIA_COMPILE_CHECK_CHILD": "1"}
+    if dispatch.interpreting():  # the child, started with TRITON_INTERPRET=0, compiles
+        env = {**os.environ, **ENV}
         return subprocess.run([sys.executable, "-m", "planaria.kernels.compile_check",
                                *(sys.argv[1:] if argv is None else argv)], env=env).returncode
     results = [r for arch in args.arch for dtype in args.dtype for model in args.model
@@ -252,6 +252,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _write_json(path: str, payload) -> None:
+    # Atomic, as chaos.report.write_json_atomically; planaria.kernels imports nothing else of Planaria.
     tmp = f"{path}.tmp"
     with open(tmp, "w") as f:
         json.dump(payload, f, indent=1)

@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(args.config, args.overrides)
         elastic = elastic_environment()
         if elastic is not None:  # started by a Planaria control plane
-            device, backend = _device_and_backend(cfg, local_rank=elastic[2], per_node=elastic[2] + 1)
+            device, backend = _device_and_backend(cfg, local_rank=elastic[2])
             return run_elastic(cfg, console, device, backend, optimizer_settings(cfg))
         plan = None if uses_planner(cfg) else plan_from_config(cfg, world_size=world_size)
         if plan is None and world_size % cfg.parallel.tp:
@@ -84,9 +84,10 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _device_and_backend(cfg: Config, *, local_rank: int, per_node: int) -> tuple[torch.device, str]:
+def _device_and_backend(cfg: Config, *, local_rank: int, per_node: int = 1) -> tuple[torch.device, str]:
     """This process's device and backend: with NCCL, the GPU of its local rank (torchrun's
-    LOCAL_RANK, or the one a Planaria agent gives it); `per_node` processes on its node."""
+    LOCAL_RANK, or the one a Planaria agent gives it); `per_node` processes on its node
+    (at least local_rank + 1: an agent does not say how many it starts)."""
     backend = cfg.parallel.backend
     if backend == "auto":
         backend = "nccl" if torch.cuda.is_available() else "gloo"
