@@ -11,6 +11,7 @@ import sys
 
 import pytest
 
+from planaria.chaos.cli import main as chaos_main
 from planaria.chaos.faults import FaultSpec, FaultSpecError, parse_fault, validate
 from tests.launch import TINY
 
@@ -29,6 +30,24 @@ def chaos(args: list[str], tmp_path, cache, timeout: float = 600) -> subprocess.
     return subprocess.run([sys.executable, "-m", "planaria.chaos.cli", "chaos", str(TINY), *args,
                            "--out", str(tmp_path / "out")],
                           capture_output=True, text=True, timeout=timeout, env=env)
+
+
+@pytest.fixture
+def refused(tmp_path, cache, capsys, monkeypatch):
+    """`planaria chaos ARGS` run in this process on input it must refuse: checks the exit
+    status (2) and returns stderr. In this process, as a subprocess would spend seconds
+    importing torch to print one line; a run that did start would still fail the test."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(cache))
+
+    def run(args: list[str]) -> str:
+        try:
+            code = chaos_main(["chaos", str(TINY), *args, "--out", str(tmp_path / "out")])
+        except SystemExit as exit:
+            code = exit.code
+        err = capsys.readouterr().err
+        assert code == 2, err
+        return err
+    return run
 
 
 @pytest.mark.multiprocess
@@ -103,10 +122,8 @@ def test_simultaneous_faults_and_a_fault_during_the_recovery(tmp_path, cache):
     (["--fault", "kill-etcd-member@3"], "Run with --etcd-members 3"),
     (["--fault", "kill-node"], "expected KIND@STEP[+SECONDS][:target=NODE[.LOCAL]]"),
 ])
-def test_bad_faults_are_refused_before_anything_starts(args, message, tmp_path, cache):
-    proc = chaos(["--nodes", "4", *args], tmp_path, cache, timeout=60)
-    assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert message in proc.stderr and "Traceback" not in proc.stderr
+def test_bad_faults_are_refused_before_anything_starts(args, message, tmp_path, refused):
+    assert message in refused(["--nodes", "4", *args])
     assert not (tmp_path / "out").exists(), "nothing may start for a bad fault"
 
 
@@ -132,13 +149,11 @@ def test_fault_specs_and_targets():
     (None, ["--random", "2", "--random-nodes", "5"], "expected LOW-HIGH"),
 ])
 def test_bad_traces_and_random_settings_are_refused_before_anything_starts(trace_text, extra, message,
-                                                                           tmp_path, cache):
+                                                                           tmp_path, refused):
     if trace_text is not None:
         (tmp_path / "trace.csv").write_text(trace_text)
         extra = ["--trace", str(tmp_path / "trace.csv"), *extra]
-    proc = chaos(["--nodes", "4", *extra], tmp_path, cache, timeout=60)
-    assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert message in proc.stderr and "Traceback" not in proc.stderr
+    assert message in refused(["--nodes", "4", *extra])
     assert not (tmp_path / "out").exists(), "nothing may start for bad input"
 
 
