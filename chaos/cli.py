@@ -53,14 +53,15 @@ def _plan(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from planaria.runtime.config import ConfigError, load_config
-    from planaria.runtime.planning import plan_job, print_report, report_json
+    from planaria.runtime.planning import plan_job, print_report, profile_cache_dir, report_json
 
     try:
         cfg = load_config(args.config, args.overrides)
         report = plan_job(cfg, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
                           fault_tolerance=(args.fault_tolerance if args.fault_tolerance is not None
                                            else cfg.parallel.fault_tolerance),
-                          hardware_name=args.hardware, profile=args.profile)
+                          hardware_name=args.hardware, profile=args.profile,
+                          cache_dir=profile_cache_dir(cfg) if args.profile else None)
     except (ConfigError, ValueError) as err:
         print(f"planaria plan: {err}", file=sys.stderr)
         return 2

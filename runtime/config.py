@@ -93,6 +93,11 @@ class ParallelConfig:
     """f: failures to survive without a checkpoint; the planner keeps f+1 replicas of every layer."""
     min_stages: int = 1
     """The planner gives every pipeline at least this many stages."""
+    profile_cache: str = ""
+    """Where the planner keeps the layer profiles it measures (a job with no layout, pp or
+    dp); empty: `output.dir`/profile-cache. A profile is keyed by everything that changes
+    it (model, micro batch, dtype, device, threads, torch's version), so one directory can
+    serve every job of a machine type and spare each new run the measurement."""
     backend: str = "auto"
     """'gloo', 'nccl', or 'auto' (nccl when CUDA is present)."""
     timeout_s: float = 300.0

@@ -99,6 +99,11 @@ def detect_hardware_name(device: torch.device) -> str:
     return next((preset for preset in ("h200", "h100", "a100") if preset in name), "h100")
 
 
+def profile_cache_dir(cfg: Config) -> Path:
+    """`parallel.profile_cache`, or the job's own `output.dir`/profile-cache."""
+    return Path(cfg.parallel.profile_cache or Path(cfg.output.dir) / "profile-cache").expanduser()
+
+
 def plan_for_world(cfg: Config, world_size: int, rank: int, device: torch.device,
                    group: dist.ProcessGroup | None = None) -> tuple[Plan, str]:
     """The planner's plan for `world_size` processes: made on rank 0, broadcast to all.
@@ -112,7 +117,7 @@ def plan_for_world(cfg: Config, world_size: int, rank: int, device: torch.device
             report = plan_job(cfg, nodes=world_size // cfg.parallel.tp, gpus_per_node=cfg.parallel.tp,
                               fault_tolerance=cfg.parallel.fault_tolerance,
                               hardware_name=detect_hardware_name(device), profile=True,
-                              cache_dir=Path(cfg.output.dir) / "profile-cache", device=device,
+                              cache_dir=profile_cache_dir(cfg), device=device,
                               concurrent_workers=int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
             summary = (f"planner: n0={report.planner.n0}, {report.choice.replicas} replica(s), "
                        f"estimated {report.choice.iteration_time_s * 1000:.1f} ms per step "

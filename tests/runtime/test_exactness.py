@@ -53,14 +53,24 @@ def reference():
                            grad_clip=cfg.train.grad_clip, dtype=torch.float64)
 
 
+@pytest.fixture(scope="module")
+def profile_cache(tmp_path_factory):
+    """The planner cases' `parallel.profile_cache`: the first measures the layers, the
+    second plans from the same profile (both profile beside one busy worker: 2 cores)."""
+    return tmp_path_factory.mktemp("profile-cache")
+
+
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("case", list(CASES))
-def test_parallel_plan_matches_single_process(case, reference, tmp_path):
+def test_parallel_plan_matches_single_process(case, reference, tmp_path, profile_cache):
     nproc, overrides = CASES[case]
+    if case.startswith("planner"):
+        overrides = [*overrides, f"parallel.profile_cache={profile_cache}"]
     proc = torchrun_train(nproc, JOB + overrides, tmp_path)
     if case.startswith("planner"):
         assert "planner: n0=" in proc.stdout
+        assert len(list(profile_cache.glob("profile-*.json"))) == 1
     if "min-stages-2" in case:
         assert "stages [2, 2]" in proc.stdout
 
