@@ -21,7 +21,7 @@ from tests.runtime.test_recovery import JOB, check_against_reference
 
 pytest.importorskip("pyetcd")
 
-STEPS = 120
+STEPS = 90
 OUTAGE_S = 6.0
 """Longer than the agents' lease TTL (3 s): a lease that could lapse would."""
 SETTLE_S = 3 + 2 + 1
