@@ -16,6 +16,8 @@ import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from planaria.chaos.faults import parse_fault
+
 
 @dataclass
 class InjectedFault:
@@ -32,9 +34,12 @@ class Recovery:
     fault: str
     step: int
     detect_s: float | None
-    """From the fault to the controller's detection; None: nothing to detect (an etcd member)."""
+    """From the fault to the controller's detection; None: nothing to detect (an etcd
+    member), or the fault struck while a reconfiguration was under way, and that one
+    counted its node among the failed (`note` says so)."""
     plan_s: float | None
-    """From detection to the next epoch's publication (statuses, decision, plan)."""
+    """From detection (or the fault, when it joined a reconfiguration under way) to the
+    next epoch's publication (statuses, decision, plan)."""
     transfer_s: float | None
     """The slowest worker's layer transfers in the new epoch."""
     total_s: float | None
@@ -160,8 +165,7 @@ def recoveries(faults: list[InjectedFault], events: list[dict], timings: dict[in
         return next((t for t, e in stepped if t > fault_time and e >= epoch), None)
     found = []
     for fault in faults:
-        event = next((ev for ev in sorted(events, key=lambda ev: ev["epoch"])
-                      if ev["detected_s"] >= fault.time), None)
+        event = _handling_event(fault, events)
         if fault.fault.startswith("kill-etcd-member"):
             found.append(Recovery(fault.fault, fault.step, None, None, None, None, 0, None,
                                   note="etcd member: no reconfiguration needed"))
@@ -183,6 +187,15 @@ def recoveries(faults: list[InjectedFault], events: list[dict], timings: dict[in
         rendezvous = [t["rendezvous_s"] - event["published_s"] for t in worker_timings if "rendezvous_s" in t]
         first_steps = [t["first_step_s"] - t["transfer_s"] for t in worker_timings
                        if "first_step_s" in t and "transfer_s" in t]
+        if event["detected_s"] < fault.time:  # it joined a reconfiguration already under way
+            found.append(Recovery(
+                fault.fault, fault.step, detect_s=None, plan_s=event["published_s"] - fault.time,
+                transfer_s=max(transfers) if transfers else None,
+                total_s=None if resumed is None else resumed - fault.time,
+                bytes_moved=moved, epoch=epoch, plan_shape=event.get("plan_shape"),
+                transfers=int(event.get("transfers", 0)),
+                note=f"struck while the reconfiguration to epoch {epoch} was under way; it took this in"))
+            continue
         found.append(Recovery(
             fault.fault, fault.step, detect_s=event["detected_s"] - fault.time,
             plan_s=event["published_s"] - event["detected_s"],
@@ -193,6 +206,21 @@ def recoveries(faults: list[InjectedFault], events: list[dict], timings: dict[in
             rendezvous_s=max(rendezvous) if rendezvous else None,
             first_step_s=max(first_steps) if first_steps else None))
     return found
+
+
+def _handling_event(fault: InjectedFault, events: list[dict]) -> dict | None:
+    """The reconfiguration that took `fault` in: the first one detected after it, or an
+    earlier one, already under way when the fault struck (collecting statuses, say),
+    that counted the fault's node among the failed before it published its plan."""
+    spec = parse_fault(fault.fault)
+    node = None if spec.node is None else f"node{spec.node}"
+    for ev in sorted(events, key=lambda ev: ev["epoch"]):
+        if ev["detected_s"] >= fault.time:
+            return ev
+        took_it_in = node is not None and any(w.split(".")[0] == node for w in ev.get("failed", ()))
+        if took_it_in and ev["published_s"] >= fault.time:
+            return ev
+    return None
 
 
 def build_report(*, out_dir: Path, steps: int, outcome: str, faults: list[InjectedFault],

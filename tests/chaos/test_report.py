@@ -86,3 +86,23 @@ def test_ettr_against_the_runs_own_steps_leaves_out_the_machines_drift():
     assert abs(ettr_against(100, times[-1], own) - 100 * 0.8 / (times[-1] + 0.8)) < 1e-12
     assert ettr_against(100, times[-1], 1.0) > ettr_against(100, times[-1], own)  # the drift inflates it
     assert own_step_s(times, [0.8 * i for i in range(0, 100, 10)]) is None  # no step far from a fault
+
+
+def test_a_fault_during_a_reconfiguration_is_credited_to_the_one_that_took_it_in():
+    """node2 dies at t=10; the controller detects it at 10.2 and collects statuses until
+    13. node5's agent is killed at 11: that reconfiguration counts node5.0 among the
+    failed too, and it is the one that recovered from both. A fault it did not count
+    (node4 at 12.9, seen only after the plan went out) goes to the next one."""
+    from planaria.chaos.report import recoveries
+
+    events = [{"epoch": 1, "detected_s": 10.2, "published_s": 13.0, "failed": ["node2.0", "node5.0"]},
+              {"epoch": 2, "detected_s": 13.5, "published_s": 14.0, "failed": ["node4.0"]}]
+    logs = {"node0.0": [{"iteration": 3, "loss": 1.0, "epoch": 1, "time": 13.4},
+                        {"iteration": 4, "loss": 1.0, "epoch": 2, "time": 14.3}]}
+    faults = [InjectedFault("kill-node@3:target=2", 3, 10.0), InjectedFault("kill-agent@3+1:target=5", 3, 11.0),
+              InjectedFault("kill-node@3:target=4", 3, 12.9)]
+    node, agent, late = recoveries(faults, events, {}, logs)
+    assert (node.epoch, node.note) == (1, "") and abs(node.detect_s - 0.2) < 1e-9
+    assert agent.epoch == 1 and agent.detect_s is None and "under way" in agent.note
+    assert abs(agent.plan_s - 2.0) < 1e-9 and abs(agent.total_s - 2.4) < 1e-9
+    assert late.epoch == 2 and abs(late.detect_s - 0.6) < 1e-9
