@@ -4,7 +4,7 @@ agent that holds the leadership, the controller (DESIGN §7-8).
     python -m planaria.elastic.agent --node NAME --nproc-per-node G --etcd HOST:PORT \\
         --run-id JOB --nnodes MIN [--lease-ttl S] -- CONFIG.yaml [section.key=value ...]
 
-Keys, under /planaria/<run-id>/ (the job's `EtcdStore` prefix):
+Keys, under /planaria/<run-id>/ (the job's `EtcdKeyValue` prefix):
 
     nodes/<node>            the node, bound to its agent's lease
     alive/<node>.<local>    a live worker, bound to the lease, deleted when it exits
@@ -64,7 +64,7 @@ from pathlib import Path
 
 from planaria.elastic.controller import CheckpointPolicy, Controller, StaleLeader
 from planaria.elastic.etcd_client import EtcdClient, EtcdSettings, EtcdUnavailable
-from planaria.elastic.etcd_store import EtcdStore
+from planaria.elastic.etcd_kv import EtcdKeyValue
 from planaria.runtime.config import ConfigError, load_config, status_timeout_s
 from planaria.runtime.coordination import Worker, worker_key
 from planaria.runtime.heartbeat import ENV as HEARTBEAT_ENV, silent_for
@@ -93,7 +93,7 @@ class Agent:
         self.client = EtcdClient(settings, on_outage=self.log)
         self.outage_limit_s = outage_limit_s
         self.prefix = f"/planaria/{run_id}/"
-        self.store = EtcdStore(self.client, self.prefix)
+        self.store = EtcdKeyValue(self.client, self.prefix)
         self.store_url = f"etcd://{settings.endpoint}{self.prefix.rstrip('/')}"
         self.config, self.overrides = config, overrides
         self.cfg = load_config(config, overrides)

@@ -27,15 +27,16 @@ import json
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
-import torch.distributed as dist
-
-from planaria.runtime.checkpointing import complete_checkpoints, prune, step_dir, write_manifest
+from planaria.runtime.checkpoint_files import complete_checkpoints, prune, step_dir, write_manifest
 from planaria.runtime.coordination import EpochRecord, ReachableDeadline, Worker, worker_key
 from planaria.runtime.exactly_once import CommitRecord, InconsistentStatuses, Resolution, WorkerStatus, resolve
 from planaria.templates.plan import Plan, missing_from, transfers_from
 from planaria.templates.planner import Planner
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
 
 
 def _text(value) -> str:

@@ -27,8 +27,7 @@ import warnings
 
 import torch
 
-MODES = ("auto", "triton", "reference")
-ENV = "PLANARIA_KERNELS"
+from planaria.kernels.modes import ENV, MODES
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -14,20 +14,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-MANIFEST = "manifest.json"
-
-
-def shard_filename(layer: int, tp_rank: int) -> str:
-    return f"layer{layer:04d}-tp{tp_rank}.pt"
-
-
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+from planaria.runtime.checkpoint_files import MANIFEST, atomic_write_bytes, shard_filename
 
 
 def _atomic_torch_save(obj, path: Path) -> None:

@@ -11,13 +11,11 @@ copied to CPU memory (cheap), and a thread writes the files (temporary name, the
 rename) while training goes on. When a worker's files of a checkpoint are on disk, the
 thread adds their count to `checkpoint/<iteration>/shards` in the job's store; the control
 plane writes the manifest when the count reaches the number of shards, and prunes old
-checkpoints (`complete_checkpoints`, `write_manifest`, `prune`). Loading uses
+checkpoints (`planaria.runtime.checkpoint_files`). Loading uses
 `torch.load(weights_only=True)`: tensors only, no arbitrary pickle.
 """
 from __future__ import annotations
 
-import json
-import shutil
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
@@ -25,17 +23,14 @@ from typing import TYPE_CHECKING, Callable
 import torch
 import torch.distributed as dist
 
-from planaria.runtime.checkpoint import MANIFEST, _atomic_torch_save, atomic_write_bytes, shard_filename
+from planaria.runtime.checkpoint import _atomic_torch_save
+from planaria.runtime.checkpoint_files import prune, shard_filename, step_dir, write_manifest
 from planaria.runtime.exactly_once import CommitRecord
 
 if TYPE_CHECKING:
     from planaria.runtime.engine import Engine, LayerState
 
 _ADAM = ("exp_avg", "exp_avg_sq", "step")
-
-
-def step_dir(directory: Path, iteration: int) -> Path:
-    return Path(directory) / f"step-{iteration:08d}"
 
 
 def snapshot_layer(state: "LayerState") -> dict[str, torch.Tensor]:
@@ -122,38 +117,3 @@ def save_checkpoint(engine: "Engine", directory: Path, keep: int) -> Path:
         write_manifest(directory, engine.last_commit, engine.plan.num_layers, engine.plan.tp)
         prune(directory, keep)
     return target
-
-
-# ---- the control plane's side -----------------------------------------------------------
-
-
-def write_manifest(directory: Path, commit: CommitRecord, num_layers: int, tp: int) -> Path:
-    target = step_dir(directory, commit.iteration)
-    manifest = {"iteration": commit.iteration, "loss": commit.loss, "grad_norm": commit.grad_norm,
-                "num_layers": num_layers, "tp": tp}
-    atomic_write_bytes(target / MANIFEST, json.dumps(manifest, indent=1).encode())
-    return target
-
-
-def complete_checkpoints(directory: Path) -> list[tuple[int, Path]]:
-    """(iteration, directory) of every checkpoint with a manifest, oldest first."""
-    found = []
-    for path in Path(directory).glob("step-*"):
-        if (path / MANIFEST).is_file():
-            found.append((json.loads((path / MANIFEST).read_text())["iteration"], path))
-    return sorted(found)
-
-
-def read_manifest(path: Path) -> dict:
-    return json.loads((Path(path) / MANIFEST).read_text())
-
-
-def prune(directory: Path, keep: int, *, after: int | None = None) -> None:
-    """Keep the newest `keep` complete checkpoints; with `after`, also delete every
-    checkpoint, complete or not, of a later iteration (the job went back before it)."""
-    complete = complete_checkpoints(directory)
-    doomed = [path for _, path in complete[:-keep]] if len(complete) > keep else []
-    if after is not None:
-        doomed += [p for p in Path(directory).glob("step-*") if int(p.name.split("-")[1]) > after]
-    for path in doomed:
-        shutil.rmtree(path, ignore_errors=True)

@@ -9,15 +9,14 @@ naming the key and the fix. `plan_from_config` turns the parallel section into a
 from __future__ import annotations
 
 import difflib
+import math
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from planaria.kernels import MODES as KERNEL_MODES
-from planaria.kernels import describe as describe_kernels
-from planaria.runtime.model import ModelConfig
+from planaria.kernels.modes import MODES as KERNEL_MODES
 from planaria.templates.costs import ModelShape
 from planaria.templates.layout import homogeneous_layout, plan_from_layout
 from planaria.templates.plan import SCHEDULE_NAMES, Plan
@@ -27,6 +26,49 @@ DTYPES = ("float32", "float64", "bfloat16")
 
 class ConfigError(ValueError):
     """A configuration a user must fix; the message names the key."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape of the decoder (`planaria.runtime.model` builds it), checked by `check_config`."""
+
+    n_layers: int = 4
+    """Transformer blocks (the plan has n_layers + 2 layers: embedding and head too)."""
+    d_model: int = 64
+    """Hidden size."""
+    n_heads: int = 4
+    """Attention heads; must divide d_model and be divisible by parallel.tp."""
+    vocab_size: int = 256
+    """Vocabulary size; must be divisible by parallel.tp."""
+    seq_len: int = 64
+    """Tokens per sequence."""
+    ffn_hidden: int = 0
+    """SwiGLU hidden size; 0 means LLaMA's 8/3 * d_model rounded up to a multiple of 32."""
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    init_std: float = 0.02
+    kernels: str = "auto"
+    """Fused Triton kernels (planaria.kernels): "auto" where Triton and a GPU are present,
+    "triton" the same but warning when they cannot run, "reference" plain PyTorch.
+    PLANARIA_KERNELS=triton runs them through Triton's interpreter on CPU (for tests)."""
+    fused_head_loss: bool = False
+    """The output projection and the loss as one operation over chunks of tokens
+    (planaria.kernels.linear_cross_entropy): the full logits never exist. The last
+    layer then outputs the normalised hidden states and the loss applies the head."""
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def ffn_dim(self) -> int:
+        if self.ffn_hidden:
+            return self.ffn_hidden
+        return 32 * math.ceil(8 * self.d_model / 3 / 32)
+
+    @property
+    def num_layers(self) -> int:
+        return self.n_layers + 2
 
 
 @dataclass(frozen=True)
@@ -369,6 +411,10 @@ def _check_schedules(plan: Plan) -> None:
 
 
 def describe(cfg: Config, plan: Plan) -> str:
+    """The job's start-up line. (It asks the kernels' dispatcher, which imports torch:
+    only the processes that compute print it.)"""
+    from planaria.kernels import describe as describe_kernels
+
     params = _parameter_count(cfg.model)
     return (f"model: {cfg.model.n_layers} blocks, d_model {cfg.model.d_model}, "
             f"{cfg.model.n_heads} heads, vocab {cfg.model.vocab_size}, {params / 1e6:.2f}M parameters | "

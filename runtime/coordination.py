@@ -8,6 +8,10 @@ the job to stop at the next iteration boundary (a node joins). `StoreCoordinator
 implements it over any `torch.distributed.Store`: a `TCPStore` that a test harness or
 local launcher owns, or the etcd-backed store of `planaria.elastic`.
 
+The records and key names here are the controller's too, and a node's agent imports
+them: this module imports torch only where a worker uses it (`rendezvous_store`,
+`connect_store`), so that an agent, which never computes, starts without it.
+
 Keys (under whatever prefix the store carries):
 
     members/<node>.<local>          a worker's announcement: {"pid": ...}
@@ -29,11 +33,13 @@ import os
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
-
-import torch.distributed as dist
+from typing import TYPE_CHECKING
 
 from planaria.runtime.exactly_once import CommitRecord, WorkerStatus
 from planaria.templates.plan import Plan, Transfer
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
 
 Worker = tuple[str, int]
 POLL_S = 0.02
@@ -63,58 +69,6 @@ class ReachableDeadline:
             self._deadline += stalled
         self._last = now
         return now > self._deadline
-
-
-class AbandonableStore(dist.Store):
-    """`base`, whose blocking reads (`get`, `wait`) give up with a DistStoreError when
-    `abandoned()` turns true. Written here because c10d's stores only give up on their
-    timeout, and a rendezvous cannot be interrupted from outside."""
-
-    def __init__(self, base: dist.Store, abandoned, message: str, poll_s: float = 0.01):
-        super().__init__()
-        self.base, self.abandoned, self.message, self.poll_s = base, abandoned, message, poll_s
-
-    def _wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
-        limit = (timeout or self.base.timeout).total_seconds()
-        deadline = time.monotonic() + limit
-        while not self.base.check(keys):
-            if self.abandoned():
-                raise dist.DistStoreError(f"{self.message} (waiting for {keys})")
-            if time.monotonic() > deadline:
-                raise dist.DistStoreError(f"wait timeout after {limit * 1000:.0f}ms, keys: {keys}")
-            time.sleep(self.poll_s)
-
-    def set(self, key, value) -> None:
-        self.base.set(key, value)
-
-    def get(self, key) -> bytes:
-        self._wait([key])
-        return self.base.get(key)
-
-    def wait(self, keys, timeout: timedelta | None = None) -> None:
-        self._wait(list(keys), timeout)
-
-    def check(self, keys) -> bool:
-        return self.base.check(keys)
-
-    def add(self, key, amount: int) -> int:
-        return self.base.add(key, amount)
-
-    def compare_set(self, key, expected, desired) -> bytes:
-        return self.base.compare_set(key, expected, desired)
-
-    def delete_key(self, key) -> bool:
-        return self.base.delete_key(key)
-
-    def num_keys(self) -> int:
-        return self.base.num_keys()
-
-    def set_timeout(self, timeout: timedelta) -> None:
-        self.base.set_timeout(timeout)
-
-    @property
-    def timeout(self) -> timedelta:
-        return self.base.timeout
 
 
 class JobEnded(Exception):
@@ -189,6 +143,10 @@ class StoreCoordinator:
         """The epoch's process-group rendezvous, given up as soon as the control plane
         moves past the epoch: a peer that dies before it has registered would otherwise
         hold everyone in the rendezvous until the store's timeout."""
+        import torch.distributed as dist
+
+        from planaria.runtime.abandonable_store import AbandonableStore
+
         store = AbandonableStore(dist.PrefixStore(f"epoch/{epoch}/pg/", self.store),
                                  lambda: self.reconfigure_requested(epoch),
                                  f"epoch {epoch} was abandoned by the control plane during its rendezvous")
@@ -222,6 +180,8 @@ def connect_store(url: str, timeout_s: float = 60.0) -> dist.Store:
     scheme names a store registered under the `planaria.stores` entry point group
     ("etcd://host:port/prefix" is `planaria.elastic`'s), so the runtime needs no import
     of the control plane that provides it."""
+    import torch.distributed as dist
+
     scheme, sep, rest = url.partition("://")
     if not sep:
         scheme, rest = "tcp", url

@@ -31,7 +31,8 @@ import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from planaria.runtime.checkpointing import load_layer, read_layer, read_manifest
+from planaria.runtime.checkpoint_files import read_manifest
+from planaria.runtime.checkpointing import load_layer, read_layer
 from planaria.runtime.exactly_once import INCOMPLETE, SYNCED, CommitRecord, WorkerStatus
 from planaria.runtime.groups import EpochGroups
 from planaria.runtime.model import LayerModel

@@ -12,7 +12,6 @@ an `nn.Module`, and a loss over the last layer's output (see `LayerModel`).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -20,6 +19,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from planaria.kernels import apply_rotary, linear_cross_entropy, rms_norm, rotary_tables, swiglu
+from planaria.runtime.config import ModelConfig
 from planaria.runtime.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -28,49 +28,6 @@ from planaria.runtime.tensor_parallel import (
     copy_to_tp,
     vocab_parallel_cross_entropy,
 )
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    """Shape of the decoder. Checked by `planaria.runtime.config`."""
-
-    n_layers: int = 4
-    """Transformer blocks (the plan has n_layers + 2 layers: embedding and head too)."""
-    d_model: int = 64
-    """Hidden size."""
-    n_heads: int = 4
-    """Attention heads; must divide d_model and be divisible by parallel.tp."""
-    vocab_size: int = 256
-    """Vocabulary size; must be divisible by parallel.tp."""
-    seq_len: int = 64
-    """Tokens per sequence."""
-    ffn_hidden: int = 0
-    """SwiGLU hidden size; 0 means LLaMA's 8/3 * d_model rounded up to a multiple of 32."""
-    norm_eps: float = 1e-5
-    rope_theta: float = 10000.0
-    init_std: float = 0.02
-    kernels: str = "auto"
-    """Fused Triton kernels (planaria.kernels): "auto" where Triton and a GPU are present,
-    "triton" the same but warning when they cannot run, "reference" plain PyTorch.
-    PLANARIA_KERNELS=triton runs them through Triton's interpreter on CPU (for tests)."""
-    fused_head_loss: bool = False
-    """The output projection and the loss as one operation over chunks of tokens
-    (planaria.kernels.linear_cross_entropy): the full logits never exist. The last
-    layer then outputs the normalised hidden states and the loss applies the head."""
-
-    @property
-    def head_dim(self) -> int:
-        return self.d_model // self.n_heads
-
-    @property
-    def ffn_dim(self) -> int:
-        if self.ffn_hidden:
-            return self.ffn_hidden
-        return 32 * math.ceil(8 * self.d_model / 3 / 32)
-
-    @property
-    def num_layers(self) -> int:
-        return self.n_layers + 2
 
 
 class RMSNorm(nn.Module):

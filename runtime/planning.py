@@ -3,6 +3,9 @@
 Turns a job config into a cost model (analytic with a hardware preset, or profiled on
 this machine), builds the templates, instantiates the plan for N nodes, and reports
 it as a table a person can read or as JSON for tools.
+
+A node's agent plans with the analytic model and never computes: torch is imported only
+where a profile is measured or a plan is broadcast, so the agent starts without it.
 """
 from __future__ import annotations
 
@@ -11,9 +14,8 @@ import os
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-import torch.distributed as dist
 from rich.console import Console
 from rich.table import Table
 
@@ -23,6 +25,10 @@ from planaria.templates.costs import CostModel, ModelShape
 from planaria.templates.partition import pipeline_iteration_time
 from planaria.templates.plan import Plan
 from planaria.templates.planner import Planner, PlanChoice, PlannerSettings
+
+if TYPE_CHECKING:
+    import torch
+    import torch.distributed as dist
 
 
 @dataclass(frozen=True)
@@ -42,6 +48,8 @@ def cost_model(cfg: Config, *, hardware_name: str, gpus_per_node: int, profile: 
     `concurrent_workers` (profiling on CPU): how many workers compute at once on this
     machine, default a node's `gpus_per_node`; counted at most one per core."""
     if profile:
+        import torch
+
         from planaria.runtime.profile import profile_model
 
         if gpus_per_node != cfg.parallel.tp:
@@ -95,6 +103,8 @@ def detect_hardware_name(device: torch.device) -> str:
     """The preset closest to this device, for the links and memory the profiler does not measure."""
     if device.type != "cuda":
         return "cpu"
+    import torch
+
     name = torch.cuda.get_device_name(device).lower()
     return next((preset for preset in ("h200", "h100", "a100") if preset in name), "h100")
 
@@ -111,6 +121,8 @@ def plan_for_world(cfg: Config, world_size: int, rank: int, device: torch.device
     Only rank 0 profiles and plans: measured times differ a little between processes,
     and every rank must run the very same plan. Returns the plan and a summary line.
     """
+    import torch.distributed as dist
+
     payload: list = [None]
     if rank == 0:
         try:

@@ -25,7 +25,8 @@ import torch.distributed as dist
 from rich.console import Console
 
 from planaria.runtime.checkpoint import save_model_shards
-from planaria.runtime.checkpointing import complete_checkpoints, save_checkpoint
+from planaria.runtime.checkpoint_files import complete_checkpoints
+from planaria.runtime.checkpointing import save_checkpoint
 from planaria.runtime.config import (Config, ConfigError, describe, load_config, plan_from_config,
                                      torch_dtypes, uses_planner)
 from planaria.runtime.data import build_dataset

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -67,6 +68,10 @@ class Job:
                 return value.decode()
             time.sleep(0.1)
         raise AssertionError("no leader elected")
+
+    def imported_torch(self, node: str) -> bool:
+        """Whether `node`'s agent process has torch's library mapped (Linux)."""
+        return "libtorch" in Path(f"/proc/{self.agents[node].pid}/maps").read_text()
 
     def kill_node(self, node: str) -> None:
         os.killpg(self.agents[node].pid, signal.SIGKILL)
@@ -145,6 +150,10 @@ def test_node_added_is_absorbed(etcd, tmp_path):
     try:
         job.wait_for_commits(2)
         job.add_node("node4")
+        job.wait_for_commits(1, worker="node4.0")
+        # An agent never computes, the leader's neither, through a reconfiguration that
+        # planned and moved layers: none has imported torch (seconds and ~250 MB each).
+        assert not [node for node in job.agents if job.imported_torch(node)], job.logs()
         codes = job.wait()
     finally:
         job.close()

@@ -8,7 +8,7 @@ import json
 import torch.distributed as dist
 
 from planaria.elastic.controller import CheckpointPolicy, Controller
-from planaria.runtime.checkpointing import complete_checkpoints, step_dir
+from planaria.runtime.checkpoint_files import complete_checkpoints, step_dir
 from planaria.runtime.config import load_config
 from planaria.runtime.planning import build_planner, cost_model
 from tests.launch import TINY

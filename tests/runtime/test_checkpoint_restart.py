@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from planaria.runtime.checkpointing import complete_checkpoints, read_layer
+from planaria.runtime.checkpoint_files import complete_checkpoints
+from planaria.runtime.checkpointing import read_layer
 from tests.launch import assert_final_parameters, read_metrics, reference_run, torchrun_train
 from tests.runtime.test_recovery import JOB, STEPS
 

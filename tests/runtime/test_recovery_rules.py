@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from planaria.runtime.audit import _compare
-from planaria.runtime.checkpointing import complete_checkpoints, prune, step_dir, write_manifest
+from planaria.runtime.checkpoint_files import complete_checkpoints, prune, step_dir, write_manifest
 from planaria.runtime.coordination import EpochRecord
 from planaria.runtime.exactly_once import (INCOMPLETE, SYNCED, CommitRecord, InconsistentStatuses,
                                            WorkerStatus, resolve)

@@ -1,0 +1,98 @@
+"""A job's keys in etcd, with the interface of a `torch.distributed.Store`.
+
+Every key lives in etcd under a prefix (`/planaria/<run>/`), so any surviving member of
+the etcd cluster serves it: the job's coordination keys (`planaria.runtime.coordination`),
+which the controller and workers read and write over etcd exactly as over a TCPStore,
+and, through `planaria.elastic.etcd_store.EtcdStore`, the process groups' rendezvous.
+
+What each operation maps to:
+- `set`, `get` (waits until the key exists, up to the store's timeout), `check`,
+  `wait`, `delete_key`, `num_keys` (keys under the prefix): plain etcd reads and writes;
+- `add`: a compare-and-swap loop on the key's version (etcd has no atomic increment);
+- `compare_set`: one transaction comparing the value.
+Waiting is polling every 10 ms: a rendezvous touches few keys, and polling needs no
+watch stream to keep alive.
+
+`EtcdKeyValue` is torch-free: a node's agent runs the control plane over it and never
+imports torch (seconds at start-up, and a few hundred MB that an agent has no use for).
+"""
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+
+from planaria.elastic.etcd_client import EtcdClient
+
+_POLL_S = 0.01
+
+
+class EtcdKeyValue:
+    """Keys under `prefix` in the etcd of `client`, with the methods of a
+    `torch.distributed.Store` (see the module docstring). Torch-free, for the control
+    plane; `EtcdStore` is the same as a real Store, for process groups."""
+
+    timeout_error: type[Exception] = TimeoutError
+    """What a read that waited out the store's timeout raises."""
+
+    def __init__(self, client: EtcdClient, prefix: str, timeout: timedelta = timedelta(seconds=300)):
+        self.client = client
+        self.prefix = prefix.rstrip("/") + "/"
+        self._timeout = timeout
+
+    # -- helpers --------------------------------------------------------------------
+    def _key(self, key: str) -> str:
+        return self.prefix + key
+
+    def _wait_for(self, keys: list[str], timeout: timedelta | None) -> None:
+        limit = (timeout or self._timeout).total_seconds()
+        deadline = time.monotonic() + limit
+        missing = list(keys)
+        while missing:
+            missing = [k for k in missing if self.client.get(self._key(k))[0] is None]
+            if not missing:
+                return
+            if time.monotonic() > deadline:
+                raise self.timeout_error(f"wait timeout after {limit * 1000:.0f}ms, keys: "
+                                          f"{[self._key(k) for k in missing]} in etcd {self.client.endpoint}")
+            time.sleep(_POLL_S)
+
+    # -- the Store interface --------------------------------------------------------
+    def set(self, key: str, value) -> None:
+        self.client.put(self._key(key), _bytes(value))
+
+    def get(self, key: str) -> bytes:
+        self._wait_for([key], None)
+        return self.client.get(self._key(key))[0]
+
+    def check(self, keys: list[str]) -> bool:
+        return all(self.client.get(self._key(k))[0] is not None for k in keys)
+
+    def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
+        self._wait_for(keys, timeout)
+
+    def add(self, key: str, amount: int) -> int:
+        return self.client.atomic_add(self._key(key), int(amount))
+
+    def compare_set(self, key: str, expected, desired) -> bytes:
+        return self.client.compare_and_set(self._key(key), _bytes(expected), _bytes(desired))
+
+    def delete_key(self, key: str) -> bool:
+        return self.client.delete(self._key(key))
+
+    def num_keys(self) -> int:
+        return self.client.count_prefix(self.prefix)
+
+    def set_timeout(self, timeout: timedelta) -> None:
+        self._timeout = timeout
+
+    @property
+    def timeout(self) -> timedelta:
+        return self._timeout
+
+
+def _bytes(value) -> bytes:
+    if isinstance(value, bytes):
+        return value
+    if isinstance(value, str):
+        return value.encode()
+    return bytes(value)  # c10d passes a list of ints
