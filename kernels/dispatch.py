@@ -27,7 +27,8 @@ import warnings
 
 import torch
 
-from planaria.kernels.modes import ENV, MODES
+MODES = ("auto", "triton", "reference")
+ENV = "PLANARIA_KERNELS"
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")

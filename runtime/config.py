@@ -16,12 +16,15 @@ from typing import Any
 
 import yaml
 
-from planaria.kernels.modes import MODES as KERNEL_MODES
 from planaria.templates.costs import ModelShape
 from planaria.templates.layout import homogeneous_layout, plan_from_layout
 from planaria.templates.plan import SCHEDULE_NAMES, Plan
 
 DTYPES = ("float32", "float64", "bfloat16")
+KERNEL_MODES = ("auto", "triton", "reference")
+"""`planaria.kernels.MODES`, written out: importing the kernels package imports torch and
+Triton, which a node's agent (it checks configs, never computes) does without.
+tests/runtime/test_config.py checks that the two agree."""
 
 
 class ConfigError(ValueError):

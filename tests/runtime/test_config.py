@@ -18,6 +18,24 @@ def refused(overrides: list[str], *, world_size: int | None = None) -> str:
     return str(err.value)
 
 
+def test_the_configs_kernel_modes_are_the_dispatchers():
+    """config.py writes them out so as not to import torch (an agent checks configs)."""
+    import planaria.kernels
+    from planaria.runtime.config import KERNEL_MODES
+
+    assert KERNEL_MODES == planaria.kernels.MODES
+
+
+def test_a_control_plane_process_imports_no_torch():
+    """What an agent imports (the config, the controller, etcd keys, the analytic planner)
+    leaves torch out: an agent starts in a fraction of the time and memory."""
+    code = ("import sys, planaria.elastic.agent, planaria.runtime.config; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'triton')))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]", done.stdout
+
+
 def test_tiny_config_leaves_the_plan_to_the_planner():
     assert uses_planner(load_config(TINY))
     assert plan_from_config(load_config(TINY, ["parallel.pp=1"]), world_size=1).world_size == 1
