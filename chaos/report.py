@@ -187,22 +187,18 @@ def recoveries(faults: list[InjectedFault], events: list[dict], timings: dict[in
         rendezvous = [t["rendezvous_s"] - event["published_s"] for t in worker_timings if "rendezvous_s" in t]
         first_steps = [t["first_step_s"] - t["transfer_s"] for t in worker_timings
                        if "first_step_s" in t and "transfer_s" in t]
-        if event["detected_s"] < fault.time:  # it joined a reconfiguration already under way
-            found.append(Recovery(
-                fault.fault, fault.step, detect_s=None, plan_s=event["published_s"] - fault.time,
-                transfer_s=max(transfers) if transfers else None,
-                total_s=None if resumed is None else resumed - fault.time,
-                bytes_moved=moved, epoch=epoch, plan_shape=event.get("plan_shape"),
-                transfers=int(event.get("transfers", 0)),
-                note=f"struck while the reconfiguration to epoch {epoch} was under way; it took this in"))
-            continue
+        # A fault that struck while this reconfiguration was under way was not what it
+        # detected: no detection time, and its plan time counts from the fault.
+        under_way = event["detected_s"] < fault.time
         found.append(Recovery(
-            fault.fault, fault.step, detect_s=event["detected_s"] - fault.time,
-            plan_s=event["published_s"] - event["detected_s"],
+            fault.fault, fault.step, detect_s=None if under_way else event["detected_s"] - fault.time,
+            plan_s=event["published_s"] - max(event["detected_s"], fault.time),
             transfer_s=max(transfers) if transfers else None,
             total_s=None if resumed is None else resumed - fault.time,
             bytes_moved=moved, epoch=epoch, plan_shape=event.get("plan_shape"),
             transfers=int(event.get("transfers", 0)),
+            note=(f"struck while the reconfiguration to epoch {epoch} was under way; it took this in"
+                  if under_way else ""),
             rendezvous_s=max(rendezvous) if rendezvous else None,
             first_step_s=max(first_steps) if first_steps else None))
     return found
