@@ -197,8 +197,8 @@ def recoveries(faults: list[InjectedFault], events: list[dict], timings: dict[in
             total_s=None if resumed is None else resumed - fault.time,
             bytes_moved=moved, epoch=epoch, plan_shape=event.get("plan_shape"),
             transfers=int(event.get("transfers", 0)),
-            note=(f"struck while the reconfiguration to epoch {epoch} was under way; it took this in"
-                  if under_way else ""),
+            note=(f"{'arrived' if fault.fault.startswith('add-node') else 'struck'} while the "
+                  f"reconfiguration to epoch {epoch} was under way; it took this in" if under_way else ""),
             rendezvous_s=max(rendezvous) if rendezvous else None,
             first_step_s=max(first_steps) if first_steps else None))
     return found
@@ -207,14 +207,18 @@ def recoveries(faults: list[InjectedFault], events: list[dict], timings: dict[in
 def _handling_event(fault: InjectedFault, events: list[dict]) -> dict | None:
     """The reconfiguration that took `fault` in: the first one detected after it, or an
     earlier one, already under way when the fault struck (collecting statuses, say),
-    that counted the fault's node among the failed before it published its plan."""
+    that counted the fault's node among the failed before it published its plan. A node
+    added is taken in by the reconfiguration that lists it among the joined, which may be
+    one that a failure started before the node arrived."""
     spec = parse_fault(fault.fault)
     node = None if spec.node is None else f"node{spec.node}"
+    joining = spec.kind == "add-node" and node is not None
     for ev in sorted(events, key=lambda ev: ev["epoch"]):
-        if ev["detected_s"] >= fault.time:
-            return ev
-        took_it_in = node is not None and any(w.split(".")[0] == node for w in ev.get("failed", ()))
+        listed = ev.get("joined" if joining else "failed", ())
+        took_it_in = node is not None and any(w.split(".")[0] == node for w in listed)
         if took_it_in and ev["published_s"] >= fault.time:
+            return ev
+        if ev["detected_s"] >= fault.time and not joining:
             return ev
     return None
 

@@ -106,3 +106,25 @@ def test_a_fault_during_a_reconfiguration_is_credited_to_the_one_that_took_it_in
     assert agent.epoch == 1 and agent.detect_s is None and "under way" in agent.note
     assert abs(agent.plan_s - 2.0) < 1e-9 and abs(agent.total_s - 2.4) < 1e-9
     assert late.epoch == 2 and abs(late.detect_s - 0.6) < 1e-9
+
+
+def test_a_node_added_during_a_recovery_is_credited_to_the_epoch_it_joined():
+    """node1 is preempted at t=10; the controller detects it at 10.4 and publishes epoch 1
+    at 13.2. node4 arrives at 12, while that plan is being made, and epoch 1 takes it in
+    (joined). A node that arrives after the last epoch never joined: the job ended first."""
+    from planaria.chaos.report import recoveries
+
+    events = [{"epoch": 1, "detected_s": 10.4, "published_s": 13.2, "failed": ["node1.0"],
+               "joined": ["node4.0"]},
+              {"epoch": 2, "detected_s": 20.0, "published_s": 21.0, "failed": ["node2.0"]}]
+    logs = {"node0.0": [{"iteration": 43, "loss": 1.0, "epoch": 1, "time": 15.0},
+                        {"iteration": 60, "loss": 1.0, "epoch": 2, "time": 22.0}]}
+    faults = [InjectedFault("kill-node@43:target=1", 43, 10.0), InjectedFault("add-node@43:target=4", 43, 12.0),
+              InjectedFault("add-node@55:target=5", 55, 19.0), InjectedFault("kill-node@55:target=2", 55, 19.5)]
+    removal, addition, late, second = recoveries(faults, events, {}, logs)
+    assert removal.epoch == 1 and abs(removal.detect_s - 0.4) < 1e-9
+    assert addition.epoch == 1 and addition.detect_s is None and "arrived while" in addition.note
+    assert abs(addition.plan_s - 1.2) < 1e-9 and abs(addition.total_s - 3.0) < 1e-9
+    # epoch 2 only replaced node2: node5 never joined, however close the epoch came after it
+    assert late.epoch is None and late.note == "the job ended before the node joined"
+    assert second.epoch == 2
