@@ -270,6 +270,10 @@ def main(argv: list[str] | None = None) -> int:
         env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
         return subprocess.run([sys.executable, __file__, *(sys.argv[1:] if argv is None else argv)],
                               env=env).returncode
+    if args.smoke and (problem := K.dispatch.interpreter_problem()) is not None:
+        print(f"benchmarks/kernels.py --smoke runs the kernels through Triton's interpreter: {problem}",
+              file=sys.stderr)
+        return 2
     if args.smoke:
         os.environ[K.dispatch.ENV] = "triton"  # the kernels through Triton's interpreter
         device, sizes, tokens, repeats, warmup, backend = torch.device("cpu"), SMOKE, 16, 1, 1, "eager"

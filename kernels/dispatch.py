@@ -12,6 +12,8 @@ The decision, per call, in this order:
 
 When Triton was asked for (the flag or the environment) but cannot run, or the shape is
 not supported, the reference runs and a warning says why, once per operation and reason.
+One such reason is an interpreter that cannot run in this environment
+(`interpreter_problem`: Triton before 3.7 with numpy 2.4 or later).
 "auto" on a machine without a GPU takes the reference silently: that is the CPU path.
 
 Triton decides at decoration time whether a kernel is compiled or interpreted, from
@@ -23,8 +25,10 @@ functions, which run only when `PLANARIA_KERNELS=triton` selects them.
 from __future__ import annotations
 
 import os
+import re
 import warnings
 
+import numpy
 import torch
 
 MODES = ("auto", "triton", "reference")
@@ -60,6 +64,27 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def _release(version: str) -> tuple[int, int]:
+    major, minor = (int(part) for part in re.findall(r"\d+", version)[:2])
+    return major, minor
+
+
+def interpreter_problem() -> str | None:
+    """Why Triton's interpreter cannot run the kernels in this environment, or None.
+
+    Before Triton 3.7 the interpreter turns a kernel's scalar arguments into arrays of
+    one element and calls `int()` on them for loop bounds; numpy 2.4 made that an error,
+    so every kernel with a loop (RMSNorm's backward, the cross-entropies) fails deep
+    inside Triton with "only 0-dimensional arrays can be converted to Python scalars".
+    Compiled kernels (on a GPU) are not affected."""
+    if triton is None:
+        return None
+    if _release(triton.__version__) < (3, 7) and _release(numpy.__version__) >= (2, 4):
+        return (f"Triton {triton.__version__}'s interpreter cannot run with numpy {numpy.__version__} "
+                "(loops over scalar arguments fail); Triton 3.7 or later, or numpy below 2.4, runs it")
+    return None
+
+
 def _imported_compiled() -> bool:
     """Triton was imported before this module could ask for its interpreter: its own
     library (tl.sum, ...) is then compiled-only and no kernel can run on CPU."""
@@ -82,6 +107,8 @@ def use_triton(op: str, mode: str, *tensors: torch.Tensor, unsupported: str | No
     elif not on_gpu and not (env == "triton" and interpreting()):
         reason = ("the tensors are not on a GPU (PLANARIA_KERNELS=triton runs the kernels through "
                   "Triton's interpreter on CPU, for testing)")
+    elif not on_gpu and (problem := interpreter_problem()) is not None:
+        reason = problem
     elif not on_gpu and _imported_compiled():
         reason = ("Triton was imported before planaria.kernels, without TRITON_INTERPRET=1: set "
                   "TRITON_INTERPRET=1 in the environment, or import planaria first")
@@ -106,7 +133,9 @@ def describe(mode: str) -> str:
     if torch.cuda.is_available() and not interpreting():
         return "Triton"
     if env == "triton" and interpreting() and not _imported_compiled():
-        return "Triton through its interpreter (slow: for tests)"
+        problem = interpreter_problem()
+        return ("Triton through its interpreter (slow: for tests)" if problem is None
+                else f"PyTorch references ({problem})")
     return "PyTorch references (no GPU)"
 
 

@@ -15,6 +15,9 @@ from planaria.kernels import dispatch
 if dispatch.triton is None:
     pytest.skip("Triton is not installed (pip install -e '.[test]' installs it)", allow_module_level=True)
 
+if dispatch.interpreter_problem() is not None:
+    pytest.skip(dispatch.interpreter_problem(), allow_module_level=True)
+
 pytestmark = pytest.mark.timeout(300)
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "kernels.py"
 OPERATIONS = {"rms_norm", "swiglu", "apply_rotary", "cross_entropy", "linear_cross_entropy"}

@@ -17,6 +17,9 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(180)]
 if dispatch.triton is None:
     pytest.skip("Triton is not installed (pip install -e '.[test]' installs it)", allow_module_level=True)
 
+if dispatch.interpreter_problem() is not None:
+    pytest.skip(dispatch.interpreter_problem(), allow_module_level=True)
+
 WORLD = 2
 
 
