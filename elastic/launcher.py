@@ -19,7 +19,7 @@ so every flag, default, `PET_*` environment form and error message is torchrun's
   `--max-restarts N`: a node whose worker died starts its workers again, up to N
   times, and they rejoin as new capacity (torchrun restarts every worker of the job
   instead). `--log-dir D`: each worker's output in D/<run-id>/<node>.<local>.log, and its
-  error file beside it. `--signals-to-handle` and `--shutdown-timeout` as torchrun's;
+  error file beside it. `--signals-to-handle` and `--shutdown-timeout` (torch 2.12+) as torchrun's;
   a signal ends the job on this machine with exit code 128 + its number (torchrun: 1,
   with the SignalException's traceback). `--rdzv-conf` takes etcd's TLS and
   credentials: `ca_cert`, `cert_cert`, `cert_key` (or torch's `cacert`, `cert`, `key`),
@@ -108,6 +108,22 @@ def etcd_options(rdzv_conf: str) -> tuple[dict[str, str], int]:
     return settings, int(conf.get("lease_ttl", 5))
 
 
+def agent_flags(args, tls: dict[str, str], lease_ttl: int, run_id: str) -> list[str]:
+    """The agent's options that carry torchrun's: restarts, signals, shutdown, logs, TLS."""
+    flags = ["--max-restarts", str(args.max_restarts), "--lease-ttl", str(lease_ttl),
+             "--signals-to-handle", args.signals_to_handle]
+    # torchrun's parser has --shutdown-timeout from torch 2.12 on; before, the agent's default.
+    if getattr(args, "shutdown_timeout", None) is not None:
+        flags += ["--shutdown-timeout", str(args.shutdown_timeout)]
+    if args.log_dir:
+        flags += ["--log-dir", os.path.join(args.log_dir, run_id)]
+    for name, flag in (("ca_cert", "--etcd-ca-cert"), ("cert_cert", "--etcd-cert"),
+                       ("cert_key", "--etcd-key"), ("user", "--etcd-user")):
+        if name in tls:
+            flags += [flag, tls[name]]
+    return flags
+
+
 def run_planaria(args) -> int:
     from planaria.elastic.agent import parse_signals
     from planaria.elastic.etcd_client import EtcdSettings
@@ -149,16 +165,7 @@ def run_planaria(args) -> int:
                   "workers are one stage's tp group, so they must be equal", file=sys.stderr)
             return 2
         nodes = [f"{socket.gethostname()}-{args.node_rank if args.node_rank is not None else os.getpid()}"]
-    flags = ["--max-restarts", str(args.max_restarts), "--lease-ttl", str(lease_ttl),
-             "--signals-to-handle", args.signals_to_handle]
-    if args.shutdown_timeout is not None:
-        flags += ["--shutdown-timeout", str(args.shutdown_timeout)]
-    if args.log_dir:
-        flags += ["--log-dir", os.path.join(args.log_dir, run_id)]
-    for name, flag in (("ca_cert", "--etcd-ca-cert"), ("cert_cert", "--etcd-cert"),
-                       ("cert_key", "--etcd-key"), ("user", "--etcd-user")):
-        if name in tls:
-            flags += [flag, tls[name]]
+    flags = agent_flags(args, tls, lease_ttl, run_id)
     env = dict(os.environ, **({"PLANARIA_ETCD_PASSWORD": tls["password"]} if "password" in tls else {}))
     agents = [subprocess.Popen(
         [sys.executable, "-m", "planaria.elastic.agent", "--node", node, "--nproc-per-node",

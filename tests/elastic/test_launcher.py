@@ -80,6 +80,24 @@ def test_flags_torchrun_rejects_are_rejected_the_same_way():
     assert ours.stderr.splitlines()[-1].split(": ", 1)[1] == theirs.stderr.splitlines()[-1].split(": ", 1)[1]
 
 
+def test_agent_flags_follow_torchruns_options_on_every_torch_it_supports():
+    """torchrun's --shutdown-timeout exists from torch 2.12 on: on an older torch the
+    parsed options lack it (planaria-run died on that attribute) and the agent keeps its
+    own default."""
+    from torch.distributed.run import get_args_parser
+
+    from planaria.elastic.launcher import agent_flags
+
+    args = get_args_parser().parse_args(["--max-restarts", "2", "--log-dir", "logs", "-m", "planaria.train", "x"])
+    args.shutdown_timeout = 12.5
+    flags = agent_flags(args, {"ca_cert": "ca.pem"}, 5, "run-1")
+    assert flags[flags.index("--shutdown-timeout") + 1] == "12.5"
+    assert flags[flags.index("--max-restarts") + 1] == "2" and flags[flags.index("--etcd-ca-cert") + 1] == "ca.pem"
+    assert flags[flags.index("--log-dir") + 1] == os.path.join("logs", "run-1")
+    del args.shutdown_timeout  # as torch 2.11's parser leaves it
+    assert "--shutdown-timeout" not in agent_flags(args, {}, 5, "run-1")
+
+
 def test_tls_files_that_do_not_exist_are_refused_before_anything_starts(tmp_path):
     missing = tmp_path / "ca.pem"
     proc = subprocess.run([sys.executable, "-m", "planaria.elastic.launcher", "--rdzv-backend", "etcd3",
