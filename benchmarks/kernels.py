@@ -63,23 +63,30 @@ SMOKE = Sizes(hidden=48, ffn=80, heads=2, head_dim=16, vocab=300, seq=8)
 
 def time_ms(fn, repeats: int, device: torch.device, warmup: int = 10) -> float:
     """Median milliseconds of `fn()` over `repeats` runs: between two CUDA events on a GPU,
-    by the wall clock elsewhere (the smoke run)."""
+    by the wall clock elsewhere (the smoke run).
+
+    On a GPU the runs are queued back to back with one synchronisation at the end, so each
+    pair of events times the GPU's work for one call while the host launches the next (as
+    in training, where the host runs ahead). Synchronising before every call would add
+    the host's launch latency to each time, and favour whichever implementation launches
+    fewer kernels for reasons a training step does not see."""
     for _ in range(warmup):
         fn()
-    times = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    if device.type == "cuda":
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                  for _ in range(repeats)]
+        torch.cuda.synchronize()
+        for start, end in events:
             start.record()
             fn()
             end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            began = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - began) * 1000)
+        torch.cuda.synchronize()
+        return statistics.median(start.elapsed_time(end) for start, end in events)
+    times = []
+    for _ in range(repeats):
+        began = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - began) * 1000)
     return statistics.median(times)
 
 
@@ -99,11 +106,11 @@ def _outputs(out) -> tuple[torch.Tensor, ...]:
     return out if isinstance(out, tuple) else (out,)
 
 
-def forward_backward(fn, inputs):
-    """A closure running fn(*inputs) forward and backward (fixed random output gradients;
-    fn may return a tuple, as a rotary embedding of q and k does)."""
+def forward_backward(fn, inputs, unit: bool = False):
+    """A closure running fn(*inputs) forward and backward (fixed random output gradients,
+    or ones with `unit`; fn may return a tuple, as a rotary embedding of q and k does)."""
     leaves = [x.detach().requires_grad_(x.is_floating_point()) for x in inputs]
-    grads = [torch.randn_like(o) for o in _outputs(fn(*leaves))]
+    grads = [(torch.ones_like if unit else torch.randn_like)(o) for o in _outputs(fn(*leaves))]
 
     def run():
         for x in leaves:
@@ -227,7 +234,7 @@ def run(tokens: int, dtype: torch.dtype, device: torch.device, sizes: Sizes, rep
             continue
         error = _attempt(f"{name} check", lambda: relative_error(impls["planaria"], impls["eager"], inputs),
                          failures)
-        for pass_name, wrap in (("forward", forward_only), ("forward+backward", forward_backward)):
+        for pass_name, wrap in passes(name):
             times = {impl: _attempt(f"{name} {pass_name} {impl}",
                                     lambda fn=fn: time_ms(wrap(fn, inputs), repeats, device, warmup), failures)
                      if fn is not None else None for impl, fn in impls.items()}
@@ -245,6 +252,17 @@ def run(tokens: int, dtype: torch.dtype, device: torch.device, sizes: Sizes, rep
             print(f"| {name} | peak memory above the inputs (MiB) | "
                   + " | ".join(_fmt(memory.get(k), ".0f") for k in implementations) + " | | |")
     return rows, failures
+
+
+def passes(name: str) -> list[tuple[str, object]]:
+    """What is timed of an operation. A loss is also timed with its gradient exactly 1 (a
+    plain `loss.backward()`), the case Liger's cross-entropies skip their scaling pass
+    for; inside Planaria's pipelines the loss is scaled by 1 / microbatches, as the
+    random gradient of the other pass."""
+    timed = [("forward", forward_only), ("forward+backward", forward_backward)]
+    if name.endswith("cross_entropy"):
+        timed.append(("forward+backward, gradient 1", lambda fn, inputs: forward_backward(fn, inputs, unit=True)))
+    return timed
 
 
 def _fmt(value, spec: str) -> str:

@@ -50,7 +50,10 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
         chunk_rows = default_chunk_rows(hidden_2d.shape[0], weight.shape[0], hidden_2d.shape[1])
     use = use_triton("linear_cross_entropy", kernels, hidden_2d, weight, target_1d,
                      unsupported=_unsupported(hidden_2d, weight, target_1d))
-    return _LinearCrossEntropy.apply(hidden_2d, weight, target_1d, group, ignore_index, chunk_rows, use)
+    # Whether autograd records this call: inside forward grad mode is always off, and
+    # ctx.needs_input_grad says only which inputs require grad, under no_grad too.
+    recorded = torch.is_grad_enabled()
+    return _LinearCrossEntropy.apply(hidden_2d, weight, target_1d, group, ignore_index, chunk_rows, use, recorded)
 
 
 def _unsupported(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor) -> str | None:
@@ -68,12 +71,15 @@ def default_chunk_rows(rows: int, vocab_local: int, hidden: int) -> int:
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, target, group, ignore_index, chunk_rows, use_kernel):
+    def forward(ctx, hidden, weight, target, group, ignore_index, chunk_rows, use_kernel, recorded):
+        # Only the gradients autograd will ask for: none under no_grad (evaluation), none
+        # for a frozen head's weight. Each costs a matmul as large as the logits' own.
+        need_hidden, need_weight = (recorded and need for need in ctx.needs_input_grad[:2])
         valid = target != ignore_index
         count = valid.sum().clamp(min=1)
         scale = valid.to(torch.promote_types(hidden.dtype, torch.float32)) / count
-        grad_hidden = torch.empty_like(hidden)
-        grad_weight = torch.zeros(weight.shape, dtype=scale.dtype, device=weight.device)
+        grad_hidden = torch.empty_like(hidden) if need_hidden else None
+        grad_weight = torch.zeros(weight.shape, dtype=scale.dtype, device=weight.device) if need_weight else None
         total = torch.zeros((), dtype=scale.dtype, device=hidden.device)
         for first in range(0, hidden.shape[0], chunk_rows):
             rows = slice(first, first + chunk_rows)
@@ -81,14 +87,19 @@ class _LinearCrossEntropy(torch.autograd.Function):
             logits = h @ weight.T  # (chunk, V/size)
             lse, target_logit = token_stats(logits, t, group, ignore_index, use_kernel)
             total += torch.where(valid[rows], lse - target_logit, 0.0).sum()
+            if not (need_hidden or need_weight):
+                continue
             grad_logits = logits_gradient(logits, t, lse, scale[rows], group, use_kernel, out=logits)
-            grad_hidden[rows] = grad_logits @ weight
-            # Accumulated in float32 over the chunks; each chunk's product in the weight's dtype.
-            grad_weight += grad_logits.T @ h
-        ctx.save_for_backward(grad_hidden, grad_weight.to(weight.dtype))
+            if need_hidden:  # written in place: a chunk's rows of a contiguous tensor are one block
+                torch.matmul(grad_logits, weight, out=grad_hidden[rows])
+            if need_weight:
+                # Accumulated in float32 over the chunks; each chunk's product in the weight's dtype.
+                grad_weight += grad_logits.T @ h
+        ctx.save_for_backward(grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype))
         return total / count
 
     @staticmethod
     def backward(ctx, grad_loss):
         grad_hidden, grad_weight = ctx.saved_tensors
-        return grad_hidden * grad_loss, grad_weight * grad_loss, None, None, None, None, None
+        return (None if grad_hidden is None else grad_hidden * grad_loss,
+                None if grad_weight is None else grad_weight * grad_loss, None, None, None, None, None, None)

@@ -70,7 +70,8 @@ class _RMSNorm(torch.autograd.Function):
         width, block_rows = _blocks(rows)
         blocks = triton.cdiv(n_rows, block_rows)
         programs = program_count(rows.device, blocks)
-        partial = torch.zeros(programs, n_cols, dtype=torch.float32, device=rows.device)
+        # Every program stores its whole row of partial sums (zeros if it had no rows).
+        partial = torch.empty(programs, n_cols, dtype=torch.float32, device=rows.device)
         _backward_kernel[(programs,)](rows, weight, rstd, grad_rows, grad_x, partial, n_rows, n_cols,
                                       triton.cdiv(blocks, programs), BLOCK_R=block_rows, BLOCK=width,
                                       num_warps=warps(block_rows * width))

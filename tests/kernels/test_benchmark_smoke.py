@@ -32,8 +32,9 @@ def test_kernel_benchmark_runs_every_case(dtype, tmp_path):
     result = json.loads(report.read_text())
     assert result["failures"] == {}
     rows = result["rows"]
-    assert {(r["operation"], r["pass"]) for r in rows} == {(op, p) for op in OPERATIONS
-                                                             for p in ("forward", "forward+backward")}
+    passes = {(op, p) for op in OPERATIONS for p in ("forward", "forward+backward")}
+    passes |= {(op, "forward+backward, gradient 1") for op in ("cross_entropy", "linear_cross_entropy")}
+    assert {(r["operation"], r["pass"]) for r in rows} == passes
     for r in rows:
         assert r["planaria_ms"] > 0 and r["eager_ms"] > 0 and r["compile_ms"] > 0
         assert r["relative_error"] < (1e-5 if dtype == "float32" else 1e-2), r
