@@ -19,6 +19,13 @@ from torch.distributed.pipelining.schedules import _Action, _ComputationType, _P
 
 from planaria.templates.schedules import build_schedule
 
+MIN_TORCH = (2, 10)
+"""The oldest torch whose schedule runtime Planaria's pipelines are tested on (pyproject.toml)."""
+if tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2]) < MIN_TORCH:
+    raise ImportError(f"Planaria's pipelines need torch {'.'.join(map(str, MIN_TORCH))} or later, found "
+                      f"{torch.__version__}: the private schedule runtime they run on changed before it "
+                      f"(pip install 'torch>={'.'.join(map(str, MIN_TORCH))}')")
+
 _KINDS = {
     "F": _ComputationType.FORWARD,
     "B": _ComputationType.FULL_BACKWARD,
