@@ -32,8 +32,11 @@ def test_losing_one_of_three_etcd_members_changes_nothing(tmp_path):
     """A 3-member etcd cluster; one member is SIGKILLed while the job trains. The clients
     fail over; no reconfiguration happens and the losses are the reference's."""
     reference = reference_run(JOB)
+    # node0 dawdles 3 s in iteration 2 (a straggler, nothing fails) so that the member
+    # dies while the job trains: its ~50 ms iterations could all end before the poll.
     job = LocalJob(TINY, [*JOB, "parallel.fault_tolerance=1"], nodes=4, out_dir=tmp_path,
-                   store="etcd", etcd_members=3, log=lambda message: None)
+                   store="etcd", etcd_members=3, faults="node0.0:commit@2!slow=3",
+                   log=lambda message: None)
     killed = []
 
     def kill_a_member(job, elapsed):

@@ -147,13 +147,18 @@ def test_node_joining_mid_run_receives_its_layers(reference, tmp_path):
     """A fifth node starts after iteration 1 committed; the job stops at an iteration
     boundary (no failure, nothing re-run) and the newcomer receives its layers."""
     added = []
+    # An iteration takes ~50 ms: the remaining four could end before this test's poll
+    # sees iteration 1's commit on a busy machine, and the newcomer would find the job
+    # done. node0 dawdles 3 s in iteration 2 (a straggler: nothing fails) to hold the
+    # window open.
+    straggler = "node0.0:commit@2!slow=3"
 
     def add_after_iteration_1(job, elapsed):
         log = tmp_path / "commits-node0.0.jsonl"
         if not added and log.exists() and len(log.read_text().splitlines()) >= 2:
             added.append(job.add_node())
 
-    job, result = run_job(tmp_path, nodes=4, actions=add_after_iteration_1)
+    job, result = run_job(tmp_path, nodes=4, faults=straggler, actions=add_after_iteration_1)
     logs = check_against_reference(tmp_path, reference, job)
     (event,) = result.controller.events
     assert event.reason == "join" and event.joined == ["node4.0"] and event.failed == []
