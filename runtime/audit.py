@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from planaria.runtime.transfer import layer_state_tensors
+from planaria.runtime.transfer import layer_state_tensors, on_device
 
 if TYPE_CHECKING:
     from planaria.runtime.engine import Engine, LayerState
@@ -79,7 +79,8 @@ def audit_replicas(engine: "Engine", repair: bool) -> list[Mismatch]:
     for bucket in engine.groups.buckets:
         if bucket.group is None:
             continue
-        local = torch.stack([shard_checksum(engine.layers[layer]) for layer in bucket.layers])
+        # Checksums are summed on the CPU; NCCL gathers GPU tensors only.
+        local = torch.stack([shard_checksum(engine.layers[layer]) for layer in bucket.layers]).to(engine.device)
         gathered = [torch.empty_like(local) for _ in bucket.ranks]
         dist.all_gather(gathered, local, group=bucket.group)
         for i, layer in enumerate(bucket.layers):
@@ -88,8 +89,11 @@ def audit_replicas(engine: "Engine", repair: bool) -> list[Mismatch]:
                 continue
             if repair and found.majority:
                 source = bucket.ranks.index(found.majority[0])
-                for tensor in shard_tensors(engine.layers[layer]):
-                    dist.broadcast(tensor, group=bucket.group, group_src=source)
+                tensors = shard_tensors(engine.layers[layer])
+                for tensor, staged in zip(tensors, on_device(tensors, engine.device)):
+                    dist.broadcast(staged, group=bucket.group, group_src=source)
+                    if staged is not tensor:
+                        tensor.copy_(staged)
                 found = Mismatch(found.layer, found.tp_rank, found.majority, found.minority, True)
             mismatches.append(found)
     return mismatches

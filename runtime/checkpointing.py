@@ -26,12 +26,10 @@ import torch.distributed as dist
 from planaria.runtime.checkpoint import _atomic_torch_save
 from planaria.runtime.checkpoint_files import prune, shard_filename, step_dir, write_manifest
 from planaria.runtime.exactly_once import CommitRecord
+from planaria.runtime.optim import empty_adam_state
 
 if TYPE_CHECKING:
     from planaria.runtime.engine import Engine, LayerState
-
-_ADAM = ("exp_avg", "exp_avg_sq", "step")
-
 
 def snapshot_layer(state: "LayerState") -> dict[str, torch.Tensor]:
     """The shard's parameters and optimizer state, copied to CPU, as a flat dict of tensors."""
@@ -48,10 +46,12 @@ def load_layer(state: "LayerState", tensors: dict[str, torch.Tensor]) -> None:
     with torch.no_grad():
         for name, param in state.module.named_parameters():
             param.copy_(tensors[f"param/{name}"])
-            moments = {key: tensors[f"{key}/{name}"].to(param.device)
-                       for key in _ADAM if f"{key}/{name}" in tensors}
-            if moments:
-                state.optimizer.state[param] = moments
+            if f"step/{name}" not in tensors:
+                continue  # saved before the first step: AdamW has no state yet
+            moments = empty_adam_state(state.optimizer, param)  # each where AdamW keeps it
+            for key, target in moments.items():
+                target.copy_(tensors[f"{key}/{name}"])
+            state.optimizer.state[param] = moments
 
 
 def read_layer(directory: Path, layer: int, tp_rank: int) -> dict[str, torch.Tensor]:

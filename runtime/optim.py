@@ -49,6 +49,19 @@ def build_optimizer(module: nn.Module, s: OptimizerSettings) -> torch.optim.Adam
     return torch.optim.AdamW(groups, lr=s.lr, betas=s.betas, eps=s.eps, foreach=False)
 
 
+def empty_adam_state(optimizer: torch.optim.Optimizer, param: nn.Parameter) -> dict[str, torch.Tensor]:
+    """AdamW's state for `param`, zeroed, laid out where AdamW itself would lay it out:
+    the moments beside the parameter; the step count a 0-d tensor of AdamW's scalar dtype
+    (float64 when that is the default dtype, float32 otherwise), on the parameter's
+    device only when the optimizer is capturable or fused and on the CPU otherwise (a GPU
+    step count would cost a device synchronisation per parameter at every step)."""
+    on_device = optimizer.defaults.get("capturable") or optimizer.defaults.get("fused")
+    dtype = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+    return {"step": torch.zeros((), dtype=dtype, device=param.device if on_device else "cpu"),
+            "exp_avg": torch.zeros_like(param, memory_format=torch.preserve_format),
+            "exp_avg_sq": torch.zeros_like(param, memory_format=torch.preserve_format)}
+
+
 def set_learning_rate(optimizer: torch.optim.Optimizer, lr: float) -> None:
     for group in optimizer.param_groups:
         group["lr"] = lr

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from planaria.runtime.optim import empty_adam_state
 from planaria.templates.plan import Transfer
 
 if TYPE_CHECKING:
@@ -57,14 +58,15 @@ def layer_state_tensors(state: "LayerState", stepped: bool) -> list[torch.Tensor
 
 def _empty_optimizer_state(state: "LayerState") -> None:
     """AdamW's per-parameter state, zeroed, to be overwritten by what arrives."""
-    # AdamW keeps its step count as a float64 scalar when that is the default dtype,
-    # float32 otherwise; the sender's dtype must match for the flattened layout to agree.
-    step_dtype = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
     for param in state.module.parameters():
-        state.optimizer.state[param] = {
-            "step": torch.zeros((), dtype=step_dtype, device=param.device),
-            **{key: torch.zeros_like(param, memory_format=torch.preserve_format) for key in _ADAM_KEYS},
-        }
+        state.optimizer.state[param] = empty_adam_state(state.optimizer, param)
+
+
+def on_device(tensors: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """`tensors` as the communication backend needs them: on `device`. AdamW keeps its
+    step count on the CPU beside GPU parameters, and NCCL moves GPU tensors only, so
+    those few scalars travel as staged copies (the others are returned as they are)."""
+    return [t if t.device == device else t.to(device) for t in tensors]
 
 
 def exchange_layers(engine: "Engine", transfers: list[Transfer], *, stepped: bool) -> TransferStats:
@@ -92,11 +94,11 @@ def exchange_layers(engine: "Engine", transfers: list[Transfer], *, stepped: boo
     ops, unpack = [], []
     for peer, tensors in sorted(outgoing.items()):
         for tag, (_, group) in enumerate(_by_dtype(tensors)):
-            ops.append(dist.P2POp(dist.isend, _flatten_dense_tensors(group), peer,
-                                  group=engine.groups.world, tag=tag))
+            ops.append(dist.P2POp(dist.isend, _flatten_dense_tensors(on_device(group, engine.device)),
+                                  peer, group=engine.groups.world, tag=tag))
     for peer, tensors in sorted(incoming.items()):
-        for tag, (_, group) in enumerate(_by_dtype(tensors)):
-            buffer = _flatten_dense_tensors(group).new_empty(sum(t.numel() for t in group))
+        for tag, (dtype, group) in enumerate(_by_dtype(tensors)):
+            buffer = torch.empty(sum(t.numel() for t in group), dtype=dtype, device=engine.device)
             ops.append(dist.P2POp(dist.irecv, buffer, peer, group=engine.groups.world, tag=tag))
             unpack.append((buffer, group))
     works = dist.batch_isend_irecv(ops) if ops else []
@@ -105,7 +107,7 @@ def exchange_layers(engine: "Engine", transfers: list[Transfer], *, stepped: boo
         work.wait()
     for buffer, group in unpack:
         for target, value in zip(group, _unflatten_dense_tensors(buffer, group)):
-            target.copy_(value)
+            target.copy_(value)  # back to the CPU for a step count (see `on_device`)
     engine.layers.update(received)
     nbytes = lambda groups: sum(t.numel() * t.element_size() for ts in groups.values() for t in ts)  # noqa: E731
     return TransferStats(layers_sent=sum(t.src == me for t in transfers), layers_received=len(received),
