@@ -264,7 +264,12 @@ class Controller:
         return complete_checkpoints(self.checkpoints.directory)
 
     def _complete_checkpoints(self) -> None:
-        """Write the manifest of each checkpoint whose shard files are all on disk."""
+        """Write the manifest of each checkpoint whose shard files are all on disk.
+
+        Checkpoints complete in order while an epoch trains. One that a failure left
+        incomplete (a worker died before writing its shards) is passed over once the
+        epoch in force began after it: no worker will write it any more, and waiting
+        for it would keep every later checkpoint from counting."""
         policy = self.checkpoints
         if policy is None or not policy.every or self.plan is None:
             return
@@ -272,9 +277,9 @@ class Controller:
         newest = self.completed_checkpoints[-1] if self.completed_checkpoints else -1
         for k in range(newest + policy.every, self.total_steps, policy.every):
             key = f"checkpoint/{k}/shards"
-            if not self.store.check([key]):
-                break
-            if self.store.add(key, 0) < total:
+            if not self.store.check([key]) or self.store.add(key, 0) < total:
+                if k < self.plan.first_iteration:
+                    continue  # abandoned (or its last shards still being written: asked again)
                 break
             if not step_dir(policy.directory, k).is_dir():  # completed and pruned already
                 self.completed_checkpoints.append(k)

@@ -3,6 +3,7 @@ try to complete them again (their directories are gone), and it goes on completi
 ones. Found by replaying the p3 trace: every leader after the first crashed on it."""
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import torch.distributed as dist
@@ -42,3 +43,28 @@ def test_a_new_leader_skips_checkpoints_an_earlier_one_completed_and_pruned(tmp_
     complete_in_store(store, 39, shards)
     second._complete_checkpoints()
     assert [i for i, _ in complete_checkpoints(policy.directory)] == [29, 39]
+
+
+def test_a_checkpoint_a_failure_left_incomplete_does_not_hold_back_later_ones(tmp_path):
+    """A worker died after iteration 9's step, before writing its shards of checkpoint 9;
+    the job went on from iteration 10 in a new epoch and wrote checkpoint 19 whole. 19
+    counts (it once waited for 9 forever: no manifest was written again in that run)."""
+    cfg = load_config(TINY, ["parallel.fault_tolerance=1"])
+    planner = build_planner(cfg, cost_model(cfg, hardware_name="h100", gpus_per_node=1))
+    store = dist.HashStore()
+    policy = CheckpointPolicy(tmp_path / "ckpt", every=10, keep=2)
+    controller = Controller(store, planner, total_steps=100, checkpoints=policy, log=lambda m: None)
+    plan = controller.start([(f"node{i}", 0) for i in range(4)])
+    shards = plan.num_layers * plan.tp
+    step_dir(policy.directory, 9).mkdir(parents=True)
+    store.add("checkpoint/9/shards", shards - 1)  # one shard never came
+    controller._complete_checkpoints()
+    assert complete_checkpoints(policy.directory) == []  # epoch 0 may still write it
+
+    controller.plan = dataclasses.replace(plan, epoch=1, first_iteration=10)  # as after the failure
+    for k in (19, 29):
+        step_dir(policy.directory, k).mkdir(parents=True)
+        complete_in_store(store, k, shards)
+        controller._complete_checkpoints()
+        assert complete_checkpoints(policy.directory)[-1][0] == k
+    assert controller.completed_checkpoints == [19, 29]
