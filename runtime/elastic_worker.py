@@ -44,7 +44,7 @@ from planaria.runtime.checkpointing import AsyncCheckpointer
 from planaria.runtime.config import Config, torch_dtypes
 from planaria.runtime.coordination import EpochRecord, JobEnded, StoreCoordinator, connect_store
 from planaria.runtime.data import build_dataset
-from planaria.runtime.engine import Engine, StepResult
+from planaria.runtime.engine import Engine, StepResult, TornStep
 from planaria.runtime.audit import audit_replicas
 from planaria.runtime.faults import FaultInjector, corruption_after_step, flip_a_bit
 from planaria.runtime.groups import forget_failed_world, set_operation_timeout
@@ -52,6 +52,8 @@ from planaria.runtime.heartbeat import start_beating
 from planaria.runtime.model import LayerModel
 
 ENV_STORE, ENV_NODE, ENV_LOCAL_RANK = "PLANARIA_STORE", "PLANARIA_NODE", "PLANARIA_LOCAL_RANK"
+EXIT_TORN_STEP = 3
+"""A worker's exit code when its optimizer step failed part-way (`TornStep`)."""
 
 
 class _StopRequested(Exception):
@@ -129,7 +131,13 @@ class ElasticWorker:
             if self.worker not in record.plan.rank_of_worker():
                 self._log(f"epoch {epoch}: not in the plan, waiting")
                 continue
-            self._run_epoch(epoch, record)
+            try:
+                self._run_epoch(epoch, record)
+            except TornStep as err:
+                # No status: the control plane sees a worker gone, as if its node failed,
+                # and has its layers copied from their replicas (or a checkpoint).
+                self._log(f"epoch {epoch}: leaving the job: {err}")
+                return EXIT_TORN_STEP
 
     def _run_epoch(self, epoch: int, record: EpochRecord) -> None:
         plan = record.plan
@@ -156,6 +164,8 @@ class ElasticWorker:
         except _StopRequested:
             self._log(f"epoch {epoch}: stopping after iteration {self.engine.last_stepped} "
                       "as the control plane asked")
+        except TornStep:
+            raise  # past the status below: this worker's state must not be used
         except (RuntimeError, TimeoutError) as err:  # dist errors are RuntimeErrors
             timing["failed_s"] = time.time()
             timing["error"] = str(err).splitlines()[0][:300] if str(err) else type(err).__name__

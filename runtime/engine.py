@@ -72,6 +72,18 @@ class LayerState:
     shard_dims: dict[str, int]
 
 
+class TornStep(RuntimeError):
+    """An optimizer step failed part-way on this worker (an error after the gradients were
+    clipped in place, or between two layers' updates): its layers hold neither the state
+    before the step nor the one after, and a roll forward would clip or step them twice.
+    The worker must leave the job; its layers are recovered from their replicas."""
+
+    def __init__(self, iteration: int, cause: BaseException):
+        super().__init__(f"the optimizer step of iteration {iteration} failed part-way ({cause}); "
+                         "this worker's layers hold neither step's state")
+        self.iteration = iteration
+
+
 @dataclass(frozen=True)
 class StepResult:
     iteration: int
@@ -321,7 +333,13 @@ class Engine:
 
     def _step(self, record: CommitRecord) -> float:
         lr = learning_rate(record.iteration, self.optim)
-        self._clip_and_step(record.grad_norm, lr)
+        try:
+            self._clip_and_step(record.grad_norm, lr)
+        except Exception as err:
+            # Clipping scales the gradients in place and each layer steps on its own: the
+            # state is torn. Undoing either would not be bit-exact (and copying every
+            # gradient first would double their memory), so the step is not retried here.
+            raise TornStep(record.iteration, err) from err
         self.last_stepped, self.last_commit, self.synced = record.iteration, record, False
         return lr
 

@@ -15,6 +15,7 @@ import json
 import pytest
 
 from planaria.elastic.local import LocalJob
+from planaria.runtime.elastic_worker import EXIT_TORN_STEP
 from tests.launch import TINY, assert_final_parameters, reference_run
 
 STEPS = 6
@@ -103,6 +104,21 @@ def test_commit_lost_on_one_worker_is_rolled_forward(reference, tmp_path):
     assert event.failed == [] and event.rolled_forward == 3 and event.first_iteration == 4
     rolled = [e for e in logs["node1.0"] if e["rolled_forward"]]
     assert [e["iteration"] for e in rolled] == [3]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_optimizer_step_failing_part_way_leaves_the_job(reference, tmp_path):
+    """node1's optimizer step of iteration 3 raises after its gradients were clipped in
+    place: its layers hold neither step 2 nor step 3. Rolled forward, it would clip them
+    twice and its replicas would drift apart; it leaves the job instead, and its layers
+    come from their replicas."""
+    job, result = run_job(tmp_path, nodes=4, faults="node1.0:step@3!error")
+    logs = check_against_reference(tmp_path, reference, job)
+    (event,) = result.controller.events
+    assert event.failed == ["node1.0"] and event.rolled_forward is None and event.first_iteration == 4
+    assert [e["iteration"] for e in logs["node1.0"]] == [0, 1, 2]
+    assert job.processes[("node1", 0)].returncode == EXIT_TORN_STEP
 
 
 @pytest.mark.multiprocess
