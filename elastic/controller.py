@@ -29,7 +29,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
-from planaria.runtime.checkpoint_files import complete_checkpoints, prune, step_dir, write_manifest
+from planaria.runtime.checkpoint_files import (complete_checkpoints, missing_shards, prune, step_dir,
+                                               write_manifest)
 from planaria.runtime.coordination import EpochRecord, ReachableDeadline, Worker, worker_key
 from planaria.runtime.exactly_once import CommitRecord, InconsistentStatuses, Resolution, WorkerStatus, resolve
 from planaria.templates.plan import Plan, missing_from, transfers_from
@@ -117,10 +118,17 @@ class Controller:
 
     def resume(self) -> bool:
         """Take over a running job (a new leader): the newest published epoch and its plan
-        from the store. False when no epoch was published yet."""
-        if not self.store.check(["epoch"]):
+        from the store. False when no epoch was published yet; `StaleLeader` when another
+        leader moved the job on meanwhile."""
+        epoch = int(self.store.get("epoch")) if self.store.check(["epoch"]) else -1
+        if self.store.check([f"epoch/{epoch + 1}/record"]):
+            # The last leader wrote the next epoch's record and died before moving `epoch`
+            # to it: finish its publication (the record is whole: one key, one write).
+            self.log(f"controller: epoch {epoch + 1} was written but not published; publishing it")
+            self._advance(epoch, epoch + 1)
+            epoch += 1
+        if epoch < 0:
             return False
-        epoch = int(self.store.get("epoch"))
         record = EpochRecord.from_json(self.store.get(f"epoch/{epoch}/record").decode())
         self.epoch, self.plan = epoch, record.plan
         # Checkpoints an earlier leader completed (and pruned): not to be completed again.
@@ -277,13 +285,16 @@ class Controller:
         newest = self.completed_checkpoints[-1] if self.completed_checkpoints else -1
         for k in range(newest + policy.every, self.total_steps, policy.every):
             key = f"checkpoint/{k}/shards"
-            if not self.store.check([key]) or self.store.add(key, 0) < total:
+            reported = self.store.check([key]) and self.store.add(key, 0) >= total
+            if reported and not step_dir(policy.directory, k).is_dir():  # completed and pruned already
+                self.completed_checkpoints.append(k)
+                continue
+            # The files themselves decide, not the count alone: a report retried after its
+            # reply was lost counts twice, and a manifest must never name a missing shard.
+            if not reported or missing_shards(step_dir(policy.directory, k), self.plan.num_layers, self.plan.tp):
                 if k < self.plan.first_iteration:
                     continue  # abandoned (or its last shards still being written: asked again)
                 break
-            if not step_dir(policy.directory, k).is_dir():  # completed and pruned already
-                self.completed_checkpoints.append(k)
-                continue
             commit = CommitRecord(**json.loads(self.store.get(f"checkpoint/{k}/commit")))
             write_manifest(policy.directory, commit, self.plan.num_layers, self.plan.tp)
             self.completed_checkpoints.append(k)
@@ -339,17 +350,26 @@ class Controller:
                       if locals_ >= set(range(self.gpus_per_node)))
 
     def _publish(self, record: EpochRecord) -> None:
-        """Write the record, then move `epoch` to it only if it still is the epoch this
-        controller knows (a compare-and-set): a leader that lost its leadership without
-        knowing it cannot overwrite its successor's epochs."""
-        epoch = record.plan.epoch
-        self.store.set(f"epoch/{epoch}/record", record.to_json())
-        expected = "" if self.epoch < 0 else str(self.epoch)
-        now = self.store.compare_set("epoch", expected, str(epoch))
-        if _text(now) != str(epoch):
-            raise StaleLeader(f"the job's epoch is {_text(now)!r}, not {expected!r} as this controller "
+        """Publish the next epoch: its record, created only if no leader created one (a
+        compare-and-set on the absent key), then `epoch` moved to it from the epoch this
+        controller knows (a second compare-and-set). A leader that lost its leadership
+        without knowing it can thus neither overwrite its successor's record nor move
+        the job to an epoch of its own; it steps down (`StaleLeader`)."""
+        epoch, text = record.plan.epoch, record.to_json()
+        written = _text(self.store.compare_set(f"epoch/{epoch}/record", "", text))
+        if written != text:
+            raise StaleLeader(f"epoch {epoch} was published by another leader; this one steps down")
+        self._advance(self.epoch, epoch)
+        self.plan = record.plan
+
+    def _advance(self, known: int, epoch: int) -> None:
+        """Move the job's `epoch` from `known` (-1: none yet) to `epoch`, or step down."""
+        expected = "" if known < 0 else str(known)
+        now = _text(self.store.compare_set("epoch", expected, str(epoch)))
+        if now != str(epoch):
+            raise StaleLeader(f"the job's epoch is {now!r}, not {expected!r} as this controller "
                               f"believed; another leader took over, so this one steps down")
-        self.epoch, self.plan = epoch, record.plan
+        self.epoch = epoch
 
     def _end(self, outcome: str) -> None:
         self.outcome = outcome

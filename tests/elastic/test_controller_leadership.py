@@ -1,0 +1,71 @@
+"""Publishing an epoch when two controllers may both believe they lead (a leader whose
+lease expired while it was busy or cut off): the job's epochs are never overwritten,
+and a leader that died between writing an epoch and publishing it is finished for."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch.distributed as dist
+
+from planaria.elastic.controller import Controller, StaleLeader
+from planaria.runtime.config import load_config
+from planaria.runtime.coordination import EpochRecord
+from planaria.runtime.planning import build_planner, cost_model
+from tests.launch import TINY
+
+
+@pytest.fixture(scope="module")
+def planner():
+    cfg = load_config(TINY, ["parallel.fault_tolerance=1"])
+    return build_planner(cfg, cost_model(cfg, hardware_name="h100", gpus_per_node=1))
+
+
+def controller(store, planner) -> Controller:
+    return Controller(store, planner, total_steps=100, log=lambda message: None)
+
+
+def next_record(plan, *, first_iteration: int) -> EpochRecord:
+    return EpochRecord(dataclasses.replace(plan, epoch=plan.epoch + 1, first_iteration=first_iteration))
+
+
+def published(store, epoch: int) -> EpochRecord:
+    return EpochRecord.from_json(store.get(f"epoch/{epoch}/record").decode())
+
+
+def test_a_stale_leader_can_neither_overwrite_nor_move_on_its_successors_epoch(planner):
+    store = dist.HashStore()
+    old = controller(store, planner)
+    plan = old.start([(f"node{i}", 0) for i in range(4)])
+    new = controller(store, planner)
+    assert new.resume() and new.epoch == 0
+    ours = next_record(plan, first_iteration=7)
+    new._publish(ours)
+
+    with pytest.raises(StaleLeader):  # the old leader still believes epoch 0 is in force
+        old._publish(next_record(plan, first_iteration=5))
+    assert published(store, 1) == ours
+    assert store.get("epoch") == b"1"
+    with pytest.raises(StaleLeader):  # nor can it skip ahead to an epoch nobody wrote
+        old._publish(next_record(ours.plan, first_iteration=9))
+    assert store.get("epoch") == b"1"
+
+
+def test_a_new_leader_publishes_the_epoch_its_predecessor_wrote_before_dying(planner):
+    store = dist.HashStore()
+    first = controller(store, planner)
+    plan = first.start([(f"node{i}", 0) for i in range(4)])
+    orphan = next_record(plan, first_iteration=3)
+    store.set("epoch/1/record", orphan.to_json())  # written; the leader died before the CAS
+    successor = controller(store, planner)
+    assert successor.resume()
+    assert successor.epoch == 1 and successor.plan == orphan.plan and store.get("epoch") == b"1"
+
+
+def test_an_epoch_0_written_but_never_published_is_published_by_the_next_leader(planner):
+    store = dist.HashStore()
+    plan = planner.instantiate(4, node_ids=[f"node{i}" for i in range(4)]).plan
+    store.set("epoch/0/record", EpochRecord(plan).to_json())
+    successor = controller(store, planner)
+    assert successor.resume()  # it would otherwise plan epoch 0 again and find it taken
+    assert successor.epoch == 0 and store.get("epoch") == b"0"
