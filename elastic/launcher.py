@@ -14,7 +14,8 @@ so every flag, default, `PET_*` environment form and error message is torchrun's
   `--nnodes MIN:MAX` is how many nodes epoch 0 waits for. With `--standalone` and
   `parallel.tp = 1`, each of the `--nproc-per-node` workers is a node of its own (a
   stage needs its whole node, so this is what lets a single machine lose one worker
-  and go on); otherwise the `--nproc-per-node` workers are one node's tp group.
+  and go on), with a GPU of its own; otherwise the `--nproc-per-node` workers are one
+  node's tp group. Several machines (`--nnodes` above 1) need one `--rdzv-id`.
   Planaria workers take their ranks from each epoch's plan, not from `RANK`.
   `--max-restarts N`: a node whose worker died starts its workers again, up to N
   times, and they rejoin as new capacity (torchrun restarts every worker of the job
@@ -86,6 +87,23 @@ def _peer_watch(args):
     return watch
 
 
+def one_gpu_each(nproc: int, backend: str, environ=os.environ) -> list[dict[str, str]]:
+    """The environment of each of `--standalone`'s one-worker nodes: its own GPU, the i-th
+    of those visible (each agent's worker is its node's local rank 0, so without this
+    every worker would take the first GPU). Nothing to set where no GPU is visible."""
+    import torch
+
+    gpus = torch.cuda.device_count()
+    if gpus == 0:
+        return [{} for _ in range(nproc)]
+    if nproc > gpus and backend in ("auto", "nccl"):
+        raise ValueError(f"--nproc-per-node={nproc} but {gpus} GPU(s) visible, and NCCL needs a GPU "
+                         f"per worker: start at most {gpus}, or set parallel.backend=gloo")
+    listed = environ.get("CUDA_VISIBLE_DEVICES")
+    ids = [d.strip() for d in listed.split(",")][:gpus] if listed else [str(i) for i in range(gpus)]
+    return [{"CUDA_VISIBLE_DEVICES": ids[i % gpus]} for i in range(nproc)]
+
+
 def _nproc(value: str) -> int:
     if value.isdigit():
         return int(value)
@@ -134,8 +152,8 @@ def run_planaria(args) -> int:
     if config is None:
         print("planaria-run: -m planaria.train needs a config: -m planaria.train CONFIG.yaml", file=sys.stderr)
         return 2
-    cfg = load_config(config, overrides)
     try:
+        cfg = load_config(config, overrides)
         signals = parse_signals(args.signals_to_handle)
         tls, lease_ttl = etcd_options(args.rdzv_conf)
         EtcdSettings(**tls)  # refuse missing TLS files before anything starts
@@ -144,7 +162,14 @@ def run_planaria(args) -> int:
         return 2
     nproc = _nproc(str(args.nproc_per_node))
     min_nodes = int(str(args.nnodes).split(":")[0])
-    run_id = args.rdzv_id if args.rdzv_id not in (None, "", "none") else f"run-{uuid.uuid4().hex[:8]}"
+    given_id = args.rdzv_id not in (None, "", "none")
+    max_nodes = int(str(args.nnodes).split(":")[-1])
+    if not (given_id or args.standalone) and max_nodes > 1:
+        # Each machine would invent its own run id and wait for the others forever.
+        print("planaria-run: a job of several machines needs one run id: give every machine the "
+              "same --rdzv-id", file=sys.stderr)
+        return 2
+    run_id = args.rdzv_id if given_id else f"run-{uuid.uuid4().hex[:8]}"
     server = None
     if args.standalone:
         server = EmbeddedEtcd().start()
@@ -157,8 +182,14 @@ def run_planaria(args) -> int:
             return 2
         endpoint = args.rdzv_endpoint if ":" in args.rdzv_endpoint else f"{args.rdzv_endpoint}:2379"
     per_node = cfg.parallel.tp
+    devices: list[dict[str, str]] = [{}]
     if args.standalone and per_node == 1:
         nodes, min_nodes = [f"{socket.gethostname()}-{i}" for i in range(nproc)], nproc
+        try:
+            devices = one_gpu_each(nproc, cfg.parallel.backend)
+        except ValueError as err:
+            print(f"planaria-run: {err}", file=sys.stderr)
+            return 2
     else:
         if nproc != per_node:
             print(f"planaria-run: --nproc-per-node={nproc} but parallel.tp={per_node}; a node's "
@@ -170,7 +201,7 @@ def run_planaria(args) -> int:
     agents = [subprocess.Popen(
         [sys.executable, "-m", "planaria.elastic.agent", "--node", node, "--nproc-per-node",
          str(per_node), "--etcd", endpoint, "--run-id", run_id, "--nnodes", str(min_nodes),
-         *flags, config, *overrides], env=env) for node in nodes]
+         *flags, config, *overrides], env=dict(env, **device)) for node, device in zip(nodes, devices * len(nodes))]
     received: list[int] = []
 
     def forward(signum, frame) -> None:  # the agents stop their workers and leave

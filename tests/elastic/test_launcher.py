@@ -197,3 +197,41 @@ def test_frozen_peer_restarts_the_world_through_its_lease_not_a_collective_timeo
     (restarted,) = tmp_path.glob("start-*-1-1")  # the second world: one node
     waited = float(restarted.read_text()) - frozen_at
     assert waited < 60, f"the world restarted {waited:.0f} s after the peer froze"
+
+
+def _planaria_run(*argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "planaria.elastic.launcher", *argv],
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_a_job_of_several_machines_without_a_run_id_is_refused():
+    """torchrun's --rdzv-id defaults to "none": each machine would invent its own run id
+    and wait for the others forever."""
+    proc = _planaria_run("--nnodes", "2", "--rdzv-backend", "etcd3", "--rdzv-endpoint", "127.0.0.1:1",
+                         "-m", "planaria.train", str(TINY))
+    assert proc.returncode == 2 and "same --rdzv-id" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_a_bad_config_is_a_clear_error_not_a_traceback(tmp_path):
+    proc = _planaria_run("--standalone", "-m", "planaria.train", str(tmp_path / "missing.yaml"))
+    assert proc.returncode == 2 and "not found" in proc.stderr and "Traceback" not in proc.stderr
+    proc = _planaria_run("--standalone", "-m", "planaria.train", str(TINY), "train.nope=1")
+    assert proc.returncode == 2 and "unknown config key train.nope" in proc.stderr
+
+
+def test_standalone_one_worker_nodes_each_get_their_own_gpu(monkeypatch):
+    """Each of --standalone's one-worker nodes runs its worker as local rank 0; on a GPU
+    machine each must see its own GPU, or all of them train on the first. (The GPU count
+    is set here: this test runs where there is none.)"""
+    import torch
+
+    from planaria.elastic.launcher import one_gpu_each
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    assert one_gpu_each(4, "auto", environ={}) == [{"CUDA_VISIBLE_DEVICES": str(i)} for i in range(4)]
+    assert one_gpu_each(2, "nccl", environ={"CUDA_VISIBLE_DEVICES": "3,5,6,7"}) == [
+        {"CUDA_VISIBLE_DEVICES": "3"}, {"CUDA_VISIBLE_DEVICES": "5"}]
+    with pytest.raises(ValueError, match="--nproc-per-node=5 but 4 GPU"):
+        one_gpu_each(5, "auto", environ={})
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    assert one_gpu_each(3, "auto", environ={}) == [{}, {}, {}]
