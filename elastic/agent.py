@@ -58,6 +58,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import uuid
 import time
 from collections import Counter
 from pathlib import Path
@@ -78,6 +79,10 @@ DEFAULT_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
 def _worker_of(key: str) -> Worker:
     node, _, local = key.rpartition(".")
     return node, int(local)
+
+
+class NodeNameTaken(RuntimeError):
+    """Another live agent of the run registered under this agent's node name."""
 
 
 class Agent:
@@ -110,17 +115,23 @@ class Agent:
         self._said_settling: float | None = None
         self._signal: int | None = None
         self.error_dir = Path(log_dir or tempfile.mkdtemp(prefix=f"planaria-{node}-")) / "errors"
+        self.agent_id = uuid.uuid4().hex
+        """Tells this agent's claim on its node name from another's (`_register`)."""
 
     def log(self, message: str) -> None:
         print(f"[agent {self.node}] {message}", flush=True)
 
     # ------------------------------------------------------------------ run
     def run(self) -> int:
-        refused = self._check_job_config()
+        refused = self._check_job_config() or self._check_not_ended()
         if refused:
             self.log(refused)
             return 2
-        self._register()
+        try:
+            self._register()
+        except NodeNameTaken as err:
+            self.log(str(err))
+            return 2
         threading.Thread(target=self._keep_alive, daemon=True, name="lease").start()
         for signum in self.signals:
             signal.signal(signum, self._on_signal)
@@ -146,7 +157,12 @@ class Agent:
         """One look at the node and the job; the agent's exit code once it is over."""
         if self._lease_lost.is_set():
             self.log("this node's lease expired while etcd was away; registering again")
-            self._register()
+            try:
+                self._register()
+            except NodeNameTaken as err:  # another agent took the name meanwhile
+                self.log(f"{err}; this node's workers stop and the node leaves the job")
+                self._stop_workers(signal.SIGKILL)
+                return 1
         self._kill_frozen_workers()
         if self._reap():
             if self.restarts < self.max_restarts and self._signal is None:
@@ -191,12 +207,38 @@ class Agent:
         return (f"refused: run id {self.prefix.split('/')[2]!r} already runs {theirs}, and this "
                 f"agent was given {mine}; use another --run-id, or the same config")
 
+    def _check_not_ended(self) -> str | None:
+        """A run id whose job has ended is not run again: its agents would see the old
+        outcome and exit at once, as if this job had run."""
+        outcome = self.client.get(self.prefix + "done")[0]
+        if outcome is None:
+            return None
+        run_id = self.prefix.split("/")[2]
+        return (f"refused: run id {run_id!r} already ran and ended ({outcome.decode()}); use another "
+                f"--run-id, or delete its keys first (etcdctl del --prefix {self.prefix})")
+
     def _register(self) -> None:
-        """A lease, and under it the node and its live workers (again, after a lease expired)."""
+        """A lease, and under it the node and its live workers (again, after a lease expired).
+
+        The node's key is created, never overwritten: two agents under one name (two
+        machines given the same --node-rank, say) would each count the other's workers
+        as their own. A name held by a live agent is waited for one lease TTL and a half
+        (an agent that died and is started again finds its old lease still running),
+        then refused (`NodeNameTaken`)."""
         self._lease_lost.clear()
         self.lease = self.client.lease(self.lease_ttl_s)
-        self.client.put(self.prefix + f"nodes/{self.node}", json.dumps({"gpus": self.nproc}).encode(),
-                        lease=self.lease)
+        key = self.prefix + f"nodes/{self.node}"
+        mine = json.dumps({"gpus": self.nproc, "agent": self.agent_id}).encode()
+        deadline = time.monotonic() + 1.5 * self.lease_ttl_s + 1
+        while not self.client.put_if_absent(key, mine, lease=self.lease):
+            if self.client.get(key)[0] == mine:
+                break  # ours: the create's reply was lost and it was retried
+            if time.monotonic() > deadline:
+                raise NodeNameTaken(f"refused: another live agent of run {self.run_id!r} is node "
+                                    f"{self.node!r}; give each machine its own --node-rank (or --node)")
+            time.sleep(0.5)
+            if not self.client.refresh(self.lease):  # kept alive while waiting: nobody else does yet
+                self.lease = self.client.lease(self.lease_ttl_s)
         for worker in self._running():
             self.client.put(self.prefix + f"alive/{worker_key(worker)}", b"1", lease=self.lease)
 
@@ -284,15 +326,19 @@ class Agent:
         for worker, proc in self.workers.items():
             if proc.poll() is None:
                 continue
-            if worker not in self._exited:  # said before etcd is asked: it may be away
+            if worker not in self._exited:
+                # Counted from the process, not from its key: a key that went with an
+                # expired lease (etcd away) would hide the exit, and the node would
+                # neither leave nor restart.
+                ended = self.store.check(["done"])  # etcd away: asked again next tick
                 self._exited.add(worker)
-                if not self.store.check(["done"]):
+                if not ended:
                     self.log(f"worker {worker_key(worker)} exited with code {proc.returncode}"
                              f"{self._reported_error(worker)}")
+                    exited = True
             key = self.prefix + f"alive/{worker_key(worker)}"
             if self.client.get(key)[0] is not None:
                 self.client.delete(key)
-                exited = exited or not self.store.check(["done"])
         return exited
 
     def _serve_kill_requests(self) -> None:
@@ -324,7 +370,9 @@ class Agent:
     def _leave(self, signum: int = signal.SIGKILL) -> int:
         self._stop_workers(signum)
         self._reap()
-        self.client.delete(self.prefix + f"nodes/{self.node}")
+        # Its keys (node, workers, and the leadership if it led) go now: the others plan
+        # without this node, and a new leader is elected, at once rather than in a TTL.
+        self.client.revoke(self.lease)
         return 1
 
     # --------------------------------------------------------------- leader
@@ -333,26 +381,25 @@ class Agent:
             return
         if not self._settled():
             return
-        if self.controller.plan is None:  # waiting for the first epoch's nodes
-            if not self.controller.resume():
-                alive = self._alive_now()
-                per_node = Counter(node for node, _ in alive)
-                nodes = [node for node, count in per_node.items() if count == self.nproc]
-                if len(nodes) < self.min_nodes:  # whole nodes: every worker up
-                    return
-                try:
-                    self.controller.start(sorted(w for w in alive if w[0] in nodes))
-                except StaleLeader as err:
-                    self.log(str(err))
-                    self.controller = None
-                    return
-                self.log(f"epoch 0 published for {len(nodes)} nodes")
-            return
         try:
+            if self.controller.plan is None:  # waiting for the first epoch's nodes
+                if not self.controller.resume():
+                    self._start_job()
+                return
             self.controller.poll(self._alive_now, self._kill)
         except StaleLeader as err:
             self.log(str(err))
             self.controller = None
+
+    def _start_job(self) -> None:
+        """Publish epoch 0 once `min_nodes` whole nodes (every worker up) are alive."""
+        alive = self._alive_now()
+        per_node = Counter(node for node, _ in alive)
+        nodes = [node for node, count in per_node.items() if count == self.nproc]
+        if len(nodes) < self.min_nodes:
+            return
+        self.controller.start(sorted(w for w in alive if w[0] in nodes))
+        self.log(f"epoch 0 published for {len(nodes)} nodes")
 
     def _leading(self) -> bool:
         """Campaign for `leader` (a create-if-absent under this agent's lease), or check

@@ -287,6 +287,10 @@ class EtcdClient:
         responses = self._call("refresh a lease", lease.refresh)
         return bool(responses) and responses[0].TTL > 0
 
+    def revoke(self, lease) -> None:
+        """End `lease` now: its keys go at once, not when its TTL runs out."""
+        self._call("revoke a lease", lease.revoke)
+
     def keys_with_prefix(self, prefix: str) -> list[str]:
         """The keys under `prefix`, without it."""
         found = self._call(f"list {prefix}", lambda: list(self._client.get_prefix(prefix, keys_only=True)))

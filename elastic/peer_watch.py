@@ -50,8 +50,11 @@ class PeerWatch(threading.Thread):
         self.ttl_s, self.log, self.period_s = ttl_s, log, period_s
         self.restarts_asked = 0
         self._done = threading.Event()
-        self.lease = client.lease(ttl_s)
-        client.put(self.prefix + f"peers/{node}", b"running", lease=self.lease)
+        self._register()
+
+    def _register(self) -> None:
+        self.lease = self.client.lease(self.ttl_s)
+        self.client.put(self.prefix + f"peers/{self.node}", b"running", lease=self.lease)
 
     def run(self) -> None:
         seen = set(self._peers())
@@ -60,8 +63,11 @@ class PeerWatch(threading.Thread):
         while not self._done.wait(self.period_s):
             tick += 1
             try:
-                if tick % refresh_every == 0:
-                    self.client.refresh(self.lease)
+                if tick % refresh_every == 0 and not self.client.refresh(self.lease):
+                    # Expired (etcd was away, or this machine froze, longer than the TTL):
+                    # the peers took this node for dead; it must be watchable again.
+                    self.log("planaria-run: peer watch: this node's lease expired; registering again")
+                    self._register()
                 now = set(self._peers())
                 gone = seen - now - set(self.client.keys_with_prefix(self.prefix + "finished/"))
             except EtcdUnavailable as err:  # the rendezvous itself will say more

@@ -1,26 +1,23 @@
 """Model state on disk: one file per (layer, tp rank), written by one owner replica, manifest last.
 
 The manifest is written only after every shard file is complete (and every file is
-written to a temporary name, then renamed), so a directory without a manifest is an
-incomplete save and is never read. Files hold plain tensors and are loaded with
+written to a temporary name, made durable, then renamed), so a directory without a
+manifest is an incomplete save and is never read, even after a power cut. Files hold plain tensors and are loaded with
 `weights_only=True`: no arbitrary pickle is ever executed.
 """
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from planaria.runtime.checkpoint_files import MANIFEST, atomic_write_bytes, shard_filename
+from planaria.runtime.checkpoint_files import MANIFEST, atomic_write, atomic_write_bytes, shard_filename
 
 
 def _atomic_torch_save(obj, path: Path) -> None:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
+    atomic_write(path, lambda f: torch.save(obj, f))
 
 
 def save_model_shards(engine, directory: Path) -> None:

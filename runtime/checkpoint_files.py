@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 from pathlib import Path
+from typing import BinaryIO, Callable
 
 from planaria.runtime.exactly_once import CommitRecord
 
@@ -21,17 +22,37 @@ def shard_filename(layer: int, tp_rank: int) -> str:
     return f"layer{layer:04d}-tp{tp_rank}.pt"
 
 
-def atomic_write_bytes(path: Path, data: bytes) -> None:
+def atomic_write(path: Path, write: Callable[[BinaryIO], None]) -> None:
+    """`write` into a temporary file beside `path`, on disk (fsync), then renamed over
+    `path` and the rename itself made durable (fsync of the directory). A reader sees the
+    old file or the whole new one; and a manifest written after a shard's atomic_write
+    can never name a shard that a power cut leaves empty."""
+    path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     with open(tmp, "wb") as f:
-        f.write(data)
+        write(f)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+    directory = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(directory)
+    finally:
+        os.close(directory)
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    atomic_write(path, lambda f: f.write(data))
 
 
 def step_dir(directory: Path, iteration: int) -> Path:
     return Path(directory) / f"step-{iteration:08d}"
+
+
+def missing_shards(directory: Path, num_layers: int, tp: int) -> list[str]:
+    """The shard files of a checkpoint or model directory that are not there (yet)."""
+    return [name for name in (shard_filename(layer, t) for layer in range(num_layers) for t in range(tp))
+            if not (Path(directory) / name).is_file()]
 
 
 def write_manifest(directory: Path, commit: CommitRecord, num_layers: int, tp: int) -> Path:

@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -282,3 +283,61 @@ def test_unreachable_etcd_is_named_after_retrying(tmp_path):
                            str(TINY), f"output.dir={tmp_path}"], capture_output=True, text=True, timeout=100)
     assert proc.returncode == 2
     assert "etcd at 127.0.0.1:1 did not answer" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def _agent(etcd, tmp_path, node: str, run_id: str, *extra: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "planaria.elastic.agent", "--node", node, "--etcd",
+                           etcd.endpoint, "--run-id", run_id, "--nnodes", "1", *extra, str(TINY),
+                           f"output.dir={tmp_path}"], capture_output=True, text=True, timeout=100)
+
+
+def test_a_run_id_whose_job_ended_is_not_run_again(etcd, tmp_path):
+    """Its agents would read the old outcome and exit 0 at once, as if this job had run."""
+    client = EtcdClient(EtcdSettings(endpoint=etcd.endpoint))
+    client.put("/planaria/ended/done", b"ok")
+    proc = _agent(etcd, tmp_path, "a", "ended")
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "run id 'ended' already ran and ended (ok)" in proc.stdout
+    assert "etcdctl del --prefix /planaria/ended/" in proc.stdout
+
+
+def test_two_agents_under_one_node_name_the_second_is_refused(etcd, tmp_path):
+    """Two machines given the same --node-rank: the second agent must not count the first
+    one's workers as its own. It waits out a lease (the first might be a dead agent of
+    this machine) and is refused, naming what to do; the first is not disturbed."""
+    from planaria.elastic.agent import Agent, NodeNameTaken
+
+    settings = EtcdSettings(endpoint=etcd.endpoint)
+    first, second = (Agent(node="twin", nproc=1, settings=settings, run_id="twins", min_nodes=1,
+                           config=str(TINY), overrides=[f"output.dir={tmp_path}"], lease_ttl_s=1)
+                     for _ in range(2))
+    first._register()
+    threading.Thread(target=first._keep_alive, daemon=True).start()
+    started = time.monotonic()
+    with pytest.raises(NodeNameTaken, match="give each machine its own --node-rank"):
+        second._register()
+    assert time.monotonic() - started >= 1.5  # waited for the name, in case it was free soon
+    assert first.client.refresh(first.lease)  # the first agent's claim stands
+    first._stop.set()
+    first.client.revoke(first.lease)  # the first agent leaves: the name is free
+    second._register()
+    second.client.revoke(second.lease)
+
+
+def test_a_worker_exit_while_the_lease_was_lost_still_takes_the_node_out(etcd, tmp_path):
+    """The worker's `alive/` key went with the expired lease (etcd was away) before the
+    agent saw the exit: the exit still counts (the agent once looked only at the key,
+    and its node then neither left nor restarted)."""
+    from planaria.elastic.agent import Agent
+
+    agent = Agent(node="lapsed", nproc=1, settings=EtcdSettings(endpoint=etcd.endpoint), run_id="lapsed",
+                  min_nodes=1, config=str(TINY), overrides=[f"output.dir={tmp_path}"], lease_ttl_s=2)
+    agent._register()
+    worker = ("lapsed", 0)
+    agent.workers[worker] = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+    agent.client.put(agent.prefix + "alive/lapsed.0", b"1", lease=agent.lease)
+    agent.workers[worker].wait()
+    agent.client.revoke(agent.lease)  # as an expiry would: the key is gone
+    assert agent.client.get(agent.prefix + "alive/lapsed.0")[0] is None
+    assert agent._reap() is True
+    assert agent._reap() is False  # counted once

@@ -9,10 +9,18 @@ import json
 import torch.distributed as dist
 
 from planaria.elastic.controller import CheckpointPolicy, Controller
-from planaria.runtime.checkpoint_files import complete_checkpoints, step_dir
+from planaria.runtime.checkpoint_files import complete_checkpoints, shard_filename, step_dir
 from planaria.runtime.config import load_config
 from planaria.runtime.planning import build_planner, cost_model
 from tests.launch import TINY
+
+
+def write_shards(directory, plan, *, leave_out: int = 0) -> None:
+    """The shard files of a checkpoint, as its workers write them (all but `leave_out`)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    names = [shard_filename(layer, t) for layer in range(plan.num_layers) for t in range(plan.tp)]
+    for name in names[:len(names) - leave_out]:
+        (directory / name).write_bytes(b"shard")
 
 
 def complete_in_store(store, k: int, shards: int) -> None:
@@ -30,7 +38,7 @@ def test_a_new_leader_skips_checkpoints_an_earlier_one_completed_and_pruned(tmp_
     plan = first.start([(f"node{i}", 0) for i in range(4)])
     shards = plan.num_layers * plan.tp
     for k in (9, 19, 29):  # the workers wrote every shard of three checkpoints
-        step_dir(policy.directory, k).mkdir(parents=True)
+        write_shards(step_dir(policy.directory, k), plan)
         complete_in_store(store, k, shards)
     first._complete_checkpoints()
     assert [i for i, _ in complete_checkpoints(policy.directory)] == [19, 29]  # 9 was pruned
@@ -39,7 +47,7 @@ def test_a_new_leader_skips_checkpoints_an_earlier_one_completed_and_pruned(tmp_
     assert second.resume()
     second._complete_checkpoints()  # 9's directory is gone: nothing to write there
     assert not step_dir(policy.directory, 9).exists()
-    step_dir(policy.directory, 39).mkdir()
+    write_shards(step_dir(policy.directory, 39), plan)
     complete_in_store(store, 39, shards)
     second._complete_checkpoints()
     assert [i for i, _ in complete_checkpoints(policy.directory)] == [29, 39]
@@ -56,15 +64,33 @@ def test_a_checkpoint_a_failure_left_incomplete_does_not_hold_back_later_ones(tm
     controller = Controller(store, planner, total_steps=100, checkpoints=policy, log=lambda m: None)
     plan = controller.start([(f"node{i}", 0) for i in range(4)])
     shards = plan.num_layers * plan.tp
-    step_dir(policy.directory, 9).mkdir(parents=True)
+    write_shards(step_dir(policy.directory, 9), plan, leave_out=1)
     store.add("checkpoint/9/shards", shards - 1)  # one shard never came
     controller._complete_checkpoints()
     assert complete_checkpoints(policy.directory) == []  # epoch 0 may still write it
 
     controller.plan = dataclasses.replace(plan, epoch=1, first_iteration=10)  # as after the failure
     for k in (19, 29):
-        step_dir(policy.directory, k).mkdir(parents=True)
+        write_shards(step_dir(policy.directory, k), plan)
         complete_in_store(store, k, shards)
         controller._complete_checkpoints()
         assert complete_checkpoints(policy.directory)[-1][0] == k
     assert controller.completed_checkpoints == [19, 29]
+
+
+def test_a_shard_counted_twice_does_not_complete_a_checkpoint_whose_file_is_missing(tmp_path):
+    """A worker's report, retried after its reply was lost, counted its shards twice: the
+    count says complete while one file is not there. No manifest until it is."""
+    cfg = load_config(TINY, ["parallel.fault_tolerance=1"])
+    planner = build_planner(cfg, cost_model(cfg, hardware_name="h100", gpus_per_node=1))
+    store = dist.HashStore()
+    policy = CheckpointPolicy(tmp_path / "ckpt", every=10, keep=2)
+    controller = Controller(store, planner, total_steps=100, checkpoints=policy, log=lambda m: None)
+    plan = controller.start([(f"node{i}", 0) for i in range(4)])
+    write_shards(step_dir(policy.directory, 9), plan, leave_out=1)
+    complete_in_store(store, 9, plan.num_layers * plan.tp)
+    controller._complete_checkpoints()
+    assert complete_checkpoints(policy.directory) == []
+    write_shards(step_dir(policy.directory, 9), plan)
+    controller._complete_checkpoints()
+    assert [k for k, _ in complete_checkpoints(policy.directory)] == [9]
