@@ -251,15 +251,21 @@ class EtcdClient:
                            success=[t.put(key, desired)], failure=[])
         return desired if ok else (self.get(key)[0] or b"")
 
-    def set_if_revision(self, key: str, revision: int | None,
-                        value: bytes) -> tuple[bool, bytes | None, int]:
-        """Put `value` if the key's mod revision is `revision` (None: if it is absent), in one
-        transaction that also reads the key back: (succeeded, value now, mod revision now;
-        None and 0 when absent)."""
+    def set_if_revision(self, key: str, revision: int | None, value: bytes, *, lease=None,
+                        clear_prefix: str | None = None) -> tuple[bool, bytes | None, int]:
+        """Put `value` (bound to `lease`, if given) if the key's mod revision is `revision`
+        (None: if it is absent), in one transaction that also reads the key back:
+        (succeeded, value now, mod revision now; None and 0 when absent). Creating it
+        (`revision` None) deletes the keys under `clear_prefix` in the same transaction."""
+        from pyetcd.utils import prefix_range_end
+
         t = self._client.transactions
         compare = [t.version(key) == 0] if revision is None else [t.mod(key) == revision]
+        success = [t.put(key, value, lease=lease), t.get(key)]
+        if revision is None and clear_prefix:
+            success.insert(0, t.delete(clear_prefix, range_end=prefix_range_end(clear_prefix.encode())))
         ok, responses = self._call(f"compare-and-set {key}", self._client.transaction, compare=compare,
-                                   success=[t.put(key, value), t.get(key)], failure=[t.get(key)])
+                                   success=success, failure=[t.get(key)])
         found = responses[-1]
         if not found:
             return ok, None, 0

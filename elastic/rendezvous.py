@@ -11,6 +11,8 @@ token torch's `RendezvousBackend` contract asks for. Registered through torch's
 
 `--rdzv-conf` keys: `key_prefix` (default /planaria/torchrun/), `read_timeout` (s, per
 request, default 5), `retry_s` (how long to retry an unreachable etcd, default 30),
+`ttl` (s, default 7200: how long the state outlives its last write, as torch's etcd
+backends keep theirs; a run id can be used again once it expired),
 `ca_cert`, `cert_cert`, `cert_key`, `user`, `password`. The state is stored base64
 encoded, so a value that is not (a corrupt state) is reported as such.
 """
@@ -37,11 +39,20 @@ from planaria.elastic.etcd_client import EtcdClient, EtcdSettings, EtcdUnavailab
 class Etcd3RendezvousBackend(RendezvousBackend):
     """The rendezvous state in one etcd v3 key, fenced on its mod revision."""
 
-    def __init__(self, client: EtcdClient, run_id: str, key_prefix: str = "/planaria/torchrun/"):
+    DEFAULT_TTL_S = 7200
+    """torch's etcd backends' default: the state outlives its last write by two hours."""
+
+    def __init__(self, client: EtcdClient, run_id: str, key_prefix: str = "/planaria/torchrun/",
+                 ttl_s: int = DEFAULT_TTL_S):
         if not run_id:
             raise ValueError("the run id must not be empty; pass --rdzv-id")
+        if ttl_s <= 0:
+            raise ValueError(f"the rendezvous TTL must be positive, got {ttl_s} s (--rdzv-conf ttl=)")
         self.client = client
         self.key = f"{key_prefix.rstrip('/')}/{run_id}/state"
+        self.store_prefix = f"{key_prefix.rstrip('/')}/{run_id}/store/"
+        self.ttl_s = ttl_s
+        self._lease = None
 
     @property
     def name(self) -> str:
@@ -56,11 +67,20 @@ class Etcd3RendezvousBackend(RendezvousBackend):
             # Not a token of ours: nothing can match it. Report what is there.
             current = self.get_state()
             return None if current is None else (*current, False)
-        ok, value, revision = self._call(self.client.set_if_revision, self.key, token,
-                                         b64encode(state))
+        # The state is bound to a lease of `ttl_s`, renewed at each write (as torch's etcd
+        # backends write it with a TTL): a finished (closed) rendezvous does not keep its run
+        # id closed forever. Creating it clears the run's store of an earlier run's keys:
+        # its rounds count from 0 again, and would read that run's addresses and counters.
+        ok, value, revision = self._call(self._set, token, b64encode(state))
         if value is None:
             return None
         return self._decode(value), revision, ok
+
+    def _set(self, token: Token | None, encoded: bytes) -> tuple[bool, bytes | None, int]:
+        if self._lease is None or not self.client.refresh(self._lease):
+            self._lease = self.client.lease(self.ttl_s)
+        return self.client.set_if_revision(self.key, token, encoded, lease=self._lease,
+                                           clear_prefix=self.store_prefix)
 
     def _call(self, fn, *args):
         try:
@@ -95,8 +115,9 @@ def create_etcd3_handler(params: RendezvousParameters) -> RendezvousHandler:
 
     client = EtcdClient(settings_from_parameters(params))
     prefix = params.get("key_prefix", "/planaria/torchrun/")
-    backend = Etcd3RendezvousBackend(client, params.run_id, prefix)
-    store = EtcdStore(client, f"{prefix.rstrip('/')}/{params.run_id}/store",
+    backend = Etcd3RendezvousBackend(client, params.run_id, prefix,
+                                     ttl_s=int(params.get("ttl", Etcd3RendezvousBackend.DEFAULT_TTL_S)))
+    store = EtcdStore(client, backend.store_prefix.rstrip("/"),
                       timeout=timedelta(seconds=float(params.get("store_timeout", 300))))
     return create_handler(store, backend, params)
 

@@ -55,6 +55,38 @@ def test_corrupt_state(backend, etcd):
         backend.get_state()
 
 
+def test_state_expires_its_ttl_after_the_last_write(etcd, request):
+    """A finished rendezvous is closed in its state; without a TTL, its run id stayed
+    closed forever (RendezvousClosedError on every later run). torch's etcd backends
+    keep the state two hours after its last write; so does this one (`ttl`)."""
+    import time
+
+    client = EtcdClient(EtcdSettings(endpoint=etcd.endpoint))
+    backend = Etcd3RendezvousBackend(client, request.node.name, ttl_s=2)
+    _, token, _ = backend.set_state(b"open")
+    time.sleep(1.5)
+    backend.set_state(b"closed", token)  # a write renews it
+    time.sleep(1.5)
+    assert backend.get_state() is not None
+    time.sleep(2.5)
+    assert backend.get_state() is None  # the run id is free again
+
+
+def test_a_new_rendezvous_clears_the_store_an_earlier_run_left(backend, etcd):
+    """Rounds count from 0 again in a new rendezvous under a run id: an earlier run's
+    store keys (its master address, its barrier counters) would be read as this one's."""
+    client = backend.client
+    client.put(backend.store_prefix + "torch.rendezvous.x.0/MASTER_ADDR", b"old-host")
+    client.put(backend.key.removesuffix("state") + "storex", b"not the store")  # a neighbour
+    backend.set_state(b"new")
+    assert client.keys_with_prefix(backend.store_prefix) == []
+    assert client.get(backend.key.removesuffix("state") + "storex")[0] == b"not the store"
+    _, token, _ = backend.set_state(b"new")  # not created again: nothing more is cleared
+    client.put(backend.store_prefix + "live", b"1")
+    backend.set_state(b"newer", token)
+    assert client.keys_with_prefix(backend.store_prefix) == ["live"]
+
+
 def test_unreachable_etcd_is_a_connection_error():
     client = EtcdClient(EtcdSettings(endpoint="127.0.0.1:1", timeout_s=0.2, retry_s=0.5))
     with pytest.raises(RendezvousConnectionError, match="127.0.0.1:1"):
