@@ -252,6 +252,9 @@ class Agent:
             except EtcdUnavailable as err:  # past --etcd-outage-limit: the main loop ends it
                 if self._signal is None:
                     self.log(str(err))
+            except Exception as err:  # noqa: BLE001 - a dead keep-alive thread would let the
+                # lease expire and take a healthy node out of the job: say it, try again
+                self.log(f"keeping the lease alive failed ({type(err).__name__}: {err}); trying again")
 
     # -------------------------------------------------------------- workers
     @property

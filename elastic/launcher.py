@@ -41,7 +41,7 @@ import sys
 import uuid
 
 from torch.distributed.elastic.rendezvous.utils import _parse_rendezvous_config
-from torch.distributed.run import get_args_parser
+from torch.distributed.run import determine_local_world_size, get_args_parser
 from torch.distributed.run import run as torchrun
 
 PLANARIA_MODULE = "planaria.train"
@@ -105,13 +105,11 @@ def one_gpu_each(nproc: int, backend: str, environ=os.environ) -> list[dict[str,
 
 
 def _nproc(value: str) -> int:
-    if value.isdigit():
-        return int(value)
-    if value in ("gpu", "auto"):
-        import torch
-
-        return torch.cuda.device_count() or 1
-    return 1  # "cpu", as torchrun counts it here: one worker per node
+    """`--nproc-per-node` as torchrun reads it ("gpu", "cpu", "auto" or a number)."""
+    try:
+        return determine_local_world_size(value)
+    except ValueError as err:
+        raise ValueError(f"--nproc-per-node {value}: {err}") from err
 
 
 _TLS_ALIASES = {"cacert": "ca_cert", "cert": "cert_cert", "key": "cert_key"}
@@ -157,10 +155,10 @@ def run_planaria(args) -> int:
         signals = parse_signals(args.signals_to_handle)
         tls, lease_ttl = etcd_options(args.rdzv_conf)
         EtcdSettings(**tls)  # refuse missing TLS files before anything starts
+        nproc = _nproc(str(args.nproc_per_node))
     except ValueError as err:
         print(f"planaria-run: {err}", file=sys.stderr)
         return 2
-    nproc = _nproc(str(args.nproc_per_node))
     min_nodes = int(str(args.nnodes).split(":")[0])
     given_id = args.rdzv_id not in (None, "", "none")
     max_nodes = int(str(args.nnodes).split(":")[-1])

@@ -235,3 +235,12 @@ def test_standalone_one_worker_nodes_each_get_their_own_gpu(monkeypatch):
         one_gpu_each(5, "auto", environ={})
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
     assert one_gpu_each(3, "auto", environ={}) == [{}, {}, {}]
+
+
+def test_nproc_per_node_is_read_as_torchrun_reads_it():
+    from planaria.elastic.launcher import _nproc
+
+    assert _nproc("3") == 3
+    assert _nproc("cpu") == os.cpu_count()
+    with pytest.raises(ValueError, match="--nproc-per-node bogus: Unsupported nproc_per_node value"):
+        _nproc("bogus")
