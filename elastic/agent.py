@@ -63,7 +63,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from planaria.elastic.controller import CheckpointPolicy, Controller, StaleLeader
+from planaria.elastic.controller import CheckpointPolicy, Controller, StepDown
 from planaria.elastic.etcd_client import EtcdClient, EtcdSettings, EtcdUnavailable
 from planaria.elastic.etcd_kv import EtcdKeyValue
 from planaria.runtime.config import ConfigError, load_config, status_timeout_s
@@ -390,7 +390,7 @@ class Agent:
                     self._start_job()
                 return
             self.controller.poll(self._alive_now, self._kill)
-        except StaleLeader as err:
+        except StepDown as err:
             self.log(str(err))
             self.controller = None
 
@@ -441,7 +441,7 @@ class Agent:
         return Controller(
             self.store, build_planner(self.cfg, costs), total_steps=self.cfg.train.steps,
             gpus_per_node=self.nproc, status_timeout_s=status_timeout_s(self.cfg.parallel),
-            log=lambda message: self.log(message),
+            log=lambda message: self.log(message), interrupted=lambda: self._signal is not None,
             checkpoints=CheckpointPolicy(self.cfg.checkpoint_dir, self.cfg.checkpoint.every,
                                          self.cfg.checkpoint.keep))
 

@@ -44,8 +44,17 @@ def _text(value) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
-class StaleLeader(RuntimeError):
+class StepDown(RuntimeError):
+    """This controller stops leading; whatever it had not published is redone by the
+    next leader (nothing it publishes is half-done: see `_publish`)."""
+
+
+class StaleLeader(StepDown):
     """Another controller published an epoch this one did not know of."""
+
+
+class Interrupted(StepDown):
+    """The leader's node is going away (its agent got a signal) in the middle of a wait."""
 
 
 class JobFailed(RuntimeError):
@@ -88,8 +97,12 @@ class Controller:
     def __init__(self, store: dist.Store, planner: Planner, *, total_steps: int,
                  gpus_per_node: int = 1, status_timeout_s: float = 30.0, debounce_s: float = 0.3,
                  max_epochs_without_progress: int = 5, log: Callable[[str], None] = print,
-                 checkpoints: CheckpointPolicy | None = None):
+                 checkpoints: CheckpointPolicy | None = None,
+                 interrupted: Callable[[], bool] = lambda: False):
         self.store = store
+        self.interrupted = interrupted
+        """Asked while waiting for statuses: True makes this controller step down at once
+        (`Interrupted`) rather than at the end of the wait (the status timeout: minutes)."""
         self.planner = planner
         self.total_steps = total_steps
         self.gpus_per_node = gpus_per_node
@@ -311,6 +324,9 @@ class Controller:
             statuses = self._statuses(expected)
             if len(statuses) == len(expected) or deadline.expired():
                 break
+            if self.interrupted():
+                raise Interrupted("the leader's node is leaving; the next leader takes the "
+                                  f"reconfiguration to epoch {self.epoch + 1} over")
             time.sleep(0.02)
         for worker in sorted(expected - set(statuses)):
             self.log(f"controller: worker {worker_key(worker)} did not report within "

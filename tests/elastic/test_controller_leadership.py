@@ -4,11 +4,12 @@ and a leader that died between writing an epoch and publishing it is finished fo
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import pytest
 import torch.distributed as dist
 
-from planaria.elastic.controller import Controller, StaleLeader
+from planaria.elastic.controller import Controller, Interrupted, StaleLeader
 from planaria.runtime.config import load_config
 from planaria.runtime.coordination import EpochRecord
 from planaria.runtime.planning import build_planner, cost_model
@@ -69,3 +70,27 @@ def test_an_epoch_0_written_but_never_published_is_published_by_the_next_leader(
     successor = controller(store, planner)
     assert successor.resume()  # it would otherwise plan epoch 0 again and find it taken
     assert successor.epoch == 0 and store.get("epoch") == b"0"
+
+
+def test_a_leader_whose_node_is_leaving_stops_waiting_for_statuses_at_once(planner):
+    """A signal reached the leader's agent while it waited for the survivors' statuses (up
+    to the status timeout: minutes on a real job): it steps down now, publishing nothing,
+    and the next leader redoes the reconfiguration."""
+    store = dist.HashStore()
+    leaving = []
+    leader = Controller(store, planner, total_steps=100, status_timeout_s=120, log=lambda message: None,
+                        interrupted=lambda: bool(leaving))
+    plan = leader.start([(f"node{i}", 0) for i in range(4)])
+    survivors = {(f"node{i}", 0) for i in range(3)}  # node3 died; nobody has reported yet
+
+    def alive_now():
+        leaving.append(True)  # the signal arrives during the wait
+        return survivors
+
+    started = time.monotonic()
+    with pytest.raises(Interrupted):
+        leader.poll(alive_now, kill=lambda worker: None)
+    assert time.monotonic() - started < 10
+    assert store.get("epoch") == b"0"  # nothing published
+    successor = controller(store, planner)
+    assert successor.resume() and successor.plan == plan
