@@ -232,7 +232,11 @@ class EtcdClient:
         return bool(self._call(f"create {key}", self._client.put_if_not_exists, key, value, lease=lease))
 
     def atomic_add(self, key: str, amount: int) -> int:
-        """Add to an integer kept as decimal text; a compare-and-swap loop on its version."""
+        """Add to an integer kept as decimal text; a compare-and-swap loop on its version.
+
+        At least once, not exactly once: a swap whose reply was lost is retried, finds the
+        version moved (by itself) and adds again. Callers count nothing that a double
+        count would break (checkpoint shards are counted, then their files checked)."""
         while True:
             value, version = self.get(key)
             new = (int(value) if value is not None else 0) + amount
