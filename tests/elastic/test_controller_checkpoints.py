@@ -28,6 +28,17 @@ def complete_in_store(store, k: int, shards: int) -> None:
     store.set(f"checkpoint/{k}/commit", json.dumps({"iteration": k, "loss": 1.0, "grad_norm": 1.0}))
 
 
+def started_job(tmp_path):
+    """A store, a checkpoint policy (every 10, keep 2), and a controller that published
+    epoch 0 for four nodes."""
+    cfg = load_config(TINY, ["parallel.fault_tolerance=1"])
+    planner = build_planner(cfg, cost_model(cfg, hardware_name="h100", gpus_per_node=1))
+    store = dist.HashStore()
+    policy = CheckpointPolicy(tmp_path / "ckpt", every=10, keep=2)
+    controller = Controller(store, planner, total_steps=100, checkpoints=policy, log=lambda m: None)
+    return store, policy, controller, controller.start([(f"node{i}", 0) for i in range(4)])
+
+
 def test_a_new_leader_skips_checkpoints_an_earlier_one_completed_and_pruned(tmp_path):
     cfg = load_config(TINY, ["parallel.fault_tolerance=1"])
     planner = build_planner(cfg, cost_model(cfg, hardware_name="h100", gpus_per_node=1))
@@ -57,12 +68,7 @@ def test_a_checkpoint_a_failure_left_incomplete_does_not_hold_back_later_ones(tm
     """A worker died after iteration 9's step, before writing its shards of checkpoint 9;
     the job went on from iteration 10 in a new epoch and wrote checkpoint 19 whole. 19
     counts (it once waited for 9 forever: no manifest was written again in that run)."""
-    cfg = load_config(TINY, ["parallel.fault_tolerance=1"])
-    planner = build_planner(cfg, cost_model(cfg, hardware_name="h100", gpus_per_node=1))
-    store = dist.HashStore()
-    policy = CheckpointPolicy(tmp_path / "ckpt", every=10, keep=2)
-    controller = Controller(store, planner, total_steps=100, checkpoints=policy, log=lambda m: None)
-    plan = controller.start([(f"node{i}", 0) for i in range(4)])
+    store, policy, controller, plan = started_job(tmp_path)
     shards = plan.num_layers * plan.tp
     write_shards(step_dir(policy.directory, 9), plan, leave_out=1)
     store.add("checkpoint/9/shards", shards - 1)  # one shard never came
@@ -81,12 +87,7 @@ def test_a_checkpoint_a_failure_left_incomplete_does_not_hold_back_later_ones(tm
 def test_a_shard_counted_twice_does_not_complete_a_checkpoint_whose_file_is_missing(tmp_path):
     """A worker's report, retried after its reply was lost, counted its shards twice: the
     count says complete while one file is not there. No manifest until it is."""
-    cfg = load_config(TINY, ["parallel.fault_tolerance=1"])
-    planner = build_planner(cfg, cost_model(cfg, hardware_name="h100", gpus_per_node=1))
-    store = dist.HashStore()
-    policy = CheckpointPolicy(tmp_path / "ckpt", every=10, keep=2)
-    controller = Controller(store, planner, total_steps=100, checkpoints=policy, log=lambda m: None)
-    plan = controller.start([(f"node{i}", 0) for i in range(4)])
+    store, policy, controller, plan = started_job(tmp_path)
     write_shards(step_dir(policy.directory, 9), plan, leave_out=1)
     complete_in_store(store, 9, plan.num_layers * plan.tp)
     controller._complete_checkpoints()
