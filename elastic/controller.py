@@ -119,6 +119,9 @@ class Controller:
         self._stalled = 0
         self._join_deferred = -1  # the epoch whose join wait was logged
         self._killed: set[Worker] = set()
+        self._unusable: set[str] = set()
+        """Nodes that joined but that no plan could use (the batch has too few microbatches
+        for more pipelines, say): they wait, and are tried again at the next failure."""
 
     # ------------------------------------------------------------- start
     def start(self, workers: list[Worker], plan: Plan | None = None) -> Plan:
@@ -165,7 +168,7 @@ class Controller:
         if len(statuses) == len(members) and all(s.finished for s in statuses.values()):
             self._end("ok")
             return "finished"
-        joiners = set(self._whole_nodes(alive - members))
+        joiners = set(self._whole_nodes(alive - members)) - self._unusable
         failed_report = any(not s.finished for s in statuses.values())
         if joiners and not (gone or failed_report) and not self._epoch_trained():
             # A join waits until the epoch in force has committed a step: under churn,
@@ -218,8 +221,9 @@ class Controller:
         if len(nodes) < self.planner.n0:
             raise JobFailed(f"{len(nodes)} node(s) left, but one replica of the model needs "
                             f"n0={self.planner.n0}; add nodes and restart from the last checkpoint")
-        choice, transfers, restore, first = self._next_plan(nodes, stateful, first)
+        choice, transfers, restore, first = self._plan_or_leave_out_joiners(nodes, stateful, first)
         plan = choice.plan
+        event.joined = sorted(worker_key(w) for w in joiners if w[0] in plan.nodes())
         if restore is not None:
             resolution = None  # everyone loads the checkpoint: nothing to roll forward
         event.planned_s = time.time()
@@ -241,6 +245,23 @@ class Controller:
                  f"{first}{f', rolling forward {event.rolled_forward}' if event.rolled_forward is not None else ''}"
                  f"{f', restored from the checkpoint of {event.restored}' if restore else ''}"
                  f", {len(transfers)} layer transfers")
+
+    def _plan_or_leave_out_joiners(self, nodes: list[str], statuses: dict[Worker, WorkerStatus], first: int):
+        """`_next_plan` for `nodes`; where the planner has none, the one for the nodes
+        already in the job, the new ones left waiting (`_unusable`). A job is failed only
+        when the nodes it had cannot go on, never because one more arrived."""
+        try:
+            found = self._next_plan(nodes, statuses, first)
+            self._unusable -= set(nodes)
+            return found
+        except ValueError as err:
+            newcomers = [n for n in nodes if n not in self.plan.nodes()]
+            if not newcomers or len(newcomers) == len(nodes):
+                raise JobFailed(f"the planner has no plan for {len(nodes)} node(s): {err}") from None
+            self.log(f"controller: no plan uses {len(nodes)} nodes ({err}); {newcomers} wait "
+                     "until a node fails")
+            self._unusable |= set(newcomers)
+            return self._plan_or_leave_out_joiners([n for n in nodes if n not in newcomers], statuses, first)
 
     def _next_plan(self, nodes: list[str], statuses: dict[Worker, WorkerStatus], first: int):
         """(plan choice, transfers, checkpoint to restore or None, first iteration): the

@@ -149,8 +149,8 @@ def report_json(report: PlanReport) -> str:
     templates = [
         {"nodes": size,
          "stages": [[start, stop - 1] for start, stop in t.partition.model_stages],
-         "iteration_time_s": t.iteration_time(planner.settings.total_microbatches // max(
-             1, planner.settings.fault_tolerance + 1))}
+         "iteration_time_s": t.iteration_time(max(1, planner.settings.total_microbatches // max(
+             1, planner.settings.fault_tolerance + 1)))}
         for size, t in sorted(planner.templates.items())
     ]
     return json.dumps({

@@ -300,7 +300,7 @@ class _Problem:
     """Prefix sums and schedule facts of one partition_layers call."""
 
     def __init__(self, costs: CostModel, num_stages: int, num_microbatches: int,
-                 schedule: str, virtual_stages: int, memory: int):
+                 schedule: str, virtual_stages: int, memory: int, also_fits: Sequence[int] = ()):
         self.costs = costs
         self.L = costs.num_layers
         self.S, self.v, self.m = num_stages, virtual_stages, num_microbatches
@@ -329,7 +329,11 @@ class _Problem:
         self.chunk_overhead = [side * ((j > 0) + (j < P - 1)) + action for j in range(P)]
         """Per model stage."""
         self.fixed = costs.commit_time()
-        self.profiles = _activation_profiles(schedule, num_stages, num_microbatches, virtual_stages)
+        # Memory is checked against every count in `also_fits` too: the stage's peak is the
+        # largest over all their in-flight vectors.
+        per_count = [_activation_profiles(schedule, num_stages, m, virtual_stages)
+                     for m in (num_microbatches, *also_fits)]
+        self.profiles = tuple(tuple(v for profiles in per_count for v in profiles[s]) for s in range(num_stages))
         self.c = _bubble_coefficient(schedule, num_stages, num_microbatches, virtual_stages)
         self._mem_prefix: dict[int, list[int]] = {}
 
@@ -515,17 +519,20 @@ def _exact_contiguous(prob: _Problem, weights: Sequence[int], limit: float, beta
 
 def partition_layers(costs: CostModel, num_stages: int, *, num_microbatches: int,
                      schedule: str = "1f1b", virtual_stages: int = 1,
-                     memory_bytes: int | None = None) -> StagePartition:
+                     memory_bytes: int | None = None, also_fits: Sequence[int] = ()) -> StagePartition:
     """The partition of the layers into `num_stages` stages (`num_stages·virtual_stages`
     model stages of at least one layer each) minimising `pipeline_iteration_time` with
-    every stage's peak memory ≤ `memory_bytes` (default: the device's memory).
+    every stage's peak memory ≤ `memory_bytes` (default: the device's memory), for
+    `num_microbatches` and for each count in `also_fits` (the reported peaks are the
+    largest over them all).
 
     Exact for `virtual_stages == 1`, and for the interleaved schedule on small instances
     (at most EXHAUSTIVE_LIMIT ways to cut); a heuristic for larger interleaved ones (see
     the module docstring). Raises InfeasiblePartition when nothing fits, ValueError for
     a shape the schedule cannot run or too few layers.
     """
-    check_schedule_shape(schedule, num_stages, virtual_stages, num_microbatches)
+    for m in (num_microbatches, *also_fits):
+        check_schedule_shape(schedule, num_stages, virtual_stages, m)
     L = costs.num_layers
     parts = num_stages * virtual_stages
     if L < parts:
@@ -535,7 +542,7 @@ def partition_layers(costs: CostModel, num_stages: int, *, num_microbatches: int
             f"use at most {L // virtual_stages} stages"
             + (" or fewer virtual stages" if virtual_stages > 1 else ""))
     memory = costs.hardware.device_memory_bytes if memory_bytes is None else memory_bytes
-    prob = _Problem(costs, num_stages, num_microbatches, schedule, virtual_stages, int(memory))
+    prob = _Problem(costs, num_stages, num_microbatches, schedule, virtual_stages, int(memory), also_fits)
     if virtual_stages == 1:
         bounds = _solve_single(prob)
     elif math.comb(L - 1, parts - 1) <= EXHAUSTIVE_LIMIT:

@@ -152,6 +152,10 @@ class Plan:
         info = self.rank_info(rank)
         return (info.node, info.tp_rank)
 
+    def nodes(self) -> list[str]:
+        """The nodes the plan uses, in rank order."""
+        return list(dict.fromkeys(stage.node for p in self.pipelines for stage in p.stages))
+
     def rank_of_worker(self) -> dict[Worker, int]:
         return {self.worker(r): r for r in self._rank_index}
 

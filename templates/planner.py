@@ -121,6 +121,21 @@ class Planner:
             share -= 1  # one round (share < num_nodes) is always schedulable
         return share
 
+    def _worst_memory_microbatches(self, num_nodes: int) -> tuple[int, ...]:
+        """Counts a pipeline may be given whose activations in flight exceed the whole
+        batch's: its memory is checked for them too.
+
+        1F1B and GPipe hold at most as many microbatches as they run, so the whole batch
+        bounds every smaller share. The interleaved schedule holds a round's worth per
+        chunk, and a round is largest (2S − 1 microbatches) for a share of 2S − 1 run as
+        one round, however large the batch: a pipeline given that share after a failure
+        would hold more than its template was checked for.
+        """
+        if self.settings.schedule != "interleaved":
+            return ()
+        worst = min(self.settings.total_microbatches, 2 * num_nodes - 1)
+        return () if worst == self._reference_microbatches(num_nodes) else (worst,)
+
     def _schedulable(self, num_nodes: int, num_microbatches: int) -> bool:
         try:
             check_schedule_shape(self.settings.schedule, num_nodes, self.settings.virtual_stages,
@@ -133,7 +148,8 @@ class Planner:
         if num_nodes not in self.templates:
             partition = partition_layers(
                 self.costs, num_nodes, num_microbatches=self._reference_microbatches(num_nodes),
-                schedule=self.settings.schedule, virtual_stages=self.settings.virtual_stages)
+                schedule=self.settings.schedule, virtual_stages=self.settings.virtual_stages,
+                also_fits=self._worst_memory_microbatches(num_nodes))
             self.templates[num_nodes] = Template(num_nodes, partition)
         return self.templates[num_nodes]
 
@@ -185,7 +201,10 @@ class Planner:
         candidates = [self._evaluate(best_sizes, node_ids, current, epoch, first_iteration)]
         kept_shape = self._kept_shape(current, node_ids) if current is not None else None
         if kept_shape is not None and sorted(kept_shape) != sorted(best_sizes):
-            candidates.append(self._evaluate(kept_shape, node_ids, current, epoch, first_iteration))
+            try:
+                candidates.append(self._evaluate(kept_shape, node_ids, current, epoch, first_iteration))
+            except ValueError:
+                pass  # the kept shape has no split the schedule accepts: the fastest stands
         fastest = min(c.iteration_time_s for c in candidates)
         within = [c for c in candidates if c.iteration_time_s <= fastest * (1 + tolerance)]
         choice = min(within, key=lambda c: (c.moved_bytes, c.iteration_time_s))
@@ -213,6 +232,8 @@ class Planner:
         while len(sizes) > 1 and sizes[0] < self.n0:
             merged = sizes.pop(0) + sizes.pop(0)
             sizes = sorted(sizes + [merged])
+        if not sizes:
+            return None  # none of the current plan's nodes is left: nothing to keep
         known = {s.node for p in current.pipelines for s in p.stages}
         for _ in range(sum(node not in known for node in node_ids)):
             sizes[0] += 1
@@ -257,6 +278,12 @@ class Planner:
                 if best is None or estimate < best[0]:
                     best = (estimate, packing, deadline)
         if best is None:
+            most = total * max(sizes, default=0)
+            if num_nodes > most:  # every pipeline needs a microbatch
+                raise ValueError(
+                    f"{num_nodes} nodes are more than this job can use: {total} microbatches make "
+                    f"at most {total} pipelines of at most {max(sizes)} stages ({most} nodes); "
+                    "raise train.global_batch (or lower train.micro_batch) to use more nodes")
             raise ValueError(
                 f"no set of pipelines uses all {num_nodes} nodes: the template sizes that fit in "
                 f"memory are {sizes}; add or remove a node, or lower the memory per stage "
@@ -356,37 +383,59 @@ class Planner:
         return self._make_schedulable(sizes, counts)
 
     def _make_schedulable(self, sizes: list[int], counts: list[int]) -> list[int]:
-        """Move microbatches so every pipeline's count suits the schedule (interleaved rounds).
+        """`counts` if the schedule accepts each; otherwise the split of the batch, among
+        the counts it accepts (interleaved: rounds of equal size), whose slowest pipeline
+        finishes first. Raises ValueError when these sizes have no such split.
 
-        A count that the schedule refuses is lowered to the next one it accepts, and the
-        freed microbatches go, one by one, to the pipeline that finishes soonest with one
-        more and still has an accepted count. Fewer microbatches than twice the stages
-        are always accepted, so this ends.
+        Exact: a binary search over the candidate finishing times, each checked by a
+        subset-sum over the pipelines of the counts that finish by it (reachable totals
+        as the bits of an integer). Which counts are accepted has no order that a greedy
+        hand-out could follow: it found no split for most node counts of an interleaved
+        175B job where one existed.
         """
-        counts = list(counts)
-        spare = 0
-        for p, size in enumerate(sizes):
-            while not self._schedulable(size, counts[p]):
-                counts[p] -= 1
-                spare += 1
-        while spare:
-            options = []
-            for p, size in enumerate(sizes):
-                step = next(k for k in range(1, spare + 1 + 2 * size)
-                            if self._schedulable(size, counts[p] + k))
-                if step <= spare:
-                    finish = self.template(size).iteration_time(counts[p] + step)
-                    options.append((finish, step, p))
-            if not options:
-                raise ValueError(
-                    f"cannot split {self.settings.total_microbatches} microbatches over pipelines "
-                    f"of {sizes} stages so that every count suits schedule "
-                    f"{self.settings.schedule!r}; change train.global_batch or use schedule '1f1b'"
-                )
-            _, step, p = min(options)
-            counts[p] += step
-            spare -= step
-        return counts
+        if all(self._schedulable(size, m) for size, m in zip(sizes, counts)):
+            return list(counts)
+        total = self.settings.total_microbatches
+        accepted = [[m for m in range(1, total + 1) if self._schedulable(size, m)] for size in sizes]
+        deadlines = sorted({self.template(size).iteration_time(m)
+                            for size, ms in zip(sizes, accepted) for m in ms})
+        found = None
+        lo, hi = 0, len(deadlines) - 1
+        while lo <= hi:
+            mid = (lo + hi) // 2
+            split = self._split_by(sizes, accepted, deadlines[mid], total)
+            if split is None:
+                lo = mid + 1
+            else:
+                found, hi = split, mid - 1
+        if found is None:
+            raise ValueError(
+                f"cannot split {total} microbatches over pipelines of {sizes} stages so that "
+                f"every count suits schedule {self.settings.schedule!r}; change "
+                "train.global_batch or use schedule '1f1b'")
+        return found
+
+    def _split_by(self, sizes: list[int], accepted: list[list[int]], deadline: float,
+                  total: int) -> list[int] | None:
+        """Accepted counts, one per pipeline, each finishing by `deadline`, summing to
+        `total`; None if there are none."""
+        options = [[m for m in ms if self.template(size).iteration_time(m) <= deadline]
+                   for size, ms in zip(sizes, accepted)]
+        mask = (1 << (total + 1)) - 1
+        reach = [1]  # reach[p]: bit t set when the first p pipelines can take t microbatches
+        for ms in options:
+            nxt = 0
+            for m in ms:
+                nxt |= reach[-1] << m
+            reach.append(nxt & mask)
+        if not reach[-1] >> total & 1:
+            return None
+        counts, left = [], total
+        for p in range(len(sizes) - 1, -1, -1):
+            m = next(m for m in options[p] if left >= m and reach[p] >> (left - m) & 1)
+            counts.append(m)
+            left -= m
+        return counts[::-1]
 
     def _sync_time(self, sizes: list[int]) -> float:
         """Ring all-reduce of the largest stage's gradients across the pipelines."""

@@ -1,0 +1,52 @@
+"""A node that joins a job which cannot use it (its batch has too few microbatches for
+one more pipeline) waits instead of failing the job, and is used once a node fails."""
+from __future__ import annotations
+
+import torch.distributed as dist
+
+from planaria.elastic.controller import Controller
+from planaria.runtime.config import load_config
+from planaria.runtime.coordination import worker_key
+from planaria.runtime.exactly_once import INCOMPLETE, CommitRecord, WorkerStatus
+from planaria.runtime.planning import build_planner, cost_model
+from tests.launch import TINY
+
+
+def report_statuses(store, plan, last_stepped: int, workers) -> None:
+    """What each worker of `plan` publishes when its epoch stops after `last_stepped`."""
+    for worker in workers:
+        rank = plan.rank_of_worker()[worker]
+        status = WorkerStatus(worker=worker, last_stepped=last_stepped, state=INCOMPLETE,
+                              commit=CommitRecord(last_stepped, 1.0, 1.0),
+                              holds=tuple((layer, worker[1]) for layer in plan.layers_of(rank)))
+        store.set(f"epoch/{plan.epoch}/status/{worker_key(worker)}", status.to_json())
+    store.set(f"epoch/{plan.epoch}/trained", "1")
+
+
+def test_a_node_the_job_cannot_use_waits_and_is_used_after_a_failure():
+    cfg = load_config(TINY, ["parallel.fault_tolerance=1"])  # 4 microbatches
+    planner = build_planner(cfg, cost_model(cfg, hardware_name="h100", gpus_per_node=1))
+    most = 4 * max(planner._sizes_for(10**6))  # 4 pipelines of the largest template
+    logs: list[str] = []
+    store = dist.HashStore()
+    controller = Controller(store, planner, total_steps=100, debounce_s=0, log=logs.append)
+    members = [(f"node{i:02d}", 0) for i in range(most)]
+    plan = controller.start(members)
+    extra = ("node99", 0)
+    alive = set(members) | {extra}
+    report_statuses(store, plan, 3, members)
+
+    assert controller.poll(lambda: alive, kill=lambda worker: None) == "running"  # not "failed"
+    assert controller.epoch == 1 and sorted(controller.plan.nodes()) == sorted(n for n, _ in members)
+    assert any("['node99'] wait until a node fails" in line for line in logs)
+    (event,) = controller.events
+    assert event.joined == [] and event.first_iteration == 4
+    store.set("epoch/1/trained", "1")
+    assert controller.poll(lambda: alive, kill=lambda worker: None) == "running"
+    assert controller.epoch == 1  # the waiting node does not stop the epoch again
+
+    alive.discard(members[0])  # a node fails: the waiting one takes its place
+    report_statuses(store, controller.plan, 7, sorted(alive - {extra}))
+    assert controller.poll(lambda: alive, kill=lambda worker: None) == "running"
+    assert controller.epoch == 2 and "node99" in controller.plan.nodes()
+    assert controller.events[-1].joined == ["node99.0"]
