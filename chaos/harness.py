@@ -13,6 +13,7 @@ import hashlib
 import json
 import os
 import random
+import shutil
 import signal
 import statistics
 import time
@@ -210,10 +211,16 @@ class _Run:
 
     def execute(self, reference: dict | None) -> Report | None:
         self.out_dir.mkdir(parents=True, exist_ok=True)
-        for stale in self.out_dir.glob("commits-*.jsonl"):  # a previous run's
+        # A previous run's records, and its checkpoints: a job resumes from the newest
+        # checkpoint it finds, so a run in a reused folder would go on from where the
+        # last one stopped instead of being the run the report compares.
+        for stale in [*self.out_dir.glob("commits-*.jsonl"), *self.out_dir.glob("audit-*.jsonl")]:
             stale.unlink()
+        checkpoints = self.out_dir / "checkpoints"
+        shutil.rmtree(checkpoints, ignore_errors=True)
         started = time.time()
-        cluster = LocalCluster(self.settings.config, [*self.settings.overrides, f"output.dir={self.out_dir}"],
+        overrides = [*self.settings.overrides, f"output.dir={self.out_dir}", f"checkpoint.dir={checkpoints}"]
+        cluster = LocalCluster(self.settings.config, overrides,
                                nodes=self.settings.nodes, nproc=self.settings.nproc, out_dir=self.out_dir,
                                run_id=f"chaos-{uuid.uuid4().hex[:8]}",
                                etcd_members=self.settings.etcd_members)

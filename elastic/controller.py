@@ -25,12 +25,12 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
-from planaria.runtime.checkpoint_files import (complete_checkpoints, missing_shards, prune, step_dir,
-                                               write_manifest)
+from planaria.runtime.checkpoint_files import (complete_checkpoints, missing_shards, prune, read_manifest,
+                                               step_dir, write_manifest)
 from planaria.runtime.coordination import EpochRecord, ReachableDeadline, Worker, worker_key
 from planaria.runtime.exactly_once import CommitRecord, InconsistentStatuses, Resolution, WorkerStatus, resolve
 from planaria.templates.plan import Plan, missing_from, transfers_from
@@ -125,11 +125,31 @@ class Controller:
 
     # ------------------------------------------------------------- start
     def start(self, workers: list[Worker], plan: Plan | None = None) -> Plan:
-        """Publish epoch 0: `plan`, or the planner's plan for the workers' nodes."""
+        """Publish epoch 0: `plan`, or the planner's plan for the workers' nodes.
+
+        With checkpoints on and a complete one in the checkpoint directory, the job goes
+        on from the newest (as a plain torchrun job does): the same command run again
+        after the whole job was lost resumes instead of starting over. A checkpoint of
+        another model ends the job with a message instead."""
         if plan is None:
             nodes = self._whole_nodes(set(workers))
             plan = self.planner.instantiate(len(nodes), node_ids=nodes).plan
-        self._publish(EpochRecord(plan))
+        found = self._checkpoint_list()
+        if not found:
+            self._publish(EpochRecord(plan))
+            return plan
+        iteration, path = found[-1]
+        manifest = read_manifest(path)
+        if (manifest["num_layers"], manifest["tp"]) != (plan.num_layers, plan.tp):
+            self._end(f"failed: the checkpoint {path} is of a model of {manifest['num_layers']} layers "
+                      f"at tp={manifest['tp']}, this job's has {plan.num_layers} at tp={plan.tp}; "
+                      "give this job its own checkpoint.dir (or output.dir)")
+            self.log(f"controller: {self.outcome}")
+            return plan
+        plan = replace(plan, first_iteration=iteration + 1)
+        self.completed_checkpoints = [k for k, _ in found]
+        self.log(f"controller: resuming from the checkpoint of iteration {iteration} ({path})")
+        self._publish(EpochRecord(plan, restore=str(path)))
         return plan
 
     def resume(self) -> bool:

@@ -9,7 +9,8 @@ import json
 import torch.distributed as dist
 
 from planaria.elastic.controller import CheckpointPolicy, Controller
-from planaria.runtime.checkpoint_files import complete_checkpoints, shard_filename, step_dir
+from planaria.runtime.checkpoint_files import complete_checkpoints, shard_filename, step_dir, write_manifest
+from planaria.runtime.exactly_once import CommitRecord
 from planaria.runtime.config import load_config
 from planaria.runtime.planning import build_planner, cost_model
 from tests.launch import TINY
@@ -95,3 +96,18 @@ def test_a_shard_counted_twice_does_not_complete_a_checkpoint_whose_file_is_miss
     write_shards(step_dir(policy.directory, 9), plan)
     controller._complete_checkpoints()
     assert [k for k, _ in complete_checkpoints(policy.directory)] == [9]
+
+
+def test_a_job_started_over_another_models_checkpoints_ends_with_a_message(tmp_path):
+    """A new job resumes from the newest checkpoint in its directory; one of another model
+    (a reused output.dir) must not be loaded into it."""
+    cfg = load_config(TINY, ["parallel.fault_tolerance=1"])
+    planner = build_planner(cfg, cost_model(cfg, hardware_name="h100", gpus_per_node=1))
+    policy = CheckpointPolicy(tmp_path / "ckpt", every=10, keep=2)
+    plan = planner.instantiate(4, node_ids=[f"node{i}" for i in range(4)]).plan
+    write_shards(step_dir(policy.directory, 9), plan)
+    write_manifest(policy.directory, CommitRecord(9, 1.0, 1.0), plan.num_layers + 3, plan.tp)
+    controller = Controller(dist.HashStore(), planner, total_steps=100, checkpoints=policy, log=lambda m: None)
+    controller.start([(f"node{i}", 0) for i in range(4)])
+    assert controller.outcome.startswith("failed: the checkpoint") and "its own checkpoint.dir" in controller.outcome
+    assert controller.poll(lambda: set(), kill=lambda w: None) == "failed"

@@ -28,3 +28,33 @@ def test_torchrun_restart_resumes_from_the_newest_checkpoint(tmp_path):
     assert iteration == 3 and any(k.startswith("exp_avg/") for k in read_layer(path, 0, 0))
     assert_final_parameters(tmp_path / "final", reference)
     assert len(reference.losses) == STEPS
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_elastic_job_run_again_after_losing_every_node_resumes_from_its_checkpoint(tmp_path):
+    """Every node of an elastic job dies in iteration 7: the job fails. The same command run
+    again goes on from the newest checkpoint (of iteration 5), not from scratch, and
+    trains exactly like the reference. (Before, it started over, and a later loss of
+    every replica restored a checkpoint of the previous run.)"""
+    import json
+
+    from planaria.elastic.local import LocalJob
+    from tests.launch import TINY
+
+    overrides = [*JOB, "train.steps=9", "checkpoint.every=3", "parallel.fault_tolerance=1"]
+    reference = reference_run(overrides)
+    every_node = ",".join(f"node{i}.0:forward@7" for i in range(4))
+    lost = LocalJob(TINY, overrides, nodes=4, out_dir=tmp_path, faults=every_node, log=lambda m: None)
+    assert lost.run(200).outcome.startswith("failed")
+    assert [k for k, _ in complete_checkpoints(tmp_path / "checkpoints")][-1] == 5
+
+    rerun = LocalJob(TINY, [*overrides, f"checkpoint.dir={tmp_path / 'checkpoints'}"], nodes=4,
+                     out_dir=tmp_path / "rerun", log=lambda m: None)
+    result = rerun.run(200)
+    assert result.outcome == "ok", rerun.logs()
+    commits = [json.loads(line) for line in (tmp_path / "rerun" / "commits-node0.0.jsonl").read_text().splitlines()]
+    assert [c["iteration"] for c in commits] == [6, 7, 8]
+    for c in commits:
+        assert abs(c["loss"] - reference.losses[c["iteration"]]) < 1e-9
+    assert_final_parameters(tmp_path / "rerun" / "final", reference)
