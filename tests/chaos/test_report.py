@@ -128,3 +128,30 @@ def test_a_node_added_during_a_recovery_is_credited_to_the_epoch_it_joined():
     # epoch 2 only replaced node2: node5 never joined, however close the epoch came after it
     assert late.epoch is None and late.note == "the job ended before the node joined"
     assert second.epoch == 2
+
+
+def test_a_step_run_again_after_a_rollback_is_compared_with_the_reference_too(tmp_path):
+    """Steps 3 and 4, run again after going back to a checkpoint, came out wrong: the
+    report must say so (it compared only each step's first commit)."""
+    t0 = 1000.0
+    first = [{"iteration": i, "loss": 5.0 - i * 0.1, "epoch": 0, "time": t0 + i} for i in range(5)]
+    again = [{"iteration": i, "loss": 99.0 if i < 5 else 5.0 - i * 0.1, "epoch": 1, "time": t0 + 4 + i}
+             for i in range(3, 8)]
+    commit_log(tmp_path / "commits-node0.0.jsonl", first + again)
+    reference = {"losses": {str(i): 5.0 - i * 0.1 for i in range(8)}, "step_s": 1.0}
+    report = build_report(out_dir=tmp_path, steps=8, outcome="ok", faults=[], events=[], timings={},
+                          reference=reference, live_nodes=[(t0, 1)], wall_s=12.0)
+    assert abs(report.max_loss_diff - (99.0 - 4.6)) < 1e-9
+
+
+def test_a_kill_is_credited_to_the_epoch_that_names_its_node_not_a_join_in_between():
+    """node3 is killed at t=10; a join is handled at 10.5 (epoch 2) before the failure is
+    (epoch 3, naming node3): the kill's recovery is epoch 3's."""
+    from planaria.chaos.report import recoveries
+
+    events = [{"epoch": 2, "detected_s": 10.5, "published_s": 11.0, "failed": [], "joined": ["node6.0"]},
+              {"epoch": 3, "detected_s": 13.1, "published_s": 14.0, "failed": ["node3.0"]}]
+    logs = {"node0.0": [{"iteration": 7, "loss": 1.0, "epoch": 2, "time": 11.5},
+                        {"iteration": 8, "loss": 1.0, "epoch": 3, "time": 14.5}]}
+    (kill,) = recoveries([InjectedFault("kill-node@7:target=3", 7, 10.0)], events, {}, logs)
+    assert kill.epoch == 3 and abs(kill.detect_s - 3.1) < 1e-9
