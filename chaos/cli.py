@@ -113,7 +113,7 @@ def _chaos(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from planaria.chaos.faults import FaultSpecError, parse_fault
-    from planaria.chaos.harness import ChaosSettings, run_chaos
+    from planaria.chaos.harness import ChaosSettings, ReferenceFailed, run_chaos
     from planaria.chaos.sources import parse_node_range, random_kinds
     from planaria.runtime.config import ConfigError
 
@@ -122,6 +122,10 @@ def _chaos(args: argparse.Namespace) -> int:
     overrides = list(args.overrides)
     if args.fault_tolerance is not None:
         overrides.append(f"parallel.fault_tolerance={args.fault_tolerance}")
+    refused = _chaos_options_refused(args)
+    if refused:
+        print(f"planaria chaos: {refused}", file=sys.stderr)
+        return 2
     try:
         faults = [parse_fault(text) for text in args.fault]
         settings = ChaosSettings(
@@ -130,13 +134,17 @@ def _chaos(args: argparse.Namespace) -> int:
             random_rate=args.random,
             random_nodes=None if args.random_nodes is None else parse_node_range(args.random_nodes),
             random_kinds=None if args.random_kinds is None else random_kinds(args.random_kinds, args.etcd_members),
-            trace=None if args.trace is None else Path(args.trace), time_scale=args.time_scale,
+            trace=None if args.trace is None else Path(args.trace),
+            time_scale=1.0 if args.time_scale is None else args.time_scale,
             fresh_reference=args.fresh_reference)
         _interrupt_on_termination()
         report = run_chaos(settings, console)
     except (FaultSpecError, ConfigError, FileNotFoundError) as err:
         print(f"planaria chaos: {err}", file=sys.stderr)
         return 2
+    except ReferenceFailed as err:
+        print(f"planaria chaos: {err}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt as interrupt:
         report = getattr(interrupt, "report", None)
         print("planaria chaos: interrupted; the local cluster was stopped"
@@ -145,6 +153,22 @@ def _chaos(args: argparse.Namespace) -> int:
     nothing_lost = report.completed and report.committed_steps_lost == 0
     console.print("[bold green]nothing was lost[/]" if nothing_lost else "[bold red]the job lost work or did not finish[/]")
     return 0 if nothing_lost else 1
+
+
+def _chaos_options_refused(args: argparse.Namespace) -> str | None:
+    """What is wrong with `planaria chaos`'s options, before anything starts; None if nothing."""
+    for flag, value in (("--nodes", args.nodes), ("--nproc-per-node", args.nproc_per_node)):
+        if value < 1:
+            return f"{flag} must be at least 1, got {value}"
+    if not args.timeout > 0:  # --random and --time-scale: checked where they are read
+        return f"--timeout must be positive, got {args.timeout:g}"
+    if args.random is None:
+        given = [f for f, v in (("--random-nodes", args.random_nodes), ("--random-kinds", args.random_kinds)) if v]
+        if given:
+            return f"{' and '.join(given)} shape(s) the faults of --random RATE, which was not given"
+    if args.time_scale is not None and args.trace is None:
+        return "--time-scale speeds up a --trace replay, and no --trace was given"
+    return None
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -174,12 +198,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     train = sub.add_parser("train", help="train a model (under torchrun for several processes)")
     train.add_argument("config")
-    train.add_argument("overrides", nargs="*")
+    train.add_argument("overrides", nargs="*", default=[])
     train.set_defaults(func=_train)
 
     plan = sub.add_parser("plan", help="plan a job for N nodes and print the templates and the plan")
     plan.add_argument("config")
-    plan.add_argument("overrides", nargs="*", help="section.key=value")
+    plan.add_argument("overrides", nargs="*", default=[], help="section.key=value")
     plan.add_argument("--nodes", type=int, required=True, help="live nodes N")
     plan.add_argument("--gpus-per-node", type=int, default=1, help="workers per node (tensor parallelism)")
     plan.add_argument("--fault-tolerance", type=int, default=None,
@@ -208,7 +232,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     chaos = sub.add_parser("chaos", help="run a job on a local cluster with faults, against a fault-free reference")
     chaos.add_argument("config")
-    chaos.add_argument("overrides", nargs="*", help="section.key=value, as planaria.train takes them")
+    chaos.add_argument("overrides", nargs="*", default=[], help="section.key=value, as planaria.train takes them")
     chaos.add_argument("--nodes", type=int, required=True, help="nodes (an agent each) at the start")
     chaos.add_argument("--nproc-per-node", type=int, default=1, help="workers per node (parallel.tp)")
     chaos.add_argument("--fault-tolerance", type=int, default=None, help="f (parallel.fault_tolerance)")
@@ -225,8 +249,8 @@ def build_parser() -> argparse.ArgumentParser:
     chaos.add_argument("--trace", default=None, metavar="FILE",
                        help="replay a preemption trace (time_ms,add|remove,NODE lines): removals kill "
                             "nodes, additions add them, capped to --nodes live")
-    chaos.add_argument("--time-scale", type=float, default=1.0, metavar="X",
-                       help="replay the trace X times faster (p3-trace.csv's 11.4 h in 10 min: 68)")
+    chaos.add_argument("--time-scale", type=float, default=None, metavar="X",
+                       help="replay the trace X times faster (p3-trace.csv's 11.4 h in 10 min: 68; default 1)")
     chaos.add_argument("--seed", type=int, default=0,
                        help="seeds targets left open and the random process (default 0)")
     chaos.add_argument("--etcd-members", type=int, choices=(1, 3), default=1)
@@ -239,7 +263,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser("demo", help="4 local nodes train a small LLaMA-style model; two are killed, "
                                        "one comes back; nothing is lost")
-    demo.add_argument("overrides", nargs="*", help="section.key=value for configs/demo.yaml")
+    demo.add_argument("overrides", nargs="*", default=[], help="section.key=value for configs/demo.yaml")
     demo.add_argument("--out", default="demo-out", help="report.json, report.png and the logs")
     demo.add_argument("--fresh-reference", action="store_true", help="run the reference again")
     demo.set_defaults(func=_demo)

@@ -114,6 +114,10 @@ def run_chaos(settings: ChaosSettings, console: Console) -> Report:
     return report
 
 
+class ReferenceFailed(RuntimeError):
+    """The fault-free reference run did not finish: the job itself is broken."""
+
+
 class RunInterrupted(KeyboardInterrupt):
     """The run was stopped by the user; `report` holds what it did until then."""
 
@@ -170,8 +174,8 @@ def reference_run(settings: ChaosSettings, console: Console) -> dict:
     if run.interrupted:
         raise KeyboardInterrupt("the reference run was interrupted")
     if run.outcome != "ok":
-        raise RuntimeError(f"the reference run (no faults) did not finish: {run.outcome}; see "
-                           f"{run.out_dir / 'logs'}. Fix the job before injecting faults into it")
+        raise ReferenceFailed(f"the reference run (no faults) did not finish: {run.outcome}; see "
+                              f"{run.out_dir / 'logs'}. Fix the job before injecting faults into it")
     losses, times, _ = step_losses(read_commits(run.out_dir))
     # The mean step is the ETTR's fault-free time per step; the median beside it shows
     # whether the machine was busy with something else meanwhile (then the two differ,

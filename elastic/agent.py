@@ -496,7 +496,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--log-dir", default=None,
                         help="write each worker's output to DIR/<node>.<local>.log (default: this output)")
     parser.add_argument("config")
-    parser.add_argument("overrides", nargs="*")
+    parser.add_argument("overrides", nargs="*", default=[])
     args = parser.parse_args(argv)
     try:
         given = {"ca_cert": args.etcd_ca_cert, "cert_cert": args.etcd_cert,

@@ -36,6 +36,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _port_taken(port: int) -> bool:
+    """Something listens on 127.0.0.1:`port` (a socket merely closing does not count)."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return True
+    return False
+
+
 class EmbeddedEtcd:
     """One etcd member on 127.0.0.1 (a context manager)."""
 
@@ -57,6 +68,12 @@ class EmbeddedEtcd:
         return f"127.0.0.1:{self.port}"
 
     def start(self, timeout_s: float = 30.0, wait: bool = True) -> "EmbeddedEtcd":
+        # Asked first: an etcd already on the port would answer the health check below,
+        # and this one (which exits at once) would look started.
+        for port, flag in ((self.port, "--port"), (self.peer_port, "--peer-port")):
+            if _port_taken(port):
+                raise RuntimeError(f"port {port} on 127.0.0.1 is in use (another etcd?); choose "
+                                   f"another ({flag}), or use the etcd that is there")
         client, peer = f"http://127.0.0.1:{self.port}", f"http://127.0.0.1:{self.peer_port}"
         cmd = [str(etcd_binary()), "--name", self.name, "--data-dir", str(self.data_dir),
                "--listen-client-urls", client, "--advertise-client-urls", client,

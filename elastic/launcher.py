@@ -107,9 +107,12 @@ def one_gpu_each(nproc: int, backend: str, environ=os.environ) -> list[dict[str,
 def _nproc(value: str) -> int:
     """`--nproc-per-node` as torchrun reads it ("gpu", "cpu", "auto" or a number)."""
     try:
-        return determine_local_world_size(value)
+        nproc = determine_local_world_size(value)
     except ValueError as err:
         raise ValueError(f"--nproc-per-node {value}: {err}") from err
+    if nproc < 1:
+        raise ValueError(f"--nproc-per-node {value}: at least one worker per node")
+    return nproc
 
 
 _TLS_ALIASES = {"cacert": "ca_cert", "cert": "cert_cert", "key": "cert_key"}

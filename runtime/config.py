@@ -202,7 +202,13 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
         path = Path(path)
         if not path.is_file():
             raise ConfigError(f"config file {str(path)!r} not found; give a YAML file such as configs/tiny.yaml")
-        raw = yaml.safe_load(path.read_text()) or {}
+        try:
+            raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        except UnicodeDecodeError as err:
+            raise ConfigError(f"{path} is not UTF-8 text ({err.reason} at byte {err.start}); "
+                              "give a YAML file such as configs/tiny.yaml") from None
+        except yaml.YAMLError as err:
+            raise ConfigError(f"{path} is not valid YAML: {_yaml_problem(err)}") from None
         if not isinstance(raw, dict):
             raise ConfigError(f"{path}: the top level must be a mapping of sections {sorted(SECTIONS)}")
     for item in overrides:
@@ -217,7 +223,18 @@ def _apply_override(raw: dict, item: str) -> None:
     section, name = key.split(".")
     if not isinstance(raw.setdefault(section, {}), dict):
         raise ConfigError(f"config section {section!r} must be a mapping")
-    raw[section][name] = yaml.safe_load(value)
+    try:
+        raw[section][name] = yaml.safe_load(value)
+    except yaml.YAMLError as err:
+        raise ConfigError(f"override {item!r}: the value is not valid YAML ({_yaml_problem(err)}); "
+                          "quote it for the shell, e.g. 'parallel.layout=[[4],[2,2]]'") from None
+
+
+def _yaml_problem(err: yaml.YAMLError) -> str:
+    """PyYAML's complaint on one line, with its line and column (1-based) where it has them."""
+    mark = getattr(err, "problem_mark", None)
+    problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+    return f"{problem} at line {mark.line + 1}, column {mark.column + 1}" if mark else problem
 
 
 def _build(raw: dict) -> Config:

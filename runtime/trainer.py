@@ -44,7 +44,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         description="Train a LLaMA-style model with pipeline, tensor and data parallelism.",
     )
     parser.add_argument("config", help="YAML config, e.g. configs/tiny.yaml")
-    parser.add_argument("overrides", nargs="*", help="section.key=value, e.g. train.steps=10")
+    parser.add_argument("overrides", nargs="*", default=[], help="section.key=value, e.g. train.steps=10")
     return parser.parse_args(argv)
 
 

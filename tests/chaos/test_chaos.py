@@ -240,3 +240,16 @@ def test_an_interrupted_run_stops_its_cluster_and_reports_the_run_so_far(tmp_pat
     assert report["steps_committed"] > 30 and report["recoveries"]
     leftover = subprocess.run(["pgrep", "-f", str(out)], capture_output=True, text=True).stdout.split()
     assert not leftover, f"processes of the stopped cluster are still running: {leftover}"
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--nproc-per-node", "0"], "--nproc-per-node must be at least 1, got 0"),
+    (["--timeout", "0"], "--timeout must be positive"),
+    (["--random-kinds", "kill-node"], "--random-kinds shape(s) the faults of --random RATE, which was not given"),
+    (["--time-scale", "4"], "--time-scale speeds up a --trace replay, and no --trace was given"),
+])
+def test_options_that_would_be_ignored_or_break_the_reference_are_refused(extra, message, tmp_path, refused):
+    """They were dropped silently ("no faults", then "nothing was lost"), or ended in the
+    reference run's traceback."""
+    assert message in refused(["--nodes", "4", *extra])
+    assert not (tmp_path / "out").exists(), "nothing may start for bad input"

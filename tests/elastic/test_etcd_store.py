@@ -90,3 +90,12 @@ def test_bad_settings_are_refused(tmp_path):
         EtcdSettings(ca_cert=str(tmp_path / "missing.pem"))
     with pytest.raises(ValueError, match="both user and password"):
         EtcdSettings(user="me")
+
+
+def test_an_etcd_on_a_port_in_use_is_refused(etcd):
+    """The etcd already there answered the health check, and the new one (which exits at
+    once) looked started: `planaria etcd` said it served, then that it exited."""
+    from planaria.elastic.etcd_server import EmbeddedEtcd
+
+    with pytest.raises(RuntimeError, match=f"port {etcd.port} on 127.0.0.1 is in use"):
+        EmbeddedEtcd(port=etcd.port).start(timeout_s=5)

@@ -117,6 +117,19 @@ def test_missing_config_file():
         load_config("no/such/config.yaml")
 
 
+def test_malformed_yaml_names_the_file_and_the_place(tmp_path):
+    """A YAML error was a traceback from every command, naming "<unicode string>"."""
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model:\n  n_layers: [4\n")
+    with pytest.raises(ConfigError, match=rf"{bad} is not valid YAML: .* at line 3, column 1"):
+        load_config(bad)
+    bad.write_bytes(b"\xff\xfe")
+    with pytest.raises(ConfigError, match="is not UTF-8 text"):
+        load_config(bad)
+    with pytest.raises(ConfigError, match=r"override 'parallel.layout=\[\[4\],\[2': the value is not valid YAML"):
+        load_config(TINY, ["parallel.layout=[[4],[2"])
+
+
 @pytest.mark.timeout(60)
 def test_cli_refuses_before_creating_a_process_group(tmp_path):
     """A rank of a 3-process job with a 2-rank plan exits at once with the reason.
