@@ -4,6 +4,7 @@ marked, throughput over time, and the nodes live and training over time. Drawn f
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 
 from planaria.chaos.report import InjectedFault, Report
@@ -67,8 +68,11 @@ def plot_report(report: Report, path: Path) -> Path:
         if moment is not None:
             for ax in (ax_rate, ax_nodes):
                 ax.axvline(moment, color="tab:red", linestyle="--", linewidth=0.8)
-    fig.savefig(path, dpi=110)
+    # Rendered beside it, then renamed over it: a crash never leaves half a picture.
+    partial = Path(path).with_name(f".{Path(path).name}.partial")
+    fig.savefig(partial, dpi=110, format=Path(path).suffix.lstrip(".") or "png")
     plt.close(fig)
+    os.replace(partial, path)
     return path
 
 

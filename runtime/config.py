@@ -294,6 +294,12 @@ def check_config(cfg: Config) -> Config:
                     ("model", "vocab_size"), ("model", "seq_len"), ("train", "steps"),
                     ("train", "global_batch"), ("train", "micro_batch"), ("parallel", "tp"),
                     ("parallel", "virtual_stages"), ("parallel", "min_stages")])
+    if not t.lr > 0 or t.min_lr < 0 or t.min_lr > t.lr:
+        raise ConfigError(f"train.lr must be positive and train.min_lr between 0 and it; got lr={t.lr}, "
+                          f"min_lr={t.min_lr}")
+    if t.warmup_steps < 0 or t.weight_decay < 0 or t.grad_clip < 0:
+        raise ConfigError("train.warmup_steps, train.weight_decay and train.grad_clip must not be negative "
+                          f"(grad_clip 0: off); got {t.warmup_steps}, {t.weight_decay}, {t.grad_clip}")
     if p.audit_every < 0:
         raise ConfigError(f"parallel.audit_every must be 0 (off) or more, got {p.audit_every}")
     if cfg.checkpoint.every < 0 or cfg.checkpoint.keep < 1:
