@@ -23,7 +23,8 @@ def add_parser(sub) -> None:
                    help="a100, h100, h200, v100 or t4 (default: the trace's instance type: p3 v100, "
                         "g4dn t4, gcp a100; a100 otherwise)")
     p.add_argument("--gpus-per-node", type=int, default=None,
-                   help="GPUs per node, all tensor-parallel (default: the hardware's: 8, or 1 for v100/t4)")
+                   help="GPUs per node, all tensor-parallel (default: the hardware's: 8, or 1 for v100/t4 "
+                        "and for the gcp trace's one-GPU instances)")
     p.add_argument("--fault-tolerance", type=int, default=1, help="f for Planaria (default 1)")
     p.add_argument("--policy", default="all", choices=(*POLICIES, "all"))
     p.add_argument("--nodes", type=int, default=None,
@@ -44,6 +45,16 @@ def add_parser(sub) -> None:
 def _default_hardware(trace: str) -> str:
     stem = Path(trace).name
     return next((hw for prefix, hw in TRACE_HARDWARE.items() if stem.startswith(prefix)), "a100")
+
+
+TRACE_GPUS = {"gcp": 1}
+"""GPUs per instance where a shipped trace's instances are not the hardware's usual node:
+the GCP trace counts one-GPU a100 instances (gcp-a100x1)."""
+
+
+def _default_gpus(trace: str) -> int | None:
+    stem = Path(trace).name
+    return next((gpus for prefix, gpus in TRACE_GPUS.items() if stem.startswith(prefix)), None)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -70,7 +81,8 @@ def run(args: argparse.Namespace) -> int:
         availability = load_availability(args.trace, nodes=args.nodes, time_scale=args.time_scale, seed=args.seed)
         job = load_job(args.model)
         sim = run_simulation(job, availability, hardware_name=args.hardware or _default_hardware(args.trace),
-                             gpus_per_node=args.gpus_per_node, fault_tolerance=args.fault_tolerance,
+                             gpus_per_node=args.gpus_per_node or _default_gpus(args.trace),
+                             fault_tolerance=args.fault_tolerance,
                              policies=POLICIES if args.policy == "all" else (args.policy,),
                              calibration=Calibration().with_overrides(args.set), prices=prices)
     except (ValueError, FaultSpecError, FileNotFoundError, ConfigError) as err:
