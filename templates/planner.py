@@ -269,14 +269,32 @@ class Planner:
                 "lower the micro batch"
             )
         sizes = self._sizes_for(num_nodes)
+        interleaved = self.settings.schedule == "interleaved"
+        # The packing search assumes a pipeline runs any count; the interleaved schedule
+        # accepts only some (`_make_schedulable`), so there each packing is judged by its
+        # real split, and packings of a few more pipelines are tried too (shallower
+        # pipelines accept more counts: 64 microbatches on [3, 3] split 60/4 at best).
+        extra = range(3) if interleaved else range(1)
         best: tuple[float, list[int], float] | None = None
-        for smallest in sizes:
-            found = self._fastest_packing(num_nodes, [s for s in sizes if s >= smallest], want)
+        unsplittable: ValueError | None = None
+        for smallest, more in ((s, k) for s in sizes for k in extra):
+            if want + more > min(total, num_nodes // smallest):
+                continue
+            found = self._fastest_packing(num_nodes, [s for s in sizes if s >= smallest], want + more)
             if found is not None:
                 packing, deadline = found
+                if interleaved:
+                    try:
+                        counts = self._split(packing)
+                    except ValueError as err:
+                        unsplittable = err
+                        continue
+                    deadline = max(self.template(s).iteration_time(m) for s, m in zip(packing, counts))
                 estimate = deadline + self._sync_time(packing)
                 if best is None or estimate < best[0]:
                     best = (estimate, packing, deadline)
+        if best is None and unsplittable is not None:
+            raise unsplittable  # the schedule's rounds are what no set of pipelines satisfied
         if best is None:
             most = total * max(sizes, default=0)
             if num_nodes > most:  # every pipeline needs a microbatch

@@ -430,3 +430,20 @@ def test_more_nodes_than_the_batch_can_use_says_to_raise_the_batch():
     planner = Planner(uniform(6, memory=10**6, state=2, act=1), PlannerSettings(0, 4, 1))
     with pytest.raises(ValueError, match="more than this job can use.*raise train.global_batch"):
         planner.instantiate(30)
+
+
+def test_interleaved_pipeline_sizes_are_chosen_by_the_split_the_schedule_accepts():
+    """On 6 nodes, two 3-stage pipelines look fastest if any count ran, but 64 microbatches
+    only split 60/4 over them in equal rounds; three 2-stage pipelines (22/22/20) are
+    faster, and are chosen."""
+    costs = uniform(12, memory=60, state=10, act=0)  # n0 = 2
+    planner = Planner(costs, PlannerSettings(fault_tolerance=1, global_batch=64, micro_batch=1,
+                                             schedule="interleaved", virtual_stages=2))
+    nodes = [f"node{i}" for i in range(6)]
+    two_deep = planner._evaluate([3, 3], nodes, None, 0, 0)
+    assert [p.num_microbatches for p in two_deep.plan.pipelines] == [60, 4]
+    choice = planner.instantiate(6)
+    assert choice.iteration_time_s < two_deep.iteration_time_s
+    assert sorted(len(p.stages) for p in choice.plan.pipelines) == [2, 2, 2]
+    with pytest.raises(ValueError, match="cannot split 64 microbatches over pipelines of \\[3\\]"):
+        planner.instantiate(3)  # one 3-stage pipeline cannot run 64 in equal rounds
