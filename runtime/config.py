@@ -338,6 +338,13 @@ def check_config(cfg: Config) -> Config:
         raise ConfigError(f"parallel.schedule {p.schedule!r} is unknown; use one of {SCHEDULE_NAMES}")
     if p.backend not in ("auto", "gloo", "nccl"):
         raise ConfigError(f"parallel.backend {p.backend!r} is unknown; use 'auto', 'gloo' or 'nccl'")
+    if uses_planner(cfg) and p.microbatches is not None:
+        raise ConfigError("parallel.microbatches splits the batch over the pipelines of parallel.layout "
+                          "or parallel.pp; the planner splits it itself: give a layout or pp, or remove it")
+    if p.layout and (p.dp and p.dp != len(p.layout) or p.pp and any(len(pipe) != p.pp for pipe in p.layout)):
+        raise ConfigError(f"parallel.layout has {len(p.layout)} pipeline(s) of {[len(x) for x in p.layout]} "
+                          f"stages, which parallel.pp={p.pp} and parallel.dp={p.dp} contradict; set "
+                          "only the layout (pp and dp 0)")
     if not uses_planner(cfg):
         plan_from_config(cfg)  # layout, microbatch split and schedule shape
     return cfg
@@ -410,8 +417,10 @@ def plan_from_config(cfg: Config, world_size: int | None = None) -> Plan:
 
 def _data_parallel(cfg: Config, world_size: int | None) -> int:
     p = cfg.parallel
-    if p.dp or world_size is None:
-        return p.dp or 1
+    if p.dp:
+        return p.dp
+    if world_size is None:  # at load time: as many pipelines as parallel.microbatches names
+        return len(p.microbatches) if p.microbatches else 1
     per_pipeline = p.tp * (p.pp or 1)
     if world_size % per_pipeline:
         raise ConfigError(

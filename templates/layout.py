@@ -65,8 +65,8 @@ def plan_from_layout(
     counts = list(microbatches) if microbatches is not None else even_microbatches(total, len(layout))
     if len(counts) != len(layout):
         raise ValueError(
-            f"parallel.microbatches has {len(counts)} entries but parallel.layout has "
-            f"{len(layout)} pipelines: give one count per pipeline"
+            f"parallel.microbatches has {len(counts)} entries but the job has {len(layout)} "
+            "pipeline(s) (parallel.layout, or the processes over tp x pp): give one count per pipeline"
         )
     pipelines = []
     next_rank = 0

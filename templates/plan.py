@@ -293,6 +293,14 @@ def _validate_ranks_and_nodes(plan: Plan) -> None:
             f"ranks must be 0..{len(seen_ranks) - 1}, each used once; got {sorted(seen_ranks)}"
             + (f" (repeated: {duplicates})" if duplicates else "")
         )
+    # The runtime maps stage s to the s-th rank of the pipeline's group and a tp shard to
+    # its rank's place in the tp group; process groups order their ranks, so the plan must
+    # list them in order too (swapped stages crashed the pipeline runtime).
+    for p, pipeline in enumerate(plan.pipelines):
+        ranks = [r for stage in pipeline.stages for r in stage.ranks]
+        if ranks != sorted(ranks):
+            raise PlanError(f"pipeline {p}'s ranks must increase from stage to stage and within "
+                            f"each stage; got {[list(stage.ranks) for stage in pipeline.stages]}")
 
 
 def _validate_pipeline_layers(plan: Plan, p: int, pipeline: PipelinePlan) -> None:

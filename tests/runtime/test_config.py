@@ -79,6 +79,21 @@ def test_microbatches_that_do_not_add_up():
     assert "parallel.microbatches" in message and "add up" in message
 
 
+def test_microbatches_per_pipeline_with_dp_taken_from_the_processes():
+    """pp=2 on 4 processes is two pipelines: a split of [1, 3] was refused at load time
+    (dp was taken as 1 there), and [4] at launch (dp 2)."""
+    cfg = load_config(TINY, ["parallel.pp=2", "parallel.microbatches=[1,3]"])
+    assert [p.num_microbatches for p in plan_from_config(cfg, world_size=4).pipelines] == [1, 3]
+    with pytest.raises(ConfigError, match=r"has 2 entries but the job has 1 pipeline"):
+        plan_from_config(cfg, world_size=2)
+
+
+def test_settings_that_would_be_ignored_are_refused():
+    assert "the planner splits it itself" in refused(["parallel.microbatches=[1,3]"])
+    assert "contradict" in refused(["parallel.layout=[[2,2]]", "parallel.pp=4", "parallel.dp=3"])
+    load_config(TINY, ["parallel.layout=[[2,2],[4]]", "parallel.dp=2"])  # agreeing is fine
+
+
 def test_world_size_that_does_not_match_the_plan():
     message = refused(["parallel.pp=2", "parallel.dp=1"], world_size=3)
     assert "needs 2 processes" in message and "--nproc-per-node=2" in message

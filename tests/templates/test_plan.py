@@ -166,6 +166,20 @@ def test_from_json_validates():
         Plan.from_json(json.dumps(data))
 
 
+def test_ranks_out_of_order_within_a_pipeline_are_refused():
+    """The runtime maps stage s to the s-th rank of its (ordered) group; a stored plan with
+    swapped stages validated, then crashed the pipeline runtime."""
+    for swap in ("stages", "tp ranks"):
+        data = json.loads(good_plan().to_json())
+        stages = data["pipelines"][0]["stages"]
+        if swap == "stages":
+            stages[0]["ranks"], stages[1]["ranks"] = stages[1]["ranks"], stages[0]["ranks"]
+        else:
+            stages[0]["ranks"] = stages[0]["ranks"][::-1]
+        with pytest.raises(PlanError, match="ranks must increase from stage to stage"):
+            Plan.from_json(json.dumps(data))
+
+
 # ---------------------------------------------------------------- 2. derived views
 @FAST
 @given(layout_args())
@@ -365,7 +379,7 @@ def test_plan_from_layout_names_the_layout_problem():
     with pytest.raises(ValueError, match=r"pipeline 1 is \[2, 1\].*adds up to 3.*model\.n_layers = 4"):
         plan_from_layout([[2, 2], [2, 1]], **args)
     with pytest.raises(ValueError, match=r"parallel\.microbatches has 3 entries but "
-                                         r"parallel\.layout has 2 pipelines"):
+                                         r"the job has 2 pipeline\(s\)"):
         plan_from_layout([[2, 2], [4]], microbatches=[1, 1, 2], **args)
     with pytest.raises(PlanError, match=r"add up to 2, but global_batch 4 / micro_batch 1 = 4"):
         plan_from_layout([[2, 2], [4]], microbatches=[1, 1], **args)
