@@ -276,8 +276,7 @@ def _bin_dataset(source: str, seq_len: int, vocab_size: int) -> TokenDataset:
     # Read-only map: the file may be shared by every rank on the host and is
     # never copied into process memory as a whole.
     tokens = np.memmap(path, dtype="<u2", mode="r")
-    # One vectorised pass; cheaper than any later out-of-range embedding lookup.
-    max_token = int(tokens.max())
+    max_token = _largest_token(path, tokens)
     if max_token >= vocab_size:
         raise ValueError(
             f"{KEY_VOCAB}: file {source!r} contains token id {max_token}, which does not fit "
@@ -285,6 +284,32 @@ def _bin_dataset(source: str, seq_len: int, vocab_size: int) -> TokenDataset:
         )
     desc = f"token file {str(path)!r}: {n_tokens:,} uint16 tokens ({size / 2**20:.1f} MiB)"
     return TokenDataset(tokens, seq_len, desc)
+
+
+def _largest_token(path: Path, tokens: np.ndarray) -> int:
+    """The largest token id in a .bin file: one vectorised pass, once per version of the
+    file. Every worker checks it at start (an out-of-range id would fail an embedding
+    lookup mid-run), and workers start again and again in an elastic job: on a corpus of
+    a terabyte, a pass each time would cost minutes per start. So the answer is kept
+    beside the file (`<name>.maxtoken`, keyed by its size and modification time), where
+    the directory is writable; otherwise each start reads the file."""
+    stat = path.stat()
+    key = f"{stat.st_size} {stat.st_mtime_ns}"
+    sidecar = path.with_name(path.name + ".maxtoken")
+    try:
+        cached_key, _, value = sidecar.read_text(encoding="utf-8").rpartition(" ")
+        if cached_key == key:
+            return int(value)
+    except (OSError, ValueError):
+        pass  # absent, unreadable or not ours: compute it
+    largest = int(tokens.max())
+    partial = sidecar.with_name(f".{sidecar.name}.{os.getpid()}")
+    try:
+        partial.write_text(f"{key} {largest}", encoding="utf-8")
+        os.replace(partial, sidecar)  # whole or absent: readers never see half of it
+    except OSError:
+        partial.unlink(missing_ok=True)  # a read-only corpus directory: nothing kept
+    return largest
 
 
 def build_dataset(

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import os
 
 import numpy as np
 import pytest
@@ -229,3 +230,22 @@ def test_error_batch_slice_out_of_range():
 def test_tokendataset_rejects_too_few_tokens():
     with pytest.raises(ValueError, match=r"seq_len: the data has 4 tokens, fewer than one sample"):
         TokenDataset(np.arange(4), seq_len=4, description="tiny")
+
+
+def test_the_largest_token_is_computed_once_per_version_of_the_file(tmp_path):
+    """Workers of an elastic job start again and again; each read the whole corpus for
+    its largest token id. It is kept beside the file, and a changed file is read again."""
+    path = tmp_path / "train.bin"
+    np.array([1, 2, 3, 300, 5] * 10, dtype="<u2").tofile(path)
+    build_dataset(str(path), seq_len=4, vocab_size=512, seed=0)
+    sidecar = tmp_path / "train.bin.maxtoken"
+    assert sidecar.read_text().endswith(" 300")
+    sidecar.write_text(sidecar.read_text().rsplit(" ", 1)[0] + " 7")  # what a later start reads
+    build_dataset(str(path), seq_len=4, vocab_size=8, seed=0)  # trusted: no pass over the file
+    np.array([1, 2, 3, 700, 5] * 10, dtype="<u2").tofile(path)  # the file changes: read again
+    os.utime(path, ns=(0, 10**9))
+    with pytest.raises(ValueError, match=r"token id 700"):
+        build_dataset(str(path), seq_len=4, vocab_size=512, seed=0)
+    (tmp_path / "train.bin.maxtoken").write_text("garbage")
+    with pytest.raises(ValueError, match=r"token id 700"):
+        build_dataset(str(path), seq_len=4, vocab_size=512, seed=0)
