@@ -213,8 +213,7 @@ class Agent:
         outcome = self.client.get(self.prefix + "done")[0]
         if outcome is None:
             return None
-        run_id = self.prefix.split("/")[2]
-        return (f"refused: run id {run_id!r} already ran and ended ({outcome.decode()}); use another "
+        return (f"refused: run id {self.run_id!r} already ran and ended ({outcome.decode()}); use another "
                 f"--run-id, or delete its keys first (etcdctl del --prefix {self.prefix})")
 
     def _register(self) -> None:

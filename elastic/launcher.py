@@ -183,7 +183,6 @@ def run_planaria(args) -> int:
             return 2
         endpoint = args.rdzv_endpoint if ":" in args.rdzv_endpoint else f"{args.rdzv_endpoint}:2379"
     per_node = cfg.parallel.tp
-    devices: list[dict[str, str]] = [{}]
     if args.standalone and per_node == 1:
         nodes, min_nodes = [f"{socket.gethostname()}-{i}" for i in range(nproc)], nproc
         try:
@@ -197,12 +196,13 @@ def run_planaria(args) -> int:
                   "workers are one stage's tp group, so they must be equal", file=sys.stderr)
             return 2
         nodes = [f"{socket.gethostname()}-{args.node_rank if args.node_rank is not None else os.getpid()}"]
+        devices = [{}]  # the node's workers take their GPUs by local rank
     flags = agent_flags(args, tls, lease_ttl, run_id)
     env = dict(os.environ, **({"PLANARIA_ETCD_PASSWORD": tls["password"]} if "password" in tls else {}))
     agents = [subprocess.Popen(
         [sys.executable, "-m", "planaria.elastic.agent", "--node", node, "--nproc-per-node",
          str(per_node), "--etcd", endpoint, "--run-id", run_id, "--nnodes", str(min_nodes),
-         *flags, config, *overrides], env=dict(env, **device)) for node, device in zip(nodes, devices * len(nodes))]
+         *flags, config, *overrides], env=dict(env, **device)) for node, device in zip(nodes, devices)]
     received: list[int] = []
 
     def forward(signum, frame) -> None:  # the agents stop their workers and leave

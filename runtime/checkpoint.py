@@ -2,8 +2,9 @@
 
 The manifest is written only after every shard file is complete (and every file is
 written to a temporary name, made durable, then renamed), so a directory without a
-manifest is an incomplete save and is never read, even after a power cut. Files hold plain tensors and are loaded with
-`weights_only=True`: no arbitrary pickle is ever executed.
+manifest is an incomplete save and is never read, even after a power cut. Files hold
+plain tensors and are loaded with `weights_only=True`: no arbitrary pickle is ever
+executed.
 """
 from __future__ import annotations
 

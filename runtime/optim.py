@@ -55,9 +55,9 @@ def empty_adam_state(optimizer: torch.optim.Optimizer, param: nn.Parameter) -> d
     (float64 when that is the default dtype, float32 otherwise), on the parameter's
     device only when the optimizer is capturable or fused and on the CPU otherwise (a GPU
     step count would cost a device synchronisation per parameter at every step)."""
-    on_device = optimizer.defaults.get("capturable") or optimizer.defaults.get("fused")
+    beside_param = optimizer.defaults.get("capturable") or optimizer.defaults.get("fused")
     dtype = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
-    return {"step": torch.zeros((), dtype=dtype, device=param.device if on_device else "cpu"),
+    return {"step": torch.zeros((), dtype=dtype, device=param.device if beside_param else "cpu"),
             "exp_avg": torch.zeros_like(param, memory_format=torch.preserve_format),
             "exp_avg_sq": torch.zeros_like(param, memory_format=torch.preserve_format)}
 
