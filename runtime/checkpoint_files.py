@@ -16,6 +16,13 @@ from typing import BinaryIO, Callable
 from planaria.runtime.exactly_once import CommitRecord
 
 MANIFEST = "manifest.json"
+MODEL_RECORD = "model.json"
+"""Beside a checkpoint's shards: the `model` config section it was trained with, which
+`planaria export hf` rebuilds the model from (a final save keeps it in its manifest)."""
+
+
+def write_model_record(directory: Path, model: dict) -> None:
+    atomic_write_bytes(Path(directory) / MODEL_RECORD, json.dumps(model, indent=1).encode())
 
 
 def shard_filename(layer: int, tp_rank: int) -> str:

@@ -17,6 +17,7 @@ checkpoints (`planaria.runtime.checkpoint_files`). Loading uses
 from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
@@ -24,7 +25,8 @@ import torch
 import torch.distributed as dist
 
 from planaria.runtime.checkpoint import _atomic_torch_save
-from planaria.runtime.checkpoint_files import prune, shard_filename, step_dir, write_manifest
+from planaria.runtime.checkpoint_files import (prune, shard_filename, step_dir, write_manifest,
+                                               write_model_record)
 from planaria.runtime.exactly_once import CommitRecord
 from planaria.runtime.optim import empty_adam_state
 
@@ -88,7 +90,8 @@ class AsyncCheckpointer:
             return
         shards = {(layer, engine.tp.rank): snapshot_layer(engine.layers[layer])
                   for layer in engine.owned_shards()}
-        self._pending.append(self._pool.submit(self._write, iteration, shards, engine.last_commit))
+        self._pending.append(self._pool.submit(self._write, iteration, shards, engine.last_commit,
+                                               asdict(engine.model.cfg)))
 
     def flush(self) -> None:
         """Wait for every write (end of training); a failed write raises here."""
@@ -96,11 +99,12 @@ class AsyncCheckpointer:
             future.result()
         self._pending = []
 
-    def _write(self, iteration: int, shards, commit: CommitRecord) -> None:
+    def _write(self, iteration: int, shards, commit: CommitRecord, model: dict) -> None:
         target = step_dir(self.directory, iteration)
         target.mkdir(parents=True, exist_ok=True)
         for (layer, tp_rank), tensors in shards.items():
             _atomic_torch_save(tensors, target / shard_filename(layer, tp_rank))
+        write_model_record(target, model)  # every writer, the same content: any one suffices
         self.report(iteration, len(shards), commit)
 
 
@@ -114,6 +118,7 @@ def save_checkpoint(engine: "Engine", directory: Path, keep: int) -> Path:
         _atomic_torch_save(snapshot_layer(engine.layers[layer]), target / shard_filename(layer, engine.tp.rank))
     dist.barrier(group=engine.groups.world)
     if engine.rank == 0:
+        write_model_record(target, asdict(engine.model.cfg))
         write_manifest(directory, engine.last_commit, engine.plan.num_layers, engine.plan.tp)
         prune(directory, keep)
     return target

@@ -58,6 +58,10 @@ class ModelConfig:
     """The output projection and the loss as one operation over chunks of tokens
     (planaria.kernels.linear_cross_entropy): the full logits never exist. The last
     layer then outputs the normalised hidden states and the loss applies the head."""
+    init_from: str = ""
+    """A Hugging Face LLaMA checkpoint directory (config.json, safetensors) to start
+    from instead of the seeded init; the `model` keys left out are taken from its
+    config.json, and those given must agree with it (planaria.runtime.hf)."""
 
     @property
     def head_dim(self) -> int:
@@ -85,7 +89,7 @@ class DataConfig:
 @dataclass(frozen=True)
 class TrainConfig:
     steps: int = 20
-    """Optimizer steps to run."""
+    """Optimizer steps to run; 0 saves the initial model (output.save_final) untrained."""
     global_batch: int = 8
     """Sequences per step, all pipelines together."""
     micro_batch: int = 1
@@ -213,7 +217,12 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
             raise ConfigError(f"{path}: the top level must be a mapping of sections {sorted(SECTIONS)}")
     for item in overrides:
         _apply_override(raw, item)
-    return check_config(_build(raw))
+    cfg = _build(raw)
+    if cfg.model.init_from:
+        from planaria.runtime.hf_config import derive_model_config  # it imports this module
+
+        cfg = replace(cfg, model=derive_model_config(cfg.model, set(raw.get("model") or {})))
+    return check_config(cfg)
 
 
 def _apply_override(raw: dict, item: str) -> None:
@@ -291,9 +300,12 @@ def check_config(cfg: Config) -> Config:
     """Cross-field checks that need no processes. Returns cfg unchanged."""
     m, t, p = cfg.model, cfg.train, cfg.parallel
     _positive(cfg, [("model", "n_layers"), ("model", "d_model"), ("model", "n_heads"),
-                    ("model", "vocab_size"), ("model", "seq_len"), ("train", "steps"),
+                    ("model", "vocab_size"), ("model", "seq_len"),
                     ("train", "global_batch"), ("train", "micro_batch"), ("parallel", "tp"),
                     ("parallel", "virtual_stages"), ("parallel", "min_stages")])
+    if t.steps < 0:
+        raise ConfigError(f"train.steps must be 0 (save the initial model, e.g. one read from "
+                          f"model.init_from) or more, got {t.steps}")
     if not t.lr > 0 or t.min_lr < 0 or t.min_lr > t.lr:
         raise ConfigError(f"train.lr must be positive and train.min_lr between 0 and it; got lr={t.lr}, "
                           f"min_lr={t.min_lr}")

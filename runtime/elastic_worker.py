@@ -159,7 +159,7 @@ class ElasticWorker:
                       f"{sorted(self.engine.layers)}, from iteration {plan.first_iteration}")
             self._train(epoch, plan.first_iteration, timing)
             self.checkpointer.flush()
-            save_model_shards(self.engine, self.out_dir / "final")
+            save_model_shards(self.engine, self.out_dir / "final", data_source=self.cfg.data.source)
             finished = True
         except _StopRequested:
             self._log(f"epoch {epoch}: stopping after iteration {self.engine.last_stepped} "

@@ -150,7 +150,7 @@ class Engine:
             raise RuntimeError(f"layers {missing} were neither held nor received, and iteration "
                                f"{self.last_stepped} was already stepped: their state is lost")
         for index in missing:
-            self.layers[index] = self._new_layer(index)
+            self.layers[index] = self._new_layer(index, pretrained=True)
 
     # ----------------------------------------------------------- epoch set-up
     def _build_epoch(self, plan: Plan, world: dist.ProcessGroup | None) -> None:
@@ -173,8 +173,12 @@ class Engine:
         self._grad_norm_owner = set(self.owned_shards())
         self.schedule, self.stages = self._build_schedule(self.tp)
 
-    def _new_layer(self, index: int) -> LayerState:
-        module = self.model.build_layer(index, self.tp, self.param_dtype, self.device)
+    def _new_layer(self, index: int, pretrained: bool = False) -> LayerState:
+        """A layer's shard with its optimizer. `pretrained`: its initial state, read from
+        `model.init_from` when set; otherwise an empty shell that a checkpoint or a
+        replica is about to fill (so the Hugging Face checkpoint is not read for it)."""
+        module = self.model.build_layer(index, self.tp, self.param_dtype, self.device,
+                                        pretrained=pretrained)
         if self._has_phase_hooks:
             module.register_forward_hook(self._phase_hook)
         if self.grad_accum_dtype is not None:

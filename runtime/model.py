@@ -26,6 +26,7 @@ from planaria.runtime.tensor_parallel import (
     TensorParallel,
     VocabParallelEmbedding,
     copy_to_tp,
+    shard,
     vocab_parallel_cross_entropy,
 )
 
@@ -180,14 +181,38 @@ class LayerModel:
         return dict(getattr(self.layer_class(index), "TP_SHARD_DIMS", {}))
 
     def build_layer(self, index: int, tp: TensorParallel, dtype: torch.dtype,
-                    device: torch.device) -> nn.Module:
+                    device: torch.device, *, pretrained: bool = True) -> nn.Module:
+        """Layer `index`'s shard for `tp`. With `model.init_from` and `pretrained`, its
+        parameters are the Hugging Face checkpoint's (`planaria.runtime.hf`) instead of
+        the seeded init; a layer about to receive state (a checkpoint, a replica) passes
+        pretrained=False and the checkpoint is not read for it."""
         cls = self.layer_class(index)
         gen = torch.Generator().manual_seed(self.seed * 100_003 + index)
         if cls is Block:
             layer = Block(self.cfg, gen, tp, recompute=self.recompute)
         else:
             layer = cls(self.cfg, gen, tp)
-        return layer.to(device=device, dtype=dtype)
+        layer = layer.to(device=device, dtype=dtype)
+        if pretrained and getattr(self.cfg, "init_from", ""):
+            from planaria.runtime.hf import load_pretrained_layer  # hf imports this module
+
+            load_pretrained_layer(self, index, layer, tp)  # after .to: float64 keeps every bit
+        return layer
+
+    def shard(self, index: int, name: str, full: torch.Tensor, tp_rank: int, tp_size: int) -> torch.Tensor:
+        """Tp rank `tp_rank`'s piece of the full-size parameter `name` of layer `index`,
+        by the rule the layer constructors use: a contiguous chunk along the layer's
+        TP_SHARD_DIMS dimension; a parameter absent from it is replicated whole."""
+        dim = self.shard_dims(index).get(name)
+        if dim is None:
+            return full.clone()
+        return shard(full, dim, TensorParallel(rank=tp_rank, size=tp_size))
+
+    def unshard(self, index: int, name: str, shards: list[torch.Tensor]) -> torch.Tensor:
+        """The full parameter `name` of layer `index` from the pieces of tp ranks 0..tp-1
+        (`shard`'s inverse); a replicated parameter is rank 0's copy."""
+        dim = self.shard_dims(index).get(name)
+        return shards[0].clone() if dim is None else torch.cat(shards, dim=dim)
 
     def loss(self, output: torch.Tensor, target: torch.Tensor, tp: TensorParallel,
              head: nn.Module | None = None) -> torch.Tensor:

@@ -179,7 +179,7 @@ def train(cfg: Config, plan, rank: int, device: torch.device, console: Console) 
             if every and (iteration + 1) % every == 0 and iteration + 1 < cfg.train.steps:
                 save_checkpoint(engine, cfg.checkpoint_dir, cfg.checkpoint.keep)
         if cfg.output.save_final:
-            save_model_shards(engine, out_dir / "final")
+            save_model_shards(engine, out_dir / "final", data_source=cfg.data.source)
             if rank == 0:
                 console.print(f"saved final parameters to {out_dir / 'final'}")
     finally:

@@ -1,0 +1,508 @@
+"""Hugging Face LLaMA checkpoints in and out: the one place the mapping between them and
+Planaria's layers is written down (docs/interop.md explains it with commands).
+
+config.json <-> `model.*` (the torch-free half, `planaria.runtime.hf_config`):
+
+    hidden_size -> d_model            num_hidden_layers -> n_layers
+    num_attention_heads -> n_heads    num_key_value_heads -> n_kv_heads
+    intermediate_size -> ffn_hidden   vocab_size -> vocab_size
+    rms_norm_eps -> norm_eps          rope_theta (or rope_parameters) -> rope_theta
+    rope_scaling -> rope_scaling      tie_word_embeddings -> tie_embeddings
+    max_position_embeddings: not read (model.seq_len is the training length); written
+    as the checkpoint's own when model.init_from still names one, else model.seq_len.
+
+Tensors (HF name -> Planaria layer and parameter; layer 0 is the embedding, layers
+1..n_layers the blocks, layer n_layers + 1 the head):
+
+    model.embed_tokens.weight                       -> 0      embed.weight
+    model.layers.{i}.input_layernorm.weight         -> i + 1  attn_norm.weight
+    model.layers.{i}.self_attn.{q,k,v,o}_proj.weight-> i + 1  attn.w{q,k,v,o}.weight
+    model.layers.{i}.post_attention_layernorm.weight-> i + 1  mlp_norm.weight
+    model.layers.{i}.mlp.{gate,up,down}_proj.weight -> i + 1  mlp.w_{gate,up,down}.weight
+    model.norm.weight                               -> last   norm.weight
+    lm_head.weight                                  -> last   output.weight
+    (with tie_word_embeddings: model.embed_tokens.weight -> last output.weight, and
+     no lm_head.weight is written)
+
+Rotary permutation. Planaria rotates interleaved pairs (x[2i], x[2i+1]) of a head by
+angle i; Hugging Face rotates halves (x[i], x[i + head_dim/2]). The q and k projections
+are therefore stored with their rows permuted within each head, as Hugging Face's
+convert_llama_weights_to_hf does (its `permute`):
+
+    hf = planaria.view(heads, head_dim // 2, 2, d_model).transpose(1, 2).reshape(rows, d_model)
+    planaria = hf.view(heads, 2, head_dim // 2, d_model).transpose(1, 2).reshape(rows, d_model)
+
+with heads = n_heads for q and n_kv_heads for k (v and o are not permuted: attention
+scores are invariant to one permutation applied to both q and k).
+
+Reading (`model.init_from`): each worker reads only its own layers' tensors, and of
+those only its tp shard (safetensors `get_slice`), which `LayerModel.shard` defines.
+Writing (`export_hf`): the tp shards of a final save or a checkpoint are joined with
+`LayerModel.unshard`. This module never shards or joins tensors by a rule of its own.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+
+from planaria.runtime.checkpoint_files import MANIFEST, MODEL_RECORD, complete_checkpoints, shard_filename
+from planaria.runtime.config import ConfigError, ModelConfig
+from planaria.runtime.hf_config import hf_config_from_model
+from planaria.runtime.model import LayerModel
+from planaria.runtime.tensor_parallel import TensorParallel
+
+SAFETENSORS = "model.safetensors"
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+
+_BLOCK_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn.wq.weight": "self_attn.q_proj.weight", "attn.wk.weight": "self_attn.k_proj.weight",
+    "attn.wv.weight": "self_attn.v_proj.weight", "attn.wo.weight": "self_attn.o_proj.weight",
+    "mlp_norm.weight": "post_attention_layernorm.weight",
+    "mlp.w_gate.weight": "mlp.gate_proj.weight", "mlp.w_up.weight": "mlp.up_proj.weight",
+    "mlp.w_down.weight": "mlp.down_proj.weight",
+}
+EMBED = "model.embed_tokens.weight"
+
+
+def hf_name(cfg: ModelConfig, index: int, name: str) -> str:
+    """The Hugging Face tensor name of parameter `name` of Planaria layer `index`."""
+    last = cfg.num_layers - 1
+    if index == 0 and name == "embed.weight":
+        return EMBED
+    if 0 < index < last and name in _BLOCK_NAMES:
+        return f"model.layers.{index - 1}.{_BLOCK_NAMES[name]}"
+    if index == last and name == "norm.weight":
+        return "model.norm.weight"
+    if index == last and name == "output.weight":
+        return EMBED if getattr(cfg, "tie_embeddings", False) else "lm_head.weight"
+    raise ValueError(f"layer {index} parameter {name!r} has no Hugging Face LLaMA counterpart")
+
+
+def rotary_heads(cfg: ModelConfig, name: str) -> int:
+    """Heads whose rows are permuted between the two rotary layouts (0: not permuted)."""
+    if name == "attn.wq.weight":
+        return cfg.n_heads
+    if name == "attn.wk.weight":
+        return getattr(cfg, "n_kv_heads", 0) or cfg.n_heads
+    return 0
+
+
+def hf_row_order(rows: int, heads: int) -> torch.Tensor:
+    """planaria_rows = hf_rows[order]: row p of Planaria's q (or k) is row order[p] of HF's."""
+    half = rows // heads // 2
+    return torch.arange(rows).view(heads, 2, half).transpose(1, 2).reshape(rows)
+
+
+def to_hf_rows(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """Planaria's interleaved-pair rows -> Hugging Face's half-split rows (per head)."""
+    rows = w.shape[0]
+    return w.view(heads, rows // heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def from_hf_rows(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """Hugging Face's half-split rows -> Planaria's interleaved pairs (`to_hf_rows`'s inverse)."""
+    rows = w.shape[0]
+    return w.view(heads, 2, rows // heads // 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+# ----------------------------------------------------------------- shapes
+@dataclass(frozen=True)
+class _Dim:
+    size: int
+    why: str  # what in model.* gives the size
+    key: str  # the model key a differing size asks to change
+    unit: int = 1  # the key's value is size / unit
+
+
+def full_shape(cfg: ModelConfig, index: int, name: str) -> tuple[_Dim, ...]:
+    """The full-size shape of a parameter, each size with the `model.*` keys behind it."""
+    c = _Dim(cfg.d_model, f"model.d_model={cfg.d_model}", "model.d_model")
+    vocab = _Dim(cfg.vocab_size, f"model.vocab_size={cfg.vocab_size}", "model.vocab_size")
+    ffn = _Dim(cfg.ffn_dim, f"the FFN width {cfg.ffn_dim} (model.ffn_hidden)", "model.ffn_hidden")
+    hd = cfg.head_dim
+    q = _Dim(cfg.n_heads * hd, f"model.n_heads={cfg.n_heads} x head_dim {hd}", "model.n_heads", hd)
+    n_kv = getattr(cfg, "n_kv_heads", 0) or cfg.n_heads
+    kv = _Dim(n_kv * hd, f"model.n_kv_heads={n_kv} x head_dim {hd}", "model.n_kv_heads", hd)
+    shapes = {"embed.weight": (vocab, c), "output.weight": (vocab, c), "norm.weight": (c,),
+              "attn_norm.weight": (c,), "mlp_norm.weight": (c,), "attn.wq.weight": (q, c),
+              "attn.wk.weight": (kv, c), "attn.wv.weight": (kv, c), "attn.wo.weight": (c, q),
+              "mlp.w_gate.weight": (ffn, c), "mlp.w_up.weight": (ffn, c), "mlp.w_down.weight": (c, ffn)}
+    return shapes[name]
+
+
+def _check_shape(directory: Path, key: str, actual: tuple[int, ...], dims: tuple[_Dim, ...]) -> None:
+    expected = tuple(d.size for d in dims)
+    if actual == expected:
+        return
+    if len(actual) != len(expected):
+        raise ConfigError(f"{key} is {actual} in {directory} but Planaria expects {expected}: "
+                          "the checkpoint is not a LLaMA of this shape")
+    d, size = next((d, a) for d, a in zip(dims, actual) if a != d.size)
+    fix = (f"set {d.key}={size // d.unit}" if size % d.unit == 0 and size // d.unit > 0
+           else "the checkpoint does not fit this model")
+    raise ConfigError(f"{key} is {actual} in {directory} but {d.why} gives {expected}: {fix}")
+
+
+# ------------------------------------------------------------- reading
+class HFCheckpoint:
+    """The tensors of a Hugging Face safetensors checkpoint directory, read lazily: a
+    tensor, or a contiguous block of one along a dimension, without the rest."""
+
+    def __init__(self, directory: str | Path):
+        self.directory = Path(directory)
+        self._files: dict[str, Path] = self._weight_map()
+        self._open = contextlib.ExitStack()
+        self._handles: dict[Path, object] = {}
+
+    def _weight_map(self) -> dict[str, Path]:
+        index, single = self.directory / SAFETENSORS_INDEX, self.directory / SAFETENSORS
+        if index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            return {name: self.directory / file for name, file in weight_map.items()}
+        if single.is_file():
+            with safe_open(single, framework="pt") as f:
+                return {name: single for name in f.keys()}
+        raise ConfigError(f"model.init_from: {self.directory} has neither {SAFETENSORS} nor "
+                          f"{SAFETENSORS_INDEX}; save the model with save_pretrained (safetensors; "
+                          "PyTorch .bin pickles are not read)")
+
+    def __enter__(self) -> "HFCheckpoint":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._open.close()
+
+    def _slice(self, key: str):
+        if key not in self._files:
+            raise ConfigError(f"{self.directory} has no tensor {key}: the checkpoint is incomplete "
+                              "or not a LLaMA of this shape")
+        path = self._files[key]
+        if path not in self._handles:
+            self._handles[path] = self._open.enter_context(safe_open(path, framework="pt"))
+        return self._handles[path].get_slice(key)
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return tuple(self._slice(key).get_shape())
+
+    def read(self, key: str, dim: int | None = None, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        """Tensor `key`, or only its indices [start, stop) along `dim`."""
+        piece = self._slice(key)
+        if dim is None:
+            return piece[:]
+        ndim = len(piece.get_shape())
+        return piece[tuple(slice(start, stop) if d == dim else slice(None) for d in range(ndim))]
+
+
+def _shard_positions(model: LayerModel, index: int, name: str, shape: tuple[int, ...], dim: int,
+                     tp: TensorParallel) -> torch.Tensor:
+    """Which indices along `dim` of the full tensor this tp rank's shard holds, in its
+    order: `LayerModel.shard` applied to a probe whose entries are their own index along
+    `dim` (broadcast over the other dimensions: the probe costs the shard's size once)."""
+    view = [1] * len(shape)
+    view[dim] = shape[dim]
+    probe = torch.arange(shape[dim], dtype=torch.int64).view(view).expand(shape)
+    piece = model.shard(index, name, probe, tp.rank, tp.size)
+    return piece.movedim(dim, 0).reshape(piece.shape[dim], -1)[:, 0].clone()
+
+
+def read_shard(ckpt: HFCheckpoint, model: LayerModel, index: int, name: str,
+               tp: TensorParallel) -> torch.Tensor:
+    """This tp rank's shard of Planaria parameter `name` of layer `index`, in Planaria's
+    layout, read from the checkpoint (only the rows or columns the shard needs)."""
+    cfg = model.cfg
+    key = hf_name(cfg, index, name)
+    dims = full_shape(cfg, index, name)
+    shape = ckpt.shape(key)
+    _check_shape(ckpt.directory, key, shape, dims)
+    heads = rotary_heads(cfg, name)
+    order = hf_row_order(shape[0], heads) if heads else None
+    dim = model.shard_dims(index).get(name)
+    if dim is None or tp.size == 1:
+        full = ckpt.read(key)
+        full = full if order is None else full[order]
+        return full if dim is None else model.shard(index, name, full, tp.rank, tp.size)
+    positions = _shard_positions(model, index, name, shape, dim, tp)
+    if order is not None:
+        assert dim == 0, "rotary rows are split along dimension 0"
+        positions = order[positions]
+    start, stop = int(positions.min()), int(positions.max()) + 1
+    return ckpt.read(key, dim, start, stop).index_select(dim, positions - start)
+
+
+def load_pretrained_layer(model: LayerModel, index: int, layer: nn.Module, tp: TensorParallel) -> None:
+    """Overwrite the parameters of `layer` (layer `index`, this tp rank's shard) with
+    `model.init_from`'s values."""
+    with HFCheckpoint(model.cfg.init_from) as ckpt, torch.no_grad():
+        for name, param in layer.named_parameters():
+            value = read_shard(ckpt, model, index, name, tp)
+            if value.shape != param.shape:
+                raise RuntimeError(f"layer {index} {name}: the shard read is {tuple(value.shape)}, "
+                                   f"the layer's is {tuple(param.shape)}")
+            param.copy_(value)
+
+
+# ------------------------------------------------------------- writing
+@dataclass(frozen=True)
+class SavedModel:
+    """A Planaria save to export: the final model or one checkpoint."""
+
+    directory: Path
+    kind: str  # "final" or "checkpoint"
+    model: ModelConfig
+    tp: int
+    data_source: str = ""
+
+    def layers(self) -> Iterator[tuple[int, dict[str, torch.Tensor]]]:
+        """(index, full tensors by parameter name), one layer at a time."""
+        layer_model = LayerModel(self.model, seed=0)
+        for index in range(self.model.num_layers):
+            pieces = [self._read(index, t) for t in range(self.tp)]
+            yield index, {name: layer_model.unshard(index, name, [p[name] for p in pieces])
+                          for name in pieces[0]}
+
+    def _read(self, index: int, tp_rank: int) -> dict[str, torch.Tensor]:
+        tensors = torch.load(self.directory / shard_filename(index, tp_rank), weights_only=True,
+                             map_location="cpu")
+        if self.kind == "final":
+            return tensors
+        return {key.removeprefix("param/"): value for key, value in tensors.items()
+                if key.startswith("param/")}  # a checkpoint's parameters, not its AdamW state
+
+
+def model_from_record(record: dict, where: Path) -> ModelConfig:
+    known = {f.name for f in fields(ModelConfig)}
+    unknown = sorted(set(record) - known)
+    if unknown:
+        raise ConfigError(f"{where} records model keys {unknown} that this version of Planaria "
+                          "does not know; export with the version that trained it")
+    return ModelConfig(**record)
+
+
+def find_saved_model(path: str | Path, config: ModelConfig | None = None) -> tuple[SavedModel, str]:
+    """The save that `planaria export hf PATH` means, and a line saying which it took:
+    a final/ or checkpoint step directory itself, or an output directory (its final/,
+    else its newest complete checkpoint), or a checkpoint root (its newest). `config`
+    (from --config) replaces the model section the save records."""
+    path = Path(path)
+    if not path.is_dir():
+        raise ConfigError(f"{path} is not a directory; give a training output directory, its final/ "
+                          "or a checkpoint's step-N directory")
+    if (path / MANIFEST).is_file():
+        directory = path
+    elif (path / "final" / MANIFEST).is_file():
+        directory = path / "final"
+    else:
+        found = complete_checkpoints(path / "checkpoints") or complete_checkpoints(path)
+        if not found:
+            raise ConfigError(f"{path} holds no final model (final/{MANIFEST}) and no complete "
+                              "checkpoint; give a training output directory, its final/ or a "
+                              "checkpoint's step-N directory")
+        directory = found[-1][1]
+    manifest = json.loads((directory / MANIFEST).read_text())
+    kind = "checkpoint" if "iteration" in manifest else "final"
+    record = manifest.get("model")
+    if record is None and (directory / MODEL_RECORD).is_file():
+        record = json.loads((directory / MODEL_RECORD).read_text())
+    if config is None and record is None:
+        raise ConfigError(f"{directory} does not record its model config (saved by an older "
+                          "version); give the training config: --config CONFIG.yaml [section.key=value ...]")
+    model = config if config is not None else model_from_record(record, directory)
+    saved = SavedModel(directory, kind, model, manifest["tp"], manifest.get("data_source", ""))
+    if manifest["num_layers"] != model.num_layers:
+        raise ConfigError(f"{directory} has {manifest['num_layers']} layers but the model config gives "
+                          f"{model.num_layers} (model.n_layers={model.n_layers} + 2)")
+    what = (f"the final model {directory}" if kind == "final"
+            else f"the checkpoint of iteration {manifest['iteration']} ({directory})")
+    return saved, what
+
+
+def hf_tensors(saved: SavedModel, dtype: torch.dtype | None) -> Iterator[tuple[str, torch.Tensor]]:
+    """(Hugging Face name, tensor) of every parameter of `saved`, q and k permuted."""
+    tied = getattr(saved.model, "tie_embeddings", False)
+    for index, tensors in saved.layers():
+        for name, value in tensors.items():
+            if tied and name == "output.weight":
+                continue  # Hugging Face ties lm_head to embed_tokens: not stored twice
+            heads = rotary_heads(saved.model, name)
+            value = to_hf_rows(value, heads) if heads else value
+            yield hf_name(saved.model, index, name), value.to(dtype or value.dtype).contiguous()
+
+
+def parse_size(text: str) -> int:
+    """'5GB', '500MB', '2GiB', '1000' -> bytes."""
+    units = {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "KB": 10**3, "MB": 10**6, "GB": 10**9, "B": 1}
+    upper = text.strip().upper()
+    for unit, factor in units.items():
+        if upper.endswith(unit):
+            number = upper[: -len(unit)].strip()
+            break
+    else:
+        number, factor = upper, 1
+    try:
+        size = int(float(number) * factor)
+    except ValueError:
+        raise ValueError(f"--max-shard-size {text!r} is not a size; write e.g. 5GB or 500MB") from None
+    if size <= 0:
+        raise ValueError(f"--max-shard-size must be positive, got {text!r}")
+    return size
+
+
+def export_hf(saved: SavedModel, out_dir: str | Path, *, max_shard_size: int = 5 * 10**9,
+              dtype: torch.dtype | None = None, tokenizer: str | Path | None = None) -> list[str]:
+    """Write `saved` as a Hugging Face LLaMA directory that `from_pretrained` loads:
+    config.json, safetensors (model.safetensors, or shards of at most `max_shard_size`
+    bytes and model.safetensors.index.json), and the tokenizer when one is known.
+    Written into a temporary directory renamed to `out_dir` at the end. Returns lines
+    describing what was written."""
+    out_dir = Path(out_dir)
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+        raise ConfigError(f"{out_dir} already exists and is not empty; remove it or give another directory")
+    tmp = out_dir.with_name(f".{out_dir.name}.tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        files, weight_map, total, torch_dtype = _write_shards(saved, tmp, max_shard_size, dtype)
+        source = _init_from_config(saved.model)
+        extra = {k: source[k] for k in ("max_position_embeddings", "bos_token_id", "eos_token_id",
+                                        "pad_token_id") if k in source}
+        config = hf_config_from_model(saved.model, torch_dtype=torch_dtype, extra=extra)
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        if len(files) > 1:
+            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+            (tmp / SAFETENSORS_INDEX).write_text(json.dumps(index, indent=2) + "\n")
+        copied = copy_tokenizer(tmp, tokenizer, saved)
+        if out_dir.exists():
+            out_dir.rmdir()
+        os.replace(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return [f"{len(weight_map)} tensors in {len(files)} safetensors file(s), {total / 1e6:.1f} MB, "
+            f"{torch_dtype}", copied]
+
+
+def _write_shards(saved: SavedModel, directory: Path, max_shard_size: int,
+                  dtype: torch.dtype | None) -> tuple[list[str], dict[str, str], int, str]:
+    """Stream the tensors into safetensors files of at most `max_shard_size` bytes (a
+    tensor larger than that gets a file of its own), each written as soon as it is full,
+    under a provisional name: the file names count the files, known only at the end."""
+    written: list[list[str]] = []
+    current: dict[str, torch.Tensor] = {}
+    size = total = 0
+    torch_dtype = ""
+
+    def flush() -> None:
+        save_file(current, directory / f"shard{len(written)}.tmp", metadata={"format": "pt"})
+        written.append(list(current))
+        current.clear()
+
+    for name, tensor in hf_tensors(saved, dtype):
+        nbytes = tensor.numel() * tensor.element_size()
+        if current and size + nbytes > max_shard_size:
+            flush()
+            size = 0
+        current[name] = tensor
+        size += nbytes
+        total += nbytes
+        torch_dtype = str(tensor.dtype).removeprefix("torch.")
+    flush()
+    files = [SAFETENSORS] if len(written) == 1 else [
+        f"model-{i + 1:05d}-of-{len(written):05d}.safetensors" for i in range(len(written))]
+    weight_map = {}
+    for i, (file, names) in enumerate(zip(files, written)):
+        os.replace(directory / f"shard{i}.tmp", directory / file)
+        weight_map.update(dict.fromkeys(names, file))
+    return files, weight_map, total, torch_dtype
+
+
+def _init_from_config(model: ModelConfig) -> dict:
+    """config.json of the checkpoint the model started from, if it is still there: its
+    context length and special token ids carry over to the export."""
+    path = Path(model.init_from) / "config.json" if model.init_from else None
+    if path is None or not path.is_file():
+        return {}
+    with contextlib.suppress(ValueError, OSError):
+        return json.loads(path.read_text())
+    return {}
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "tokenizer.model", "generation_config.json")
+
+
+def find_tokenizer(saved: SavedModel, given: str | Path | None) -> tuple[list[tuple[Path, str]], str]:
+    """The tokenizer files to ship with an export, and where they come from: `given`
+    (a tokenizer.json or a tokenizer directory), else the tokenizer `planaria data
+    prepare` recorded in the training data's manifest, else the files beside the
+    `model.init_from` checkpoint."""
+    if given is not None:
+        given = Path(given)
+        found = _tokenizer_files(given.parent if given.is_file() else given, given if given.is_file() else None)
+        if not found:
+            raise ConfigError(f"--tokenizer {given}: no tokenizer.json there; give a tokenizer.json "
+                              "file or a Hugging Face tokenizer directory")
+        return found, f"--tokenizer {given}"
+    source = Path(saved.data_source) if saved.data_source else None
+    if source is not None and source.exists():
+        data_dir = source if source.is_dir() else source.parent
+        found = _tokenizer_files(data_dir, _manifest_tokenizer(data_dir))
+        if found:
+            return found, f"the data manifest of {data_dir}"
+    if saved.model.init_from and Path(saved.model.init_from).is_dir():
+        found = _tokenizer_files(Path(saved.model.init_from), None)
+        if found:
+            return found, f"the model.init_from checkpoint {saved.model.init_from}"
+    return [], ""
+
+
+def _manifest_tokenizer(data_dir: Path) -> Path | None:
+    """The tokenizer file a data manifest names (a file name, or {file|path: name})."""
+    path = data_dir / "manifest.json"
+    if not path.is_file():
+        return None
+    try:
+        entry = json.loads(path.read_text()).get("tokenizer")
+    except (ValueError, OSError, AttributeError):
+        return None
+    if isinstance(entry, dict):
+        entry = entry.get("file") or entry.get("path")
+    if not isinstance(entry, str):
+        return None
+    candidate = Path(entry) if Path(entry).is_absolute() else data_dir / entry
+    return candidate if candidate.is_file() else None
+
+
+def _tokenizer_files(directory: Path, tokenizer_json: Path | None) -> list[tuple[Path, str]]:
+    """(source, name in the export) of the tokenizer files found; [] without a tokenizer."""
+    files = [(tokenizer_json, "tokenizer.json")] if tokenizer_json is not None else []
+    taken = {name for _, name in files}
+    files += [(directory / name, name) for name in TOKENIZER_FILES
+              if name not in taken and (directory / name).is_file()]
+    names = {name for _, name in files}
+    return files if names & {"tokenizer.json", "tokenizer.model"} else []
+
+
+def copy_tokenizer(out_dir: Path, given: str | Path | None, saved: SavedModel) -> str:
+    """Copy the export's tokenizer (`find_tokenizer`) into `out_dir`; a line saying what happened."""
+    files, origin = find_tokenizer(saved, given)
+    if not files:
+        return ("no tokenizer copied (none recorded by `planaria data prepare` or beside model.init_from): "
+                "give --tokenizer PATH")
+    for source, name in files:
+        shutil.copyfile(source, out_dir / name)
+    if not (out_dir / "tokenizer_config.json").is_file():
+        # AutoTokenizer then reads tokenizer.json through the generic fast class.
+        config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": saved.model.seq_len}
+        (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return f"tokenizer from {origin}: {', '.join(sorted(name for _, name in files))}"

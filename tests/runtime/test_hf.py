@@ -1,0 +1,244 @@
+"""Hugging Face LLaMA in and out (planaria.runtime.hf): logits equal to
+transformers.LlamaForCausalLM in float64 through `model.init_from` and through
+`planaria export hf`, a round trip under pp=2 x tp=2, and one-line refusals.
+
+The Hugging Face side runs in true float64: see tests/runtime/hf_helpers.py for the
+two float32 computations of transformers that the tests patch, and how.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import fields, replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from planaria.runtime.config import ConfigError, ModelConfig, load_config
+from planaria.runtime.hf import HFCheckpoint, export_hf, find_saved_model, from_hf_rows, to_hf_rows
+from planaria.runtime.model import LayerModel
+from planaria.runtime.tensor_parallel import TensorParallel
+from tests.launch import REPO, TINY, torchrun_train
+from tests.runtime.hf_helpers import float64_llama, random_llama
+
+LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                  "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+# name: (random_llama arguments, the model.* field the case needs, Planaria's overrides)
+CASES = {
+    "multi-head": ({}, None, []),
+    "grouped-query": ({"n_kv_heads": 2}, "n_kv_heads", ["model.n_kv_heads=2"]),
+    "tied-embeddings": ({"tied": True}, "tie_embeddings", ["model.tie_embeddings=true"]),
+    "rope-scaling": ({"rope_scaling": LLAMA3_SCALING}, "rope_scaling",
+                     ["model.rope_scaling=" + json.dumps(LLAMA3_SCALING)]),
+}
+_FIELDS = {f.name for f in fields(ModelConfig)}
+
+
+def _case(name: str) -> dict:
+    kwargs, needs, _ = CASES[name]
+    if needs is not None and needs not in _FIELDS:
+        pytest.skip(f"ModelConfig has no {needs} yet (added by another part of this change)")
+    return kwargs
+
+
+def planaria_logits(model: ModelConfig, tokens: torch.Tensor, seed: int = 0,
+                    states: dict | None = None) -> torch.Tensor:
+    """Planaria's layers at tp = 1, float64, PyTorch reference kernels, run in order;
+    `states` (layer -> state_dict) replaces the parameters the layers are built with."""
+    layer_model = LayerModel(replace(model, kernels="reference"), seed=seed)
+    x = tokens
+    with torch.no_grad():
+        for i in range(layer_model.num_layers):
+            layer = layer_model.build_layer(i, TensorParallel(), torch.float64, torch.device("cpu"))
+            if states is not None:
+                layer.load_state_dict(states[i])
+            x = layer(x)
+    return x
+
+
+def tokens_for(vocab: int, batch: int = 2, length: int = 16, seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, vocab, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def test_rotary_permutation_round_trips_and_matches_the_conversion_script():
+    w = torch.randn(4 * 8, 5)
+    hf = to_hf_rows(w, heads=4)
+    assert torch.equal(from_hf_rows(hf, heads=4), w)
+    # convert_llama_weights_to_hf's permute, written out for one head of size 8: row
+    # (half a, index i) of Hugging Face's layout is Planaria's pair i, element a.
+    head = w[:8]
+    assert torch.equal(hf[:8], torch.stack([head[2 * i + a] for a in (0, 1) for i in range(4)]))
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_init_from_gives_hugging_face_logits_in_float64(case, tmp_path, monkeypatch):
+    hf = random_llama(**_case(case))
+    hf.save_pretrained(tmp_path / "hf")
+    cfg = load_config(None, [f"model.init_from={tmp_path / 'hf'}", "model.seq_len=16"])
+    assert (cfg.model.n_layers, cfg.model.d_model, cfg.model.ffn_dim, cfg.model.vocab_size) == (2, 32, 72, 96)
+    tokens = tokens_for(96)
+    expected = float64_llama(hf, monkeypatch)(tokens).logits
+    got = planaria_logits(cfg.model, tokens)
+    assert (got - expected).abs().max().item() <= 1e-10
+
+
+def test_init_from_reads_a_sharded_checkpoint_and_only_its_tp_shard(tmp_path):
+    """Each tp rank's layer, read from a checkpoint saved in several files, is its shard
+    of the layer read whole (`LayerModel.shard` of the full parameters)."""
+    hf = random_llama()
+    hf.save_pretrained(tmp_path / "hf", max_shard_size="20KB")
+    assert (tmp_path / "hf" / "model.safetensors.index.json").is_file()
+    cfg = load_config(None, [f"model.init_from={tmp_path / 'hf'}", "model.seq_len=16"]).model
+    layer_model = LayerModel(cfg, seed=0)
+    for index in range(layer_model.num_layers):
+        full = layer_model.build_layer(index, TensorParallel(), torch.float64, torch.device("cpu"))
+        for rank in range(2):
+            tp = TensorParallel(rank=rank, size=2)
+            piece = layer_model.build_layer(index, tp, torch.float64, torch.device("cpu"))
+            for name, value in piece.state_dict().items():
+                expected = layer_model.shard(index, name, full.state_dict()[name], rank, 2)
+                assert torch.equal(value, expected), (index, name, rank)
+
+
+def _train(tmp_path: Path, overrides: list[str]) -> subprocess.CompletedProcess:
+    """One process of `python -m planaria.train` (tp = 1)."""
+    cmd = [sys.executable, "-m", "planaria.train", str(TINY), "data.source=synthetic",
+           "model.seq_len=16", "train.global_batch=4", "train.micro_batch=2", "train.log_every=100",
+           "parallel.pp=1", *overrides, f"output.dir={tmp_path}"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("case", list(CASES))
+def test_export_gives_the_same_logits_in_transformers(case, tmp_path, monkeypatch):
+    """Planaria's model, trained two steps (norm gains no longer ones), exported, loaded
+    by transformers in float64: the same logits."""
+    _case(case)
+    _train(tmp_path / "run", ["model.n_layers=2", "model.d_model=32", "model.n_heads=4",
+                              "model.vocab_size=96", "model.rope_theta=5000", "train.steps=2",
+                              "train.dtype=float64", "train.lr=0.01", *CASES[case][2]])
+    saved, what = find_saved_model(tmp_path / "run")
+    assert saved.kind == "final" and "final" in what
+    export_hf(saved, tmp_path / "hf", max_shard_size=10_000)
+    assert (tmp_path / "hf" / "model.safetensors.index.json").is_file()
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float64,
+                                                           attn_implementation="sdpa")
+    tokens = tokens_for(96)
+    expected = float64_llama(hf, monkeypatch)(tokens).logits
+    got = planaria_logits(saved.model, tokens, states=dict(saved.layers()))
+    assert (got - expected).abs().max().item() <= 1e-10
+
+
+def _read_all(directory: Path) -> dict[str, torch.Tensor]:
+    with HFCheckpoint(directory) as ckpt:
+        return {name: ckpt.read(name) for name in ckpt._files}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_round_trip_under_pp2_tp2(tmp_path):
+    """HF checkpoint -> init_from under pp=2 x tp=2 -> 0 steps -> export: the same
+    tensors, bit for bit. Then 3 steps in float32: the exported model's loss in
+    transformers on a batch equals Planaria's loss of its final parameters on it."""
+    transformers = pytest.importorskip("transformers")
+    hf = random_llama(n_layers=4, seed=3).to(torch.float32)
+    for p in hf.parameters():  # a model that trains: small weights, unit norm gains
+        p.data = torch.ones_like(p) if p.dim() == 1 else p.data * 0.1
+    hf.save_pretrained(tmp_path / "hf")
+    job = [f"model.init_from={tmp_path / 'hf'}", "model.seq_len=16", "data.source=synthetic",
+           "train.global_batch=8", "train.micro_batch=2", "train.dtype=float32", "train.lr=0.01",
+           "train.log_every=100", "parallel.pp=2", "parallel.tp=2"]
+    torchrun_train(4, [*job, "train.steps=0"], tmp_path / "zero", timeout=400)
+    saved, _ = find_saved_model(tmp_path / "zero")
+    assert saved.tp == 2
+    export_hf(saved, tmp_path / "zero-hf")
+    original, exported = _read_all(tmp_path / "hf"), _read_all(tmp_path / "zero-hf")
+    assert sorted(original) == sorted(exported)
+    for name, value in original.items():
+        assert torch.equal(exported[name], value), name
+
+    torchrun_train(4, [*job, "train.steps=3", "checkpoint.every=2"], tmp_path / "run", timeout=400)
+    saved, what = find_saved_model(tmp_path / "run")
+    assert saved.kind == "final"
+    export_hf(saved, tmp_path / "run-hf")
+    trained = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "run-hf", dtype=torch.float32)
+    tokens = tokens_for(96, batch=4, length=17, seed=7)
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    hf_loss = torch.nn.functional.cross_entropy(trained(inputs).logits.flatten(0, 1).double(),
+                                                targets.flatten()).item()
+    logits = planaria_logits(saved.model, inputs, states={i: {k: v.double() for k, v in s.items()}
+                                                          for i, s in saved.layers()})
+    planaria_loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten()).item()
+    assert abs(hf_loss - planaria_loss) < 1e-5, (hf_loss, planaria_loss)
+    assert not torch.equal(_read_all(tmp_path / "run-hf")["lm_head.weight"], original["lm_head.weight"])
+
+    checkpoint, what = find_saved_model(tmp_path / "run" / "checkpoints")
+    assert checkpoint.kind == "checkpoint" and "iteration 1" in what
+    export_hf(checkpoint, tmp_path / "checkpoint-hf")
+    transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "checkpoint-hf")
+
+
+# ------------------------------------------------------------------ refusals
+def _refusal(overrides: list[str]) -> str:
+    with pytest.raises(ConfigError) as err:
+        cfg = load_config(None, overrides)
+        LayerModel(cfg.model, seed=0).build_layer(1, TensorParallel(), torch.float32, torch.device("cpu"))
+    message = str(err.value)
+    assert "\n" not in message
+    return message
+
+
+def test_refusals_are_one_line_and_name_the_fix(tmp_path):
+    hf = random_llama()
+    hf.save_pretrained(tmp_path / "hf")
+    init = f"model.init_from={tmp_path / 'hf'}"
+
+    assert "is not a directory" in _refusal([f"model.init_from={tmp_path / 'nowhere'}"])
+    (tmp_path / "empty").mkdir()
+    assert "has no config.json" in _refusal([f"model.init_from={tmp_path / 'empty'}"])
+
+    assert "model.n_layers=3 disagrees with" in _refusal([init, "model.n_layers=3"])
+    assert "num_hidden_layers=2" in _refusal([init, "model.n_layers=3"])
+
+    other = tmp_path / "mistral"
+    other.mkdir()
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**config, "architectures": ["MistralForCausalLM"],
+                                                   "model_type": "mistral"}))
+    assert "MistralForCausalLM" in _refusal([f"model.init_from={other}"])
+
+    wrong = tmp_path / "wrong-ffn"
+    wrong.mkdir()
+    (wrong / "config.json").write_text(json.dumps({**config, "intermediate_size": 80}))
+    (wrong / "model.safetensors").symlink_to(tmp_path / "hf" / "model.safetensors")
+    message = _refusal([f"model.init_from={wrong}"])
+    assert "model.layers.0.mlp.gate_proj.weight is (72, 32)" in message
+    assert "gives (80, 32): set model.ffn_hidden=72" in message
+
+    from safetensors.torch import load_file, save_file
+
+    missing = tmp_path / "missing"
+    missing.mkdir()
+    (missing / "config.json").write_text(json.dumps(config))
+    tensors = load_file(tmp_path / "hf" / "model.safetensors")
+    del tensors["model.layers.0.mlp.up_proj.weight"]
+    save_file(tensors, missing / "model.safetensors", metadata={"format": "pt"})
+    assert "has no tensor model.layers.0.mlp.up_proj.weight" in _refusal([f"model.init_from={missing}"])
+
+
+def test_export_refuses_a_save_without_its_model_config(tmp_path):
+    final = tmp_path / "final"
+    final.mkdir()
+    (final / "manifest.json").write_text(json.dumps({"num_layers": 4, "tp": 1, "shard_dims": {}}))
+    with pytest.raises(ConfigError, match="--config CONFIG.yaml"):
+        find_saved_model(tmp_path)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError, match="no final model"):
+        find_saved_model(tmp_path / "empty")
+    with pytest.raises(ConfigError, match="is not a directory"):
+        find_saved_model(tmp_path / "nowhere")
