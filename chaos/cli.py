@@ -86,10 +86,11 @@ def _export(args: argparse.Namespace) -> int:
         print(f"planaria export: overrides {args.overrides} need --config CONFIG.yaml", file=sys.stderr)
         return 2
     try:
+        max_shard_size = parse_size(args.max_shard_size)
         config = None if args.config is None else load_config(args.config, args.overrides).model
         saved, what = find_saved_model(args.source, config)
         print(f"exporting {what}", flush=True)
-        lines = export_hf(saved, args.out_dir, max_shard_size=parse_size(args.max_shard_size),
+        lines = export_hf(saved, args.out_dir, max_shard_size=max_shard_size,
                           dtype=None if args.dtype is None else getattr(torch, args.dtype),
                           tokenizer=args.tokenizer)
     except (ConfigError, ValueError, FileNotFoundError) as err:

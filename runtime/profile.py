@@ -82,7 +82,8 @@ def profile_model(cfg: Config, *, device: torch.device | str | None = None,
     wide = torch.float64 if t.exact_reduction and param_dtype != torch.float64 else None
 
     def build_layer(index: int) -> torch.nn.Module:
-        built[index] = model.build_layer(index, solo, param_dtype, device)
+        # Timing needs the shapes, not the values: model.init_from is not read for it.
+        built[index] = model.build_layer(index, solo, param_dtype, device, pretrained=False)
         if wide is not None:
             accumulate_wide(built[index], wide)
         return built[index]
@@ -172,7 +173,7 @@ def _load_worker(spec: dict) -> None:
     m = ModelConfig(**spec["model"])
     param_dtype, _ = torch_dtypes(spec["dtype"])
     block = LayerModel(m, seed=spec["seed"], recompute=spec["recompute"]).build_layer(
-        1, TensorParallel(), param_dtype, torch.device("cpu"))
+        1, TensorParallel(), param_dtype, torch.device("cpu"), pretrained=False)
     x = torch.randn(spec["micro_batch"], m.seq_len, m.d_model, dtype=param_dtype, requires_grad=True)
     block(x).sum().backward()
     print("ready", flush=True)

@@ -150,10 +150,12 @@ def test_round_trip_under_pp2_tp2(tmp_path):
     for p in hf.parameters():  # a model that trains: small weights, unit norm gains
         p.data = torch.ones_like(p) if p.dim() == 1 else p.data * 0.1
     hf.save_pretrained(tmp_path / "hf")
-    job = [f"model.init_from={tmp_path / 'hf'}", "model.seq_len=16", "data.source=synthetic",
-           "train.global_batch=8", "train.micro_batch=2", "train.dtype=float32", "train.lr=0.01",
-           "train.log_every=100", "parallel.pp=2", "parallel.tp=2"]
-    torchrun_train(4, [*job, "train.steps=0"], tmp_path / "zero", timeout=400)
+    # No model section but the checkpoint and the training length: the shape is config.json's.
+    config = tmp_path / "job.yaml"
+    config.write_text(f"model:\n  init_from: {tmp_path / 'hf'}\n  seq_len: 16\n")
+    job = ["data.source=synthetic", "train.global_batch=8", "train.micro_batch=2",
+           "train.dtype=float32", "train.lr=0.01", "train.log_every=100", "parallel.pp=2", "parallel.tp=2"]
+    torchrun_train(4, [*job, "train.steps=0"], tmp_path / "zero", config=config, timeout=400)
     saved, _ = find_saved_model(tmp_path / "zero")
     assert saved.tp == 2
     export_hf(saved, tmp_path / "zero-hf")
@@ -162,7 +164,8 @@ def test_round_trip_under_pp2_tp2(tmp_path):
     for name, value in original.items():
         assert torch.equal(exported[name], value), name
 
-    torchrun_train(4, [*job, "train.steps=3", "checkpoint.every=2"], tmp_path / "run", timeout=400)
+    torchrun_train(4, [*job, "train.steps=3", "checkpoint.every=2"], tmp_path / "run", config=config,
+                   timeout=400)
     saved, what = find_saved_model(tmp_path / "run")
     assert saved.kind == "final"
     export_hf(saved, tmp_path / "run-hf")
@@ -242,3 +245,50 @@ def test_export_refuses_a_save_without_its_model_config(tmp_path):
         find_saved_model(tmp_path / "empty")
     with pytest.raises(ConfigError, match="is not a directory"):
         find_saved_model(tmp_path / "nowhere")
+
+
+def _byte_level_bpe(directory: Path, vocab: int) -> Path:
+    """A tokenizer.json trained here (byte-level BPE, `vocab` ids) on a few lines of text."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    text = ["def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1) + fibonacci(n - 2)\n"] * 20
+    tokenizer.train_from_iterator(text, trainers.BpeTrainer(
+        vocab_size=vocab, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), special_tokens=["<eos>"]))
+    directory.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(directory / "tokenizer.json"))
+    return directory / "tokenizer.json"
+
+
+@pytest.mark.timeout(300)
+def test_export_command_ships_the_data_tokenizer_and_transformers_generates(tmp_path):
+    """`planaria export hf` on a run whose data directory's manifest names a tokenizer:
+    the export carries it, and transformers tokenizes, generates and decodes."""
+    transformers = pytest.importorskip("transformers")
+    _train(tmp_path / "run", ["model.n_layers=2", "model.d_model=32", "model.n_heads=4",
+                              "model.vocab_size=288", "train.steps=1"])
+    data = tmp_path / "data"
+    _byte_level_bpe(data / "tok", vocab=288)
+    (data / "manifest.json").write_text(json.dumps({"tokenizer": "tok/tokenizer.json"}))
+    manifest_path = tmp_path / "run" / "final" / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    assert manifest["model"]["vocab_size"] == 288 and manifest["data_source"] == "synthetic"
+    # As if the run had trained on that directory's shards (the manifest records the source).
+    manifest_path.write_text(json.dumps({**manifest, "data_source": str(data)}))
+
+    cmd = [sys.executable, "-m", "planaria.chaos.cli", "export", "hf", str(tmp_path / "run"),
+           str(tmp_path / "hf")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr
+    assert "exporting the final model" in proc.stdout and "tokenizer from the data manifest" in proc.stdout
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    ids = tokenizer("def fibonacci(n):", return_tensors="pt").input_ids
+    out = model.generate(ids, max_new_tokens=5, do_sample=False)
+    assert out.shape == (1, ids.shape[1] + 5)
+    assert tokenizer.decode(out[0]).startswith("def fibonacci(n):")
+
+    again = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert again.returncode == 2 and "already exists and is not empty" in again.stderr
