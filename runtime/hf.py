@@ -208,12 +208,14 @@ def _shard_positions(model: LayerModel, index: int, name: str, shape: tuple[int,
                      tp: TensorParallel) -> torch.Tensor:
     """Which indices along `dim` of the full tensor this tp rank's shard holds, in its
     order: `LayerModel.shard` applied to a probe whose entries are their own index along
-    `dim` (broadcast over the other dimensions: the probe costs the shard's size once)."""
+    `dim`, broadcast over the other dimensions (free until the shard copies its piece:
+    then 4 bytes per element of the shard, once)."""
     view = [1] * len(shape)
     view[dim] = shape[dim]
-    probe = torch.arange(shape[dim], dtype=torch.int64).view(view).expand(shape)
+    index_dtype = torch.int32 if shape[dim] < 2**31 else torch.int64
+    probe = torch.arange(shape[dim], dtype=index_dtype).view(view).expand(shape)
     piece = model.shard(index, name, probe, tp.rank, tp.size)
-    return piece.movedim(dim, 0).reshape(piece.shape[dim], -1)[:, 0].clone()
+    return piece.movedim(dim, 0).reshape(piece.shape[dim], -1)[:, 0].to(torch.int64)
 
 
 def read_shard(ckpt: HFCheckpoint, model: LayerModel, index: int, name: str,

@@ -292,3 +292,21 @@ def test_export_command_ships_the_data_tokenizer_and_transformers_generates(tmp_
 
     again = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=REPO)
     assert again.returncode == 2 and "already exists and is not empty" in again.stderr
+
+
+@pytest.mark.timeout(300)
+def test_a_resumed_job_does_not_read_init_from_again(tmp_path):
+    """Its checkpoint's state wins: with the checkpoint's weights gone (config.json kept),
+    a job resumed from its Planaria checkpoint still runs."""
+    random_llama().to(torch.float32).save_pretrained(tmp_path / "hf")
+    config = tmp_path / "job.yaml"
+    config.write_text(f"model:\n  init_from: {tmp_path / 'hf'}\n  seq_len: 16\n")
+    job = [sys.executable, "-m", "planaria.train", str(config), "data.source=synthetic",
+           "train.global_batch=4", "train.micro_batch=2", "checkpoint.every=2", "parallel.pp=1",
+           f"output.dir={tmp_path / 'run'}"]
+    first = subprocess.run([*job, "train.steps=3"], capture_output=True, text=True, timeout=240)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    (tmp_path / "hf" / "model.safetensors").unlink()
+    resumed = subprocess.run([*job, "train.steps=5"], capture_output=True, text=True, timeout=240)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert "resumed from the checkpoint of iteration 1" in resumed.stdout
