@@ -334,6 +334,11 @@ def hf_tensors(saved: SavedModel, dtype: torch.dtype | None) -> Iterator[tuple[s
     tied = getattr(saved.model, "tie_embeddings", False)
     for index, tensors in saved.layers():
         for name, value in tensors.items():
+            expected = tuple(d.size for d in full_shape(saved.model, index, name))
+            if tuple(value.shape) != expected:
+                raise ConfigError(f"layer {index} {name} is {tuple(value.shape)} in {saved.directory} "
+                                  f"but the model config gives {expected}: give the config it was "
+                                  "trained with (--config)")
             if tied and name == "output.weight":
                 continue  # Hugging Face ties lm_head to embed_tokens: not stored twice
             heads = rotary_heads(saved.model, name)

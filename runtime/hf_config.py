@@ -35,6 +35,7 @@ HF_KEYS = {
     "tie_embeddings": "tie_word_embeddings",
 }
 _FFN_KEYS = {"ffn_hidden", "multiple_of", "ffn_dim_multiplier"}
+_REQUIRED = ("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size", "vocab_size")
 
 
 def read_hf_config(directory: str | Path) -> dict[str, Any]:
@@ -51,11 +52,17 @@ def read_hf_config(directory: str | Path) -> dict[str, Any]:
         hf = json.loads(path.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
         raise ConfigError(f"{path} is not valid JSON ({err})") from None
+    if not isinstance(hf, dict):
+        raise ConfigError(f"{path} is not a JSON object; give a Hugging Face model's config.json")
     architectures = hf.get("architectures") or [ARCHITECTURE]
     if ARCHITECTURE not in architectures or hf.get("model_type", MODEL_TYPE) != MODEL_TYPE:
         raise ConfigError(f"{path} describes {'/'.join(architectures)} (model_type "
                           f"{hf.get('model_type')!r}); model.init_from takes {ARCHITECTURE} "
                           f"checkpoints (model_type {MODEL_TYPE!r})")
+    missing = [key for key in _REQUIRED if not isinstance(hf.get(key), int) or hf[key] < 1]
+    if missing:
+        raise ConfigError(f"{path} lacks {', '.join(missing)} (or they are not positive integers); "
+                          "a LLaMA config.json gives them")
     _check_computable(hf, path)
     return hf
 

@@ -215,6 +215,11 @@ def test_refusals_are_one_line_and_name_the_fix(tmp_path):
                                                    "model_type": "mistral"}))
     assert "MistralForCausalLM" in _refusal([f"model.init_from={other}"])
 
+    partial = tmp_path / "partial"
+    partial.mkdir()
+    (partial / "config.json").write_text(json.dumps({k: v for k, v in config.items() if k != "hidden_size"}))
+    assert "lacks hidden_size" in _refusal([f"model.init_from={partial}"])
+
     wrong = tmp_path / "wrong-ffn"
     wrong.mkdir()
     (wrong / "config.json").write_text(json.dumps({**config, "intermediate_size": 80}))
