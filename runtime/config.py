@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import difflib
 import math
+import typing
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
@@ -92,14 +93,23 @@ class TrainConfig:
     """Sequences per microbatch."""
     lr: float = 3e-3
     """Peak learning rate."""
-    min_lr: float = 3e-4
-    """Learning rate at the end of the cosine decay."""
+    min_lr: float | None = None
+    """Learning rate at the end of the cosine decay; unset, lr * min_lr_ratio (so a
+    config that changes lr keeps the shape of its schedule)."""
+    min_lr_ratio: float = 0.1
+    """min_lr as a fraction of lr when min_lr is not given: 0.1, as LLaMA's schedules."""
     warmup_steps: int = 0
     """Linear warm-up steps."""
     lr_schedule: str = "cosine"
     """'cosine' or 'constant'."""
     weight_decay: float = 0.1
     """AdamW weight decay on matrices (not on norm gains)."""
+    adam_beta1: float = 0.9
+    """AdamW's first-moment decay."""
+    adam_beta2: float = 0.95
+    """AdamW's second-moment decay (0.95 as LLaMA and GPT-3)."""
+    adam_eps: float = 1e-8
+    """AdamW's epsilon (LLaMA trained with 1e-5)."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this; 0 disables."""
     seed: int = 0
@@ -116,6 +126,11 @@ class TrainConfig:
     the gradient all-reduce's bytes; false keeps them in the parameters' dtype."""
     log_every: int = 1
     """Print progress every this many steps."""
+
+    @property
+    def final_lr(self) -> float:
+        """Where the cosine decay ends: min_lr, or lr * min_lr_ratio when it is unset."""
+        return self.lr * self.min_lr_ratio if self.min_lr is None else self.min_lr
 
 
 @dataclass(frozen=True)
@@ -256,20 +271,26 @@ def _build_section(section: str, factory, values: dict):
         if key not in known:
             raise ConfigError(f"unknown config key {section}.{key}{_suggest(key, known)}; "
                               f"keys of {section!r} are {sorted(known)}")
-    coerced = {key: _coerce(section, key, value, getattr(default, key)) for key, value in values.items()}
+    hints = typing.get_type_hints(type(default))
+    coerced = {key: _coerce(section, key, value, getattr(default, key), hints[key])
+               for key, value in values.items()}
     return replace(default, **coerced)
 
 
-_TYPE_NAMES = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
+_TYPE_NAMES = {int: "an integer", float: "a number", bool: "true or false", str: "a string",
+               list: "a list", dict: "a mapping"}
 
 
-def _coerce(section: str, key: str, value, default):
-    """Check `value` against the type of the key's default; YAML reads 1e-2 as a string."""
-    if default is None:
-        if value is not None and not isinstance(value, list):
-            raise ConfigError(f"{section}.{key} must be a list, got {value!r}")
-        return value
+def _coerce(section: str, key: str, value, default, hint=None):
+    """Check `value` against the key's type: its default's, or for a key that defaults to
+    None, the declared one (`float | None`: a number or nothing). YAML reads 1e-2 as a
+    string, so a float key takes a string that parses as one."""
     expected = type(default)
+    if default is None:
+        if value is None:
+            return None
+        expected = next(t for t in typing.get_args(hint) if t is not type(None))
+        expected = typing.get_origin(expected) or expected
     if expected is float and isinstance(value, str):
         try:
             return float(value)
@@ -294,9 +315,17 @@ def check_config(cfg: Config) -> Config:
                     ("model", "vocab_size"), ("model", "seq_len"), ("train", "steps"),
                     ("train", "global_batch"), ("train", "micro_batch"), ("parallel", "tp"),
                     ("parallel", "virtual_stages"), ("parallel", "min_stages")])
-    if not t.lr > 0 or t.min_lr < 0 or t.min_lr > t.lr:
-        raise ConfigError(f"train.lr must be positive and train.min_lr between 0 and it; got lr={t.lr}, "
-                          f"min_lr={t.min_lr}")
+    if not t.lr > 0:
+        raise ConfigError(f"train.lr must be positive, got {t.lr}")
+    if t.min_lr is not None and not 0 <= t.min_lr <= t.lr:
+        raise ConfigError(f"train.min_lr must be between 0 and train.lr={t.lr}, got {t.min_lr}; "
+                          "or leave it out: it is then lr * train.min_lr_ratio")
+    if not 0 <= t.min_lr_ratio <= 1:
+        raise ConfigError(f"train.min_lr_ratio must be between 0 and 1 (the final lr as a fraction of "
+                          f"train.lr), got {t.min_lr_ratio}")
+    if not (0 <= t.adam_beta1 < 1 and 0 <= t.adam_beta2 < 1) or not t.adam_eps > 0:
+        raise ConfigError(f"train.adam_beta1 and adam_beta2 must be in [0, 1) and train.adam_eps positive; "
+                          f"got {t.adam_beta1}, {t.adam_beta2}, {t.adam_eps}")
     if t.warmup_steps < 0 or t.weight_decay < 0 or t.grad_clip < 0:
         raise ConfigError("train.warmup_steps, train.weight_decay and train.grad_clip must not be negative "
                           f"(grad_clip 0: off); got {t.warmup_steps}, {t.weight_decay}, {t.grad_clip}")
