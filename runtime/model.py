@@ -1,13 +1,15 @@
 """A LLaMA-style decoder, built as an ordered list of layers so any contiguous run is a stage.
 
 Layer 0 is the token embedding, layers 1..n_layers are transformer blocks (RMSNorm,
-causal self-attention with rotary embeddings, RMSNorm, SwiGLU MLP), and the last
-layer is the final norm plus the output head. Each layer is built on its own from a
-generator seeded by (seed, layer index), full size, then sharded for tensor
-parallelism: a layer's initial values do not depend on where it is placed.
+causal self-attention with rotary embeddings, grouped-query where n_kv_heads <
+n_heads, RMSNorm, SwiGLU MLP), and the last layer is the final norm plus the output
+head. Each layer is built on its own from a generator seeded by (seed, layer index),
+full size, then sharded for tensor parallelism: a layer's initial values do not
+depend on where it is placed.
 
-Other models plug in through the same protocol: `build_layer(index, tp)` returning
-an `nn.Module`, and a loss over the last layer's output (see `LayerModel`).
+Other models plug in through the same protocol (see `LayerModel`): `build_layer(index,
+tp)` returning an `nn.Module`; `shard`, `unshard` and `counts_in_norm`, which say how
+a parameter is split over tp ranks; and a loss over the last layer's output.
 """
 from __future__ import annotations
 

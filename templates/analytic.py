@@ -261,6 +261,8 @@ def layer_activation_bytes(shape: ModelShape, index: int, *, tp: int, micro_batc
       and product, and the normalised tensors), which these 2 roughly stand for; the
       reference block measures ~1.3x this estimate (see tests/runtime/test_profile.py).
     - 24·sbh/t, split by tp: Q, K, V (6), attention output (2), MLP intermediates (16).
+      Grouped-query attention keeps as much: its K and V are repeated to the query
+      heads before attention (runtime/model.py), and those copies are what it saves.
     Dropped: 5·a·s²·b/t, the attention score matrix, its softmax and dropout. Planaria
     calls scaled_dot_product_attention, whose flash/memory-efficient kernels keep only
     the output and a per-row logsumexp (a·s floats), never an s x s matrix.
