@@ -429,6 +429,9 @@ def _check_model_shape(m: ModelConfig, tp: int) -> None:
 
 
 def _check_rope_scaling(scaling: dict | None) -> None:
+    if scaling and "rope_type" not in scaling and "type" not in scaling:
+        raise ConfigError(f"model.rope_scaling {scaling} has no rope_type: add rope_type: llama3 (LLaMA 3.1's "
+                          "scaling), or remove model.rope_scaling for none")
     if scaling is None or _rope_type(scaling) in ROPE_NO_SCALING:
         return
     if _rope_type(scaling) != "llama3":

@@ -328,7 +328,9 @@ def tp_communication_times(shape: ModelShape, index: int, hw: Hardware, *, tp: i
       autocast); its backward needs none.
     - block: forward, the attention and MLP row-parallel outputs (matmul outputs, bf16
       under autocast); backward, the gradients w.r.t. the two column-parallel inputs
-      (residual dtype). Recomputation repeats the forward pair in the backward.
+      (residual dtype), and with more tp ranks than key/value heads the sums of wk's and
+      wv's gradients over the ranks replicating a head (each the size of the full wk,
+      in the master dtype). Recomputation repeats the forward pair in the backward.
     - head: forward, vocab-parallel cross-entropy's three small all-reduces (row max,
       target logit, sum of exponentials: one float per token); backward, the output
       matmul's input gradient.
@@ -346,6 +348,8 @@ def tp_communication_times(shape: ModelShape, index: int, hw: Hardware, *, tp: i
         return forward, all_reduce_time(hidden * res, tp, hw)
     forward = 2 * all_reduce_time(hidden * act, tp, hw)
     backward = 2 * all_reduce_time(hidden * res, tp, hw)
+    if tp > shape.kv_heads:
+        backward += 2 * all_reduce_time(shape.kv_dim * shape.d_model * res, tp, hw)
     return forward, backward + (forward if recompute else 0.0)
 
 

@@ -81,6 +81,7 @@ def test_planner_counts_the_smaller_keys_and_values():
      "model.n_kv_heads=3 and parallel.tp=2"),
     (["model.rope_scaling=[8.0]"], "model.rope_scaling must be a mapping"),
     (["model.rope_scaling={rope_type: yarn, factor: 4.0}"], "rope_type 'yarn' is not supported"),
+    (["model.rope_scaling={factor: 8.0}"], "has no rope_type: add rope_type: llama3"),
     (["model.rope_scaling={rope_type: llama3, factor: 8.0}"], "missing ['low_freq_factor'"),
     (["model.rope_scaling={rope_type: llama3, factor: 8.0, low_freq_factor: 4.0, high_freq_factor: 1.0, "
       "original_max_position_embeddings: 8192}"], "low_freq_factor < high_freq_factor"),
@@ -95,7 +96,8 @@ def test_rope_scaling_is_read_as_llama3_or_default():
     llama3 = ("{rope_type: llama3, factor: 8.0, low_freq_factor: 1.0, high_freq_factor: 4.0, "
               "original_max_position_embeddings: 8192}")
     assert load_config(TINY, [f"model.rope_scaling={llama3}"]).model.rope_scaling_factors == (8.0, 1.0, 4.0, 8192)
-    assert load_config(TINY, ["model.rope_scaling={rope_type: default}"]).model.rope_scaling_factors is None
+    for no_scaling in ("{rope_type: default}", "{rope_type: null}", "null"):
+        assert load_config(TINY, [f"model.rope_scaling={no_scaling}"]).model.rope_scaling_factors is None
     assert load_config(TINY).model.rope_scaling_factors is None
 
 
@@ -116,3 +118,8 @@ def test_tp_pieces_are_what_shard_says_and_unshard_inverts(kv_heads, tp):
             assert torch.equal(model.unshard(index, name, [p[name].detach() for p in pieces]), tensor)
             counted = sum(pieces[r][name].numel() for r in range(tp) if model.counts_in_norm(index, name, r, tp))
             assert counted == tensor.numel(), name
+
+
+def test_the_small_gqa_config_is_grouped_query():
+    cfg = load_config(CONFIGS / "tiny-gqa.yaml", ["parallel.tp=4", "parallel.pp=1"])  # tp 4 > 2 kv heads
+    assert (cfg.model.n_heads, cfg.model.kv_heads, cfg.model.ffn_dim) == (4, 2, 256)
