@@ -54,7 +54,7 @@ class ModelConfig:
     """LLaMA's FFN rounding: int(8/3 * d_model), times ffn_dim_multiplier if set, rounded
     up to a multiple of this (d_model 4096: 11008)."""
     ffn_dim_multiplier: float = 0.0
-    """LLaMA's FFN scale before rounding (LLaMA 2 70B and LLaMA 3: 1.3; 13B: 1.0); 0: none."""
+    """LLaMA's FFN scale before rounding (LLaMA 2 70B and LLaMA 3: 1.3); 0: none."""
     norm_eps: float = 1e-5
     """RMSNorm's epsilon."""
     rope_theta: float = 10000.0
