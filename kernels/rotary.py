@@ -18,10 +18,31 @@ MAX_HEAD_DIM = 8192
 
 
 def rotary_tables(seq_len: int, head_dim: int, theta: float, dtype: torch.dtype,
-                  device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+                  device: torch.device | str = "cpu",
+                  scaling: tuple[float, float, float, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of every (position, frequency), (seq_len, head_dim/2), computed in
+    float64 and then cast. `scaling`: LLaMA 3.1's (factor, low_freq_factor,
+    high_freq_factor, original_max_position_embeddings), see `llama3_inverse_frequencies`."""
     freqs = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    if scaling is not None:
+        freqs = llama3_inverse_frequencies(freqs, *scaling)
     angles = torch.outer(torch.arange(seq_len, dtype=torch.float64), freqs)  # (T, hd/2)
     return angles.cos().to(dtype=dtype, device=device), angles.sin().to(dtype=dtype, device=device)
+
+
+def llama3_inverse_frequencies(freqs: torch.Tensor, factor: float, low_freq_factor: float,
+                               high_freq_factor: float, original_max_positions: int) -> torch.Tensor:
+    """LLaMA 3.1's long-context scaling of the rotary inverse frequencies: wavelengths
+    shorter than original_max_positions / high_freq_factor are kept, those longer than
+    original_max_positions / low_freq_factor are stretched by `factor`, and the ones
+    between are interpolated smoothly between the two (Meta's `apply_scaling`)."""
+    wavelen = 2 * torch.pi / freqs
+    low_freq_wavelen = original_max_positions / low_freq_factor
+    high_freq_wavelen = original_max_positions / high_freq_factor
+    smooth = (original_max_positions / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    interpolated = (1 - smooth) * freqs / factor + smooth * freqs
+    scaled = torch.where(wavelen > low_freq_wavelen, freqs / factor, interpolated)
+    return torch.where(wavelen < high_freq_wavelen, freqs, scaled)
 
 
 def apply_rotary_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

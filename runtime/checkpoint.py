@@ -16,6 +16,8 @@ import torch
 import torch.distributed as dist
 
 from planaria.runtime.checkpoint_files import MANIFEST, atomic_write, atomic_write_bytes, shard_filename
+from planaria.runtime.config import ModelConfig
+from planaria.runtime.model import LayerModel
 
 
 def _atomic_torch_save(obj, path: Path) -> None:
@@ -36,6 +38,7 @@ def save_model_shards(engine, directory: Path, data_source: str = "") -> None:
         if data_source and Path(data_source).exists():  # a path: kept valid for a later export elsewhere
             data_source = str(Path(data_source).resolve())
         shard_dims = {str(i): engine.model.shard_dims(i) for i in range(engine.plan.num_layers)}
+        # The model section too: reassembling the tp pieces needs its key/value heads.
         manifest = {"num_layers": engine.plan.num_layers, "tp": engine.plan.tp,
                     "shard_dims": shard_dims, "model": asdict(engine.model.cfg),
                     "data_source": data_source}
@@ -43,18 +46,31 @@ def save_model_shards(engine, directory: Path, data_source: str = "") -> None:
     dist.barrier(group=engine.groups.world)
 
 
-def load_full_model(directory: Path) -> dict[int, dict[str, torch.Tensor]]:
-    """Every layer's full (un-sharded) tensors, reassembled from the tp shards."""
+def load_full_model(directory: Path, model: LayerModel | None = None) -> dict[int, dict[str, torch.Tensor]]:
+    """Every layer's full (un-sharded) tensors, reassembled from the tp shards by
+    `LayerModel.unshard` of `model`, or of the model section the save recorded."""
     directory = Path(directory)
     manifest_path = directory / MANIFEST
     if not manifest_path.is_file():
         raise FileNotFoundError(f"{directory} has no {MANIFEST}: the save is missing or incomplete")
     manifest = json.loads(manifest_path.read_text())
+    if model is None:
+        model = LayerModel(_recorded_model(manifest, directory), seed=0)
     layers = {}
     for layer in range(manifest["num_layers"]):
         shards = [torch.load(directory / shard_filename(layer, t), weights_only=True)
                   for t in range(manifest["tp"])]
-        dims = manifest["shard_dims"][str(layer)]
-        layers[layer] = {name: torch.cat([s[name] for s in shards], dim=dims[name]) if name in dims
-                         else shards[0][name] for name in shards[0]}
+        layers[layer] = {name: model.unshard(layer, name, [s[name] for s in shards]) for name in shards[0]}
     return layers
+
+
+def _recorded_model(manifest: dict, directory: Path) -> ModelConfig:
+    if "model" not in manifest:
+        # Saved before manifests recorded it, when every model was multi-head: as many
+        # heads as tp ranks makes `unshard` join the key/value pieces as they were split.
+        return ModelConfig(n_heads=manifest["tp"])
+    try:
+        return ModelConfig(**manifest["model"])
+    except TypeError as err:
+        raise ValueError(f"{directory / MANIFEST}: its model section does not fit this version of "
+                         f"Planaria ({err}); load it with the version that saved it") from None

@@ -9,14 +9,14 @@ naming the key and the fix. `plan_from_config` turns the parallel section into a
 from __future__ import annotations
 
 import difflib
-import math
+import typing
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from planaria.templates.costs import ModelShape
+from planaria.templates.costs import ModelShape, check_kv_heads, llama_ffn_dim
 from planaria.templates.layout import homogeneous_layout, plan_from_layout
 from planaria.templates.plan import SCHEDULE_NAMES, Plan
 
@@ -40,15 +40,30 @@ class ModelConfig:
     d_model: int = 64
     """Hidden size."""
     n_heads: int = 4
-    """Attention heads; must divide d_model and be divisible by parallel.tp."""
+    """Attention (query) heads; must divide d_model and be divisible by parallel.tp."""
+    n_kv_heads: int = 0
+    """Key/value heads: fewer than n_heads is grouped-query attention (1: multi-query), each
+    serving n_heads/n_kv_heads query heads; 0 means n_heads. Must divide n_heads. parallel.tp
+    splits them (tp divides n_kv_heads) or replicates each on tp/n_kv_heads ranks."""
     vocab_size: int = 256
     """Vocabulary size; must be divisible by parallel.tp."""
     seq_len: int = 64
     """Tokens per sequence."""
     ffn_hidden: int = 0
-    """SwiGLU hidden size; 0 means LLaMA's 8/3 * d_model rounded up to a multiple of 32."""
+    """SwiGLU hidden size; 0 means LLaMA's rule from multiple_of and ffn_dim_multiplier."""
+    multiple_of: int = 256
+    """LLaMA's FFN rounding: int(8/3 * d_model), times ffn_dim_multiplier if set, rounded
+    up to a multiple of this (d_model 4096: 11008)."""
+    ffn_dim_multiplier: float = 0.0
+    """LLaMA's FFN scale before rounding (LLaMA 2 70B and LLaMA 3: 1.3); 0: none."""
     norm_eps: float = 1e-5
+    """RMSNorm's epsilon."""
     rope_theta: float = 10000.0
+    """Rotary base (LLaMA 3: 500000)."""
+    rope_scaling: dict | None = None
+    """None, or Hugging Face's mapping for LLaMA 3.1's long-context rotary scaling:
+    {rope_type: llama3, factor: 8.0, low_freq_factor: 1.0, high_freq_factor: 4.0,
+    original_max_position_embeddings: 8192}; rope_type 'default' means no scaling."""
     init_std: float = 0.02
     kernels: str = "auto"
     """Fused Triton kernels (planaria.kernels): "auto" where Triton and a GPU are present,
@@ -68,10 +83,25 @@ class ModelConfig:
         return self.d_model // self.n_heads
 
     @property
+    def kv_heads(self) -> int:
+        """Key/value heads, n_kv_heads resolved (0 -> n_heads)."""
+        return self.n_kv_heads or self.n_heads
+
+    @property
     def ffn_dim(self) -> int:
         if self.ffn_hidden:
             return self.ffn_hidden
-        return 32 * math.ceil(8 * self.d_model / 3 / 32)
+        return llama_ffn_dim(self.d_model, self.multiple_of, self.ffn_dim_multiplier)
+
+    @property
+    def rope_scaling_factors(self) -> tuple[float, float, float, int] | None:
+        """(factor, low_freq_factor, high_freq_factor, original_max_position_embeddings) of
+        LLaMA 3.1's scaling, as `planaria.kernels.rotary_tables` takes them; None: none."""
+        if not self.rope_scaling or _rope_type(self.rope_scaling) in ROPE_NO_SCALING:
+            return None
+        r = self.rope_scaling
+        return (float(r["factor"]), float(r["low_freq_factor"]), float(r["high_freq_factor"]),
+                int(r["original_max_position_embeddings"]))
 
     @property
     def num_layers(self) -> int:
@@ -96,14 +126,23 @@ class TrainConfig:
     """Sequences per microbatch."""
     lr: float = 3e-3
     """Peak learning rate."""
-    min_lr: float = 3e-4
-    """Learning rate at the end of the cosine decay."""
+    min_lr: float | None = None
+    """Learning rate at the end of the cosine decay; unset, lr * min_lr_ratio (so a
+    config that changes lr keeps the shape of its schedule)."""
+    min_lr_ratio: float = 0.1
+    """min_lr as a fraction of lr when min_lr is not given: 0.1, as LLaMA's schedules."""
     warmup_steps: int = 0
     """Linear warm-up steps."""
     lr_schedule: str = "cosine"
     """'cosine' or 'constant'."""
     weight_decay: float = 0.1
     """AdamW weight decay on matrices (not on norm gains)."""
+    adam_beta1: float = 0.9
+    """AdamW's first-moment decay."""
+    adam_beta2: float = 0.95
+    """AdamW's second-moment decay (0.95 as LLaMA and GPT-3)."""
+    adam_eps: float = 1e-8
+    """AdamW's epsilon (LLaMA trained with 1e-5)."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this; 0 disables."""
     seed: int = 0
@@ -120,6 +159,11 @@ class TrainConfig:
     the gradient all-reduce's bytes; false keeps them in the parameters' dtype."""
     log_every: int = 1
     """Print progress every this many steps."""
+
+    @property
+    def final_lr(self) -> float:
+        """Where the cosine decay ends: min_lr, or lr * min_lr_ratio when it is unset."""
+        return self.lr * self.min_lr_ratio if self.min_lr is None else self.min_lr
 
 
 @dataclass(frozen=True)
@@ -265,20 +309,26 @@ def _build_section(section: str, factory, values: dict):
         if key not in known:
             raise ConfigError(f"unknown config key {section}.{key}{_suggest(key, known)}; "
                               f"keys of {section!r} are {sorted(known)}")
-    coerced = {key: _coerce(section, key, value, getattr(default, key)) for key, value in values.items()}
+    hints = typing.get_type_hints(type(default))
+    coerced = {key: _coerce(section, key, value, getattr(default, key), hints[key])
+               for key, value in values.items()}
     return replace(default, **coerced)
 
 
-_TYPE_NAMES = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
+_TYPE_NAMES = {int: "an integer", float: "a number", bool: "true or false", str: "a string",
+               list: "a list", dict: "a mapping"}
 
 
-def _coerce(section: str, key: str, value, default):
-    """Check `value` against the type of the key's default; YAML reads 1e-2 as a string."""
-    if default is None:
-        if value is not None and not isinstance(value, list):
-            raise ConfigError(f"{section}.{key} must be a list, got {value!r}")
-        return value
+def _coerce(section: str, key: str, value, default, hint=None):
+    """Check `value` against the key's type: its default's, or for a key that defaults to
+    None, the declared one (`float | None`: a number or nothing). YAML reads 1e-2 as a
+    string, so a float key takes a string that parses as one."""
     expected = type(default)
+    if default is None:
+        if value is None:
+            return None
+        expected = next(t for t in typing.get_args(hint) if t is not type(None))
+        expected = typing.get_origin(expected) or expected
     if expected is float and isinstance(value, str):
         try:
             return float(value)
@@ -306,9 +356,17 @@ def check_config(cfg: Config) -> Config:
     if t.steps < 0:
         raise ConfigError(f"train.steps must be 0 (save the initial model, e.g. one read from "
                           f"model.init_from) or more, got {t.steps}")
-    if not t.lr > 0 or t.min_lr < 0 or t.min_lr > t.lr:
-        raise ConfigError(f"train.lr must be positive and train.min_lr between 0 and it; got lr={t.lr}, "
-                          f"min_lr={t.min_lr}")
+    if not t.lr > 0:
+        raise ConfigError(f"train.lr must be positive, got {t.lr}")
+    if t.min_lr is not None and not 0 <= t.min_lr <= t.lr:
+        raise ConfigError(f"train.min_lr must be between 0 and train.lr={t.lr}, got {t.min_lr}; "
+                          "or leave it out: it is then lr * train.min_lr_ratio")
+    if not 0 <= t.min_lr_ratio <= 1:
+        raise ConfigError(f"train.min_lr_ratio must be between 0 and 1 (the final lr as a fraction of "
+                          f"train.lr), got {t.min_lr_ratio}")
+    if not (0 <= t.adam_beta1 < 1 and 0 <= t.adam_beta2 < 1) or not t.adam_eps > 0:
+        raise ConfigError(f"train.adam_beta1 and adam_beta2 must be in [0, 1) and train.adam_eps positive; "
+                          f"got {t.adam_beta1}, {t.adam_beta2}, {t.adam_eps}")
     if t.warmup_steps < 0 or t.weight_decay < 0 or t.grad_clip < 0:
         raise ConfigError("train.warmup_steps, train.weight_decay and train.grad_clip must not be negative "
                           f"(grad_clip 0: off); got {t.warmup_steps}, {t.weight_decay}, {t.grad_clip}")
@@ -334,6 +392,7 @@ def check_config(cfg: Config) -> Config:
     if m.n_heads % p.tp:
         raise ConfigError(f"model.n_heads={m.n_heads} is not divisible by parallel.tp={p.tp}; "
                           "each tensor-parallel rank needs whole heads")
+    _check_model_shape(m, p.tp)
     for key, size in (("model.vocab_size", m.vocab_size), ("model.ffn_hidden", m.ffn_dim)):
         if size % p.tp:
             raise ConfigError(f"{key}={size} is not divisible by parallel.tp={p.tp}")
@@ -381,6 +440,57 @@ def uses_planner(cfg: Config) -> bool:
     """No explicit layout and no pp/dp: the planner chooses the plan for the processes at hand."""
     p = cfg.parallel
     return p.layout is None and p.pp == 0 and p.dp == 0
+
+
+ROPE_NO_SCALING = (None, "default")
+"""rope_scaling types that leave the rotary frequencies as they are."""
+ROPE_LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+def _rope_type(scaling: dict):
+    return scaling.get("rope_type", scaling.get("type"))  # "type": older Hugging Face configs
+
+
+def _check_model_shape(m: ModelConfig, tp: int) -> None:
+    """Grouped-query heads, LLaMA's FFN sizing and rotary scaling."""
+    if m.n_kv_heads < 0 or m.multiple_of < 1 or m.ffn_dim_multiplier < 0:
+        raise ConfigError(f"model.n_kv_heads (0: n_heads) and model.ffn_dim_multiplier (0: none) must not be "
+                          f"negative and model.multiple_of must be at least 1; got {m.n_kv_heads}, "
+                          f"{m.ffn_dim_multiplier}, {m.multiple_of}")
+    try:
+        check_kv_heads(m.n_heads, m.kv_heads, tp)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    if m.rope_theta <= 0 or m.norm_eps <= 0:
+        raise ConfigError(f"model.rope_theta and model.norm_eps must be positive; got {m.rope_theta}, {m.norm_eps}")
+    _check_rope_scaling(m.rope_scaling)
+
+
+def _check_rope_scaling(scaling: dict | None) -> None:
+    if scaling and "rope_type" not in scaling and "type" not in scaling:
+        raise ConfigError(f"model.rope_scaling {scaling} has no rope_type: add rope_type: llama3 (LLaMA 3.1's "
+                          "scaling), or remove model.rope_scaling for none")
+    if scaling is None or _rope_type(scaling) in ROPE_NO_SCALING:
+        return
+    if _rope_type(scaling) != "llama3":
+        raise ConfigError(f"model.rope_scaling: rope_type {_rope_type(scaling)!r} is not supported; use 'llama3' "
+                          "(LLaMA 3.1's scaling) or 'default', or remove model.rope_scaling")
+    missing = [k for k in ROPE_LLAMA3_KEYS if k not in scaling]
+    unknown = [k for k in scaling if k not in (*ROPE_LLAMA3_KEYS, "rope_type", "type")]
+    if missing or unknown:
+        raise ConfigError(f"model.rope_scaling of rope_type llama3 needs the keys {list(ROPE_LLAMA3_KEYS)}; "
+                          f"missing {missing}, unknown {unknown}")
+    for key in ROPE_LLAMA3_KEYS:
+        value = scaling[key]
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise ConfigError(f"model.rope_scaling.{key} must be a positive number, got {value!r}")
+    if scaling["factor"] < 1 or scaling["low_freq_factor"] >= scaling["high_freq_factor"]:
+        raise ConfigError(f"model.rope_scaling needs factor >= 1 and low_freq_factor < high_freq_factor; got "
+                          f"factor {scaling['factor']}, low_freq_factor {scaling['low_freq_factor']}, "
+                          f"high_freq_factor {scaling['high_freq_factor']}")
+    if scaling["original_max_position_embeddings"] != int(scaling["original_max_position_embeddings"]):
+        raise ConfigError("model.rope_scaling.original_max_position_embeddings must be a whole number of "
+                          f"positions, got {scaling['original_max_position_embeddings']}")
 
 
 def _positive(cfg: Config, keys) -> None:
@@ -463,8 +573,9 @@ def describe(cfg: Config, plan: Plan) -> str:
     from planaria.kernels import describe as describe_kernels
 
     params = _parameter_count(cfg.model)
+    kv = f" ({cfg.model.kv_heads} key/value)" if cfg.model.kv_heads != cfg.model.n_heads else ""
     return (f"model: {cfg.model.n_layers} blocks, d_model {cfg.model.d_model}, "
-            f"{cfg.model.n_heads} heads, vocab {cfg.model.vocab_size}, {params / 1e6:.2f}M parameters | "
+            f"{cfg.model.n_heads} heads{kv}, vocab {cfg.model.vocab_size}, {params / 1e6:.2f}M parameters | "
             f"plan: {len(plan.pipelines)} pipeline(s), stages "
             f"{[len(pl.stages) for pl in plan.pipelines]}, microbatches "
             f"{[pl.num_microbatches for pl in plan.pipelines]}, tp {plan.tp}, "
@@ -473,8 +584,7 @@ def describe(cfg: Config, plan: Plan) -> str:
 
 
 def _parameter_count(m: ModelConfig) -> int:
-    block = 4 * m.d_model * m.d_model + 3 * m.d_model * m.ffn_dim + 2 * m.d_model
-    return 2 * m.vocab_size * m.d_model + m.n_layers * block + m.d_model
+    return model_shape(m).parameters
 
 
 def torch_dtypes(name: str):
@@ -490,4 +600,5 @@ def model_shape(model: ModelConfig) -> ModelShape:
     """The planner's view of a `model` config section."""
     return ModelShape(n_layers=model.n_layers, d_model=model.d_model, n_heads=model.n_heads,
                       vocab_size=model.vocab_size, seq_len=model.seq_len,
-                      ffn_hidden=model.ffn_hidden)
+                      ffn_hidden=model.ffn_hidden, n_kv_heads=model.n_kv_heads,
+                      multiple_of=model.multiple_of, ffn_dim_multiplier=model.ffn_dim_multiplier)

@@ -69,7 +69,8 @@ class LayerState:
     index: int
     module: nn.Module
     optimizer: torch.optim.Optimizer
-    shard_dims: dict[str, int]
+    norm_names: frozenset[str]
+    """Parameters this tp rank counts in the global gradient norm (`LayerModel.counts_in_norm`)."""
 
 
 class TornStep(RuntimeError):
@@ -183,7 +184,9 @@ class Engine:
             module.register_forward_hook(self._phase_hook)
         if self.grad_accum_dtype is not None:
             accumulate_wide(module, self.grad_accum_dtype)
-        return LayerState(index, module, build_optimizer(module, self.optim), self.model.shard_dims(index))
+        counted = frozenset(name for name, _ in module.named_parameters()
+                            if self.model.counts_in_norm(index, name, self.tp.rank, self.tp.size))
+        return LayerState(index, module, build_optimizer(module, self.optim), counted)
 
     def _phase_hook(self, module, args, output) -> None:
         """Forward hook: report the layer's forward, and its backward when the gradient
@@ -402,14 +405,15 @@ class Engine:
         """World all-reduce of [squared grad norm, loss, stop requests]; every rank gets
         the same values.
 
-        Each layer's norm is counted once (its replica group's first rank); replicated
-        (non-sharded) tensors are counted by tp rank 0 only. The loss comes from tp rank 0
+        Each layer's norm is counted once (its replica group's first rank), and of its
+        tp pieces each distinct one once (`LayerModel.counts_in_norm`: tensors replicated
+        across tp ranks by one of them). The loss comes from tp rank 0
         of each pipeline's last stage. Completing this all-reduce is the commit point.
         """
         wide = self.grad_accum_dtype is not None  # the norm of the unrounded sums
         counted = [(p.main_grad if wide else p.grad) for layer in sorted(self._grad_norm_owner)
                    for name, p in self.layers[layer].module.named_parameters()
-                   if name in self.layers[layer].shard_dims or self.info.tp_rank == 0]
+                   if name in self.layers[layer].norm_names]
         squared = torch.zeros((), dtype=torch.float64, device=self.device)
         if counted:
             squared = torch.nn.utils.get_total_norm(counted, foreach=True).double().pow(2)

@@ -1,13 +1,15 @@
 """A LLaMA-style decoder, built as an ordered list of layers so any contiguous run is a stage.
 
 Layer 0 is the token embedding, layers 1..n_layers are transformer blocks (RMSNorm,
-causal self-attention with rotary embeddings, RMSNorm, SwiGLU MLP), and the last
-layer is the final norm plus the output head. Each layer is built on its own from a
-generator seeded by (seed, layer index), full size, then sharded for tensor
-parallelism: a layer's initial values do not depend on where it is placed.
+causal self-attention with rotary embeddings, grouped-query where n_kv_heads <
+n_heads, RMSNorm, SwiGLU MLP), and the last layer is the final norm plus the output
+head. Each layer is built on its own from a generator seeded by (seed, layer index),
+full size, then sharded for tensor parallelism: a layer's initial values do not
+depend on where it is placed.
 
-Other models plug in through the same protocol: `build_layer(index, tp)` returning
-an `nn.Module`, and a loss over the last layer's output (see `LayerModel`).
+Other models plug in through the same protocol (see `LayerModel`): `build_layer(index,
+tp)` returning an `nn.Module`; `shard`, `unshard` and `counts_in_norm`, which say how
+a parameter is split over tp ranks; and a loss over the last layer's output.
 """
 from __future__ import annotations
 
@@ -22,13 +24,18 @@ from planaria.kernels import apply_rotary, linear_cross_entropy, rms_norm, rotar
 from planaria.runtime.config import ModelConfig
 from planaria.runtime.tensor_parallel import (
     ColumnParallelLinear,
+    HeadParallelLinear,
     RowParallelLinear,
     TensorParallel,
     VocabParallelEmbedding,
     copy_to_tp,
-    shard,
+    first_head_replica,
+    shard_heads,
+    split,
+    unshard_heads,
     vocab_parallel_cross_entropy,
 )
+from planaria.templates.costs import kv_heads_of_rank
 
 
 class RMSNorm(nn.Module):
@@ -57,25 +64,32 @@ class Embedding(nn.Module):
 
 
 class Attention(nn.Module):
-    """Causal self-attention; heads split across tp ranks (q, k, v column-, out row-parallel)."""
+    """Causal self-attention, grouped-query where n_kv_heads < n_heads: query head i uses
+    key/value head i // (n_heads / n_kv_heads). Heads split across tp ranks (q, k, v
+    column-, out row-parallel); key/value heads are replicated where tp exceeds them."""
 
     def __init__(self, cfg: ModelConfig, gen: torch.Generator, tp: TensorParallel, out_std: float):
         super().__init__()
-        c = cfg.d_model
+        c, kv_dim = cfg.d_model, cfg.kv_heads * cfg.head_dim
         self.local_heads = cfg.n_heads // tp.size
+        self.local_kv_heads = len(kv_heads_of_rank(cfg.kv_heads, tp.rank, tp.size))
         self.head_dim = cfg.head_dim
         self.kernels = cfg.kernels
         self.wq = ColumnParallelLinear(torch.randn(c, c, generator=gen) * cfg.init_std, tp)
-        self.wk = ColumnParallelLinear(torch.randn(c, c, generator=gen) * cfg.init_std, tp)
-        self.wv = ColumnParallelLinear(torch.randn(c, c, generator=gen) * cfg.init_std, tp)
+        self.wk = HeadParallelLinear(torch.randn(kv_dim, c, generator=gen) * cfg.init_std, cfg.kv_heads, tp)
+        self.wv = HeadParallelLinear(torch.randn(kv_dim, c, generator=gen) * cfg.init_std, cfg.kv_heads, tp)
         self.wo = RowParallelLinear(torch.randn(c, c, generator=gen) * out_std, tp)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
-        shape = (b, t, self.local_heads, self.head_dim)
-        q = apply_rotary(self.wq(x).view(shape), cos, sin, kernels=self.kernels)
-        k = apply_rotary(self.wk(x).view(shape), cos, sin, kernels=self.kernels)
-        v = self.wv(x).view(shape)
+        q = apply_rotary(self.wq(x).view(b, t, self.local_heads, self.head_dim), cos, sin, kernels=self.kernels)
+        kv_shape = (b, t, self.local_kv_heads, self.head_dim)
+        k = apply_rotary(self.wk(x).view(kv_shape), cos, sin, kernels=self.kernels)
+        v = self.wv(x).view(kv_shape)
+        group = self.local_heads // self.local_kv_heads
+        if group > 1:  # each key/value head to its query heads: (B, T, H_local, hd)
+            # Repeated rather than SDPA's enable_gqa, which not every attention backend takes.
+            k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
         # (B, H, T, hd) for scaled_dot_product_attention
         y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                            is_causal=True)
@@ -104,6 +118,8 @@ class Block(nn.Module):
         "attn.wq.weight": 0, "attn.wk.weight": 0, "attn.wv.weight": 0, "attn.wo.weight": 1,
         "mlp.w_gate.weight": 0, "mlp.w_up.weight": 0, "mlp.w_down.weight": 1,
     }
+    TP_KV_HEADS = ("attn.wk.weight", "attn.wv.weight")
+    """Split by key/value heads (`HeadParallelLinear`): replicated where tp exceeds them."""
 
     def __init__(self, cfg: ModelConfig, gen: torch.Generator, tp: TensorParallel,
                  recompute: bool = False):
@@ -115,7 +131,8 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.kernels)
         self.mlp = FeedForward(cfg, gen, tp, out_std)
         self.recompute = recompute
-        cos, sin = rotary_tables(cfg.seq_len, cfg.head_dim, cfg.rope_theta, torch.float64)
+        cos, sin = rotary_tables(cfg.seq_len, cfg.head_dim, cfg.rope_theta, torch.float64,
+                                 scaling=cfg.rope_scaling_factors)
         # Not parameters and not saved: rebuilt from the config wherever the layer lands.
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -177,8 +194,37 @@ class LayerModel:
         return Head if index == self.num_layers - 1 else Block
 
     def shard_dims(self, index: int) -> dict[str, int]:
-        """Parameter name -> the dimension tensor parallelism splits; absent means replicated."""
+        """Parameter name -> the dimension tensor parallelism splits; absent means replicated.
+        Key/value heads split along dimension 0 but by whole heads (see `shard`)."""
         return dict(getattr(self.layer_class(index), "TP_SHARD_DIMS", {}))
+
+    def _kv_heads(self, index: int, name: str) -> bool:
+        return name in getattr(self.layer_class(index), "TP_KV_HEADS", ())
+
+    def shard(self, index: int, name: str, full: torch.Tensor, tp_rank: int, tp_size: int) -> torch.Tensor:
+        """Tp rank `tp_rank`'s piece of parameter `name` of layer `index`, from its full
+        tensor: the rule the layers' constructors split by."""
+        if self._kv_heads(index, name):
+            return shard_heads(full, self.cfg.kv_heads, tp_rank, tp_size)
+        dim = self.shard_dims(index).get(name)
+        return full.clone() if dim is None else split(full, dim, tp_rank, tp_size)
+
+    def unshard(self, index: int, name: str, shards: list[torch.Tensor]) -> torch.Tensor:
+        """The full tensor of parameter `name` of layer `index` from the pieces of tp ranks
+        0..tp-1 (one copy of each replicated key/value head)."""
+        if self._kv_heads(index, name):
+            return unshard_heads(shards, self.cfg.kv_heads)
+        dim = self.shard_dims(index).get(name)
+        return shards[0].clone() if dim is None else torch.cat(shards, dim=dim)
+
+    def counts_in_norm(self, index: int, name: str, tp_rank: int, tp_size: int) -> bool:
+        """Whether tp rank `tp_rank` counts its piece of `name` in the global gradient norm,
+        so that each distinct piece is counted once: split parameters on every rank,
+        replicated ones (norm gains) on rank 0, a replicated key/value head on the first
+        rank holding it."""
+        if self._kv_heads(index, name):
+            return first_head_replica(self.cfg.kv_heads, tp_rank, tp_size)
+        return name in self.shard_dims(index) or tp_rank == 0
 
     def build_layer(self, index: int, tp: TensorParallel, dtype: torch.dtype,
                     device: torch.device, *, pretrained: bool = True) -> nn.Module:
@@ -198,21 +244,6 @@ class LayerModel:
 
             load_pretrained_layer(self, index, layer, tp)  # after .to: float64 keeps every bit
         return layer
-
-    def shard(self, index: int, name: str, full: torch.Tensor, tp_rank: int, tp_size: int) -> torch.Tensor:
-        """Tp rank `tp_rank`'s piece of the full-size parameter `name` of layer `index`,
-        by the rule the layer constructors use: a contiguous chunk along the layer's
-        TP_SHARD_DIMS dimension; a parameter absent from it is replicated whole."""
-        dim = self.shard_dims(index).get(name)
-        if dim is None:
-            return full.clone()
-        return shard(full, dim, TensorParallel(rank=tp_rank, size=tp_size))
-
-    def unshard(self, index: int, name: str, shards: list[torch.Tensor]) -> torch.Tensor:
-        """The full parameter `name` of layer `index` from the pieces of tp ranks 0..tp-1
-        (`shard`'s inverse); a replicated parameter is rank 0's copy."""
-        dim = self.shard_dims(index).get(name)
-        return shards[0].clone() if dim is None else torch.cat(shards, dim=dim)
 
     def loss(self, output: torch.Tensor, target: torch.Tensor, tp: TensorParallel,
              head: nn.Module | None = None) -> torch.Tensor:

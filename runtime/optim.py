@@ -9,9 +9,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from planaria.runtime.config import TrainConfig
 
 
 @dataclass(frozen=True)
@@ -24,6 +28,14 @@ class OptimizerSettings:
     weight_decay: float
     betas: tuple[float, float] = (0.9, 0.95)
     eps: float = 1e-8
+
+
+def optimizer_settings(train: "TrainConfig") -> OptimizerSettings:
+    """The optimizer a config's `train` section describes."""
+    return OptimizerSettings(lr=train.lr, min_lr=train.final_lr, warmup_steps=train.warmup_steps,
+                             lr_schedule=train.lr_schedule, total_steps=train.steps,
+                             weight_decay=train.weight_decay,
+                             betas=(train.adam_beta1, train.adam_beta2), eps=train.adam_eps)
 
 
 def learning_rate(iteration: int, s: OptimizerSettings) -> float:

@@ -24,7 +24,7 @@ import torch
 from planaria.runtime.config import Config, ModelConfig, model_shape, torch_dtypes
 from planaria.runtime.engine import accumulate_wide
 from planaria.runtime.model import LayerModel
-from planaria.runtime.optim import OptimizerSettings, build_optimizer
+from planaria.runtime.optim import build_optimizer, optimizer_settings
 from planaria.runtime.pipeline_probe import measure_links_and_runtime
 from planaria.runtime.tensor_parallel import TensorParallel
 from planaria.templates.analytic import hardware
@@ -95,9 +95,7 @@ def profile_model(cfg: Config, *, device: torch.device | str | None = None,
     def loss_fn(output: torch.Tensor) -> torch.Tensor:
         return model.loss(output, targets, solo, head=built.get(model.num_layers - 1))
 
-    settings = OptimizerSettings(lr=t.lr, min_lr=t.min_lr, warmup_steps=t.warmup_steps,
-                                 lr_schedule=t.lr_schedule, total_steps=t.steps,
-                                 weight_decay=t.weight_decay)
+    settings = optimizer_settings(t)
 
     def make_optimizer(layer: torch.nn.Module) -> torch.optim.Optimizer:
         return build_optimizer(layer, settings)

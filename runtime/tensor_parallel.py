@@ -10,6 +10,9 @@ shard per tp rank, which is what replica transfer and checkpoints move around.
 - `ColumnParallelLinear` splits the output features, `RowParallelLinear` the input
   features; a column-parallel layer followed by a row-parallel one needs one
   all-reduce forward and one backward.
+- `HeadParallelLinear` splits whole attention heads, or replicates them where tp
+  exceeds them (grouped-query attention's key/value heads): the rule is
+  `planaria.templates.costs.kv_heads_of_rank`.
 - `VocabParallelEmbedding` and `vocab_parallel_cross_entropy` split the vocabulary.
 
 This module does no initialisation of its own: layers are created with full-size
@@ -26,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from planaria.kernels import cross_entropy
+from planaria.templates.costs import kv_heads_of_rank
 
 
 @dataclass
@@ -44,9 +48,34 @@ class TensorParallel:
 
 def shard(full: torch.Tensor, dim: int, tp: TensorParallel) -> torch.Tensor:
     """This tp rank's contiguous slice of `full` along `dim`."""
-    if full.shape[dim] % tp.size:
-        raise ValueError(f"dimension {dim} of size {full.shape[dim]} does not split into tp={tp.size}")
-    return full.chunk(tp.size, dim=dim)[tp.rank].clone()
+    return split(full, dim, tp.rank, tp.size)
+
+
+def split(full: torch.Tensor, dim: int, tp_rank: int, tp_size: int) -> torch.Tensor:
+    """Tp rank `tp_rank`'s contiguous slice of `full` along `dim`, of `tp_size` equal ones."""
+    if full.shape[dim] % tp_size:
+        raise ValueError(f"dimension {dim} of size {full.shape[dim]} does not split into tp={tp_size}")
+    return full.chunk(tp_size, dim=dim)[tp_rank].clone()
+
+
+def shard_heads(full: torch.Tensor, n_heads: int, tp_rank: int, tp_size: int) -> torch.Tensor:
+    """The rows of `full` (n_heads * head_dim, ...) of the heads tp rank `tp_rank` holds."""
+    heads, rows = kv_heads_of_rank(n_heads, tp_rank, tp_size), full.shape[0] // n_heads
+    return full[heads.start * rows: heads.stop * rows].clone()
+
+
+def unshard_heads(shards: list[torch.Tensor], n_heads: int) -> torch.Tensor:
+    """The full tensor from `shard_heads`'s pieces of tp ranks 0..tp-1: one copy of each head."""
+    tp_size = len(shards)
+    if n_heads % tp_size == 0:
+        return torch.cat(shards)
+    return torch.cat([shards[head * tp_size // n_heads] for head in range(n_heads)])
+
+
+def first_head_replica(n_heads: int, tp_rank: int, tp_size: int) -> bool:
+    """Whether tp rank `tp_rank` is the first of the ranks that hold its heads (all are,
+    unless heads are replicated: more ranks than heads)."""
+    return n_heads % tp_size == 0 or tp_rank % (tp_size // n_heads) == 0
 
 
 class _CopyToTensorParallel(torch.autograd.Function):
@@ -100,6 +129,44 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x_local: torch.Tensor) -> torch.Tensor:
         return reduce_from_tp(F.linear(x_local, self.weight), self.tp)
+
+
+class _SumOverHeadReplicas(torch.autograd.Function):
+    """Identity forward on a replicated head's weight; backward, the sum of its gradient
+    over the tp ranks holding that head (each computed only its own query heads' part).
+    One all-reduce over the whole tp group: each rank writes its gradient into its head's
+    slot of a zeroed (n_heads, ...) buffer and takes its slot of the sum back."""
+
+    @staticmethod
+    def forward(ctx, weight, tp, n_heads):
+        ctx.tp, ctx.n_heads = tp, n_heads
+        return weight
+
+    @staticmethod
+    def backward(ctx, grad):
+        tp, n_heads = ctx.tp, ctx.n_heads
+        head = kv_heads_of_rank(n_heads, tp.rank, tp.size).start
+        slots = grad.new_zeros((n_heads, *grad.shape))
+        slots[head] = grad
+        return tp.all_reduce(slots)[head], None, None
+
+
+class HeadParallelLinear(nn.Module):
+    """Column-parallel by whole attention heads: tp rank r computes the heads
+    `kv_heads_of_rank(n_heads, r, tp)`. With more ranks than heads each head is replicated
+    on tp/n_heads ranks, and the backward sums its weight's gradient over them, so the
+    replicas stay equal and each holds the gradient a single process would compute."""
+
+    def __init__(self, full_weight: torch.Tensor, n_heads: int, tp: TensorParallel):
+        super().__init__()
+        self.tp, self.n_heads = tp, n_heads
+        self.weight = nn.Parameter(shard_heads(full_weight, n_heads, tp.rank, tp.size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.weight
+        if self.tp.size > self.n_heads:
+            weight = _SumOverHeadReplicas.apply(weight, self.tp, self.n_heads)
+        return F.linear(copy_to_tp(x, self.tp), weight)
 
 
 class VocabParallelEmbedding(nn.Module):

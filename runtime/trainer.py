@@ -34,7 +34,7 @@ from planaria.runtime.elastic_worker import elastic_environment, run_elastic
 from planaria.runtime.engine import Engine, StepResult
 from planaria.runtime.faults import FaultInjector
 from planaria.runtime.model import LayerModel
-from planaria.runtime.optim import OptimizerSettings
+from planaria.runtime.optim import OptimizerSettings, optimizer_settings as settings_of
 from planaria.runtime.planning import plan_for_world
 
 
@@ -130,10 +130,7 @@ def _free_port() -> int:
 
 
 def optimizer_settings(cfg: Config) -> OptimizerSettings:
-    t = cfg.train
-    return OptimizerSettings(lr=t.lr, min_lr=t.min_lr, warmup_steps=t.warmup_steps,
-                             lr_schedule=t.lr_schedule, total_steps=t.steps,
-                             weight_decay=t.weight_decay)
+    return settings_of(cfg.train)
 
 
 def engine_from_config(cfg: Config, plan, rank: int, device: torch.device, *,

@@ -28,7 +28,7 @@ import time
 
 import numpy as np
 
-from planaria.templates.costs import CostModel, Hardware, LayerCost, ModelShape
+from planaria.templates.costs import CostModel, Hardware, LayerCost, ModelShape, check_kv_heads
 
 HARDWARE_NAMES = ("a100", "h100", "h200", "v100", "t4", "cpu")
 DTYPE_NAMES = ("float32", "bfloat16", "float64")
@@ -206,6 +206,7 @@ def check_job(shape: ModelShape, *, tp: int, micro_batch: int, dtype: str) -> No
                       ("model.ffn_hidden", shape.ffn_dim)):
         if size % tp:
             raise ValueError(f"{key}={size} is not divisible by parallel.tp={tp}")
+    check_kv_heads(shape.n_heads, shape.kv_heads, tp)
 
 
 def bytes_per_parameter(dtype: str) -> int:
@@ -229,7 +230,9 @@ def layer_state_bytes(shape: ModelShape, index: int, tp: int, dtype: str) -> int
     """Bytes one worker pins for layer `index`: sharded matrices / tp, norm gains whole."""
     kind = shape.layer_kind(index)
     d = shape.d_model
-    replicated = {"embedding": 0, "block": 2 * d, "head": d}[kind]
+    if kind == "block":
+        return shape.block_parameters_per_rank(tp) * bytes_per_parameter(dtype)
+    replicated = {"embedding": 0, "head": d}[kind]
     sharded = shape.layer_parameters(index) - replicated
     return (sharded // tp + replicated) * bytes_per_parameter(dtype)
 
@@ -258,6 +261,8 @@ def layer_activation_bytes(shape: ModelShape, index: int, *, tp: int, micro_batc
       and product, and the normalised tensors), which these 2 roughly stand for; the
       reference block measures ~1.3x this estimate (see tests/runtime/test_profile.py).
     - 24·sbh/t, split by tp: Q, K, V (6), attention output (2), MLP intermediates (16).
+      Grouped-query attention keeps as much: its K and V are repeated to the query
+      heads before attention (runtime/model.py), and those copies are what it saves.
     Dropped: 5·a·s²·b/t, the attention score matrix, its softmax and dropout. Planaria
     calls scaled_dot_product_attention, whose flash/memory-efficient kernels keep only
     the output and a per-row logsumexp (a·s floats), never an s x s matrix.
@@ -284,10 +289,12 @@ def layer_activation_bytes(shape: ModelShape, index: int, *, tp: int, micro_batc
 def layer_forward_flops(shape: ModelShape, index: int, *, tp: int, micro_batch: int) -> float:
     """Forward FLOPs of layer `index` on one tp worker for one microbatch.
 
-    Block: QKV and output projections 4·d² and the three SwiGLU matrices 3·d·ffn per
-    token, 2 FLOPs per multiply-add; attention QKᵀ and AV 2·b·T²·d each. The causal
-    kernels skip about half of the latter; like Megatron-LM's MFU convention we count
-    all of it. All of a block's matmuls are split by tp. The embedding is a gather
+    Block: Q and output projections 2·d², K and V 2·d·kv_dim (kv_dim = d without
+    grouped-query attention), and the three SwiGLU matrices 3·d·ffn per token, 2 FLOPs
+    per multiply-add; attention QKᵀ and AV 2·b·T²·d each. The causal kernels skip about
+    half of the latter; like Megatron-LM's MFU convention we count all of it. All of a
+    block's matmuls are split by tp, but K and V: a key/value head replicated on several
+    ranks (tp > n_kv_heads) is computed by each. The embedding is a gather
     (no FLOPs); the head is the output matmul plus cross-entropy's few FLOPs per logit.
     """
     b, t, d = micro_batch, shape.seq_len, shape.d_model
@@ -298,9 +305,10 @@ def layer_forward_flops(shape: ModelShape, index: int, *, tp: int, micro_batch: 
     if kind == "head":
         logits = tokens * shape.vocab_size / tp
         return 2 * logits * d + _CROSS_ENTROPY_FLOPS_PER_LOGIT * logits
-    matmuls = 2 * tokens * (4 * d * d + 3 * d * shape.ffn_dim)
-    attention = 4 * b * t * t * d
-    return (matmuls + attention) / tp
+    kv_per_rank = shape.kv_dim / min(tp, shape.kv_heads)
+    matmuls = 2 * tokens * ((2 * d * d + 3 * d * shape.ffn_dim) / tp + 2 * d * kv_per_rank)
+    attention = 4 * b * t * t * d / tp
+    return matmuls + attention
 
 
 def all_reduce_time(nbytes: float, tp: int, hw: Hardware) -> float:
@@ -320,7 +328,9 @@ def tp_communication_times(shape: ModelShape, index: int, hw: Hardware, *, tp: i
       autocast); its backward needs none.
     - block: forward, the attention and MLP row-parallel outputs (matmul outputs, bf16
       under autocast); backward, the gradients w.r.t. the two column-parallel inputs
-      (residual dtype). Recomputation repeats the forward pair in the backward.
+      (residual dtype), and with more tp ranks than key/value heads the sums of wk's and
+      wv's gradients over the ranks replicating a head (each the size of the full wk,
+      in the master dtype). Recomputation repeats the forward pair in the backward.
     - head: forward, vocab-parallel cross-entropy's three small all-reduces (row max,
       target logit, sum of exponentials: one float per token); backward, the output
       matmul's input gradient.
@@ -338,6 +348,8 @@ def tp_communication_times(shape: ModelShape, index: int, hw: Hardware, *, tp: i
         return forward, all_reduce_time(hidden * res, tp, hw)
     forward = 2 * all_reduce_time(hidden * act, tp, hw)
     backward = 2 * all_reduce_time(hidden * res, tp, hw)
+    if tp > shape.kv_heads:
+        backward += 2 * all_reduce_time(shape.kv_dim * shape.d_model * res, tp, hw)
     return forward, backward + (forward if recompute else 0.0)
 
 

@@ -18,6 +18,38 @@ from dataclasses import dataclass
 from itertools import accumulate
 
 
+def llama_ffn_dim(d_model: int, multiple_of: int = 256, ffn_dim_multiplier: float = 0.0) -> int:
+    """LLaMA's SwiGLU width: 2/3 of 4 * d_model, scaled by `ffn_dim_multiplier` (0: not),
+    rounded up to a multiple of `multiple_of` (d_model 4096 gives 11008; LLaMA 3 8B's
+    1.3 gives 14336)."""
+    hidden = int(2 * 4 * d_model / 3)
+    if ffn_dim_multiplier:
+        hidden = int(ffn_dim_multiplier * hidden)
+    return multiple_of * math.ceil(hidden / multiple_of)
+
+
+def check_kv_heads(n_heads: int, n_kv_heads: int, tp: int) -> None:
+    """Refuse key/value heads that grouped-query attention or tensor parallelism cannot split."""
+    if n_kv_heads < 1 or n_heads % n_kv_heads:
+        raise ValueError(f"model.n_kv_heads={n_kv_heads} must divide model.n_heads={n_heads} "
+                         "(each key/value head serves a group of query heads); 0 means n_heads")
+    if n_kv_heads % tp and tp % n_kv_heads:
+        raise ValueError(f"model.n_kv_heads={n_kv_heads} and parallel.tp={tp}: tensor parallelism splits "
+                         "the key/value heads (tp divides n_kv_heads) or replicates each on tp/n_kv_heads "
+                         "ranks (n_kv_heads divides tp); pick such a tp")
+
+
+def kv_heads_of_rank(n_kv_heads: int, tp_rank: int, tp: int) -> range:
+    """The key/value heads tp rank `tp_rank` holds: a contiguous n_kv_heads/tp of them, or,
+    with more ranks than heads, the one head r * n_kv_heads // tp its query heads use
+    (each head then lives on tp/n_kv_heads ranks)."""
+    if n_kv_heads % tp == 0:
+        per_rank = n_kv_heads // tp
+        return range(tp_rank * per_rank, (tp_rank + 1) * per_rank)
+    head = tp_rank * n_kv_heads // tp
+    return range(head, head + 1)
+
+
 @dataclass(frozen=True)
 class ModelShape:
     """The decoder's shape, as the planner needs it (mirrors the `model` config section)."""
@@ -29,14 +61,19 @@ class ModelShape:
     vocab_size: int
     seq_len: int
     ffn_hidden: int = 0
-    """SwiGLU hidden size; 0 means 8/3 * d_model rounded up to a multiple of 32."""
+    """SwiGLU hidden size; 0 means LLaMA's rule (`llama_ffn_dim`)."""
+    n_kv_heads: int = 0
+    """Key/value heads (grouped-query attention); 0 means n_heads."""
+    multiple_of: int = 256
+    ffn_dim_multiplier: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("n_layers", "d_model", "n_heads", "vocab_size", "seq_len"):
+        for name in ("n_layers", "d_model", "n_heads", "vocab_size", "seq_len", "multiple_of"):
             if getattr(self, name) < 1:
                 raise ValueError(f"model.{name} must be at least 1, got {getattr(self, name)}")
-        if self.ffn_hidden < 0:
-            raise ValueError(f"model.ffn_hidden must not be negative, got {self.ffn_hidden}")
+        for name in ("ffn_hidden", "n_kv_heads", "ffn_dim_multiplier"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"model.{name} must not be negative, got {getattr(self, name)}")
 
     @property
     def num_layers(self) -> int:
@@ -45,7 +82,16 @@ class ModelShape:
 
     @property
     def ffn_dim(self) -> int:
-        return self.ffn_hidden or 32 * math.ceil(8 * self.d_model / 3 / 32)
+        return self.ffn_hidden or llama_ffn_dim(self.d_model, self.multiple_of, self.ffn_dim_multiplier)
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def kv_dim(self) -> int:
+        """Rows of wk and of wv: key/value heads times the head size."""
+        return self.kv_heads * (self.d_model // self.n_heads)
 
     def layer_kind(self, index: int) -> str:
         if not 0 <= index < self.num_layers:
@@ -62,7 +108,14 @@ class ModelShape:
             return self.vocab_size * d
         if kind == "head":
             return self.vocab_size * d + d
-        return 4 * d * d + 3 * d * self.ffn_dim + 2 * d
+        return 2 * d * d + 2 * d * self.kv_dim + 3 * d * self.ffn_dim + 2 * d
+
+    def block_parameters_per_rank(self, tp: int) -> int:
+        """A block's parameters on one of `tp` workers: the matrices split, the norm gains
+        whole, and with more ranks than key/value heads one head's wk and wv each."""
+        d = self.d_model
+        kv_rows = self.kv_dim // tp if self.kv_heads % tp == 0 else self.kv_dim // self.kv_heads
+        return (2 * d * d + 3 * d * self.ffn_dim) // tp + 2 * d * kv_rows + 2 * d
 
     @property
     def parameters(self) -> int:

@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from planaria.runtime.config import ConfigError, load_config, plan_from_config, uses_planner
+from planaria.runtime.trainer import optimizer_settings
 from tests.launch import TINY
 
 
@@ -185,3 +186,28 @@ def test_cli_refuses_more_nccl_processes_than_gpus(launcher, tmp_path):
 
 def test_layout_must_be_a_list_of_lists():
     assert "e.g. [[4], [2, 2]]" in refused(["parallel.layout=[4,4]"])
+
+
+@pytest.mark.parametrize("lr", [1.0e-4, 6.0e-5, 1.5e-4, 3.0e-4])  # LLaMA's and GPT-3 175B's peaks
+def test_published_learning_rates_are_accepted_with_a_final_lr_of_a_tenth(lr):
+    cfg = load_config(TINY, [f"train.lr={lr}"])
+    assert cfg.train.final_lr == pytest.approx(lr / 10)
+    assert optimizer_settings(cfg).min_lr == pytest.approx(lr / 10)
+
+
+def test_min_lr_given_wins_over_the_ratio_and_must_not_exceed_lr():
+    assert load_config(TINY, ["train.lr=1e-4", "train.min_lr=0"]).train.final_lr == 0
+    assert load_config(TINY, ["train.min_lr_ratio=0.05"]).train.final_lr == pytest.approx(3e-3 * 0.05)
+    with pytest.raises(ConfigError, match="train.min_lr must be between 0 and train.lr"):
+        load_config(TINY, ["train.lr=1e-4", "train.min_lr=3e-4"])
+    with pytest.raises(ConfigError, match="train.min_lr_ratio"):
+        load_config(TINY, ["train.min_lr_ratio=1.5"])
+    with pytest.raises(ConfigError, match="train.min_lr must be a number"):
+        load_config(TINY, ["train.min_lr=low"])
+
+
+def test_adam_settings_reach_the_optimizer():
+    settings = optimizer_settings(load_config(TINY, ["train.adam_eps=1e-5", "train.adam_beta2=0.99"]))
+    assert (settings.eps, settings.betas) == (1e-5, (0.9, 0.99))
+    with pytest.raises(ConfigError, match="train.adam_eps"):
+        load_config(TINY, ["train.adam_eps=0"])

@@ -25,7 +25,7 @@ def stepped_layer(device: str, seed: int) -> LayerState:
         module(torch.randn(4, 8, device=device)).square().sum().backward()
         optimizer.step()
         optimizer.zero_grad()
-    return LayerState(0, module, optimizer, {})
+    return LayerState(0, module, optimizer, frozenset())
 
 
 def layout(state: dict[str, torch.Tensor]) -> dict[str, tuple]:
