@@ -84,21 +84,27 @@ def test_init_from_gives_hugging_face_logits_in_float64(case, tmp_path, monkeypa
     assert (got - expected).abs().max().item() <= 1e-10
 
 
-def test_init_from_reads_a_sharded_checkpoint_and_only_its_tp_shard(tmp_path):
+@pytest.mark.parametrize("n_kv_heads,tp", [(4, 2), (2, 2), (2, 4), (1, 2)],
+                         ids=["multi-head-tp2", "gqa-split-tp2", "gqa-replicated-tp4", "mqa-tp2"])
+def test_init_from_reads_a_sharded_checkpoint_and_only_its_tp_shard(n_kv_heads, tp, tmp_path):
     """Each tp rank's layer, read from a checkpoint saved in several files, is its shard
-    of the layer read whole (`LayerModel.shard` of the full parameters)."""
-    hf = random_llama()
+    of the layer read whole (`LayerModel.shard` of the full parameters), key/value
+    heads split or replicated."""
+    if n_kv_heads != 4:
+        _case("grouped-query")
+    hf = random_llama(n_kv_heads=n_kv_heads)
     hf.save_pretrained(tmp_path / "hf", max_shard_size="20KB")
     assert (tmp_path / "hf" / "model.safetensors.index.json").is_file()
-    cfg = load_config(None, [f"model.init_from={tmp_path / 'hf'}", "model.seq_len=16"]).model
+    cfg = load_config(None, [f"model.init_from={tmp_path / 'hf'}", "model.seq_len=16",
+                             f"parallel.tp={tp}"]).model
     layer_model = LayerModel(cfg, seed=0)
     for index in range(layer_model.num_layers):
         full = layer_model.build_layer(index, TensorParallel(), torch.float64, torch.device("cpu"))
-        for rank in range(2):
-            tp = TensorParallel(rank=rank, size=2)
-            piece = layer_model.build_layer(index, tp, torch.float64, torch.device("cpu"))
+        for rank in range(tp):
+            piece = layer_model.build_layer(index, TensorParallel(rank=rank, size=tp), torch.float64,
+                                            torch.device("cpu"))
             for name, value in piece.state_dict().items():
-                expected = layer_model.shard(index, name, full.state_dict()[name], rank, 2)
+                expected = layer_model.shard(index, name, full.state_dict()[name], rank, tp)
                 assert torch.equal(value, expected), (index, name, rank)
 
 
@@ -146,7 +152,8 @@ def test_round_trip_under_pp2_tp2(tmp_path):
     tensors, bit for bit. Then 3 steps in float32: the exported model's loss in
     transformers on a batch equals Planaria's loss of its final parameters on it."""
     transformers = pytest.importorskip("transformers")
-    hf = random_llama(n_layers=4, seed=3).to(torch.float32)
+    # One key/value head where the model has them (multi-query): replicated on both tp ranks.
+    hf = random_llama(n_layers=4, seed=3, n_kv_heads=1 if "n_kv_heads" in _FIELDS else 4).to(torch.float32)
     for p in hf.parameters():  # a model that trains: small weights, unit norm gains
         p.data = torch.ones_like(p) if p.dim() == 1 else p.data * 0.1
     hf.save_pretrained(tmp_path / "hf")
