@@ -58,6 +58,11 @@ class ModelConfig:
     """The output projection and the loss as one operation over chunks of tokens
     (planaria.kernels.linear_cross_entropy): the full logits never exist. The last
     layer then outputs the normalised hidden states and the loss applies the head."""
+    tie_embeddings: bool = False
+    """The output head's weight is the token embedding's (LLaMA 3.2 1B/3B). The embedding
+    and the head are different layers, often on different stages: each keeps a copy,
+    initialised alike, and their gradients are summed over every rank holding either, so
+    the copies stay bit-identical and train as one weight (counted once in the norm)."""
 
     @property
     def head_dim(self) -> int:
@@ -462,7 +467,8 @@ def describe(cfg: Config, plan: Plan) -> str:
 
 def _parameter_count(m: ModelConfig) -> int:
     block = 4 * m.d_model * m.d_model + 3 * m.d_model * m.ffn_dim + 2 * m.d_model
-    return 2 * m.vocab_size * m.d_model + m.n_layers * block + m.d_model
+    embeddings = (1 if m.tie_embeddings else 2) * m.vocab_size * m.d_model  # a tied weight counts once
+    return embeddings + m.n_layers * block + m.d_model
 
 
 def torch_dtypes(name: str):
