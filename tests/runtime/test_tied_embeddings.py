@@ -8,6 +8,8 @@ end bit-identical. One elastic job loses the worker holding a head and recovers 
 """
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -95,6 +97,8 @@ def test_tied_plan_matches_single_process(case, reference, tmp_path):
     assert max(reference.grad_norms) > 0.5  # clipping was exercised
     assert_final_parameters(tmp_path / "final", reference)
     assert_copies_identical(load_full_model(tmp_path / "final"))
+    manifest = json.loads((tmp_path / "final" / "manifest.json").read_text())
+    assert manifest["tied"] == [[0, "embed.weight"], [5, "output.weight"]]
 
 
 @pytest.mark.multiprocess
@@ -108,4 +112,22 @@ def test_worker_holding_a_head_killed_recovers_exactly(tmp_path):
     recovery.check_against_reference(tmp_path, reference, job)
     (event,) = result.controller.events
     assert event.failed == ["node3.0"] and event.first_iteration == 2 and event.transfers > 0
+    assert_copies_identical(load_full_model(tmp_path / "final"))
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_torchrun_restart_from_a_checkpoint_keeps_the_copies_tied(tmp_path):
+    """pp=2: rank 1 (the head) is killed in iteration 5; torchrun restarts the job, which
+    loads each layer from the checkpoint of iteration 3 and trains like the reference."""
+    overrides = [*recovery.JOB, *TIED, "parallel.pp=2", "checkpoint.every=2", "checkpoint.keep=1"]
+    reference = reference_run(overrides)
+    proc = torchrun_train(2, overrides, tmp_path, extra_args=["--max-restarts=1"],
+                          env={"PLANARIA_FAULTS": "rank1:backward@5#2"})
+    assert "resumed from the checkpoint of iteration 3" in proc.stdout, proc.stdout[-3000:]
+    metrics = read_metrics(tmp_path)
+    assert [m["step"] for m in metrics] == [0, 1, 2, 3, 4, 4, 5]
+    for m in metrics:
+        assert abs(m["loss"] - reference.losses[m["step"]]) < 1e-9
+    assert_final_parameters(tmp_path / "final", reference)
     assert_copies_identical(load_full_model(tmp_path / "final"))
