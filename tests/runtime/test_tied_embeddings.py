@@ -106,12 +106,15 @@ def test_tied_plan_matches_single_process(case, reference, tmp_path):
 def test_worker_holding_a_head_killed_recovers_exactly(tmp_path):
     """node3 (pipeline 1's last stage: a head, so a tied copy) dies in the gradient sync of
     iteration 2; the survivors re-plan, the head moves by replica transfer, and the job
-    ends with the fault-free losses and the two copies still bit-identical."""
+    ends with the fault-free losses and the two copies still bit-identical. The replica
+    audit runs every other step and finds every layer's replicas equal."""
     reference = reference_run([*recovery.JOB, "parallel.fault_tolerance=1", *TIED])
-    job, result = recovery.run_job(tmp_path, nodes=4, faults="node3.0:sync@2", extra=TIED)
+    job, result = recovery.run_job(tmp_path, nodes=4, faults="node3.0:sync@2",
+                                   extra=[*TIED, "parallel.audit_every=2"])
     recovery.check_against_reference(tmp_path, reference, job)
     (event,) = result.controller.events
     assert event.failed == ["node3.0"] and event.first_iteration == 2 and event.transfers > 0
+    assert not recovery.audits(tmp_path), "the replica audit found replicas that differ"
     assert_copies_identical(load_full_model(tmp_path / "final"))
 
 
