@@ -126,7 +126,7 @@ def _build_buckets(plan: Plan, rank: int, new_group) -> list[GradientBucket]:
     return buckets
 
 
-def tied_ranks(plan: Plan, tied_layers: tuple[int, ...], tp_rank: int) -> tuple[int, ...]:
+def _tied_ranks(plan: Plan, tied_layers: tuple[int, ...], tp_rank: int) -> tuple[int, ...]:
     """Sorted ranks holding any of `tied_layers` with tp rank `tp_rank`."""
     groups = plan.replica_groups()
     return tuple(sorted({r for layer in tied_layers for r in groups[(layer, tp_rank)]}))
@@ -138,7 +138,7 @@ def _build_tied_group(plan: Plan, rank: int, new_group, tied_layers: tuple[int, 
     same global order (buckets, then tied groups), so no cycle of waits is possible."""
     mine = None
     for tp_rank in range(plan.tp):
-        ranks = tied_ranks(plan, tied_layers, tp_rank)
+        ranks = _tied_ranks(plan, tied_layers, tp_rank)
         group = new_group(ranks) if len(ranks) > 1 else None
         if rank in ranks:
             mine = TiedGroup(ranks=ranks, group=group)

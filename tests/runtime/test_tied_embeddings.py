@@ -4,7 +4,8 @@ The single-process reference ties truly (the head's output weight is the embeddi
 own Parameter). Every parallel plan keeps two copies, the embedding's and the head's,
 often on different ranks: each case checks, in float64, that the losses, gradient
 norms and final parameters equal the reference's within 1e-9, and that the two copies
-end bit-identical. One elastic job loses the worker holding a head and recovers in place.
+end bit-identical. An elastic job loses a worker holding a head and recovers in place
+by replica transfer; a torchrun job loses one and restarts from a checkpoint.
 """
 from __future__ import annotations
 
@@ -32,7 +33,8 @@ JOB = [
 
 CASES = {
     "single-process": (1, ["parallel.pp=1"]),
-    "pp2-interleaved-v2": (2, ["parallel.pp=2", "parallel.schedule=interleaved", "parallel.virtual_stages=2"]),
+    "pp2-interleaved-v2": (2, ["parallel.pp=2", "parallel.schedule=interleaved",
+                               "parallel.virtual_stages=2"]),
     "tp2": (2, ["parallel.tp=2"]),
     "tp2-pp2-fused-head-loss": (4, ["parallel.tp=2", "parallel.pp=2", "model.fused_head_loss=true"]),
     # Pipeline 0 holds the embedding and the head on one rank, pipeline 1 on two.
