@@ -39,9 +39,12 @@ def save_model_shards(engine, directory: Path, data_source: str = "") -> None:
             data_source = str(Path(data_source).resolve())
         shard_dims = {str(i): engine.model.shard_dims(i) for i in range(engine.plan.num_layers)}
         # The model section too: reassembling the tp pieces needs its key/value heads.
+        # Tied embeddings: both copies are saved (bit-identical); readers such as an
+        # exporter learn from "tied" that they are one weight.
         manifest = {"num_layers": engine.plan.num_layers, "tp": engine.plan.tp,
                     "shard_dims": shard_dims, "model": asdict(engine.model.cfg),
-                    "data_source": data_source}
+                    "data_source": data_source,
+                    "tied": [list(t) for t in engine.model.tied_parameters()]}
         atomic_write_bytes(directory / MANIFEST, json.dumps(manifest, indent=1).encode())
     dist.barrier(group=engine.groups.world)
 

@@ -73,6 +73,11 @@ class ModelConfig:
     """The output projection and the loss as one operation over chunks of tokens
     (planaria.kernels.linear_cross_entropy): the full logits never exist. The last
     layer then outputs the normalised hidden states and the loss applies the head."""
+    tie_embeddings: bool = False
+    """The output head's weight is the token embedding's (LLaMA 3.2 1B/3B). The embedding
+    and the head are different layers, often on different stages: each keeps a copy,
+    initialised alike, and their gradients are summed over every rank holding either, so
+    the copies stay bit-identical and train as one weight (counted once in the norm)."""
     init_from: str = ""
     """A Hugging Face LLaMA checkpoint directory (config.json, safetensors) to start
     from instead of the seeded init; the `model` keys left out are taken from its
@@ -584,7 +589,8 @@ def describe(cfg: Config, plan: Plan) -> str:
 
 
 def _parameter_count(m: ModelConfig) -> int:
-    return model_shape(m).parameters
+    tied = m.vocab_size * m.d_model if m.tie_embeddings else 0  # a tied weight counts once
+    return model_shape(m).parameters - tied
 
 
 def torch_dtypes(name: str):

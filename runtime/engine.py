@@ -133,6 +133,8 @@ class Engine:
         self.layers: dict[int, LayerState] = {}
         self.last_transfer: TransferStats | None = None
         self.tp = None  # one TensorParallel for the engine's life: layers keep it
+        self._tied = dict(model.tied_parameters())
+        """Layer -> the name of its copy of the tied weight (tied embeddings)."""
         self._build_epoch(plan, world)
         if restore is not None:
             self._load_checkpoint(restore)
@@ -159,7 +161,8 @@ class Engine:
         self.info = plan.rank_info(self.rank)
         self.pipeline = plan.pipelines[self.info.pipeline]
         self.groups = EpochGroups.build(plan, self.rank, world, timeout=self.collective_timeout,
-                                        connect_timeout=self.connect_timeout)
+                                        connect_timeout=self.connect_timeout,
+                                        tied_layers=tuple(self._tied))
         new_tp = self.groups.tensor_parallel
         if self.tp is None:
             self.tp = new_tp
@@ -370,36 +373,56 @@ class Engine:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.autocast_dtype)
 
-    def _local_grads(self, layer: int) -> list[torch.Tensor]:
-        """The layer's gradients as summed so far: `main_grad` when gradients accumulate
+    def _local_grad(self, p: torch.Tensor) -> torch.Tensor:
+        """A parameter's gradient as summed so far: `main_grad` when gradients accumulate
         wide, else `grad` (zeros for a parameter this iteration did not reach)."""
-        grads = []
-        for p in self.layers[layer].module.parameters():
-            if self.grad_accum_dtype is not None:
-                if p.main_grad is None:
-                    p.main_grad = torch.zeros_like(p, dtype=self.grad_accum_dtype)
-                grads.append(p.main_grad)
-                continue
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            grads.append(p.grad)
-        return grads
+        if self.grad_accum_dtype is not None:
+            if p.main_grad is None:
+                p.main_grad = torch.zeros_like(p, dtype=self.grad_accum_dtype)
+            return p.main_grad
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        return p.grad
+
+    def _local_grads(self, layer: int) -> list[torch.Tensor]:
+        return [self._local_grad(p) for p in self.layers[layer].module.parameters()]
 
     def _sync_gradients(self) -> None:
-        """Sum each layer's gradient over its replica group, one bucket per distinct group;
-        then, when gradients accumulate wide, round them into `grad` once."""
+        """Sum each layer's gradient over its replica group, one bucket per distinct group,
+        and the tied weight's over its own group; then, when gradients accumulate wide,
+        round them into `grad` once."""
         for bucket in self.groups.buckets:
             if bucket.group is None:
                 continue
-            grads = [g for layer in bucket.layers for g in self._local_grads(layer)]
+            grads = [self._local_grad(p) for layer in bucket.layers
+                     for name, p in self.layers[layer].module.named_parameters()
+                     if name != self._tied.get(layer)]  # summed over the tied group instead
             flat = _flatten_dense_tensors(grads)
             dist.all_reduce(flat, group=bucket.group)
             for grad, synced in zip(grads, _unflatten_dense_tensors(flat, grads)):
                 grad.copy_(synced)
+        self._sync_tied()
         if self.grad_accum_dtype is not None:
             for state in self.layers.values():
                 for p, wide in zip(state.module.parameters(), self._local_grads(state.index)):
                     p.grad = wide.to(p.dtype)
+
+    def _sync_tied(self) -> None:
+        """The tied weight's gradient: each rank of the tied group adds its local copies'
+        gradients (both, on a rank holding the embedding and the head), one all-reduce sums
+        those over the group, and every copy takes the total. The copies then see the same
+        gradient, clip coefficient and update as one shared weight: they stay bit-identical."""
+        if self.groups.tied is None:
+            return
+        copies = [self._local_grad(self.layers[layer].module.get_parameter(name))
+                  for layer, name in self._tied.items() if layer in self.layers]
+        total = copies[0].clone()
+        for grad in copies[1:]:
+            total.add_(grad)
+        if self.groups.tied.group is not None:
+            dist.all_reduce(total, group=self.groups.tied.group)
+        for grad in copies:
+            grad.copy_(total)
 
     def _commit(self, losses: list[torch.Tensor], stop: bool = False) -> tuple[float, float, bool]:
         """World all-reduce of [squared grad norm, loss, stop requests]; every rank gets
@@ -407,13 +430,14 @@ class Engine:
 
         Each layer's norm is counted once (its replica group's first rank), and of its
         tp pieces each distinct one once (`LayerModel.counts_in_norm`: tensors replicated
-        across tp ranks by one of them). The loss comes from tp rank 0
+        across tp ranks by one of them); a tied weight by the owners of its first copy's
+        layer only (the embedding's). The loss comes from tp rank 0
         of each pipeline's last stage. Completing this all-reduce is the commit point.
         """
         wide = self.grad_accum_dtype is not None  # the norm of the unrounded sums
         counted = [(p.main_grad if wide else p.grad) for layer in sorted(self._grad_norm_owner)
                    for name, p in self.layers[layer].module.named_parameters()
-                   if name in self.layers[layer].norm_names]
+                   if name in self.layers[layer].norm_names and not self._is_tied_copy(layer, name)]
         squared = torch.zeros((), dtype=torch.float64, device=self.device)
         if counted:
             squared = torch.nn.utils.get_total_norm(counted, foreach=True).double().pow(2)
@@ -424,6 +448,10 @@ class Engine:
         vector = torch.stack([squared, loss, requests])
         dist.all_reduce(vector, group=self.groups.world)
         return float(vector[1]), math.sqrt(float(vector[0])), bool(vector[2] > 0)
+
+    def _is_tied_copy(self, layer: int, name: str) -> bool:
+        """A tied weight's copy other than its first: its gradient is the first's."""
+        return self._tied.get(layer) == name and layer != next(iter(self._tied))
 
     def _clip_and_step(self, grad_norm: float, lr: float) -> None:
         if self.grad_clip > 0:

@@ -11,6 +11,9 @@ Groups of a rank:
 - `buckets`: for gradient sync, one group per distinct replica group this rank is in,
   with the layers whose replica group it is. Layers that share a replica group share
   one bucket and one all-reduce.
+- `tied`: with tied embeddings, the group of every rank holding the embedding or
+  the head with this rank's tp rank (the union of the two layers' replica groups): the
+  tied weight's gradient is summed over it (`TiedGroup`).
 - `world`: the whole epoch, for the commit all-reduce.
 """
 from __future__ import annotations
@@ -33,19 +36,32 @@ class GradientBucket:
 
 
 @dataclass
+class TiedGroup:
+    """The ranks holding a copy of a tied weight's shard (one tp rank): those with the
+    embedding, the head, or both. Their summed local gradients are the weight's gradient."""
+
+    ranks: tuple[int, ...]
+    group: dist.ProcessGroup | None  # None when this rank holds every copy
+
+
+@dataclass
 class EpochGroups:
     rank: int
     pipeline: dist.ProcessGroup
     tensor_parallel: TensorParallel
     buckets: list[GradientBucket]
     world: dist.ProcessGroup
+    tied: TiedGroup | None = None
+    """Set on the ranks holding a copy of the tied weight (`build(tied_layers=...)`)."""
     _owned: list = field(default_factory=list, repr=False)
 
     @classmethod
     def build(cls, plan: Plan, rank: int, world: dist.ProcessGroup | None = None,
-              timeout=None, connect_timeout=None) -> "EpochGroups":
+              timeout=None, connect_timeout=None, tied_layers: tuple[int, ...] = ()) -> "EpochGroups":
         """`connect_timeout`: the groups connect under it (a peer that died since the
-        rendezvous fails the epoch this soon), then take `timeout` for their operations."""
+        rendezvous fails the epoch this soon), then take `timeout` for their operations.
+        `tied_layers`: the layers holding copies of one tied weight (the embedding and
+        the head with `model.tie_embeddings`), given alike on every rank."""
         if dist.get_world_size(world) != plan.world_size:
             raise ValueError(
                 f"the plan of epoch {plan.epoch} has {plan.world_size} ranks but the process "
@@ -67,8 +83,9 @@ class EpochGroups:
         tp_groups = [(r, new_group(r)) for r in plan.tensor_parallel_groups()]
         tp = TensorParallel(group=_mine(rank, tp_groups), rank=info.tp_rank, size=plan.tp)
         buckets = _build_buckets(plan, rank, new_group)
+        tied = _build_tied_group(plan, rank, new_group, tied_layers) if tied_layers else None
         return cls(rank=rank, pipeline=pipeline, tensor_parallel=tp, buckets=buckets,
-                   world=world or dist.group.WORLD, _owned=owned)
+                   world=world or dist.group.WORLD, tied=tied, _owned=owned)
 
     def destroy(self) -> None:
         for group in self._owned:
@@ -107,6 +124,25 @@ def _build_buckets(plan: Plan, rank: int, new_group) -> list[GradientBucket]:
             buckets.append(GradientBucket(ranks=ranks, layers=sorted(layers_by_ranks[ranks]),
                                           group=group))
     return buckets
+
+
+def _tied_ranks(plan: Plan, tied_layers: tuple[int, ...], tp_rank: int) -> tuple[int, ...]:
+    """Sorted ranks holding any of `tied_layers` with tp rank `tp_rank`."""
+    groups = plan.replica_groups()
+    return tuple(sorted({r for layer in tied_layers for r in groups[(layer, tp_rank)]}))
+
+
+def _build_tied_group(plan: Plan, rank: int, new_group, tied_layers: tuple[int, ...]) -> TiedGroup | None:
+    """One group per tp rank, created in tp order by every rank. A rank is in one at most
+    (it has one tp rank), and syncs it after all its buckets: every rank follows the
+    same global order (buckets, then tied groups), so no cycle of waits is possible."""
+    mine = None
+    for tp_rank in range(plan.tp):
+        ranks = _tied_ranks(plan, tied_layers, tp_rank)
+        group = new_group(ranks) if len(ranks) > 1 else None
+        if rank in ranks:
+            mine = TiedGroup(ranks=ranks, group=group)
+    return mine
 
 
 def forget_failed_world() -> None:

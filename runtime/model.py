@@ -5,7 +5,9 @@ causal self-attention with rotary embeddings, grouped-query where n_kv_heads <
 n_heads, RMSNorm, SwiGLU MLP), and the last layer is the final norm plus the output
 head. Each layer is built on its own from a generator seeded by (seed, layer index),
 full size, then sharded for tensor parallelism: a layer's initial values do not
-depend on where it is placed.
+depend on where it is placed. With `tie_embeddings` the head's output weight starts
+as a copy of the embedding's (drawn from layer 0's generator); `LayerModel.tied_parameters`
+names the two copies, which the runtime keeps equal by summing their gradients.
 
 Other models plug in through the same protocol (see `LayerModel`): `build_layer(index,
 tp)` returning an `nn.Module`; `shard`, `unshard` and `counts_in_norm`, which say how
@@ -49,6 +51,11 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.weight, self.eps, kernels=self.kernels)
 
 
+def embedding_init(cfg: ModelConfig, gen: torch.Generator) -> torch.Tensor:
+    """The embedding's full initial weight (V, C): also the tied head's."""
+    return torch.randn(cfg.vocab_size, cfg.d_model, generator=gen) * cfg.init_std
+
+
 class Embedding(nn.Module):
     """Token ids (B, T) -> hidden states (B, T, C), vocabulary split across tp ranks."""
 
@@ -56,8 +63,7 @@ class Embedding(nn.Module):
 
     def __init__(self, cfg: ModelConfig, gen: torch.Generator, tp: TensorParallel):
         super().__init__()
-        full = torch.randn(cfg.vocab_size, cfg.d_model, generator=gen) * cfg.init_std
-        self.embed = VocabParallelEmbedding(full, tp)
+        self.embed = VocabParallelEmbedding(embedding_init(cfg, gen), tp)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.embed(tokens)
@@ -153,10 +159,13 @@ class Head(nn.Module):
 
     TP_SHARD_DIMS = {"output.weight": 0}
 
-    def __init__(self, cfg: ModelConfig, gen: torch.Generator, tp: TensorParallel):
+    def __init__(self, cfg: ModelConfig, gen: torch.Generator, tp: TensorParallel,
+                 tied: torch.Tensor | None = None):
+        """`tied`: the embedding's full initial weight, which the output weight copies
+        (`tie_embeddings`); otherwise the output weight is drawn from `gen`."""
         super().__init__()
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.kernels)
-        full = torch.randn(cfg.vocab_size, cfg.d_model, generator=gen) * cfg.init_std
+        full = embedding_init(cfg, gen) if tied is None else tied
         self.output = ColumnParallelLinear(full, tp)
         self.fused_loss, self.kernels = cfg.fused_head_loss, cfg.kernels
 
@@ -226,6 +235,16 @@ class LayerModel:
             return first_head_replica(self.cfg.kv_heads, tp_rank, tp_size)
         return name in self.shard_dims(index) or tp_rank == 0
 
+    def tied_parameters(self) -> tuple[tuple[int, str], ...]:
+        """(layer, parameter name) of each copy of the one tied weight: the embedding's
+        and the head's (the same shape and tp sharding); empty when nothing is tied."""
+        if not self.cfg.tie_embeddings:
+            return ()
+        return ((0, "embed.weight"), (self.num_layers - 1, "output.weight"))
+
+    def _generator(self, index: int) -> torch.Generator:
+        return torch.Generator().manual_seed(self.seed * 100_003 + index)
+
     def build_layer(self, index: int, tp: TensorParallel, dtype: torch.dtype,
                     device: torch.device, *, pretrained: bool = True) -> nn.Module:
         """Layer `index`'s shard for `tp`. With `model.init_from` and `pretrained`, its
@@ -233,9 +252,11 @@ class LayerModel:
         the seeded init; a layer about to receive state (a checkpoint, a replica) passes
         pretrained=False and the checkpoint is not read for it."""
         cls = self.layer_class(index)
-        gen = torch.Generator().manual_seed(self.seed * 100_003 + index)
+        gen = self._generator(index)
         if cls is Block:
             layer = Block(self.cfg, gen, tp, recompute=self.recompute)
+        elif cls is Head and self.cfg.tie_embeddings:
+            layer = Head(self.cfg, gen, tp, tied=embedding_init(self.cfg, self._generator(0)))
         else:
             layer = cls(self.cfg, gen, tp)
         layer = layer.to(device=device, dtype=dtype)

@@ -32,10 +32,17 @@ class ReferenceRun:
 
 def build_reference_model(model: LayerModel, dtype: torch.dtype, device: torch.device) -> nn.Sequential:
     """The model whole, in plain PyTorch: the PyTorch references of the fused kernels,
-    and a head that outputs the full logits (the oracle the fused paths are held to)."""
+    and a head that outputs the full logits (the oracle the fused paths are held to).
+    Tied embeddings are truly tied here: the head's output weight is the embedding's
+    own Parameter, so autograd sums the two uses and AdamW holds it once."""
     single = TensorParallel()  # tp = 1: every layer full size
     plain = LayerModel(replace(model.cfg, kernels="reference", fused_head_loss=False), model.seed, model.recompute)
-    return nn.Sequential(*(plain.build_layer(i, single, dtype, device) for i in range(plain.num_layers)))
+    net = nn.Sequential(*(plain.build_layer(i, single, dtype, device) for i in range(plain.num_layers)))
+    tied = [net[index].get_parameter(name) for index, name in plain.tied_parameters()]
+    for index, name in plain.tied_parameters()[1:]:
+        owner, _, attribute = name.rpartition(".")
+        setattr(net[index].get_submodule(owner), attribute, tied[0])
+    return net
 
 
 def train_reference(model: LayerModel, optim: OptimizerSettings, dataset, *, steps: int,

@@ -52,7 +52,7 @@ def test_presets_have_the_published_shapes(name):
     cfg = load_config(CONFIGS / f"{name}.yaml")
     assert (cfg.model.kv_heads, cfg.model.ffn_dim) == (kv_heads, ffn)
     assert model_shape(cfg.model).parameters == pytest.approx(published, rel=0.01)
-    assert cfg.train.min_lr == pytest.approx(cfg.train.lr / 10)
+    assert cfg.train.final_lr == pytest.approx(cfg.train.lr / 10)
 
 
 def test_planner_plans_llama3_8b(capsys):
