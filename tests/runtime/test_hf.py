@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from dataclasses import fields, replace
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -25,22 +25,13 @@ from tests.runtime.hf_helpers import float64_llama, random_llama
 
 LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                   "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
-# name: (random_llama arguments, the model.* field the case needs, Planaria's overrides)
+# name: (random_llama arguments, the same model as Planaria's overrides)
 CASES = {
-    "multi-head": ({}, None, []),
-    "grouped-query": ({"n_kv_heads": 2}, "n_kv_heads", ["model.n_kv_heads=2"]),
-    "tied-embeddings": ({"tied": True}, "tie_embeddings", ["model.tie_embeddings=true"]),
-    "rope-scaling": ({"rope_scaling": LLAMA3_SCALING}, "rope_scaling",
-                     ["model.rope_scaling=" + json.dumps(LLAMA3_SCALING)]),
+    "multi-head": ({}, []),
+    "grouped-query": ({"n_kv_heads": 2}, ["model.n_kv_heads=2"]),
+    "tied-embeddings": ({"tied": True}, ["model.tie_embeddings=true"]),
+    "rope-scaling": ({"rope_scaling": LLAMA3_SCALING}, ["model.rope_scaling=" + json.dumps(LLAMA3_SCALING)]),
 }
-_FIELDS = {f.name for f in fields(ModelConfig)}
-
-
-def _case(name: str) -> dict:
-    kwargs, needs, _ = CASES[name]
-    if needs is not None and needs not in _FIELDS:
-        pytest.skip(f"ModelConfig has no {needs} yet (added by another part of this change)")
-    return kwargs
 
 
 def planaria_logits(model: ModelConfig, tokens: torch.Tensor, seed: int = 0,
@@ -74,7 +65,7 @@ def test_rotary_permutation_round_trips_and_matches_the_conversion_script():
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_init_from_gives_hugging_face_logits_in_float64(case, tmp_path, monkeypatch):
-    hf = random_llama(**_case(case))
+    hf = random_llama(**CASES[case][0])
     hf.save_pretrained(tmp_path / "hf")
     cfg = load_config(None, [f"model.init_from={tmp_path / 'hf'}", "model.seq_len=16"])
     assert (cfg.model.n_layers, cfg.model.d_model, cfg.model.ffn_dim, cfg.model.vocab_size) == (2, 32, 72, 96)
@@ -90,8 +81,6 @@ def test_init_from_reads_a_sharded_checkpoint_and_only_its_tp_shard(n_kv_heads, 
     """Each tp rank's layer, read from a checkpoint saved in several files, is its shard
     of the layer read whole (`LayerModel.shard` of the full parameters), key/value
     heads split or replicated."""
-    if n_kv_heads != 4:
-        _case("grouped-query")
     hf = random_llama(n_kv_heads=n_kv_heads)
     hf.save_pretrained(tmp_path / "hf", max_shard_size="20KB")
     assert (tmp_path / "hf" / "model.safetensors.index.json").is_file()
@@ -123,10 +112,9 @@ def _train(tmp_path: Path, overrides: list[str]) -> subprocess.CompletedProcess:
 def test_export_gives_the_same_logits_in_transformers(case, tmp_path, monkeypatch):
     """Planaria's model, trained two steps (norm gains no longer ones), exported, loaded
     by transformers in float64: the same logits."""
-    _case(case)
     _train(tmp_path / "run", ["model.n_layers=2", "model.d_model=32", "model.n_heads=4",
                               "model.vocab_size=96", "model.rope_theta=5000", "train.steps=2",
-                              "train.dtype=float64", "train.lr=0.01", *CASES[case][2]])
+                              "train.dtype=float64", "train.lr=0.01", *CASES[case][1]])
     saved, what = find_saved_model(tmp_path / "run")
     assert saved.kind == "final" and "final" in what
     export_hf(saved, tmp_path / "hf", max_shard_size=10_000)
@@ -152,8 +140,8 @@ def test_round_trip_under_pp2_tp2(tmp_path):
     tensors, bit for bit. Then 3 steps in float32: the exported model's loss in
     transformers on a batch equals Planaria's loss of its final parameters on it."""
     transformers = pytest.importorskip("transformers")
-    # One key/value head where the model has them (multi-query): replicated on both tp ranks.
-    hf = random_llama(n_layers=4, seed=3, n_kv_heads=1 if "n_kv_heads" in _FIELDS else 4).to(torch.float32)
+    # One key/value head (multi-query): replicated on both tp ranks.
+    hf = random_llama(n_layers=4, seed=3, n_kv_heads=1).to(torch.float32)
     for p in hf.parameters():  # a model that trains: small weights, unit norm gains
         p.data = torch.ones_like(p) if p.dim() == 1 else p.data * 0.1
     hf.save_pretrained(tmp_path / "hf")
