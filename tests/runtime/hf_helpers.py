@@ -15,9 +15,10 @@ through SDPA, whose softmax stays in the inputs' dtype (the eager path's is floa
 """
 from __future__ import annotations
 
+import pytest
 import torch
 
-transformers = __import__("pytest").importorskip("transformers")
+pytest.importorskip("transformers")  # the `test` extra
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # noqa: E402
 from transformers.models.llama import modeling_llama  # noqa: E402
