@@ -131,7 +131,7 @@ def derive_model_config(model: ModelConfig, explicit: set[str]) -> ModelConfig:
         if key == "ffn_hidden" and explicit & _FFN_KEYS:
             current, shown = model.ffn_dim, "the FFN width of model." + "/".join(sorted(explicit & _FFN_KEYS))
         elif key in explicit:
-            current, shown = getattr(model, key), f"model.{key}={getattr(model, key)!r}"
+            current, shown = _effective(model, key), f"model.{key}={getattr(model, key)!r}"
         else:
             updates[key] = value
             continue
@@ -139,6 +139,17 @@ def derive_model_config(model: ModelConfig, explicit: set[str]) -> ModelConfig:
             raise ConfigError(f"{shown} disagrees with {path} ({hf_key}={value!r}): leave the key out "
                               f"to take the checkpoint's value, or set it to {value!r}")
     return replace(model, **updates)
+
+
+def _effective(model: ModelConfig, key: str) -> Any:
+    """What a model key means, for comparing with a checkpoint: n_kv_heads 0 is n_heads,
+    a rope_scaling of rope_type 'default' is none."""
+    value = getattr(model, key)
+    if key == "n_kv_heads":
+        return value or model.n_heads
+    if key == "rope_scaling" and (not value or value.get("rope_type", "default") == "default"):
+        return None
+    return value
 
 
 def hf_config_from_model(model: ModelConfig, *, torch_dtype: str,

@@ -200,6 +200,8 @@ def test_refusals_are_one_line_and_name_the_fix(tmp_path):
     (tmp_path / "empty").mkdir()
     assert "has no config.json" in _refusal([f"model.init_from={tmp_path / 'empty'}"])
 
+    agreeing = load_config(None, [init, "model.n_layers=2", "model.n_kv_heads=0", "model.seq_len=16"])
+    assert (agreeing.model.n_layers, agreeing.model.kv_heads, agreeing.model.d_model) == (2, 4, 32)
     assert "model.n_layers=3 disagrees with" in _refusal([init, "model.n_layers=3"])
     assert "num_hidden_layers=2" in _refusal([init, "model.n_layers=3"])
 
