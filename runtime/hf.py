@@ -383,12 +383,15 @@ def export_hf(saved: SavedModel, out_dir: str | Path, *, max_shard_size: int = 5
         source = _init_from_config(saved.model)
         extra = {k: source[k] for k in ("max_position_embeddings", "bos_token_id", "eos_token_id",
                                         "pad_token_id") if k in source}
+        eos_id = _data_manifest(saved).get("eos_id")
+        if "eos_token_id" not in extra and isinstance(eos_id, int):
+            extra["eos_token_id"] = eos_id  # the documents' separator: generation stops there
         config = hf_config_from_model(saved.model, torch_dtype=torch_dtype, extra=extra)
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         if len(files) > 1:
             index = {"metadata": {"total_size": total}, "weight_map": weight_map}
             (tmp / SAFETENSORS_INDEX).write_text(json.dumps(index, indent=2) + "\n")
-        copied = copy_tokenizer(tmp, tokenizer, saved)
+        copied = copy_tokenizer(tmp, tokenizer, saved, config.get("eos_token_id"))
         if out_dir.exists():
             out_dir.rmdir()
         os.replace(tmp, out_dir)
@@ -460,10 +463,9 @@ def find_tokenizer(saved: SavedModel, given: str | Path | None) -> tuple[list[tu
             raise ConfigError(f"--tokenizer {given}: no tokenizer.json there; give a tokenizer.json "
                               "file or a Hugging Face tokenizer directory")
         return found, f"--tokenizer {given}"
-    source = Path(saved.data_source) if saved.data_source else None
-    if source is not None and source.exists():
-        data_dir = source if source.is_dir() else source.parent
-        found = _tokenizer_files(data_dir, _manifest_tokenizer(data_dir))
+    data_dir = _data_dir(saved)
+    if data_dir is not None:
+        found = _tokenizer_files(data_dir, _manifest_tokenizer(data_dir, _data_manifest(saved)))
         if found:
             return found, f"the data manifest of {data_dir}"
     if saved.model.init_from and Path(saved.model.init_from).is_dir():
@@ -473,17 +475,41 @@ def find_tokenizer(saved: SavedModel, given: str | Path | None) -> tuple[list[tu
     return [], ""
 
 
-def _manifest_tokenizer(data_dir: Path) -> Path | None:
-    """The tokenizer file a data manifest names (a file name, or {file|path: name})."""
-    path = data_dir / "manifest.json"
-    if not path.is_file():
+def _added_token(tokenizer_json: Path, token_id: int | None) -> str | None:
+    """The text of special token `token_id` in a tokenizer.json, if it lists it."""
+    if token_id is None or not tokenizer_json.is_file():
         return None
-    try:
-        entry = json.loads(path.read_text()).get("tokenizer")
-    except (ValueError, OSError, AttributeError):
+    with contextlib.suppress(ValueError, OSError):
+        for token in json.loads(tokenizer_json.read_text()).get("added_tokens", []):
+            if token.get("id") == token_id:
+                return token.get("content")
+    return None
+
+
+def _data_dir(saved: SavedModel) -> Path | None:
+    """The directory of the training data (`data.source`: a prepared directory or its
+    manifest), when the save recorded one that is still there."""
+    source = Path(saved.data_source) if saved.data_source else None
+    if source is None or not source.exists():
         return None
-    if isinstance(entry, dict):
-        entry = entry.get("file") or entry.get("path")
+    return source if source.is_dir() else source.parent
+
+
+def _data_manifest(saved: SavedModel) -> dict:
+    """The manifest `planaria data prepare` wrote beside the training data; {} if none."""
+    data_dir = _data_dir(saved)
+    path = data_dir / "manifest.json" if data_dir is not None else None
+    if path is None or not path.is_file():
+        return {}
+    with contextlib.suppress(ValueError, OSError):
+        manifest = json.loads(path.read_text())
+        return manifest if isinstance(manifest, dict) else {}
+    return {}
+
+
+def _manifest_tokenizer(data_dir: Path, manifest: dict) -> Path | None:
+    """The tokenizer file a data manifest names (a file name relative to it)."""
+    entry = manifest.get("tokenizer")
     if not isinstance(entry, str):
         return None
     candidate = Path(entry) if Path(entry).is_absolute() else data_dir / entry
@@ -500,8 +526,11 @@ def _tokenizer_files(directory: Path, tokenizer_json: Path | None) -> list[tuple
     return files if names & {"tokenizer.json", "tokenizer.model"} else []
 
 
-def copy_tokenizer(out_dir: Path, given: str | Path | None, saved: SavedModel) -> str:
-    """Copy the export's tokenizer (`find_tokenizer`) into `out_dir`; a line saying what happened."""
+def copy_tokenizer(out_dir: Path, given: str | Path | None, saved: SavedModel,
+                   eos_id: int | None = None) -> str:
+    """Copy the export's tokenizer (`find_tokenizer`) into `out_dir`; a line saying what
+    happened. A tokenizer_config.json is written when none came with it, naming the end
+    of text token `eos_id` when tokenizer.json lists it among its special tokens."""
     files, origin = find_tokenizer(saved, given)
     if not files:
         return ("no tokenizer copied (none recorded by `planaria data prepare` or beside model.init_from): "
@@ -511,5 +540,8 @@ def copy_tokenizer(out_dir: Path, given: str | Path | None, saved: SavedModel) -
     if not (out_dir / "tokenizer_config.json").is_file():
         # AutoTokenizer then reads tokenizer.json through the generic fast class.
         config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": saved.model.seq_len}
+        eos = _added_token(out_dir / "tokenizer.json", eos_id)
+        if eos is not None:
+            config["eos_token"] = eos
         (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
     return f"tokenizer from {origin}: {', '.join(sorted(name for _, name in files))}"

@@ -273,7 +273,8 @@ def test_export_command_ships_the_data_tokenizer_and_transformers_generates(tmp_
                               "model.vocab_size=288", "train.steps=1"])
     data = tmp_path / "data"
     _byte_level_bpe(data / "tok", vocab=288)
-    (data / "manifest.json").write_text(json.dumps({"tokenizer": "tok/tokenizer.json"}))
+    # What `planaria data prepare` records: the tokenizer's file and the end-of-text id.
+    (data / "manifest.json").write_text(json.dumps({"tokenizer": "tok/tokenizer.json", "eos_id": 0}))
     manifest_path = tmp_path / "run" / "final" / "manifest.json"
     manifest = json.loads(manifest_path.read_text())
     assert manifest["model"]["vocab_size"] == 288 and manifest["data_source"] == "synthetic"
@@ -291,6 +292,7 @@ def test_export_command_ships_the_data_tokenizer_and_transformers_generates(tmp_
     out = model.generate(ids, max_new_tokens=5, do_sample=False)
     assert out.shape == (1, ids.shape[1] + 5)
     assert tokenizer.decode(out[0]).startswith("def fibonacci(n):")
+    assert model.config.eos_token_id == 0 and tokenizer.eos_token == "<eos>"
 
     again = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=REPO)
     assert again.returncode == 2 and "already exists and is not empty" in again.stderr
