@@ -20,7 +20,7 @@ from planaria.runtime.config import ConfigError, ModelConfig, load_config
 from planaria.runtime.hf import HFCheckpoint, export_hf, find_saved_model, from_hf_rows, to_hf_rows
 from planaria.runtime.model import LayerModel
 from planaria.runtime.tensor_parallel import TensorParallel
-from tests.launch import REPO, TINY, torchrun_train
+from tests.launch import REPO, TINY, assert_final_parameters, read_metrics, reference_run, torchrun_train
 from tests.runtime.hf_helpers import float64_llama, random_llama
 
 LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
@@ -179,6 +179,27 @@ def test_round_trip_under_pp2_tp2(tmp_path):
     assert checkpoint.kind == "checkpoint" and "iteration 1" in what
     export_hf(checkpoint, tmp_path / "checkpoint-hf")
     transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "checkpoint-hf")
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_init_from_under_a_heterogeneous_plan_trains_as_one_process(tmp_path):
+    """Every replica of a layer reads it from the checkpoint: pipelines [[2],[1,1]] (the
+    first holds both blocks, the second splits them over two stages) train a GQA
+    checkpoint in float64 exactly as a single process does."""
+    random_llama(n_kv_heads=2).save_pretrained(tmp_path / "hf")
+    config = tmp_path / "job.yaml"
+    config.write_text(f"model:\n  init_from: {tmp_path / 'hf'}\n  seq_len: 16\n")
+    job = ["data.source=synthetic", "train.steps=3", "train.global_batch=8", "train.micro_batch=1",
+           "train.dtype=float64", "train.lr=0.01", "train.log_every=100",
+           "parallel.layout=[[2],[1,1]]", "parallel.microbatches=[3,5]"]
+    torchrun_train(3, job, tmp_path / "run", config=config)
+    reference = reference_run(job, config=config)
+    losses = [m["loss"] for m in read_metrics(tmp_path / "run")]
+    assert len(losses) == 3
+    for loss, expected in zip(losses, reference.losses):
+        assert abs(loss - expected) < 1e-9, (loss, expected)
+    assert_final_parameters(tmp_path / "run" / "final", reference)
 
 
 # ------------------------------------------------------------------ refusals
