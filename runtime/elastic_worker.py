@@ -43,7 +43,7 @@ from planaria.runtime.checkpoint import save_model_shards
 from planaria.runtime.checkpointing import AsyncCheckpointer
 from planaria.runtime.config import Config, torch_dtypes
 from planaria.runtime.coordination import EpochRecord, JobEnded, StoreCoordinator, connect_store
-from planaria.runtime.data import build_dataset
+from planaria.runtime.data import dataset_for
 from planaria.runtime.engine import Engine, StepResult, TornStep
 from planaria.runtime.audit import audit_replicas
 from planaria.runtime.faults import FaultInjector, corruption_after_step, flip_a_bit
@@ -104,8 +104,7 @@ class ElasticWorker:
         self.console = console
         self.device, self.backend = device, backend
         self.optim = optimizer_settings
-        self.dataset = build_dataset(cfg.data.source, seq_len=cfg.model.seq_len,
-                                     vocab_size=cfg.model.vocab_size, seed=cfg.data.seed)
+        self.dataset = dataset_for(cfg)
         self.param_dtype, self.autocast_dtype = torch_dtypes(cfg.train.dtype)
         self.model = LayerModel(cfg.model, seed=cfg.train.seed, recompute=cfg.train.recompute)
         self.faults = FaultInjector.from_env(self.name)

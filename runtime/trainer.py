@@ -29,7 +29,7 @@ from planaria.runtime.checkpoint_files import complete_checkpoints
 from planaria.runtime.checkpointing import save_checkpoint
 from planaria.runtime.config import (Config, ConfigError, describe, load_config, plan_from_config,
                                      torch_dtypes, uses_planner)
-from planaria.runtime.data import build_dataset
+from planaria.runtime.data import dataset_for
 from planaria.runtime.elastic_worker import elastic_environment, run_elastic
 from planaria.runtime.engine import Engine, StepResult
 from planaria.runtime.faults import FaultInjector
@@ -152,8 +152,7 @@ def engine_from_config(cfg: Config, plan, rank: int, device: torch.device, *,
 
 def train(cfg: Config, plan, rank: int, device: torch.device, console: Console) -> list[StepResult]:
     out_dir = Path(cfg.output.dir)
-    dataset = build_dataset(cfg.data.source, seq_len=cfg.model.seq_len,
-                            vocab_size=cfg.model.vocab_size, seed=cfg.data.seed)
+    dataset = dataset_for(cfg)
     resume = _checkpoint_to_resume(cfg)
     if resume is not None:
         plan = replace(plan, first_iteration=resume[0] + 1)
