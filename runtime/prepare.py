@@ -52,6 +52,7 @@ DEFAULT_SHARD_TOKENS = 100_000_000
 # small enough that several workers share a corpus of a few files.
 UNIT_BYTES = 8 << 20
 UNIT_ROWS = 20_000
+ENCODE_BATCH_CHARS = 1 << 20
 _SNIFF = 8192
 
 
@@ -313,16 +314,28 @@ def in_val(text: str, val_fraction: float, seed: int) -> bool:
     return int.from_bytes(digest.digest(), "little") / 2**64 < val_fraction
 
 
+def _batches(texts: list[str], chars: int) -> Iterator[list[str]]:
+    batch, size = [], 0
+    for text in texts:
+        batch.append(text)
+        size += len(text)
+        if size >= chars:
+            yield batch
+            batch, size = [], 0
+    if batch:
+        yield batch
+
+
 def _encode(tokenizer, texts: list[str], eos_id: int, dtype: np.dtype) -> np.ndarray:
     """The documents' ids, each followed by the end-of-text id, as one array."""
-    if not texts:
-        return np.zeros(0, dtype=dtype)
-    encodings = tokenizer.encode_batch_fast(texts, add_special_tokens=False)
     eos = np.array([eos_id], dtype=dtype)
-    parts = []
-    for encoding in encodings:
-        parts.append(np.array(encoding.ids, dtype=dtype))
-        parts.append(eos)
+    parts = [np.zeros(0, dtype=dtype)]
+    # A tokenizers Encoding keeps offsets and token strings beside the ids (about 100
+    # bytes a token): batches of ~1M characters bound that, and keep the batch parallel.
+    for batch in _batches(texts, ENCODE_BATCH_CHARS):
+        for encoding in tokenizer.encode_batch_fast(batch, add_special_tokens=False):
+            parts.append(np.array(encoding.ids, dtype=dtype))
+            parts.append(eos)
     return np.concatenate(parts)
 
 
@@ -351,7 +364,7 @@ class SplitWriter:
     eos_id: int
     entries: list = field(default_factory=list)
     resume: tuple[int, int] = (0, 0)
-    _parts: list = field(default_factory=list)
+    _buffer: np.ndarray | None = None
     _buffered: int = 0
     _unit: int = 0
     _into_unit: int = 0
@@ -364,9 +377,13 @@ class SplitWriter:
         if unit_index == skip_unit:
             tokens = tokens[skip_tokens:]
             self._into_unit = skip_tokens
+        if self._buffer is None:
+            # Pages of an empty array cost nothing until written: memory grows with the
+            # shard, never past one shard's bytes, and no concatenation copies it.
+            self._buffer = np.empty(self.shard_tokens, dtype=shards.dtype_for_vocab(self.vocab_size))
         while len(tokens):
             take = min(len(tokens), self.shard_tokens - self._buffered)
-            self._parts.append(tokens[:take])
+            self._buffer[self._buffered:self._buffered + take] = tokens[:take]
             self._buffered += take
             self._into_unit += take
             tokens = tokens[take:]
@@ -378,14 +395,14 @@ class SplitWriter:
             self._flush(on_shard)
 
     def _flush(self, on_shard) -> None:
-        tokens = np.concatenate(self._parts)
+        tokens = self._buffer[:self._buffered]
         name = f"{self.split}-{len(self.entries):05d}.tokens"
         checksum = shards.write_shard(self.out / name, tokens, vocab_size=self.vocab_size, eos_id=self.eos_id)
         self.entries.append({"file": name, "tokens": int(len(tokens)),
                              "documents": int(np.count_nonzero(tokens == self.eos_id)),
                              "max_token": int(tokens.max()), shards.CHECKSUM: checksum,
                              "end": [self._unit, self._into_unit]})
-        self._parts, self._buffered = [], 0
+        self._buffered = 0
         on_shard()
 
 
