@@ -173,6 +173,10 @@ class EvalConfig:
     """Batches of train.global_batch sequences per evaluation: the same samples every time
     (the first batches of the split's seeded order), so evaluations compare."""
 
+    def due(self, iteration: int, steps: int) -> bool:
+        """Whether the validation loss is computed after step `iteration` of `steps`."""
+        return bool(self.every) and ((iteration + 1) % self.every == 0 or iteration == steps - 1)
+
 
 @dataclass(frozen=True)
 class OutputConfig:
