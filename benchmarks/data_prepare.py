@@ -1,6 +1,6 @@
 """`planaria data prepare` against the `tokenizers` library called directly, on the same files.
 
-    python benchmarks/data_prepare.py [--mb 256] [--repeats 3] [--workers 1,2] [--json out.json]
+    python benchmarks/data_prepare.py [--mb 16] [--repeats 3] [--workers 1,2] [--rss-mb 256] [--json out.json]
 
 The corpus is the standard library's `.py` files, copied over and over into a temporary
 directory until it holds `--mb` MiB (each copy of a file is a document). A byte-level BPE
@@ -16,7 +16,9 @@ timed). Then, in alternating order, `--repeats` times:
 
 Reported: the median tokens/s of each, the ratio prepare / direct, and the peak resident
 memory of prepare (the sum over its process tree, sampled every 0.1 s from /proc), with
-the load of the machine while it ran.
+the load of the machine while it ran. Then, once, prepare with the most workers on a
+corpus of `--rss-mb` MiB: its peak memory there (bounded by a shard's buffer and the
+units in flight, not by the corpus) and its rate. 0 skips it.
 """
 from __future__ import annotations
 
@@ -128,7 +130,8 @@ def run_prepare(corpus: Path, tokenizer_path: Path, out: Path, workers: int) -> 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--mb", type=int, default=256, help="corpus size in MiB")
+    parser.add_argument("--mb", type=int, default=16, help="corpus size in MiB for the rates")
+    parser.add_argument("--rss-mb", type=int, default=256, help="corpus size in MiB for the peak memory")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--workers", default="1,2", help="comma-separated --workers values of prepare")
     parser.add_argument("--json", default=None)
@@ -160,6 +163,12 @@ def main() -> None:
                 print(f"  round {r + 1} {name:>11}: {n:,} tokens in {seconds:.1f} s ({n / seconds:,.0f} tokens/s)",
                       flush=True)
         load_after = os.getloadavg()[0]
+        big = None
+        if args.rss_mb:
+            shutil.rmtree(tmp / "out", ignore_errors=True)
+            big_size = make_corpus(tmp / "big", args.rss_mb)
+            n, seconds, peak = run_prepare(tmp / "big", tokenizer_path, tmp / "out", max(workers))
+            big = {"mib": big_size / 2**20, "tokens": n, "seconds": seconds, "peak": peak}
     base = statistics.median(rates["direct"])
     print(f"\n{'':>12} {'tokens/s (median)':>18} {'/ direct':>9} {'peak RSS':>10}")
     print(f"{'direct':>12} {base:>18,.0f} {1.0:>9.2f} {'':>10}")
@@ -167,9 +176,14 @@ def main() -> None:
         rate = statistics.median(rates[name])
         print(f"{name:>12} {rate:>18,.0f} {rate / base:>9.2f} {statistics.median(peaks[name]) / 2**20:>7.0f} MiB")
     print(f"cores {os.cpu_count()}, load average {load_before:.1f} before and {load_after:.1f} after")
+    if big:
+        print(f"\nprepare --workers {max(workers)} on {big['mib']:.0f} MiB: {big['tokens']:,} tokens in "
+              f"{big['seconds']:.0f} s ({big['tokens'] / big['seconds']:,.0f} tokens/s), peak RSS "
+              f"{big['peak'] / 2**20:.0f} MiB (all processes)")
     assert len({tokens[name] for name in tokens}) == 1, f"token counts differ: {tokens}"
     if args.json:
-        Path(args.json).write_text(json.dumps({"mib": args.mb, "rates": rates, "peaks": peaks, "tokens": tokens}))
+        Path(args.json).write_text(json.dumps({"mib": args.mb, "rates": rates, "peaks": peaks, "tokens": tokens,
+                                               "big": big}))
 
 
 if __name__ == "__main__":

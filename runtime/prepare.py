@@ -298,7 +298,11 @@ _worker: dict = {}
 """This process's tokenizer and settings, loaded once per worker by `_init_worker`."""
 
 
-def _init_worker(settings: EncodeSettings) -> None:
+def _init_worker(settings: EncodeSettings, one_thread: bool = False) -> None:
+    """`one_thread` in a pool's worker: the pool is the parallelism, and a thread pool of
+    the tokenizer's own in each worker would only contend for the same cores."""
+    if one_thread:
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
     from tokenizers import Tokenizer
 
     _worker["settings"] = settings
@@ -549,7 +553,7 @@ def _run_units(units, first_unit, encode: EncodeSettings, workers: int, writers,
         else:
             # spawn: a forked child of a process that used tokenizers' thread pool
             # would run single-threaded with a warning, or hang.
-            pool = multiprocessing.get_context("spawn").Pool(workers, _init_worker, (encode,))
+            pool = multiprocessing.get_context("spawn").Pool(workers, _init_worker, (encode, True))
             results = pool.imap(encode_unit, (u for _, u in todo))
         try:
             for (index, unit), encoded in zip(todo, results):
