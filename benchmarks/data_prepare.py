@@ -8,8 +8,9 @@ of 4096 tokens is trained first on one copy (`planaria data prepare --train-bpe`
 timed). Then, in alternating order, `--repeats` times:
 
   direct     one process reads the files in the same groups as prepare's units and calls
-             `Tokenizer.encode_batch_fast` on each group (the library's own thread pool
-             over all cores): the tokenizer's throughput with nothing around it;
+             `Tokenizer.encode_batch_fast` on them, in prepare's batches of ~1M characters
+             (the library's own thread pool over all cores): the tokenizer's throughput
+             with nothing around it (the +1 per document counts the end-of-text id);
   prepare W  `planaria data prepare --workers W` in a fresh process: the same encoding, plus
              the validation hash of each document, the ids as numpy arrays, the shards
              written (fsync'd) with their checksums, the journal, and the manifest.
@@ -68,7 +69,8 @@ def direct(corpus: Path, tokenizer_path: Path) -> tuple[int, float]:
     n = 0
     for unit in units:
         texts = [Path(p).read_bytes().decode("utf-8", errors="replace") for p in unit.paths]
-        n += sum(len(e.ids) + 1 for e in tokenizer.encode_batch_fast(texts, add_special_tokens=False))
+        for batch in prep._batches(texts, prep.ENCODE_BATCH_CHARS):  # prepare's batches, for a like comparison
+            n += sum(len(e.ids) + 1 for e in tokenizer.encode_batch_fast(batch, add_special_tokens=False))
     return n, time.perf_counter() - started
 
 
