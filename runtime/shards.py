@@ -38,7 +38,7 @@ from planaria.runtime.checkpoint_files import atomic_write, atomic_write_bytes
 
 __all__ = ["MAGIC", "VERSION", "HEADER_SIZE", "MANIFEST", "FORMAT", "SPLITS", "ShardHeader", "ShardStream",
            "dtype_for_vocab", "dtype_name", "write_shard", "read_header", "open_shard", "is_shard",
-           "file_checksum", "write_manifest", "read_manifest", "manifest_path"]
+           "file_checksum", "write_manifest", "read_manifest", "manifest_path", "TOKENIZER_FILE"]
 
 MAGIC = b"PLNRTOK\0"
 VERSION = 1
@@ -201,7 +201,6 @@ class ShardStream:
     ndim = 1
 
     def __init__(self, parts: list[np.ndarray], names: list[str]):
-        parts = [p for p in parts]
         if not parts:
             raise ValueError("a shard stream needs at least one shard")
         dtypes = {p.dtype for p in parts}

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import collections
 import json
-import os
 import re
 import shutil
 import subprocess
