@@ -7,6 +7,7 @@ validation loss."""
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import re
 import shutil
@@ -24,13 +25,24 @@ from planaria.chaos.cli import build_parser
 from planaria.runtime import prepare as prep
 from planaria.runtime import shards
 from planaria.runtime.config import load_config
-from planaria.runtime.data import _stdlib_files, build_dataset
+from planaria.runtime.data import _stdlib_files, build_dataset, dataset_for
 from planaria.runtime.model import LayerModel
-from planaria.runtime.optim import OptimizerSettings
-from planaria.runtime.reference import build_reference_model, train_reference
+from planaria.runtime.reference import build_reference_model
+from tests.launch import TINY, read_metrics, torchrun_train
 
 N_FILES = 300
 LLAMA3_VOCAB = 128_256
+
+
+@contextlib.contextmanager
+def one_torch_thread():
+    """Tiny models on a small shared machine: threads only contend (16x slower with two)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _args(*argv):
@@ -251,38 +263,35 @@ def test_bad_inputs_are_one_line_errors(stdlib_slice, bpe_corpus, tmp_path):
 # ---------------------------------------------------------------- training on the corpora
 
 
-def _val_loss(net, val, batches: int = 4, batch: int = 8) -> float:
+def _untrained_val_loss(cfg, batches: int) -> float:
+    """The validation loss of the model as initialised, on the samples the trainer's
+    evaluations use (the first `batches` global batches of the split's order)."""
+    val = dataset_for(cfg, "val")
+    net = build_reference_model(LayerModel(cfg.model, seed=cfg.train.seed), torch.float32, torch.device("cpu"))
     with torch.no_grad():
         losses = [F.cross_entropy(net(x).flatten(0, 1), y.flatten()).item()
-                  for x, y in (val.batch(i, batch, seed=0) for i in range(batches))]
+                  for x, y in (val.batch(i, cfg.train.global_batch, cfg.data.seed) for i in range(batches))]
     return sum(losses) / len(losses)
 
 
-@pytest.fixture
-def one_thread():
-    """Tiny models on a small shared machine: threads only contend (16x slower with two)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("which, vocab", [("bpe_corpus", 4096), ("big_corpus", LLAMA3_VOCAB)])
-def test_training_on_a_prepared_corpus_lowers_the_validation_loss(which, vocab, request, one_thread):
+def test_training_on_a_prepared_corpus_lowers_the_validation_loss(which, vocab, request, tmp_path):
+    """`python -m planaria.train` on the shards, evaluating on the held-out documents."""
     corpus = request.getfixturevalue(which)
-    cfg = load_config(None, [f"data.source={corpus}", f"model.vocab_size={vocab}", "model.d_model=64",
-                             "model.n_layers=2", "model.n_heads=4", "model.seq_len=32"])
-    train = build_dataset(cfg.data.source, seq_len=32, vocab_size=vocab, seed=0)
-    val = build_dataset(cfg.data.source, seq_len=32, vocab_size=vocab, seed=0, split="val")
-    model = LayerModel(cfg.model, seed=0)
-    before = _val_loss(build_reference_model(model, torch.float32, torch.device("cpu")), val)
     # A step of the 128k head costs thirty of the 4096 one: fewer, smaller steps.
     steps, batch = (40, 8) if vocab < 65_536 else (12, 4)
-    optim = OptimizerSettings(lr=1e-2, min_lr=1e-3, warmup_steps=0, lr_schedule="cosine", total_steps=steps,
-                              weight_decay=0.0)
-    run = train_reference(model, optim, train, steps=steps, global_batch=batch, micro_batch=batch, data_seed=0,
-                          grad_clip=1.0)
-    after = _val_loss(run.model, val)
-    print(f"validation loss {before:.3f} -> {after:.3f}")
+    job = [f"data.source={corpus}", f"model.vocab_size={vocab}", "model.d_model=64", "model.n_layers=2",
+           "model.n_heads=4", "model.seq_len=32", f"train.steps={steps}", f"train.global_batch={batch}",
+           f"train.micro_batch={batch}", "train.lr=1e-2", "train.min_lr=1e-3", "train.warmup_steps=0",
+           "train.weight_decay=0", "eval.every=4", "eval.batches=4", "output.save_final=false",
+           "train.log_every=100"]
+    torchrun_train(1, job, tmp_path)
+    evals = [m["val_loss"] for m in read_metrics(tmp_path) if "val_loss" in m]
+    assert len(evals) == steps // 4
+    with one_torch_thread():
+        before = _untrained_val_loss(load_config(TINY, job), batches=4)
+    print(f"validation loss {before:.3f} untrained, then {', '.join(f'{v:.3f}' for v in evals)}")
     assert before > np.log(vocab) - 1.0  # the untrained model knows nothing of the text
-    assert after < before - 1.5, (before, after)
+    assert evals[-1] < evals[0] < before and evals[-1] < before - 1.0
