@@ -295,3 +295,23 @@ def test_training_on_a_prepared_corpus_lowers_the_validation_loss(which, vocab, 
     print(f"validation loss {before:.3f} untrained, then {', '.join(f'{v:.3f}' for v in evals)}")
     assert before > np.log(vocab) - 1.0  # the untrained model knows nothing of the text
     assert evals[-1] < evals[0] < before and evals[-1] < before - 1.0
+
+
+def test_a_hugging_face_tokenizer_directory_names_its_end_of_text(bpe_corpus, stdlib_slice, tmp_path):
+    """The eos_token of the tokenizer_config.json beside tokenizer.json separates the
+    documents, and both files are kept with the shards for export."""
+    from tokenizers import AddedToken, Tokenizer
+
+    hf = tmp_path / "hf-tokenizer"
+    hf.mkdir()
+    tokenizer = Tokenizer.from_file(str(bpe_corpus / "tokenizer.json"))
+    tokenizer.add_special_tokens([AddedToken("<|eot|>", special=True)])
+    tokenizer.save(str(hf / "tokenizer.json"))
+    (hf / "tokenizer_config.json").write_text(json.dumps({"eos_token": {"content": "<|eot|>"}}))
+    out = tmp_path / "out"
+    prep.prepare(_args(stdlib_slice, "--out", out, "--tokenizer", hf, "--val-fraction", 0.05))
+    manifest = shards.read_manifest(out)
+    assert manifest["eos_id"] == 4096 == tokenizer.token_to_id("<|eot|>")
+    assert (out / "tokenizer_config.json").read_text() == (hf / "tokenizer_config.json").read_text()
+    docs = sum(e["documents"] for split in manifest["splits"].values() for e in split)
+    assert docs == N_FILES
