@@ -38,6 +38,7 @@ from pathlib import Path
 
 
 from planaria.runtime import prepare as prep
+from planaria.runtime.corpus import discover
 from planaria.runtime import shards
 from planaria.runtime.data import _stdlib_files
 
@@ -64,7 +65,7 @@ def direct(corpus: Path, tokenizer_path: Path) -> tuple[int, float]:
     from tokenizers import Tokenizer
 
     tokenizer = Tokenizer.from_file(str(tokenizer_path))
-    units = prep.discover([str(corpus)], "text")
+    units = discover([str(corpus)], "text")
     started = time.perf_counter()
     n = 0
     for unit in units:

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from planaria.chaos.cli import build_parser
+from planaria.runtime import corpus as inputs
 from planaria.runtime import prepare as prep
 from planaria.runtime import shards
 from planaria.runtime.config import load_config
@@ -161,7 +162,7 @@ def _shard_bytes(out: Path) -> dict[str, bytes]:
 
 
 def test_workers_interruptions_and_reruns_give_the_same_shards(bpe_corpus, stdlib_slice, tmp_path, monkeypatch):
-    monkeypatch.setattr(prep, "UNIT_BYTES", 64 << 10)  # many units, so that two workers share them
+    monkeypatch.setattr(inputs, "UNIT_BYTES", 64 << 10)  # many units, so that two workers share them
     tokenizer = bpe_corpus / "tokenizer.json"
     common = ["--tokenizer", tokenizer, "--shard-tokens", 30_000, "--val-fraction", 0.05]
     prep.prepare(_args(stdlib_slice, "--out", tmp_path / "one", *common))
