@@ -18,6 +18,9 @@ Subcommands available now:
                 [--trace FILE --time-scale X] [section.key=value ...]
                                                        inject faults into a local cluster's job and
                                                        compare it with the same job without them
+  planaria data prepare INPUT... --out DIR (--tokenizer PATH | --train-bpe VOCAB) [--workers N]
+                [--text-key K] [--val-fraction F] [--shard-tokens N]
+                                                       tokenize a text corpus into shards (docs/data.md)
   planaria simulate --trace FILE|p3|g4dn|synthetic:EVERY --model NAME|CONFIG.yaml [--hardware NAME]
                 [--gpus-per-node G] [--fault-tolerance F] [--policy planaria|checkpoint|redundancy|all]
                 [--json] [--plot FILE]                 replay a preemption trace at cluster scale
@@ -315,8 +318,10 @@ def build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(func=_demo)
 
     from planaria.chaos.simulator.cli import add_parser as add_simulate
+    from planaria.runtime.prepare import add_parser as add_data
 
     add_simulate(sub)
+    add_data(sub)
     return parser
 
 

@@ -28,8 +28,8 @@ from planaria.chaos.faults import FaultSpec, FaultSpecError, validate
 from planaria.chaos.progress import RunProgress
 from planaria.chaos.plot import plot_report
 from planaria.chaos.report import (InjectedFault, Report, build_report, CommitTail, format_epoch_event,
-                                   read_commits, recovery_notes, recovery_table, step_losses, verdict_table,
-                                   write_json_atomically, write_report)
+                                   read_commits, read_evals, recovery_notes, recovery_table, step_losses,
+                                   step_val_losses, verdict_table, write_json_atomically, write_report)
 from planaria.chaos.sources import (RandomFaults, TraceReplay, find_trace, random_kinds, read_trace,
                                     replay_schedule)
 from planaria.runtime.config import load_config
@@ -182,6 +182,7 @@ def reference_run(settings: ChaosSettings, console: Console) -> dict:
     # and --fresh-reference measures again).
     gaps = [b[0] - a[0] for a, b in zip(times, times[1:])]
     data = {"losses": {str(i): v for i, v in losses.items()},
+            "val_losses": {str(i): v for i, v in step_val_losses(read_evals(run.out_dir)).items()},
             "step_s": (times[-1][0] - times[0][0]) / max(1, len(times) - 1),
             "median_step_s": statistics.median(gaps) if gaps else 0.0}
     cache.parent.mkdir(parents=True, exist_ok=True)

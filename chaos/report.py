@@ -2,7 +2,8 @@
 plot is `planaria.chaos.plot`'s).
 
 Everything is read back from what the run left: the workers' commit logs
-(`commits-<worker>.jsonl`: one line per committed step), the controller's account of
+(`commits-<worker>.jsonl`: one line per committed step; `evals-<worker>.jsonl`: one line
+per validation loss, with `eval.every`), the controller's account of
 each reconfiguration and the workers' recovery timings (from the job's store), and the
 harness's own list of injected faults. Nothing is taken on the harness's word that can
 be read from the job itself.
@@ -79,6 +80,10 @@ class Report:
     """The ETTR against `own_step_s`: what the faults cost, without that drift."""
     losses: dict[int, float] = field(default_factory=dict)
     reference_losses: dict[int, float] = field(default_factory=dict)
+    max_val_loss_diff: float | None = None
+    """Over every validation loss any worker logged (`eval.every`), against the reference's."""
+    val_losses: dict[int, float] = field(default_factory=dict)
+    reference_val_losses: dict[int, float] = field(default_factory=dict)
     commit_times: list[tuple[float, int]] = field(default_factory=list)
     """(time since the first commit, iteration) of every step, in commit order."""
     live_nodes: list[tuple[float, int]] = field(default_factory=list)
@@ -91,7 +96,7 @@ class Report:
     """As injected, with their times (the plot marks them)."""
 
     SERIES = ("losses", "reference_losses", "commit_times", "live_nodes", "training_nodes",
-              "first_commit_time", "faults")
+              "first_commit_time", "faults", "val_losses", "reference_val_losses")
 
     def summary(self) -> dict:
         data = asdict(self)
@@ -107,6 +112,23 @@ def read_commits(out_dir: Path) -> dict[str, list[dict]]:
         lines = path.read_text().splitlines()
         logs[path.stem.removeprefix("commits-")] = [json.loads(line) for line in lines if line.strip()]
     return logs
+
+
+def read_evals(out_dir: Path) -> dict[str, list[dict]]:
+    """Each worker's validation losses (`evals-<worker>.jsonl`), in the order it logged them."""
+    logs = {}
+    for path in sorted(Path(out_dir).glob("evals-*.jsonl")):
+        lines = path.read_text().splitlines()
+        logs[path.stem.removeprefix("evals-")] = [json.loads(line) for line in lines if line.strip()]
+    return logs
+
+
+def step_val_losses(logs: dict[str, list[dict]]) -> dict[int, float]:
+    """The validation loss after each evaluated step, the first logged in time."""
+    found: dict[int, float] = {}
+    for e in sorted((e for entries in logs.values() for e in entries), key=lambda e: e["time"]):
+        found.setdefault(e["iteration"], e["val_loss"])
+    return found
 
 
 class CommitTail:
@@ -235,6 +257,10 @@ def build_report(*, out_dir: Path, steps: int, outcome: str, faults: list[Inject
     # equal the reference as much as the first one did.
     diffs = [abs(e["loss"] - ref_losses[e["iteration"]]) for entries in logs.values() for e in entries
              if e["iteration"] in ref_losses]
+    evals = read_evals(out_dir)
+    ref_val = {int(k): v for k, v in reference.get("val_losses", {}).items()}
+    val_diffs = [abs(e["val_loss"] - ref_val[e["iteration"]]) for entries in evals.values() for e in entries
+                 if e["iteration"] in ref_val]
     start = times[0][0] if times else 0.0
     last = times[-1][0] - start if times else 0.0
     own = own_step_s([t for t, _ in times], [f.time for f in faults]) if times else None
@@ -248,6 +274,8 @@ def build_report(*, out_dir: Path, steps: int, outcome: str, faults: list[Inject
         ettr=ettr, wall_s=wall_s, recoveries=recoveries(faults, events, timings, logs),
         reference_step_s=reference.get("step_s"), own_step_s=own, ettr_own_steps=ettr_own,
         losses=losses, reference_losses=ref_losses,
+        max_val_loss_diff=max(val_diffs) if val_diffs else None, val_losses=step_val_losses(evals),
+        reference_val_losses=ref_val,
         commit_times=[(t - start, i) for t, i in times],
         live_nodes=[(t - start, n) for t, n in live_nodes], training_nodes=training_nodes(logs, start),
         first_commit_time=times[0][0] if times else None, faults=list(faults))
@@ -324,7 +352,9 @@ def load_report(path: Path) -> Report:
                   live_nodes=[tuple(x) for x in series["live_nodes"]],
                   training_nodes=[tuple(x) for x in series.get("training_nodes", [])],
                   first_commit_time=series.get("first_commit_time"),
-                  faults=[InjectedFault(**f) for f in series.get("faults", [])])
+                  faults=[InjectedFault(**f) for f in series.get("faults", [])],
+                  val_losses={int(k): v for k, v in series.get("val_losses", {}).items()},
+                  reference_val_losses={int(k): v for k, v in series.get("reference_val_losses", {}).items()})
 
 
 def _fmt(value, unit: str = "") -> str:
@@ -380,6 +410,8 @@ def verdict_table(report: Report):
             ("committed steps lost", str(report.committed_steps_lost)),
             ("checkpoint loads", str(report.checkpoint_loads)),
             ("max loss diff vs reference", diff),
+            *([("max validation loss diff vs reference", f"{report.max_val_loss_diff:.2e}")]
+              if report.max_val_loss_diff is not None else []),
             ("ETTR", "-" if report.ettr is None else f"{report.ettr:.2f}"),
             ("ETTR against this run's own steps", "-" if report.ettr_own_steps is None else
              f"{report.ettr_own_steps:.2f} ({report.own_step_s:.3f} s a step away from faults, "

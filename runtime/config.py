@@ -116,7 +116,11 @@ class ModelConfig:
 @dataclass(frozen=True)
 class DataConfig:
     source: str = "synthetic"
-    """'synthetic', 'stdlib' (byte-level corpus of the Python standard library), or a path to a uint16 .bin file."""
+    """'synthetic', 'stdlib' (byte-level corpus of the Python standard library), a directory
+    prepared by `planaria data prepare` (or its manifest.json), or a headerless .bin file."""
+    dtype: str = ""
+    """Token width of a headerless nanoGPT .bin: 'uint16' or 'uint32' (required for one);
+    empty for prepared shards, whose header says it (a contradicting value is refused)."""
     seed: int = 1234
     """Seed of the sample permutation: iteration k reads samples [k*B, (k+1)*B) of it."""
 
@@ -214,6 +218,20 @@ class ParallelConfig:
 
 
 @dataclass(frozen=True)
+class EvalConfig:
+    every: int = 0
+    """Compute the validation loss (data's `val` split, forward only) every this many
+    steps and after the last; 0: never."""
+    batches: int = 4
+    """Batches of train.global_batch sequences per evaluation: the same samples every time
+    (the first batches of the split's seeded order), so evaluations compare."""
+
+    def due(self, iteration: int, steps: int) -> bool:
+        """Whether the validation loss is computed after step `iteration` of `steps`."""
+        return bool(self.every) and ((iteration + 1) % self.every == 0 or iteration == steps - 1)
+
+
+@dataclass(frozen=True)
 class OutputConfig:
     dir: str = "runs/default"
     """Where metrics.jsonl and the final model go."""
@@ -240,6 +258,7 @@ class Config:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
 
     @property
     def checkpoint_dir(self) -> Path:
@@ -421,9 +440,22 @@ def check_config(cfg: Config) -> Config:
         raise ConfigError(f"parallel.layout has {len(p.layout)} pipeline(s) of {[len(x) for x in p.layout]} "
                           f"stages, which parallel.pp={p.pp} and parallel.dp={p.dp} contradict; set "
                           "only the layout (pp and dp 0)")
+    _check_data_and_eval(cfg)
     if not uses_planner(cfg):
         plan_from_config(cfg)  # layout, microbatch split and schedule shape
     return cfg
+
+
+def _check_data_and_eval(cfg: Config) -> None:
+    if cfg.data.dtype not in ("", "uint16", "uint32"):
+        raise ConfigError(f"data.dtype {cfg.data.dtype!r} is unknown; use uint16 or uint32 for a headerless "
+                          ".bin, or leave it empty (a prepared corpus's header says it)")
+    if cfg.eval.every < 0 or cfg.eval.batches < 1:
+        raise ConfigError(f"eval.every must be 0 (off) or more and eval.batches at least 1; got "
+                          f"every={cfg.eval.every}, batches={cfg.eval.batches}")
+    if cfg.eval.every and cfg.data.source == "stdlib":
+        raise ConfigError("eval.every needs a validation split, which data.source 'stdlib' lacks; prepare a "
+                          "corpus with `planaria data prepare` or set eval.every: 0")
 
 
 # gloo retries a connection refused by a dead peer (its retry limit is 3), each attempt

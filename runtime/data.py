@@ -6,8 +6,14 @@ This module owns two things:
    - ``"synthetic"``: a learnable stream of random motifs, generated from the seed;
    - ``"stdlib"``: the running Python's standard-library ``.py`` files as bytes
      (vocab 256), a real corpus that needs no download;
-   - any other string: a path to a nanoGPT-style ``.bin`` file of little-endian
-     ``uint16`` tokens, memory-mapped read-only.
+   - a corpus prepared by ``planaria data prepare`` (its directory or manifest):
+     all shards of the split, each memory-mapped, read as one stream
+     (:class:`planaria.runtime.shards.ShardStream`); or a single shard file;
+   - a headerless nanoGPT-style ``.bin`` file of little-endian tokens, only with
+     ``data.dtype`` (uint16 or uint32) saying their width, memory-mapped read-only.
+
+   Each source has a ``train`` split; prepared corpora and ``synthetic`` also a
+   ``val`` split (held out by document; synthetic: the same motifs in another order).
 
 2. Mapping a training iteration to its samples, independent of the parallel plan.
    Sample ``i`` is ``tokens[i*T : i*T + T + 1]`` (inputs are the first ``T``
@@ -36,7 +42,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-__all__ = ["TokenDataset", "build_dataset", "SYNTHETIC", "STDLIB"]
+from planaria.runtime import shards
+
+__all__ = ["TokenDataset", "build_dataset", "dataset_for", "SYNTHETIC", "STDLIB"]
 
 SYNTHETIC = "synthetic"
 STDLIB = "stdlib"
@@ -46,6 +54,10 @@ KEY_SOURCE = "data.source"
 KEY_SEED = "data.seed"
 KEY_SEQ_LEN = "model.seq_len"
 KEY_VOCAB = "model.vocab_size"
+KEY_DTYPE = "data.dtype"
+
+SPLITS = shards.SPLITS
+HEADERLESS_DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
 
 DEFAULT_SYNTHETIC_SAMPLES = 4096
 DEFAULT_STDLIB_MAX_BYTES = 16 * 2**20
@@ -57,6 +69,7 @@ _MOTIF_LEN = 16
 # Mixed into the synthetic generator's seed so its random stream never
 # coincides with the permutation streams default_rng([seed, epoch]).
 _SYNTHETIC_STREAM_TAG = 0x53594E54  # "SYNT"
+_SYNTHETIC_VAL_TAG = 0x56414C  # "VAL": the held-out order of the same motifs
 
 
 def _as_int(value, key: str, minimum: int) -> int:
@@ -95,7 +108,8 @@ class TokenDataset:
     _PERM_CACHE_SIZE = 2
 
     def __init__(self, tokens: np.ndarray, seq_len: int, description: str):
-        tokens = np.asarray(tokens) if not isinstance(tokens, np.ndarray) else tokens
+        if not isinstance(tokens, (np.ndarray, shards.ShardStream)):
+            tokens = np.asarray(tokens)  # a stream of shards stays mapped, never concatenated
         if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
             raise ValueError(
                 f"tokens must be a 1-D integer array, got shape {tokens.shape} dtype {tokens.dtype}"
@@ -181,18 +195,22 @@ class TokenDataset:
 # ---------------------------------------------------------------- sources
 
 
-def _synthetic_tokens(seed: int, vocab_size: int, num_samples: int, seq_len: int) -> np.ndarray:
+def _synthetic_tokens(seed: int, vocab_size: int, num_samples: int, seq_len: int,
+                      split: str = "train") -> np.ndarray:
     """A stream of ``_N_MOTIFS`` fixed random motifs in random order.
 
     Within a motif the next token is (nearly) determined by the context, so a
     model's loss can fall far below log(vocab); only motif boundaries carry
-    log(_N_MOTIFS) nats of real uncertainty.
+    log(_N_MOTIFS) nats of real uncertainty. The ``val`` split strings the same
+    motifs in an order of its own.
     """
     rng = np.random.default_rng([_SYNTHETIC_STREAM_TAG, seed])
     dtype = _token_dtype(vocab_size)
     motifs = rng.integers(0, vocab_size, size=(_N_MOTIFS, _MOTIF_LEN), dtype=np.int64).astype(dtype)
     n_tokens = num_samples * seq_len + 1
     n_motifs = -(-n_tokens // _MOTIF_LEN)
+    if split == "val":
+        rng = np.random.default_rng([_SYNTHETIC_STREAM_TAG, seed, _SYNTHETIC_VAL_TAG])
     order = rng.integers(0, _N_MOTIFS, size=n_motifs)
     return motifs[order].reshape(-1)[:n_tokens]
 
@@ -244,7 +262,7 @@ def _stdlib_dataset(seq_len: int, vocab_size: int, max_bytes: int) -> TokenDatas
     if not corpus:
         raise ValueError(
             f"{KEY_SOURCE}: no .py files found under the standard library at {stdlib!r}; "
-            f"use 'synthetic' or a path to a uint16 token file"
+            f"use 'synthetic' or a corpus prepared by `planaria data prepare`"
         )
     tokens = np.frombuffer(corpus, dtype=np.uint8)
     ver = f"{sys.version_info.major}.{sys.version_info.minor}"
@@ -252,38 +270,109 @@ def _stdlib_dataset(seq_len: int, vocab_size: int, max_bytes: int) -> TokenDatas
     return TokenDataset(tokens, seq_len, desc)
 
 
-def _bin_dataset(source: str, seq_len: int, vocab_size: int) -> TokenDataset:
-    hint = "give a path to a uint16 token file, or use 'synthetic' or 'stdlib'"
+_PATH_HINT = ("give a directory prepared by `planaria data prepare`, a headerless .bin with data.dtype, "
+              "or use 'synthetic' or 'stdlib'")
+
+
+def _bin_dataset(source: str, seq_len: int, vocab_size: int, dtype: str) -> TokenDataset:
+    """A headerless nanoGPT .bin: nothing in it says how wide its tokens are, so
+    `data.dtype` must (a uint32 corpus read as uint16 trains on garbage, silently)."""
     path = Path(source).expanduser()
-    if not path.exists():
-        raise ValueError(f"{KEY_SOURCE}: file {source!r} not found; {hint}")
-    if not path.is_file():
-        raise ValueError(f"{KEY_SOURCE}: {source!r} is not a regular file; {hint}")
+    if not dtype:
+        raise ValueError(f"{KEY_DTYPE}: {source!r} has no shard header, so its token width is unknown; set "
+                         f"{KEY_DTYPE}: uint16 (vocabularies up to 65,536) or uint32, or prepare the corpus "
+                         f"with `planaria data prepare`")
+    width = HEADERLESS_DTYPES[dtype]
+    name = dtype
     size = path.stat().st_size
     if size == 0:
-        raise ValueError(f"{KEY_SOURCE}: file {source!r} is empty; {hint}")
-    if size % 2:
+        raise ValueError(f"{KEY_SOURCE}: file {source!r} is empty; {_PATH_HINT}")
+    if size % width.itemsize:
         raise ValueError(
-            f"{KEY_SOURCE}: file {source!r} has an odd byte length ({size:,}), so it is not a "
-            f"stream of uint16 tokens; {hint}"
+            f"{KEY_SOURCE}: file {source!r} has a byte length ({size:,}) that is not a multiple of "
+            f"{width.itemsize}, so it is not a stream of {name} tokens; check {KEY_DTYPE} or the file"
         )
-    n_tokens = size // 2
-    if n_tokens < seq_len + 1:
-        raise ValueError(
-            f"{KEY_SOURCE}: file {source!r} holds {n_tokens:,} tokens, too short for one sample "
-            f"of {KEY_SEQ_LEN}={seq_len} (needs {seq_len + 1:,}); use more data or a shorter seq_len"
-        )
+    n_tokens = size // width.itemsize
+    _check_length(source, n_tokens, seq_len)
     # Read-only map: the file may be shared by every rank on the host and is
     # never copied into process memory as a whole.
-    tokens = np.memmap(path, dtype="<u2", mode="r")
-    max_token = _largest_token(path, tokens)
+    tokens = np.memmap(path, dtype=width, mode="r")
+    _check_vocab(source, _largest_token(path, tokens), vocab_size)
+    desc = f"token file {str(path)!r}: {n_tokens:,} {name} tokens ({size / 2**20:.1f} MiB)"
+    return TokenDataset(tokens, seq_len, desc)
+
+
+def _check_length(source: str, n_tokens: int, seq_len: int) -> None:
+    if n_tokens < seq_len + 1:
+        raise ValueError(
+            f"{KEY_SOURCE}: {source!r} holds {n_tokens:,} tokens, too short for one sample "
+            f"of {KEY_SEQ_LEN}={seq_len} (needs {seq_len + 1:,}); use more data or a shorter seq_len"
+        )
+
+
+def _check_vocab(source: str, max_token: int, vocab_size: int) -> None:
     if max_token >= vocab_size:
         raise ValueError(
-            f"{KEY_VOCAB}: file {source!r} contains token id {max_token}, which does not fit "
+            f"{KEY_VOCAB}: {source!r} contains token id {max_token}, which does not fit "
             f"vocab_size={vocab_size}; set {KEY_VOCAB} >= {max_token + 1}"
         )
-    desc = f"token file {str(path)!r}: {n_tokens:,} uint16 tokens ({size / 2**20:.1f} MiB)"
+
+
+def _check_header_dtype(source: str, header: shards.ShardHeader, dtype: str) -> None:
+    """The header is the authority on the token width; a contradicting data.dtype is a mistake."""
+    actual = shards.dtype_name(header.dtype)
+    if dtype and dtype != actual:
+        raise ValueError(f"{KEY_DTYPE}: {dtype} contradicts {source!r}, whose header says {actual} tokens; "
+                         f"remove {KEY_DTYPE} (a shard's header sets the width)")
+
+
+def _shard_dataset(source: str, seq_len: int, vocab_size: int, dtype: str, split: str) -> TokenDataset:
+    """A single shard file given directly: the stream of one split, whatever it was."""
+    if split != "train":
+        raise ValueError(f"{KEY_SOURCE}: {source!r} is a single shard, with no {split!r} split; give the "
+                         f"prepared directory (its manifest names the splits)")
+    header, tokens = shards.open_shard(Path(source).expanduser())
+    _check_header_dtype(source, header, dtype)
+    _check_length(source, header.num_tokens, seq_len)
+    if header.vocab_size > vocab_size:  # ids may still fit: only then read them all
+        _check_vocab(source, int(tokens.max()), vocab_size)
+    desc = (f"token shard {source!r}: {header.num_tokens:,} {shards.dtype_name(header.dtype)} tokens, "
+            f"vocab {header.vocab_size:,}")
     return TokenDataset(tokens, seq_len, desc)
+
+
+def _prepared_dataset(source: str, seq_len: int, vocab_size: int, dtype: str, split: str) -> TokenDataset:
+    """All shards of one split of a prepared corpus as one memory-mapped stream."""
+    path = shards.manifest_path(Path(source).expanduser())
+    try:
+        manifest = shards.read_manifest(path)
+    except ValueError as err:
+        raise ValueError(f"{KEY_SOURCE}: {err}") from None
+    entries = manifest.get("splits", {}).get(split) or []
+    if not entries:
+        raise ValueError(f"{KEY_SOURCE}: {source!r} has no {split!r} shards; prepare it again "
+                         f"(`planaria data prepare`, --val-fraction above 0 for a validation split)")
+    parts, names = [], []
+    for entry in entries:
+        file = path.parent / entry["file"]
+        if not file.is_file():
+            raise ValueError(f"{KEY_SOURCE}: shard {str(file)!r} named by {str(path)!r} is missing; "
+                             f"run `planaria data prepare` again into that directory")
+        header, tokens = shards.open_shard(file)
+        _check_header_dtype(str(file), header, dtype)
+        if header.num_tokens != entry["tokens"] or header.vocab_size != manifest["vocab_size"]:
+            raise ValueError(f"{str(file)!r} holds {header.num_tokens:,} tokens of vocab {header.vocab_size:,}, "
+                             f"its manifest says {entry['tokens']:,} of {manifest['vocab_size']:,}; run "
+                             f"`planaria data prepare` again into that directory")
+        # The manifest keeps each shard's largest id: no pass over a terabyte at each start.
+        _check_vocab(str(file), int(entry["max_token"]), vocab_size)
+        parts.append(tokens)
+        names.append(entry["file"])
+    stream = shards.ShardStream(parts, names)
+    _check_length(source, len(stream), seq_len)
+    desc = (f"prepared corpus {source!r} ({split}): {len(stream):,} {shards.dtype_name(stream.dtype)} tokens "
+            f"in {len(parts)} shards, vocab {manifest['vocab_size']:,}")
+    return TokenDataset(stream, seq_len, desc)
 
 
 def _largest_token(path: Path, tokens: np.ndarray) -> int:
@@ -320,29 +409,56 @@ def build_dataset(
     seed: int,
     num_samples: int = DEFAULT_SYNTHETIC_SAMPLES,
     max_bytes: int = DEFAULT_STDLIB_MAX_BYTES,
+    dtype: str = "",
+    split: str = "train",
 ) -> TokenDataset:
-    """Build the dataset named by ``source`` ('synthetic', 'stdlib' or a .bin path).
+    """Build the dataset named by ``source`` ('synthetic', 'stdlib', a prepared
+    directory or its manifest, a shard, or a headerless .bin with ``dtype``).
 
     ``num_samples`` sizes the synthetic stream; ``max_bytes`` caps the stdlib
-    corpus. Both are ignored by the other sources.
+    corpus. Both are ignored by the other sources. ``split`` is 'train' or 'val'.
     """
     if not isinstance(source, (str, os.PathLike)) or not str(source):
-        raise ValueError(
-            f"{KEY_SOURCE}: expected 'synthetic', 'stdlib' or a path to a uint16 token file, got {source!r}"
-        )
+        raise ValueError(f"{KEY_SOURCE}: expected 'synthetic', 'stdlib' or a path, got {source!r}; {_PATH_HINT}")
     source = os.fspath(source)
     seq_len = _as_int(seq_len, KEY_SEQ_LEN, 1)
     vocab_size = _as_int(vocab_size, KEY_VOCAB, 2)
     seed = _as_int(seed, KEY_SEED, 0)
+    if split not in SPLITS:
+        raise ValueError(f"split {split!r} is unknown; use one of {SPLITS}")
+    if dtype and dtype not in HEADERLESS_DTYPES:
+        raise ValueError(f"{KEY_DTYPE}: {dtype!r} is unknown; use uint16 or uint32 (or leave it empty "
+                         f"for a prepared corpus)")
     if source == SYNTHETIC:
         num_samples = _as_int(num_samples, "num_samples", 1)
-        tokens = _synthetic_tokens(seed, vocab_size, num_samples, seq_len)
+        tokens = _synthetic_tokens(seed, vocab_size, num_samples, seq_len, split)
         desc = (
-            f"synthetic: {num_samples:,} samples of {seq_len} tokens, {_N_MOTIFS} motifs of "
+            f"synthetic ({split}): {num_samples:,} samples of {seq_len} tokens, {_N_MOTIFS} motifs of "
             f"length {_MOTIF_LEN} over vocab {vocab_size:,}, seed {seed}"
         )
         return TokenDataset(tokens, seq_len, desc)
     if source == STDLIB:
+        if split != "train":
+            raise ValueError(f"{KEY_SOURCE}: 'stdlib' has no {split!r} split; prepare a corpus with "
+                             f"`planaria data prepare` (it holds out documents) or set eval.every: 0")
         max_bytes = _as_int(max_bytes, "max_bytes", 1)
         return _stdlib_dataset(seq_len, vocab_size, max_bytes)
-    return _bin_dataset(source, seq_len, vocab_size)
+    path = Path(source).expanduser()
+    if not path.exists():
+        raise ValueError(f"{KEY_SOURCE}: {source!r} not found; {_PATH_HINT}")
+    if path.is_dir() or path.suffix == ".json":
+        return _prepared_dataset(source, seq_len, vocab_size, dtype, split)
+    if not path.is_file():
+        raise ValueError(f"{KEY_SOURCE}: {source!r} is not a regular file; {_PATH_HINT}")
+    if shards.is_shard(path):
+        return _shard_dataset(source, seq_len, vocab_size, dtype, split)
+    if split != "train":
+        raise ValueError(f"{KEY_SOURCE}: the headerless file {source!r} has no {split!r} split; prepare "
+                         f"the corpus with `planaria data prepare` (it holds out documents) or set eval.every: 0")
+    return _bin_dataset(source, seq_len, vocab_size, dtype)
+
+
+def dataset_for(cfg, split: str = "train") -> TokenDataset:
+    """The dataset of a job's config (`planaria.runtime.config.Config`) for one split."""
+    return build_dataset(cfg.data.source, seq_len=cfg.model.seq_len, vocab_size=cfg.model.vocab_size,
+                         seed=cfg.data.seed, dtype=cfg.data.dtype, split=split)

@@ -43,7 +43,7 @@ from planaria.runtime.checkpoint import save_model_shards
 from planaria.runtime.checkpointing import AsyncCheckpointer
 from planaria.runtime.config import Config, torch_dtypes
 from planaria.runtime.coordination import EpochRecord, JobEnded, StoreCoordinator, connect_store
-from planaria.runtime.data import build_dataset
+from planaria.runtime.data import dataset_for
 from planaria.runtime.engine import Engine, StepResult, TornStep
 from planaria.runtime.audit import audit_replicas
 from planaria.runtime.faults import FaultInjector, corruption_after_step, flip_a_bit
@@ -104,8 +104,8 @@ class ElasticWorker:
         self.console = console
         self.device, self.backend = device, backend
         self.optim = optimizer_settings
-        self.dataset = build_dataset(cfg.data.source, seq_len=cfg.model.seq_len,
-                                     vocab_size=cfg.model.vocab_size, seed=cfg.data.seed)
+        self.dataset = dataset_for(cfg)
+        self.val_dataset = dataset_for(cfg, "val") if cfg.eval.every else None
         self.param_dtype, self.autocast_dtype = torch_dtypes(cfg.train.dtype)
         self.model = LayerModel(cfg.model, seed=cfg.train.seed, recompute=cfg.train.recompute)
         self.faults = FaultInjector.from_env(self.name)
@@ -114,6 +114,7 @@ class ElasticWorker:
         self.out_dir = Path(cfg.output.dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.commits = open(self.out_dir / f"commits-{self.name}.jsonl", "a", encoding="utf-8")
+        self.evals = open(self.out_dir / f"evals-{self.name}.jsonl", "a", encoding="utf-8") if cfg.eval.every else None
         self.checkpointer = AsyncCheckpointer(cfg.checkpoint_dir, cfg.checkpoint.every,
                                               coordinator.report_checkpoint)
 
@@ -206,6 +207,10 @@ class ElasticWorker:
             watcher.done.set()
 
     def _steps(self, epoch: int, first: int, timing: dict, request) -> None:
+        # A failure during the evaluation after step first-1 (committed) lost it: every
+        # worker of the epoch evaluates it again, from the same parameters, the same value.
+        if first > 0 and self.cfg.eval.due(first - 1, self.cfg.train.steps):
+            self._evaluate(first - 1, epoch)
         for iteration in range(first, self.cfg.train.steps):
             result = self.engine.train_step(iteration, self.dataset, self.cfg.data.seed, request=request)
             if "first_step_s" not in timing:
@@ -213,6 +218,8 @@ class ElasticWorker:
                 self.coordinator.mark_trained(epoch)
             self._record_commit(result, epoch)
             self.checkpointer.after_step(self.engine)
+            if self.cfg.eval.due(iteration, self.cfg.train.steps):
+                self._evaluate(iteration, epoch)
             self._after_step(iteration)
             if result.stop_requested and iteration + 1 < self.cfg.train.steps:
                 raise _StopRequested()
@@ -264,6 +271,15 @@ class ElasticWorker:
                                     or result.iteration == self.cfg.train.steps - 1):
             self._log(f"step {result.iteration + 1}/{self.cfg.train.steps} | loss {result.loss:.4f}"
                       f"{' (rolled forward)' if rolled_forward else ''}")
+
+    def _evaluate(self, iteration: int, epoch: int) -> None:
+        """The validation loss after step `iteration` (collective), in evals-<worker>.jsonl."""
+        val_loss = self.engine.evaluate(self.val_dataset, self.cfg.data.seed, self.cfg.eval.batches)
+        entry = {"iteration": iteration, "val_loss": val_loss, "epoch": epoch, "time": time.time()}
+        self.evals.write(json.dumps(entry) + "\n")
+        self.evals.flush()
+        if self.worker[1] == 0:
+            self._log(f"step {iteration + 1}/{self.cfg.train.steps} | validation loss {val_loss:.4f}")
 
     def _timeout(self):
         from datetime import timedelta

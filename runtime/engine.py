@@ -99,6 +99,9 @@ class StepResult:
 class Engine:
     """Runs iterations of one Plan on one worker. Process groups are passed, never global."""
 
+    _eval_schedule: PlanSchedule | None = None
+    _evaluating = False
+
     def __init__(self, plan: Plan, model: LayerModel, optim: OptimizerSettings, *, rank: int,
                  device: torch.device, param_dtype: torch.dtype,
                  autocast_dtype: torch.dtype | None = None, grad_clip: float = 1.0,
@@ -176,6 +179,7 @@ class Engine:
     def _build_pipeline(self) -> None:
         self._grad_norm_owner = set(self.owned_shards())
         self.schedule, self.stages = self._build_schedule(self.tp)
+        self._eval_schedule = None  # built at the epoch's first evaluation
 
     def _new_layer(self, index: int, pretrained: bool = False) -> LayerState:
         """A layer's shard with its optimizer. `pretrained`: its initial state, read from
@@ -195,6 +199,8 @@ class Engine:
         """Forward hook: report the layer's forward, and its backward when the gradient
         of its output arrives (a tensor hook: module backward hooks would rewrap the
         layer's inputs and outputs in the pipeline runtime's graph)."""
+        if self._evaluating:
+            return  # not a phase of an iteration: faults and progress ignore it
         self._phase("forward", self.iteration)
         if isinstance(output, torch.Tensor) and output.requires_grad:
             output.register_hook(lambda grad: self._phase("backward", self.iteration))
@@ -209,7 +215,7 @@ class Engine:
         if self.groups is not None:
             with contextlib.suppress(Exception):
                 self.groups.destroy()
-        self.groups, self.schedule, self.stages = None, None, []
+        self.groups, self.schedule, self.stages, self._eval_schedule = None, None, [], None
         if self.tp is not None:
             self.tp.group = None
 
@@ -286,7 +292,7 @@ class Engine:
                             state=SYNCED if self.synced else INCOMPLETE, commit=self.last_commit,
                             holds=self.held(), finished=finished)
 
-    def _build_schedule(self, tp):
+    def _build_schedule(self, tp, forward_only: bool = False):
         stage = self.plan.stage_of(self.rank)
         num_stages = len(self.pipeline.stages)
         chunks = [
@@ -306,7 +312,8 @@ class Engine:
             # the summed gradient is the full batch's mean whatever the split.
             return self.model.loss(output, target, tp, head=head) / total
 
-        schedule = PlanSchedule(stages, self.plan.schedule, self.pipeline.num_microbatches, loss_fn)
+        schedule = PlanSchedule(stages, self.plan.schedule, self.pipeline.num_microbatches, loss_fn,
+                                forward_only=forward_only)
         return schedule, stages
 
     def destroy(self) -> None:
@@ -340,6 +347,38 @@ class Engine:
         tokens = plan.global_batch * inputs.shape[1]
         return StepResult(iteration, loss, grad_norm, lr, tokens, time.perf_counter() - start,
                           stop_requested=stop)
+
+    def evaluate(self, dataset, data_seed: int, batches: int) -> float:
+        """The mean loss of `batches` global batches of `dataset` (its iterations 0 ..
+        batches-1: the same samples at every evaluation), forward only; collective, every
+        rank gets the value. Each pipeline takes its slice of a batch and scales its
+        microbatch losses as training does (1 / the batch's microbatches, all pipelines
+        together), and the world sums them in float64: the value does not depend on the plan.
+
+        The forward-only schedule has stages of its own over the same layers: torch's
+        stages keep buffers for one mode, and the training schedule's stay as they are."""
+        if self._eval_schedule is None:
+            self._eval_schedule, self._eval_stages = self._build_schedule(self.tp, forward_only=True)
+        count = self.pipeline.num_microbatches * self.plan.micro_batch
+        is_first = any(s.is_first for s in self._eval_stages)
+        is_last = any(s.is_last for s in self._eval_stages)
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        self._evaluating = True
+        try:
+            for index in range(batches):
+                inputs, targets = dataset.batch(index, self.plan.global_batch, data_seed,
+                                                start=self.pipeline.sample_offset, count=count)
+                losses: list[torch.Tensor] = []
+                with torch.no_grad(), self._autocast():
+                    self._eval_schedule.eval(*((inputs.to(self.device),) if is_first else ()),
+                                             target=targets.to(self.device) if is_last else None,
+                                             losses=losses if is_last else None, return_outputs=False)
+                if losses and self.info.tp_rank == 0:
+                    total += torch.stack([l.double() for l in losses]).sum()
+        finally:
+            self._evaluating = False
+        dist.all_reduce(total, group=self.groups.world)
+        return float(total) / batches
 
     def _step(self, record: CommitRecord) -> float:
         lr = learning_rate(record.iteration, self.optim)

@@ -15,7 +15,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
-from torch.distributed.pipelining.schedules import _Action, _ComputationType, _PipelineScheduleRuntime
+from torch.distributed.pipelining.schedules import (_Action, _add_send_recv, _ComputationType,
+                                                   _PipelineScheduleRuntime)
 
 from planaria.templates.schedules import build_schedule
 
@@ -38,7 +39,10 @@ class PlanSchedule(_PipelineScheduleRuntime):
     """torch's schedule runtime, loaded with an action list from Planaria's generator."""
 
     def __init__(self, stages: list[PipelineStage], schedule: str, num_microbatches: int,
-                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]):
+                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], forward_only: bool = False):
+        """`forward_only`: the schedule's forward actions alone, in their order (removing
+        the backward actions removes dependencies, never adds one), run with `eval`."""
+        self.forward_only = forward_only
         # Gradients are scaled by the loss function (1 / total microbatches of the
         # iteration, all pipelines together), so the runtime must not scale again.
         super().__init__(stages, num_microbatches, loss_fn=loss_fn, scale_grads=False)
@@ -46,10 +50,26 @@ class PlanSchedule(_PipelineScheduleRuntime):
         virtual_stages = len(stages)
         actions = build_schedule(schedule, num_ranks, virtual_stages, num_microbatches)
         self.pipeline_order = {
-            rank: [_Action(a.stage, _KINDS[a.kind], a.microbatch) for a in rank_actions]
+            rank: [_Action(a.stage, _KINDS[a.kind], a.microbatch) for a in rank_actions
+                   if a.kind == "F" or not forward_only]
             for rank, rank_actions in actions.items()
         }
-        self._prepare_schedule_with_comms(self.pipeline_order)
+        if forward_only:
+            self._prepare_forward_only(self.pipeline_order)
+        else:
+            self._prepare_schedule_with_comms(self.pipeline_order)
+
+    def _prepare_forward_only(self, actions: dict[int, list[_Action]]) -> None:
+        """`_prepare_schedule_with_comms` for a list of forward actions: torch's version
+        first checks that every microbatch has its backward, which this list lacks by
+        design (the full schedule it comes from passed Planaria's simulator)."""
+        mapping = {a.stage_index: rank for rank, rank_actions in actions.items() for a in rank_actions}
+        self.stage_index_to_group_rank = mapping
+        for stage in self._stages:
+            stage.stage_index_to_group_rank = mapping
+        self.pipeline_order_with_comms = _add_send_recv(
+            {rank: list(rank_actions) for rank, rank_actions in actions.items()},
+            stage_to_rank=lambda s: mapping[s], num_stages=self._num_stages)
 
 
 def build_stages(chunks: list[tuple[int, nn.Module]], num_model_stages: int,

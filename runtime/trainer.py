@@ -29,7 +29,7 @@ from planaria.runtime.checkpoint_files import complete_checkpoints
 from planaria.runtime.checkpointing import save_checkpoint
 from planaria.runtime.config import (Config, ConfigError, describe, load_config, plan_from_config,
                                      torch_dtypes, uses_planner)
-from planaria.runtime.data import build_dataset
+from planaria.runtime.data import dataset_for
 from planaria.runtime.elastic_worker import elastic_environment, run_elastic
 from planaria.runtime.engine import Engine, StepResult
 from planaria.runtime.faults import FaultInjector
@@ -149,8 +149,8 @@ def engine_from_config(cfg: Config, plan, rank: int, device: torch.device, *,
 
 def train(cfg: Config, plan, rank: int, device: torch.device, console: Console) -> list[StepResult]:
     out_dir = Path(cfg.output.dir)
-    dataset = build_dataset(cfg.data.source, seq_len=cfg.model.seq_len,
-                            vocab_size=cfg.model.vocab_size, seed=cfg.data.seed)
+    dataset = dataset_for(cfg)
+    val_dataset = dataset_for(cfg, "val") if cfg.eval.every else None
     resume = _checkpoint_to_resume(cfg)
     if resume is not None:
         plan = replace(plan, first_iteration=resume[0] + 1)
@@ -169,10 +169,15 @@ def train(cfg: Config, plan, rank: int, device: torch.device, console: Console) 
         for iteration in range(plan.first_iteration, cfg.train.steps):
             result = engine.train_step(iteration, dataset, cfg.data.seed)
             results.append(result)
+            val_loss = None
+            if cfg.eval.due(iteration, cfg.train.steps):
+                val_loss = engine.evaluate(val_dataset, cfg.data.seed, cfg.eval.batches)
             if log is not None:
-                log.write(result)
+                log.write(result, val_loss)
                 if iteration % cfg.train.log_every == 0 or iteration == cfg.train.steps - 1:
                     console.print(_progress_line(result, cfg.train.steps))
+                if val_loss is not None:
+                    console.print(f"step {iteration + 1:>5}/{cfg.train.steps} | validation loss {val_loss:.4f}")
             if every and (iteration + 1) % every == 0 and iteration + 1 < cfg.train.steps:
                 save_checkpoint(engine, cfg.checkpoint_dir, cfg.checkpoint.keep)
         if cfg.output.save_final:
@@ -215,9 +220,11 @@ class _MetricsLog:
         path.parent.mkdir(parents=True, exist_ok=True)
         self._file = open(path, "a" if append else "w", encoding="utf-8")
 
-    def write(self, r: StepResult) -> None:
+    def write(self, r: StepResult, val_loss: float | None = None) -> None:
         record = {"step": r.iteration, "loss": r.loss, "grad_norm": r.grad_norm, "lr": r.lr,
                   "tokens": r.tokens, "step_time_s": r.step_time_s, "time": time.time()}
+        if val_loss is not None:
+            record["val_loss"] = val_loss
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
 

@@ -144,7 +144,7 @@ def test_bin_round_trip(tmp_path):
     tokens = np.random.default_rng(0).integers(0, 50_000, size=10 * 32 + 1).astype("<u2")
     path = tmp_path / "train.bin"
     tokens.tofile(path)
-    ds = build_dataset(str(path), seq_len=32, vocab_size=50_304, seed=0)
+    ds = build_dataset(str(path), seq_len=32, vocab_size=50_304, seed=0, dtype="uint16")
     assert isinstance(ds.tokens, np.memmap) and ds.num_samples == 10
     np.testing.assert_array_equal(np.asarray(ds.tokens), tokens)
     x, y = ds.batch(3, 4, seed=2)
@@ -158,40 +158,41 @@ def test_bin_round_trip(tmp_path):
 
 
 def test_error_missing_file(tmp_path):
-    with pytest.raises(ValueError, match=r"data\.source: file .*nope\.bin.* not found.*'synthetic' or 'stdlib'"):
-        build_dataset(str(tmp_path / "nope.bin"), seq_len=8, vocab_size=256, seed=0)
+    with pytest.raises(ValueError, match=r"data\.source: .*nope\.bin.* not found.*'synthetic' or 'stdlib'"):
+        build_dataset(str(tmp_path / "nope.bin"), seq_len=8, vocab_size=256, seed=0, dtype="uint16")
 
 
 def test_error_empty_file(tmp_path):
     path = tmp_path / "empty.bin"
     path.write_bytes(b"")
     with pytest.raises(ValueError, match=r"data\.source: .* is empty"):
-        build_dataset(str(path), seq_len=8, vocab_size=256, seed=0)
+        build_dataset(str(path), seq_len=8, vocab_size=256, seed=0, dtype="uint16")
 
 
 def test_error_odd_length(tmp_path):
     path = tmp_path / "odd.bin"
     path.write_bytes(b"\x01\x00" * 20 + b"\x01")
-    with pytest.raises(ValueError, match=r"data\.source: .*odd byte length \(41\)"):
-        build_dataset(str(path), seq_len=8, vocab_size=256, seed=0)
+    with pytest.raises(ValueError, match=r"data\.source: .*byte length \(41\) that is not a multiple of 2"):
+        build_dataset(str(path), seq_len=8, vocab_size=256, seed=0, dtype="uint16")
 
 
 def test_error_too_short(tmp_path):
     path = tmp_path / "short.bin"
     np.arange(8, dtype="<u2").tofile(path)
     with pytest.raises(ValueError, match=r"data\.source: .*holds 8 tokens, too short for one sample.*needs 9"):
-        build_dataset(str(path), seq_len=8, vocab_size=256, seed=0)
+        build_dataset(str(path), seq_len=8, vocab_size=256, seed=0, dtype="uint16")
 
 
 def test_error_token_out_of_vocab(tmp_path):
     path = tmp_path / "big.bin"
     np.array([1, 2, 3, 700, 5] * 10, dtype="<u2").tofile(path)
     with pytest.raises(ValueError, match=r"vocab_size: .*token id 700.*vocab_size=512.*>= 701"):
-        build_dataset(str(path), seq_len=4, vocab_size=512, seed=0)
+        build_dataset(str(path), seq_len=4, vocab_size=512, seed=0, dtype="uint16")
 
 
 def test_error_directory(tmp_path):
-    with pytest.raises(ValueError, match=r"data\.source: .* is not a regular file"):
+    with pytest.raises(ValueError, match=r"data\.source: .*manifest\.json: no manifest of a prepared corpus here; "
+                                         r"run `planaria data prepare`"):
         build_dataset(str(tmp_path), seq_len=4, vocab_size=512, seed=0)
 
 
@@ -237,15 +238,15 @@ def test_the_largest_token_is_computed_once_per_version_of_the_file(tmp_path):
     its largest token id. It is kept beside the file, and a changed file is read again."""
     path = tmp_path / "train.bin"
     np.array([1, 2, 3, 300, 5] * 10, dtype="<u2").tofile(path)
-    build_dataset(str(path), seq_len=4, vocab_size=512, seed=0)
+    build_dataset(str(path), seq_len=4, vocab_size=512, seed=0, dtype="uint16")
     sidecar = tmp_path / "train.bin.maxtoken"
     assert sidecar.read_text().endswith(" 300")
     sidecar.write_text(sidecar.read_text().rsplit(" ", 1)[0] + " 7")  # what a later start reads
-    build_dataset(str(path), seq_len=4, vocab_size=8, seed=0)  # trusted: no pass over the file
+    build_dataset(str(path), seq_len=4, vocab_size=8, seed=0, dtype="uint16")  # trusted: no pass over the file
     np.array([1, 2, 3, 700, 5] * 10, dtype="<u2").tofile(path)  # the file changes: read again
     os.utime(path, ns=(0, 10**9))
     with pytest.raises(ValueError, match=r"token id 700"):
-        build_dataset(str(path), seq_len=4, vocab_size=512, seed=0)
+        build_dataset(str(path), seq_len=4, vocab_size=512, seed=0, dtype="uint16")
     (tmp_path / "train.bin.maxtoken").write_text("garbage")
     with pytest.raises(ValueError, match=r"token id 700"):
-        build_dataset(str(path), seq_len=4, vocab_size=512, seed=0)
+        build_dataset(str(path), seq_len=4, vocab_size=512, seed=0, dtype="uint16")
