@@ -43,6 +43,7 @@ import numpy as np
 import torch
 
 from planaria.runtime import shards
+from planaria.runtime.config import ConfigError
 
 __all__ = ["TokenDataset", "build_dataset", "dataset_for", "SYNTHETIC", "STDLIB"]
 
@@ -459,6 +460,12 @@ def build_dataset(
 
 
 def dataset_for(cfg, split: str = "train") -> TokenDataset:
-    """The dataset of a job's config (`planaria.runtime.config.Config`) for one split."""
-    return build_dataset(cfg.data.source, seq_len=cfg.model.seq_len, vocab_size=cfg.model.vocab_size,
-                         seed=cfg.data.seed, dtype=cfg.data.dtype, split=split)
+    """The dataset of a job's config (`planaria.runtime.config.Config`) for one split.
+
+    A problem with the data is the user's to fix, like one in the config: it is raised as
+    a `ConfigError`, which the trainer reports in one line (exit 2), not as a traceback."""
+    try:
+        return build_dataset(cfg.data.source, seq_len=cfg.model.seq_len, vocab_size=cfg.model.vocab_size,
+                             seed=cfg.data.seed, dtype=cfg.data.dtype, split=split)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None

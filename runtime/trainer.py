@@ -29,7 +29,7 @@ from planaria.runtime.checkpoint_files import complete_checkpoints
 from planaria.runtime.checkpointing import save_checkpoint
 from planaria.runtime.config import (Config, ConfigError, describe, load_config, plan_from_config,
                                      torch_dtypes, uses_planner)
-from planaria.runtime.data import dataset_for
+from planaria.runtime.data import TokenDataset, dataset_for
 from planaria.runtime.elastic_worker import elastic_environment, run_elastic
 from planaria.runtime.engine import Engine, StepResult
 from planaria.runtime.faults import FaultInjector
@@ -65,6 +65,8 @@ def main(argv: list[str] | None = None) -> int:
                               f"{cfg.parallel.tp} workers; launch a multiple of {cfg.parallel.tp}")
         device, backend = _device_and_backend(cfg, local_rank=int(os.environ.get("LOCAL_RANK", "0")),
                                               per_node=int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+        # Before the process group and the planner's profiling: bad data fails in a moment.
+        data = dataset_for(cfg), dataset_for(cfg, "val") if cfg.eval.every else None
     except ConfigError as err:
         if rank == 0:
             console.print(f"[bold red]config error:[/] {err}")
@@ -75,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
             plan, summary = plan_for_world(cfg, world_size, rank, device)
             if rank == 0:
                 console.print(summary)
-        train(cfg, plan, rank, device, console)
+        train(cfg, plan, rank, device, console, data)
     except ConfigError as err:
         if rank == 0:
             console.print(f"[bold red]config error:[/] {err}")
@@ -147,10 +149,11 @@ def engine_from_config(cfg: Config, plan, rank: int, device: torch.device, *,
                   restore=restore, phase=phase)
 
 
-def train(cfg: Config, plan, rank: int, device: torch.device, console: Console) -> list[StepResult]:
+def train(cfg: Config, plan, rank: int, device: torch.device, console: Console,
+          data: tuple[TokenDataset, TokenDataset | None]) -> list[StepResult]:
+    """Train `plan`; `data`: the training set and, with eval.every, the validation set."""
     out_dir = Path(cfg.output.dir)
-    dataset = dataset_for(cfg)
-    val_dataset = dataset_for(cfg, "val") if cfg.eval.every else None
+    dataset, val_dataset = data
     resume = _checkpoint_to_resume(cfg)
     if resume is not None:
         plan = replace(plan, first_iteration=resume[0] + 1)

@@ -163,6 +163,21 @@ def test_cli_refuses_before_creating_a_process_group(tmp_path):
     assert not (tmp_path / "metrics.jsonl").exists()
 
 
+def test_bad_data_is_a_one_line_error_before_any_process_group(tmp_path):
+    """A headerless token file without data.dtype: rank 0 of a 2-process job says what to
+    set and exits 2 at once (no planner, no process group waiting for a peer), no traceback."""
+    corpus = tmp_path / "corpus.bin"
+    corpus.write_bytes(bytes(4096))
+    env = dict(os.environ, WORLD_SIZE="2", RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="1")
+    proc = subprocess.run(
+        [sys.executable, "-m", "planaria.train", str(TINY), f"data.source={corpus}",
+         f"output.dir={tmp_path / 'run'}"],
+        capture_output=True, text=True, timeout=50, env=env)
+    assert proc.returncode == 2
+    assert "config error: data.dtype" in proc.stdout and "set data.dtype: uint16" in proc.stdout
+    assert "Traceback" not in proc.stdout + proc.stderr
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("launcher", [
     # torchrun: two local ranks.

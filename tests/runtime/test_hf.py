@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from planaria.runtime.config import ConfigError, ModelConfig, load_config
+from planaria.runtime.data import dataset_for
 from planaria.runtime.hf import HFCheckpoint, export_hf, find_saved_model, from_hf_rows, to_hf_rows
 from planaria.runtime.model import LayerModel
 from planaria.runtime.tensor_parallel import TensorParallel
@@ -138,7 +139,7 @@ def _read_all(directory: Path) -> dict[str, torch.Tensor]:
 def test_round_trip_under_pp2_tp2(tmp_path):
     """HF checkpoint -> init_from under pp=2 x tp=2 -> 0 steps -> export: the same
     tensors, bit for bit. Then 3 steps in float32: the exported model's loss in
-    transformers on a batch equals Planaria's loss of its final parameters on it."""
+    transformers on the validation batch equals Planaria's last evaluation of it."""
     transformers = pytest.importorskip("transformers")
     # One key/value head (multi-query): replicated on both tp ranks.
     hf = random_llama(n_layers=4, seed=3, n_kv_heads=1).to(torch.float32)
@@ -159,20 +160,20 @@ def test_round_trip_under_pp2_tp2(tmp_path):
     for name, value in original.items():
         assert torch.equal(exported[name], value), name
 
-    torchrun_train(4, [*job, "train.steps=3", "checkpoint.every=2"], tmp_path / "run", config=config,
-                   timeout=400)
+    torchrun_train(4, [*job, "train.steps=3", "checkpoint.every=2", "eval.every=3", "eval.batches=1"],
+                   tmp_path / "run", config=config, timeout=400)
     saved, what = find_saved_model(tmp_path / "run")
     assert saved.kind == "final"
     export_hf(saved, tmp_path / "run-hf")
     trained = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "run-hf", dtype=torch.float32)
-    tokens = tokens_for(96, batch=4, length=17, seed=7)
-    inputs, targets = tokens[:, :-1], tokens[:, 1:]
-    hf_loss = torch.nn.functional.cross_entropy(trained(inputs).logits.flatten(0, 1).double(),
-                                                targets.flatten()).item()
-    logits = planaria_logits(saved.model, inputs, states={i: {k: v.double() for k, v in s.items()}
-                                                          for i, s in saved.layers()})
-    planaria_loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten()).item()
-    assert abs(hf_loss - planaria_loss) < 1e-5, (hf_loss, planaria_loss)
+    # Planaria's last evaluation: the validation split's first global batch, after step 3.
+    last_eval = read_metrics(tmp_path / "run")[-1]["val_loss"]
+    cfg = load_config(config, [*job, f"output.dir={tmp_path / 'run'}"])
+    inputs, targets = dataset_for(cfg, "val").batch(0, cfg.train.global_batch, cfg.data.seed)
+    with torch.no_grad():
+        hf_loss = torch.nn.functional.cross_entropy(trained(inputs).logits.flatten(0, 1).double(),
+                                                    targets.flatten()).item()
+    assert abs(hf_loss - last_eval) < 1e-5, (hf_loss, last_eval)
     assert not torch.equal(_read_all(tmp_path / "run-hf")["lm_head.weight"], original["lm_head.weight"])
 
     checkpoint, what = find_saved_model(tmp_path / "run" / "checkpoints")
