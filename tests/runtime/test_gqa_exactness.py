@@ -41,9 +41,14 @@ def references():
     return get
 
 
+# pp=2 alone is covered by tp2 x pp2: kept for `make test-slow`, out of the default suite's time.
+SLOW_CASES = {"gqa-pp2"}
+
+
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c in SLOW_CASES else c
+                                  for c in CASES])
 def test_gqa_plan_matches_single_process(case, references, tmp_path):
     nproc, model, plan = CASES[case]
     reference = references(model)
