@@ -2,7 +2,8 @@
 documents, and the tokenizer (loaded, or trained here).
 
 Plain text files are a document each (a directory is walked in sorted order; hidden
-entries and files with NUL bytes are skipped); JSON lines (`.jsonl`, `.ndjson`, `.json`)
+entries and files with NUL bytes are skipped, and `--include`/`--exclude` patterns
+choose among its files); JSON lines (`.jsonl`, `.ndjson`, `.json`)
 and Parquet hold a document per line or row in the field `--text-key`; a local Hugging
 Face dataset directory (`save_to_disk`) is read with `datasets`. A unit is what one
 worker encodes: a group of small files, a byte range of a JSON lines file, a Parquet row
@@ -12,6 +13,7 @@ It writes nothing but a trained tokenizer; `planaria.runtime.prepare` runs the j
 """
 from __future__ import annotations
 
+import fnmatch
 import json
 import os
 from dataclasses import dataclass
@@ -64,8 +66,20 @@ def _looks_binary(path: Path) -> bool:
         return b"\0" in f.read(_SNIFF)
 
 
-def _input_files(inputs: list[str]) -> tuple[list[Path], list[Path]]:
-    """(files, Hugging Face dataset directories), in a stable sorted order."""
+def _wanted(relative: str, include: tuple[str, ...], exclude: tuple[str, ...]) -> bool:
+    """Whether a file found in a directory is input: its path relative to that directory
+    matches an `include` pattern (any, when none are given) and no `exclude` one
+    (shell-style patterns, `*` crossing `/`: `*.py`, `*-packages/*`)."""
+    if include and not any(fnmatch.fnmatchcase(relative, pattern) for pattern in include):
+        return False
+    return not any(fnmatch.fnmatchcase(relative, pattern) for pattern in exclude)
+
+
+def _input_files(inputs: list[str], include: tuple[str, ...] = (),
+                 exclude: tuple[str, ...] = ()) -> tuple[list[Path], list[Path]]:
+    """(files, Hugging Face dataset directories), in a stable sorted order. `include` and
+    `exclude` filter the files found by walking a directory; inputs named one by one are
+    taken as they are."""
     files, datasets = [], []
     for item in inputs:
         path = Path(item).expanduser()
@@ -79,15 +93,18 @@ def _input_files(inputs: list[str]) -> tuple[list[Path], list[Path]]:
             for dirpath, dirnames, filenames in os.walk(path):
                 dirnames[:] = sorted(d for d in dirnames if not d.startswith((".", "__pycache__")))
                 found += [Path(dirpath, name) for name in filenames if not name.startswith(".")]
+            found = [f for f in found if _wanted(f.relative_to(path).as_posix(), include, exclude)]
             files += sorted(found, key=lambda p: p.relative_to(path).as_posix())
         else:
             files.append(path)
     return files, datasets
 
 
-def discover(inputs: list[str], text_key: str) -> list[Unit]:
-    """Cut the inputs into units of work, in a deterministic order."""
-    files, hf_dirs = _input_files(inputs)
+def discover(inputs: list[str], text_key: str, include: tuple[str, ...] = (),
+             exclude: tuple[str, ...] = ()) -> list[Unit]:
+    """Cut the inputs into units of work, in a deterministic order (`include`, `exclude`:
+    see `_input_files`)."""
+    files, hf_dirs = _input_files(inputs, include, exclude)
     units: list[Unit] = []
     batch: list[str] = []
     batch_bytes = 0
@@ -118,8 +135,9 @@ def discover(inputs: list[str], text_key: str) -> list[Unit]:
     for directory in hf_dirs:
         units += _hf_units(directory, text_key)
     if not units:
-        raise PrepareError(f"no text found in {inputs}; give text, JSON lines or Parquet files or a Hugging "
-                           "Face dataset directory")
+        filters = f" (with --include {list(include)} and --exclude {list(exclude)})" if include or exclude else ""
+        raise PrepareError(f"no text found in {inputs}{filters}; give text, JSON lines or Parquet files or a "
+                           "Hugging Face dataset directory")
     return units
 
 

@@ -240,7 +240,7 @@ def prepare(args: argparse.Namespace) -> dict:
     say = (lambda msg: None) if args.quiet else (lambda msg: print(f"planaria data prepare: {msg}", file=sys.stderr))
     out = Path(args.out).expanduser()
     out.mkdir(parents=True, exist_ok=True)
-    units = discover(args.inputs, args.text_key)
+    units = discover(args.inputs, args.text_key, tuple(args.include), tuple(args.exclude))
     tokenizer_path, recipe = _tokenizer_for(args, units, out, say)
     tokenizer, _ = load_tokenizer(str(tokenizer_path))
     eos_id = find_eos(tokenizer, tokenizer_path, args.eos or (BPE_EOS if args.train_bpe else None))
@@ -356,6 +356,12 @@ def add_parser(sub) -> None:
     p.add_argument("--tokenizer", default=None, help="tokenizer.json or a Hugging Face tokenizer directory")
     p.add_argument("--train-bpe", type=int, default=0, metavar="VOCAB",
                    help="train a byte-level BPE of VOCAB tokens on the inputs instead")
+    p.add_argument("--include", action="append", default=[], metavar="PATTERN",
+                   help="of the files found in a directory, take those whose path in it matches "
+                        "(shell-style, e.g. '*.py'; repeatable; default: all)")
+    p.add_argument("--exclude", action="append", default=[], metavar="PATTERN",
+                   help="of the files found in a directory, leave out those whose path in it matches "
+                        "(e.g. '*-packages/*'; repeatable)")
     p.add_argument("--text-key", default="text", help="the text field of JSON lines, Parquet and datasets")
     p.add_argument("--eos", default=None, help="the end-of-text token (default: the tokenizer's)")
     p.add_argument("--val-fraction", type=float, default=0.01, help="documents held out for validation")

@@ -232,6 +232,24 @@ def _one_line_error(proc, pattern: str) -> None:
     assert len(lines) == 1 and re.search(pattern, lines[0]), proc.stderr
 
 
+def test_include_and_exclude_choose_the_files_of_a_directory(bpe_corpus, tmp_path):
+    """A corpus directory with other things in it (here a package directory beside the
+    text and a Parquet file of another shape): the patterns pick the text alone."""
+    root = tmp_path / "corpus"
+    (root / "site-packages" / "pkg").mkdir(parents=True)
+    (root / "a.py").write_text("def a():\n    return 1\n")
+    (root / "notes.txt").write_text("a note, not code\n")
+    (root / "site-packages" / "pkg" / "b.py").write_text("import os\n")
+    (root / "site-packages" / "pkg" / "table.parquet").write_bytes(b"PAR1 not a corpus")
+    tokenizer = bpe_corpus / "tokenizer.json"
+    out = tmp_path / "out"
+    prep.prepare(_args(root, "--out", out, "--tokenizer", tokenizer, "--val-fraction", 0,
+                       "--include", "*.py", "--exclude", "*-packages/*"))
+    assert _decode_docs(out, "train") == ["def a():\n    return 1\n"]
+    _one_line_error(_cli(root, "--out", tmp_path / "none", "--tokenizer", tokenizer, "--include", "*.rs",
+                         check=False), r"no text found in .* \(with --include \['\*\.rs'\] and --exclude \[\]\)")
+
+
 def test_bad_inputs_are_one_line_errors(stdlib_slice, bpe_corpus, tmp_path):
     out = tmp_path / "out"
     _one_line_error(_cli(stdlib_slice, "--out", out, "--tokenizer", tmp_path / "nope.json", check=False),
