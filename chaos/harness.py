@@ -148,8 +148,29 @@ def _reference_key(settings: ChaosSettings) -> str:
 
     text = Path(settings.config).read_text()
     shape = json.dumps({"overrides": settings.overrides, "nodes": settings.nodes,
-                        "nproc": settings.nproc, "planaria": version("planaria")}, sort_keys=True)
+                        "nproc": settings.nproc, "planaria": version("planaria"),
+                        "inputs": _input_files_state(settings)}, sort_keys=True)
     return hashlib.sha256((text + shape).encode()).hexdigest()[:16]
+
+
+def _input_files_state(settings: ChaosSettings) -> list:
+    """What the job reads besides its config, as (path, size, mtime) of its files: the data
+    (a prepared corpus's manifest, which holds its shards' checksums, or a token file) and
+    an init_from checkpoint's files. A corpus prepared again at the same path, or another
+    checkpoint there, must not reuse a reference computed on the old one."""
+    cfg = load_config(settings.config, settings.overrides)
+    paths = [Path(cfg.data.source)]
+    if paths[0].is_dir():
+        paths = [paths[0] / "manifest.json"]
+    if cfg.model.init_from:
+        paths += sorted(Path(cfg.model.init_from).glob("*.json")) + \
+            sorted(Path(cfg.model.init_from).glob("*.safetensors"))
+    state = []
+    for path in paths:
+        if path.is_file():
+            stat = path.stat()
+            state.append([str(path.resolve()), stat.st_size, stat.st_mtime_ns])
+    return state
 
 
 def _cache_dir(settings: ChaosSettings) -> Path:

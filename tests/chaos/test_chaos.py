@@ -253,3 +253,20 @@ def test_options_that_would_be_ignored_or_break_the_reference_are_refused(extra,
     reference run's traceback."""
     assert message in refused(["--nodes", "4", *extra])
     assert not (tmp_path / "out").exists(), "nothing may start for bad input"
+
+
+def test_a_corpus_prepared_again_gets_a_reference_of_its_own(tmp_path):
+    """The cached fault-free reference is keyed by the data the job reads, not only its
+    config: shards prepared again at the same path must not reuse the old losses."""
+    from pathlib import Path
+
+    from planaria.chaos.harness import ChaosSettings, _reference_key
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "manifest.json").write_text('{"splits": {"train": [{"blake2b": "aa"}]}}')
+    settings = ChaosSettings(Path(TINY), [f"data.source={corpus}"], nodes=2)
+    before = _reference_key(settings)
+    assert _reference_key(settings) == before
+    (corpus / "manifest.json").write_text('{"splits": {"train": [{"blake2b": "bbbb"}]}}')
+    assert _reference_key(settings) != before
