@@ -38,6 +38,7 @@ from planaria.runtime.groups import EpochGroups
 from planaria.runtime.model import LayerModel
 from planaria.runtime.optim import OptimizerSettings, build_optimizer, learning_rate, set_learning_rate
 from planaria.runtime.pipeline import PlanSchedule, build_stages
+from planaria.runtime.tensor_parallel import sum_over_head_replicas
 from planaria.runtime.transfer import TransferStats, exchange_layers
 from planaria.templates.plan import Plan, Transfer
 
@@ -428,8 +429,10 @@ class Engine:
 
     def _sync_gradients(self) -> None:
         """Sum each layer's gradient over its replica group, one bucket per distinct group,
-        and the tied weight's over its own group; then, when gradients accumulate wide,
-        round them into `grad` once."""
+        then replicated key/value heads' over the tp ranks holding them, and the tied
+        weight's over its own group; then, when gradients accumulate wide, round them into
+        `grad` once. The sums commute (gradients are linear in the microbatches), so each
+        runs once per step, not once per microbatch."""
         for bucket in self.groups.buckets:
             if bucket.group is None:
                 continue
@@ -440,11 +443,29 @@ class Engine:
             dist.all_reduce(flat, group=bucket.group)
             for grad, synced in zip(grads, _unflatten_dense_tensors(flat, grads)):
                 grad.copy_(synced)
+        self._sync_kv_head_replicas()
         self._sync_tied()
         if self.grad_accum_dtype is not None:
             for state in self.layers.values():
                 for p, wide in zip(state.module.parameters(), self._local_grads(state.index)):
                     p.grad = wide.to(p.dtype)
+
+    def _sync_kv_head_replicas(self) -> None:
+        """Where tp exceeds the key/value heads, each tp rank holding a head computed only
+        its own query heads' part of wk's and wv's gradients: sum those over the head's
+        replicas, for all of this rank's layers at once (`sum_over_head_replicas`).
+
+        One collective over the stage's tp group per step, after the replica-group buckets.
+        It cannot deadlock: the tp peers of a stage hold the same layers, so they all call
+        it (or all skip it) at the same point of the same sequence, and none waits in it
+        for a collective of another group, since every rank has finished its buckets (whose
+        order is consistent across replica groups already) before entering it. After the
+        buckets, a head's replicas in every pipeline hold the same per-tp-rank sums, and
+        the gathered, fixed-order sum then gives every holder the same bits."""
+        grads = [self._local_grad(self.layers[index].module.get_parameter(name))
+                 for index in sorted(self.layers)
+                 for name in self.model.replicated_kv_heads(index, self.tp.size)]
+        sum_over_head_replicas(grads, self.model.cfg.kv_heads, self.tp)
 
     def _sync_tied(self) -> None:
         """The tied weight's gradient: each rank of the tied group adds its local copies'
