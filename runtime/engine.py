@@ -476,12 +476,14 @@ class Engine:
             return
         copies = [self._local_grad(self.layers[layer].module.get_parameter(name))
                   for layer, name in self._tied.items() if layer in self.layers]
-        total = copies[0].clone()
+        # Usually the rank holds one copy, summed in place; a rank holding both (the
+        # embedding and the head in one stage) adds the second into the first.
+        total = copies[0]
         for grad in copies[1:]:
             total.add_(grad)
         if self.groups.tied.group is not None:
             dist.all_reduce(total, group=self.groups.tied.group)
-        for grad in copies:
+        for grad in copies[1:]:
             grad.copy_(total)
 
     def _commit(self, losses: list[torch.Tensor], stop: bool = False) -> tuple[float, float, bool]:
