@@ -361,21 +361,16 @@ class Engine:
         if self._eval_schedule is None:
             self._eval_schedule, self._eval_stages = self._build_schedule(self.tp, forward_only=True)
         count = self.pipeline.num_microbatches * self.plan.micro_batch
-        is_first = any(s.is_first for s in self._eval_stages)
-        is_last = any(s.is_last for s in self._eval_stages)
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         self._evaluating = True
         try:
             for index in range(batches):
                 inputs, targets = dataset.batch(index, self.plan.global_batch, data_seed,
                                                 start=self.pipeline.sample_offset, count=count)
-                losses: list[torch.Tensor] = []
-                with torch.no_grad(), self._autocast():
-                    self._eval_schedule.eval(*((inputs.to(self.device),) if is_first else ()),
-                                             target=targets.to(self.device) if is_last else None,
-                                             losses=losses if is_last else None, return_outputs=False)
-                if losses and self.info.tp_rank == 0:
-                    total += torch.stack([l.double() for l in losses]).sum()
+                with torch.no_grad():
+                    losses = self._run_schedule(self._eval_schedule.eval, self._eval_stages,
+                                                inputs.to(self.device), targets.to(self.device))
+                total += self._local_loss(losses)
         finally:
             self._evaluating = False
         dist.all_reduce(total, group=self.groups.world)
@@ -399,14 +394,27 @@ class Engine:
             if self.grad_accum_dtype is not None:
                 for p in state.module.parameters():
                     p.main_grad = None
-        is_first = any(s.is_first for s in self.stages)
-        is_last = any(s.is_last for s in self.stages)
-        args = (inputs,) if is_first else ()
+        return self._run_schedule(self.schedule.step, self.stages, inputs, targets)
+
+    def _run_schedule(self, run: Callable, stages: list, inputs: torch.Tensor,
+                      targets: torch.Tensor) -> list[torch.Tensor]:
+        """Run a schedule's `step` or `eval` on this rank's `stages` under autocast: the
+        first stage takes the inputs, the last the targets and returns its microbatches'
+        losses (empty elsewhere)."""
+        is_first = any(s.is_first for s in stages)
+        is_last = any(s.is_last for s in stages)
         losses: list[torch.Tensor] = []
         with self._autocast():
-            self.schedule.step(*args, target=targets if is_last else None,
-                               losses=losses if is_last else None, return_outputs=False)
+            run(*((inputs,) if is_first else ()), target=targets if is_last else None,
+                losses=losses if is_last else None, return_outputs=False)
         return losses
+
+    def _local_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
+        """This rank's share of the world's loss sum, in float64: its microbatches' losses
+        on tp rank 0 of a last stage, 0 elsewhere (each loss is counted once)."""
+        if losses and self.info.tp_rank == 0:
+            return torch.stack([l.detach().double() for l in losses]).sum()
+        return torch.zeros((), dtype=torch.float64, device=self.device)
 
     def _autocast(self):
         if self.autocast_dtype is None:
@@ -503,9 +511,7 @@ class Engine:
         squared = torch.zeros((), dtype=torch.float64, device=self.device)
         if counted:
             squared = torch.nn.utils.get_total_norm(counted, foreach=True).double().pow(2)
-        loss = torch.zeros((), dtype=torch.float64, device=self.device)
-        if losses and self.info.tp_rank == 0:
-            loss = torch.stack([l.detach().double() for l in losses]).sum()
+        loss = self._local_loss(losses)
         requests = torch.tensor(float(stop), dtype=torch.float64, device=self.device)
         vector = torch.stack([squared, loss, requests])
         dist.all_reduce(vector, group=self.groups.world)
