@@ -38,6 +38,7 @@ from planaria.runtime.groups import EpochGroups
 from planaria.runtime.model import LayerModel
 from planaria.runtime.optim import OptimizerSettings, build_optimizer, learning_rate, set_learning_rate
 from planaria.runtime.pipeline import PlanSchedule, build_stages
+from planaria.runtime.tensor_parallel import sum_over_head_replicas
 from planaria.runtime.transfer import TransferStats, exchange_layers
 from planaria.templates.plan import Plan, Transfer
 
@@ -360,21 +361,16 @@ class Engine:
         if self._eval_schedule is None:
             self._eval_schedule, self._eval_stages = self._build_schedule(self.tp, forward_only=True)
         count = self.pipeline.num_microbatches * self.plan.micro_batch
-        is_first = any(s.is_first for s in self._eval_stages)
-        is_last = any(s.is_last for s in self._eval_stages)
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         self._evaluating = True
         try:
             for index in range(batches):
                 inputs, targets = dataset.batch(index, self.plan.global_batch, data_seed,
                                                 start=self.pipeline.sample_offset, count=count)
-                losses: list[torch.Tensor] = []
-                with torch.no_grad(), self._autocast():
-                    self._eval_schedule.eval(*((inputs.to(self.device),) if is_first else ()),
-                                             target=targets.to(self.device) if is_last else None,
-                                             losses=losses if is_last else None, return_outputs=False)
-                if losses and self.info.tp_rank == 0:
-                    total += torch.stack([l.double() for l in losses]).sum()
+                with torch.no_grad():
+                    losses = self._run_schedule(self._eval_schedule.eval, self._eval_stages,
+                                                inputs.to(self.device), targets.to(self.device))
+                total += self._local_loss(losses)
         finally:
             self._evaluating = False
         dist.all_reduce(total, group=self.groups.world)
@@ -398,14 +394,27 @@ class Engine:
             if self.grad_accum_dtype is not None:
                 for p in state.module.parameters():
                     p.main_grad = None
-        is_first = any(s.is_first for s in self.stages)
-        is_last = any(s.is_last for s in self.stages)
-        args = (inputs,) if is_first else ()
+        return self._run_schedule(self.schedule.step, self.stages, inputs, targets)
+
+    def _run_schedule(self, run: Callable, stages: list, inputs: torch.Tensor,
+                      targets: torch.Tensor) -> list[torch.Tensor]:
+        """Run a schedule's `step` or `eval` on this rank's `stages` under autocast: the
+        first stage takes the inputs, the last the targets and returns its microbatches'
+        losses (empty elsewhere)."""
+        is_first = any(s.is_first for s in stages)
+        is_last = any(s.is_last for s in stages)
         losses: list[torch.Tensor] = []
         with self._autocast():
-            self.schedule.step(*args, target=targets if is_last else None,
-                               losses=losses if is_last else None, return_outputs=False)
+            run(*((inputs,) if is_first else ()), target=targets if is_last else None,
+                losses=losses if is_last else None, return_outputs=False)
         return losses
+
+    def _local_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
+        """This rank's share of the world's loss sum, in float64: its microbatches' losses
+        on tp rank 0 of a last stage, 0 elsewhere (each loss is counted once)."""
+        if losses and self.info.tp_rank == 0:
+            return torch.stack([l.detach().double() for l in losses]).sum()
+        return torch.zeros((), dtype=torch.float64, device=self.device)
 
     def _autocast(self):
         if self.autocast_dtype is None:
@@ -428,8 +437,10 @@ class Engine:
 
     def _sync_gradients(self) -> None:
         """Sum each layer's gradient over its replica group, one bucket per distinct group,
-        and the tied weight's over its own group; then, when gradients accumulate wide,
-        round them into `grad` once."""
+        then replicated key/value heads' over the tp ranks holding them, and the tied
+        weight's over its own group; then, when gradients accumulate wide, round them into
+        `grad` once. The sums commute (gradients are linear in the microbatches), so each
+        runs once per step, not once per microbatch."""
         for bucket in self.groups.buckets:
             if bucket.group is None:
                 continue
@@ -440,11 +451,29 @@ class Engine:
             dist.all_reduce(flat, group=bucket.group)
             for grad, synced in zip(grads, _unflatten_dense_tensors(flat, grads)):
                 grad.copy_(synced)
+        self._sync_kv_head_replicas()
         self._sync_tied()
         if self.grad_accum_dtype is not None:
             for state in self.layers.values():
                 for p, wide in zip(state.module.parameters(), self._local_grads(state.index)):
                     p.grad = wide.to(p.dtype)
+
+    def _sync_kv_head_replicas(self) -> None:
+        """Where tp exceeds the key/value heads, each tp rank holding a head computed only
+        its own query heads' part of wk's and wv's gradients: sum those over the head's
+        replicas, for all of this rank's layers at once (`sum_over_head_replicas`).
+
+        One collective over the stage's tp group per step, after the replica-group buckets.
+        It cannot deadlock: the tp peers of a stage hold the same layers, so they all call
+        it (or all skip it) at the same point of the same sequence, and none waits in it
+        for a collective of another group, since every rank has finished its buckets (whose
+        order is consistent across replica groups already) before entering it. After the
+        buckets, a head's replicas in every pipeline hold the same per-tp-rank sums, and
+        the gathered, fixed-order sum then gives every holder the same bits."""
+        grads = [self._local_grad(self.layers[index].module.get_parameter(name))
+                 for index in sorted(self.layers)
+                 for name in self.model.replicated_kv_heads(index, self.tp.size)]
+        sum_over_head_replicas(grads, self.model.cfg.kv_heads, self.tp)
 
     def _sync_tied(self) -> None:
         """The tied weight's gradient: each rank of the tied group adds its local copies'
@@ -455,12 +484,14 @@ class Engine:
             return
         copies = [self._local_grad(self.layers[layer].module.get_parameter(name))
                   for layer, name in self._tied.items() if layer in self.layers]
-        total = copies[0].clone()
+        # Usually the rank holds one copy, summed in place; a rank holding both (the
+        # embedding and the head in one stage) adds the second into the first.
+        total = copies[0]
         for grad in copies[1:]:
             total.add_(grad)
         if self.groups.tied.group is not None:
             dist.all_reduce(total, group=self.groups.tied.group)
-        for grad in copies:
+        for grad in copies[1:]:
             grad.copy_(total)
 
     def _commit(self, losses: list[torch.Tensor], stop: bool = False) -> tuple[float, float, bool]:
@@ -480,9 +511,7 @@ class Engine:
         squared = torch.zeros((), dtype=torch.float64, device=self.device)
         if counted:
             squared = torch.nn.utils.get_total_norm(counted, foreach=True).double().pow(2)
-        loss = torch.zeros((), dtype=torch.float64, device=self.device)
-        if losses and self.info.tp_rank == 0:
-            loss = torch.stack([l.detach().double() for l in losses]).sum()
+        loss = self._local_loss(losses)
         requests = torch.tensor(float(stop), dtype=torch.float64, device=self.device)
         vector = torch.stack([squared, loss, requests])
         dist.all_reduce(vector, group=self.groups.world)

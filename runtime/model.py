@@ -210,6 +210,13 @@ class LayerModel:
     def _kv_heads(self, index: int, name: str) -> bool:
         return name in getattr(self.layer_class(index), "TP_KV_HEADS", ())
 
+    def replicated_kv_heads(self, index: int, tp_size: int) -> tuple[str, ...]:
+        """Names of layer `index`'s parameters that are key/value heads replicated across
+        tp ranks (more ranks than heads): their gradients are summed over the replicas."""
+        if tp_size <= 1 or self.cfg.kv_heads % tp_size == 0:
+            return ()
+        return tuple(getattr(self.layer_class(index), "TP_KV_HEADS", ()))
+
     def shard(self, index: int, name: str, full: torch.Tensor, tp_rank: int, tp_size: int) -> torch.Tensor:
         """Tp rank `tp_rank`'s piece of parameter `name` of layer `index`, from its full
         tensor: the rule the layers' constructors split by."""

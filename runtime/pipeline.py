@@ -42,7 +42,6 @@ class PlanSchedule(_PipelineScheduleRuntime):
                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], forward_only: bool = False):
         """`forward_only`: the schedule's forward actions alone, in their order (removing
         the backward actions removes dependencies, never adds one), run with `eval`."""
-        self.forward_only = forward_only
         # Gradients are scaled by the loss function (1 / total microbatches of the
         # iteration, all pipelines together), so the runtime must not scale again.
         super().__init__(stages, num_microbatches, loss_fn=loss_fn, scale_grads=False)

@@ -12,7 +12,8 @@ shard per tp rank, which is what replica transfer and checkpoints move around.
   all-reduce forward and one backward.
 - `HeadParallelLinear` splits whole attention heads, or replicates them where tp
   exceeds them (grouped-query attention's key/value heads): the rule is
-  `planaria.templates.costs.kv_heads_of_rank`.
+  `planaria.templates.costs.kv_heads_of_rank`. The replicas' gradients are summed once
+  per step, after the microbatches (`sum_over_head_replicas`, called by the engine).
 - `VocabParallelEmbedding` and `vocab_parallel_cross_entropy` split the vocabulary.
 
 This module does no initialisation of its own: layers are created with full-size
@@ -27,6 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from planaria.kernels import cross_entropy
 from planaria.templates.costs import kv_heads_of_rank
@@ -76,6 +78,38 @@ def first_head_replica(n_heads: int, tp_rank: int, tp_size: int) -> bool:
     """Whether tp rank `tp_rank` is the first of the ranks that hold its heads (all are,
     unless heads are replicated: more ranks than heads)."""
     return n_heads % tp_size == 0 or tp_rank % (tp_size // n_heads) == 0
+
+
+def head_replicas(n_heads: int, tp_rank: int, tp_size: int) -> range:
+    """The tp ranks holding the same heads as `tp_rank` (only itself unless heads are
+    replicated: more ranks than heads)."""
+    if n_heads % tp_size == 0:
+        return range(tp_rank, tp_rank + 1)
+    per_head = tp_size // n_heads
+    first = tp_rank // per_head * per_head
+    return range(first, first + per_head)
+
+
+def sum_over_head_replicas(grads: list[torch.Tensor], n_heads: int, tp: TensorParallel) -> None:
+    """Replace each of `grads` (this rank's gradients of replicated heads' weights) by its
+    sum over the tp ranks holding the same head: one all-gather over the tp group of all
+    of them flattened, then each rank adds its replicas' pieces in tp-rank order.
+
+    Gathering moves the pieces unchanged and the sum's order is fixed, so every holder of
+    a head computes the same bits whatever the buffer's layout (pipelines of one plan may
+    split the layers into stages differently) and whichever group's all-reduce came
+    before; an all-reduce's rounding would depend on the ranks and the element's offset."""
+    if tp.size == 1 or not grads or n_heads % tp.size == 0:
+        return
+    flat = _flatten_dense_tensors(grads)
+    pieces = flat.new_empty((tp.size, flat.numel()))
+    dist.all_gather(list(pieces.unbind(0)), flat, group=tp.group)
+    replicas = head_replicas(n_heads, tp.rank, tp.size)
+    flat.copy_(pieces[replicas[0]])
+    for rank in replicas[1:]:
+        flat.add_(pieces[rank])
+    for grad, summed in zip(grads, _unflatten_dense_tensors(flat, grads)):
+        grad.copy_(summed)
 
 
 class _CopyToTensorParallel(torch.autograd.Function):
@@ -131,31 +165,11 @@ class RowParallelLinear(nn.Module):
         return reduce_from_tp(F.linear(x_local, self.weight), self.tp)
 
 
-class _SumOverHeadReplicas(torch.autograd.Function):
-    """Identity forward on a replicated head's weight; backward, the sum of its gradient
-    over the tp ranks holding that head (each computed only its own query heads' part).
-    One all-reduce over the whole tp group: each rank writes its gradient into its head's
-    slot of a zeroed (n_heads, ...) buffer and takes its slot of the sum back."""
-
-    @staticmethod
-    def forward(ctx, weight, tp, n_heads):
-        ctx.tp, ctx.n_heads = tp, n_heads
-        return weight
-
-    @staticmethod
-    def backward(ctx, grad):
-        tp, n_heads = ctx.tp, ctx.n_heads
-        head = kv_heads_of_rank(n_heads, tp.rank, tp.size).start
-        slots = grad.new_zeros((n_heads, *grad.shape))
-        slots[head] = grad
-        return tp.all_reduce(slots)[head], None, None
-
-
 class HeadParallelLinear(nn.Module):
     """Column-parallel by whole attention heads: tp rank r computes the heads
     `kv_heads_of_rank(n_heads, r, tp)`. With more ranks than heads each head is replicated
-    on tp/n_heads ranks, and the backward sums its weight's gradient over them, so the
-    replicas stay equal and each holds the gradient a single process would compute."""
+    on tp/n_heads ranks, each of which computes only its own query heads' part of the
+    weight's gradient; the engine sums those once per step (`sum_over_head_replicas`)."""
 
     def __init__(self, full_weight: torch.Tensor, n_heads: int, tp: TensorParallel):
         super().__init__()
@@ -163,10 +177,7 @@ class HeadParallelLinear(nn.Module):
         self.weight = nn.Parameter(shard_heads(full_weight, n_heads, tp.rank, tp.size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = self.weight
-        if self.tp.size > self.n_heads:
-            weight = _SumOverHeadReplicas.apply(weight, self.tp, self.n_heads)
-        return F.linear(copy_to_tp(x, self.tp), weight)
+        return F.linear(copy_to_tp(x, self.tp), self.weight)
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -328,9 +328,9 @@ def tp_communication_times(shape: ModelShape, index: int, hw: Hardware, *, tp: i
       autocast); its backward needs none.
     - block: forward, the attention and MLP row-parallel outputs (matmul outputs, bf16
       under autocast); backward, the gradients w.r.t. the two column-parallel inputs
-      (residual dtype), and with more tp ranks than key/value heads the sums of wk's and
-      wv's gradients over the ranks replicating a head (each the size of the full wk,
-      in the master dtype). Recomputation repeats the forward pair in the backward.
+      (residual dtype). Recomputation repeats the forward pair in the backward. (With
+      more tp ranks than key/value heads, the sum of the replicated heads' gradients is
+      once per step, not per microbatch: `tp_step_communication_time`.)
     - head: forward, vocab-parallel cross-entropy's three small all-reduces (row max,
       target logit, sum of exponentials: one float per token); backward, the output
       matmul's input gradient.
@@ -348,9 +348,19 @@ def tp_communication_times(shape: ModelShape, index: int, hw: Hardware, *, tp: i
         return forward, all_reduce_time(hidden * res, tp, hw)
     forward = 2 * all_reduce_time(hidden * act, tp, hw)
     backward = 2 * all_reduce_time(hidden * res, tp, hw)
-    if tp > shape.kv_heads:
-        backward += 2 * all_reduce_time(shape.kv_dim * shape.d_model * res, tp, hw)
     return forward, backward + (forward if recompute else 0.0)
+
+
+def tp_step_communication_time(shape: ModelShape, index: int, hw: Hardware, *, tp: int,
+                               dtype: str) -> float:
+    """Seconds of layer `index`'s once-per-step tensor-parallel communication: with more
+    tp ranks than key/value heads, a block's share of the all-gather that sums the
+    replicated heads' wk and wv gradients (`sum_over_head_replicas` in the runtime: one
+    head's rows of each, gathered from the tp-1 other ranks, in the master dtype)."""
+    if tp == 1 or shape.layer_kind(index) != "block" or shape.kv_heads % tp == 0:
+        return 0.0
+    local = 2 * shape.kv_dim // shape.kv_heads * shape.d_model * hidden_element_bytes(dtype)
+    return (tp - 1) * local / hw.intra_node_bandwidth + hw.link_latency_s
 
 
 def analytic_cost_model(shape: ModelShape, hw: Hardware, *, tp: int = 1, micro_batch: int = 1,
@@ -359,7 +369,8 @@ def analytic_cost_model(shape: ModelShape, hw: Hardware, *, tp: int = 1, micro_b
 
     Compute time is FLOPs / (peak · matmul_efficiency); the backward is 2x the forward's
     FLOPs (input and weight gradients), 3x for a recomputed block, plus the layer's
-    tensor-parallel all-reduces. Memory per worker as in `layer_state_bytes` and
+    tensor-parallel all-reduces; once per step, the sum of replicated key/value heads'
+    gradients (`optimizer_s`). Memory per worker as in `layer_state_bytes` and
     `layer_activation_bytes`.
     """
     check_job(shape, tp=tp, micro_batch=micro_batch, dtype=dtype)
@@ -380,6 +391,7 @@ def analytic_cost_model(shape: ModelShape, hw: Hardware, *, tp: int = 1, micro_b
             activation_bytes=layer_activation_bytes(shape, i, tp=tp, micro_batch=micro_batch,
                                                     dtype=dtype, recompute=recompute),
             output_bytes=layer_output_bytes(shape, i, micro_batch, dtype),
+            optimizer_s=tp_step_communication_time(shape, i, hw, tp=tp, dtype=dtype),
         ))
     return CostModel(shape=shape, hardware=hw, tp=tp, micro_batch=micro_batch,
                      layers=tuple(layers), source="analytic")

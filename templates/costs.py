@@ -197,7 +197,8 @@ class LayerCost:
     optimizer_s: float = 0.0
     """Once per iteration, not per microbatch: this layer's share of the parameter
     update on one worker (gradient norm, clipping, the optimizer step, zeroing the
-    gradients). 0 when not measured (the analytic model)."""
+    gradients), and its once-per-step tensor-parallel sums. The analytic model counts
+    only the latter (`analytic.tp_step_communication_time`)."""
 
     def __post_init__(self) -> None:
         if self.optimizer_s < 0:

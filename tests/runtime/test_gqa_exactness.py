@@ -26,6 +26,9 @@ CASES = {
     "gqa-tp4-replicated": (4, GQA, ["parallel.tp=4", "parallel.pp=1"]),
     "mqa-tp2-replicated-rope-scaling": (2, MQA, ["parallel.tp=2", "parallel.pp=1"]),
     "gqa-heterogeneous-[[4],[2,2]]": (3, GQA, ["parallel.layout=[[4],[2,2]]", "parallel.microbatches=[3,5]"]),
+    # Replicated heads in two pipelines: the replica-group sum, then the tp replicas' sum.
+    "mqa-tp2-two-pipelines": (4, MQA, ["parallel.tp=2", "parallel.layout=[[4],[4]]",
+                                       "parallel.microbatches=[3,5]"]),
 }
 
 
@@ -41,8 +44,9 @@ def references():
     return get
 
 
-# pp=2 alone is covered by tp2 x pp2: kept for `make test-slow`, out of the default suite's time.
-SLOW_CASES = {"gqa-pp2"}
+# pp=2 alone is covered by tp2 x pp2, and MQA in two pipelines by the single-pipeline MQA case
+# and the heterogeneous one: kept for `make test-slow`, out of the default suite's time.
+SLOW_CASES = {"gqa-pp2", "mqa-tp2-two-pipelines"}
 
 
 @pytest.mark.multiprocess
