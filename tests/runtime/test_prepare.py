@@ -170,25 +170,45 @@ def test_workers_interruptions_and_reruns_give_the_same_shards(bpe_corpus, stdli
     reference = _shard_bytes(tmp_path / "one")
     assert len(reference) > 10 and _shard_bytes(tmp_path / "two") == reference
 
-    # Interrupted after three shards: the rerun keeps them (verified) and writes the rest.
-    real_write = shards.write_shard
-    written = []
+    # Interrupted while writing the fourth shard: the rerun keeps the three (verified) and
+    # the tokens pending since, and encodes only the units after the last shard.
+    real_write, real_encode = shards.write_shard, prep.encode_unit
+    written, encoded = [], []
 
     def write(path, *a, **k):
-        if len(written) == 3:
-            raise KeyboardInterrupt
-        written.append(path.name)
+        if not path.name.startswith(prep.PENDING):
+            if len(written) == 3:
+                raise KeyboardInterrupt
+            written.append(path.name)
         return real_write(path, *a, **k)
 
+    def count(unit):
+        encoded.append(unit)
+        return real_encode(unit)
+
     monkeypatch.setattr(shards, "write_shard", write)
+    monkeypatch.setattr(prep, "encode_unit", count)
     with pytest.raises(KeyboardInterrupt):
         prep.prepare(_args(stdlib_slice, "--out", tmp_path / "cut", *common))
     assert not (tmp_path / "cut" / "manifest.json").exists()
     assert not [p for p in (tmp_path / "cut").iterdir() if ".tmp" in p.name]  # nothing half-written
-    monkeypatch.setattr(shards, "write_shard", lambda path, *a, **k: written.append(path.name) or real_write(path, *a, **k))
+    n_units = len(inputs.discover([stdlib_slice], "text", (), ()))
+    before = len(encoded)
+    encoded.clear()
+
+    def record(path, *a, **k):
+        if not path.name.startswith(prep.PENDING):
+            written.append(path.name)
+        return real_write(path, *a, **k)
+
+    monkeypatch.setattr(shards, "write_shard", record)
     prep.prepare(_args(stdlib_slice, "--out", tmp_path / "cut", *common))
     assert _shard_bytes(tmp_path / "cut") == reference
+    assert not list((tmp_path / "cut").glob(prep.PENDING + "*"))
     assert len(written) == len(reference)  # the three kept shards were not written again
+    # Redone: the units between the third shard and the interruption, no more (a shard
+    # spans about two units here).
+    assert 0 < before < n_units and before + len(encoded) <= n_units + 3, (before, len(encoded), n_units)
 
     # A rerun over a finished directory rewrites nothing; a damaged shard is redone.
     written.clear()
