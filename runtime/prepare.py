@@ -45,6 +45,7 @@ __all__ = ["prepare", "in_val", "add_parser", "main"]
 
 JOURNAL = ".prepare-journal.json"
 PENDING = ".prepare-pending-"
+TOKENIZER_CONFIG = "tokenizer_config.json"
 DEFAULT_SHARD_TOKENS = 100_000_000
 ENCODE_BATCH_CHARS = 1 << 20
 
@@ -240,25 +241,38 @@ def _read_json(path: Path) -> dict | None:
         return None
 
 
-def _tokenizer_for(args, units: list[Unit], out: Path, say) -> tuple[Path, dict]:
-    """The tokenizer.json to encode with, and what the manifest records of it."""
+def _trained_bpe(args, units: list[Unit], out: Path, say) -> tuple[Path, dict]:
+    """The BPE trained on these inputs (reused from an earlier run when its recipe is
+    the same), and what the manifest records of it."""
     target = out / shards.TOKENIZER_FILE
-    if args.train_bpe:
-        recipe = {"trained_bpe": args.train_bpe, "inputs": _fingerprint(units, {"text_key": args.text_key})}
-        previous = _read_json(out / shards.MANIFEST) or _read_json(out / JOURNAL) or {}
-        if previous.get("tokenizer_recipe") == recipe and target.is_file():
-            say(f"reusing the BPE of {args.train_bpe:,} tokens trained on these inputs: {target}")
-        else:
-            say(f"training a byte-level BPE of {args.train_bpe:,} tokens on the inputs")
-            train_bpe(units, args.text_key, args.train_bpe, target)
+    recipe = {"trained_bpe": args.train_bpe, "inputs": _fingerprint(units, {"text_key": args.text_key})}
+    previous = _read_json(out / shards.MANIFEST) or _read_json(out / JOURNAL) or {}
+    if previous.get("tokenizer_recipe") == recipe and target.is_file():
+        say(f"reusing the BPE of {args.train_bpe:,} tokens trained on these inputs: {target}")
         return target, recipe
-    _, source = load_tokenizer(args.tokenizer)
+    say(f"training a byte-level BPE of {args.train_bpe:,} tokens on the inputs")
+    _invalidate(out)
+    train_bpe(units, args.text_key, args.train_bpe, target)
+    return target, recipe
+
+
+def _invalidate(out: Path) -> None:
+    """Before the tokenizer or the shards change: a manifest must never name files it did
+    not describe, and an earlier tokenizer's config must not name the end-of-text token."""
+    (out / shards.MANIFEST).unlink(missing_ok=True)
+    (out / TOKENIZER_CONFIG).unlink(missing_ok=True)
+
+
+def _ship_tokenizer(source: Path, out: Path) -> Path:
+    """Copy the tokenizer (and its tokenizer_config.json) beside the shards: export
+    ships it with the model."""
+    target = out / shards.TOKENIZER_FILE
     if source.resolve() != target.resolve():
-        atomic_write_bytes(target, source.read_bytes())  # export ships it with the model
-        config = source.parent / "tokenizer_config.json"
+        atomic_write_bytes(target, source.read_bytes())
+        config = source.parent / TOKENIZER_CONFIG
         if config.is_file():
-            atomic_write_bytes(out / config.name, config.read_bytes())
-    return target, {"source": str(source)}
+            atomic_write_bytes(out / TOKENIZER_CONFIG, config.read_bytes())
+    return target
 
 
 def prepare(args: argparse.Namespace) -> dict:
@@ -274,7 +288,11 @@ def prepare(args: argparse.Namespace) -> dict:
     out = Path(args.out).expanduser()
     out.mkdir(parents=True, exist_ok=True)
     units = discover(args.inputs, args.text_key, tuple(args.include), tuple(args.exclude))
-    tokenizer_path, recipe = _tokenizer_for(args, units, out, say)
+    if args.train_bpe:
+        tokenizer_path, recipe = _trained_bpe(args, units, out, say)
+    else:  # read where it is: nothing in --out changes before the manifest is invalidated
+        _, tokenizer_path = load_tokenizer(args.tokenizer)
+        recipe = {"source": str(tokenizer_path)}
     tokenizer, _ = load_tokenizer(str(tokenizer_path))
     eos_id = find_eos(tokenizer, tokenizer_path, args.eos or (BPE_EOS if args.train_bpe else None))
     vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
@@ -288,7 +306,13 @@ def prepare(args: argparse.Namespace) -> dict:
             len(_verified(out, done["splits"][s])) == len(done["splits"][s]) for s in shards.SPLITS):
         say(f"{out} is up to date (same inputs and settings, every shard verified)")
         return done
-    (out / shards.MANIFEST).unlink(missing_ok=True)  # shards are about to change under it
+    if args.train_bpe:
+        (out / shards.MANIFEST).unlink(missing_ok=True)  # shards are about to change under it
+    elif tokenizer_path.resolve() != (out / shards.TOKENIZER_FILE).resolve():
+        _invalidate(out)
+        tokenizer_path = _ship_tokenizer(tokenizer_path, out)
+    else:
+        (out / shards.MANIFEST).unlink(missing_ok=True)
 
     writers = {s: SplitWriter(s, out, args.shard_tokens, vocab_size, eos_id) for s in shards.SPLITS}
     first_unit = _resume(out, fingerprint, writers, len(units), say)

@@ -354,3 +354,34 @@ def test_a_hugging_face_tokenizer_directory_names_its_end_of_text(bpe_corpus, st
     assert (out / "tokenizer_config.json").read_text() == (hf / "tokenizer_config.json").read_text()
     docs = sum(e["documents"] for split in manifest["splits"].values() for e in split)
     assert docs == N_FILES
+
+
+def test_another_tokenizer_into_the_same_directory_never_pairs_with_the_old_manifest(bpe_corpus, stdlib_slice,
+                                                                                      tmp_path):
+    """A rerun with another tokenizer leaves no stale tokenizer_config.json to name the
+    end-of-text token, and one that fails leaves the manifest with the tokenizer it describes."""
+    from tokenizers import AddedToken, Tokenizer
+
+    hf, bare = tmp_path / "hf-tokenizer", tmp_path / "bare"
+    hf.mkdir()
+    bare.mkdir()
+    tokenizer = Tokenizer.from_file(str(bpe_corpus / "tokenizer.json"))
+    tokenizer.add_special_tokens([AddedToken("<|eot|>", special=True)])
+    tokenizer.save(str(hf / "tokenizer.json"))
+    tokenizer.save(str(bare / "tokenizer.json"))
+    (hf / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|eot|>"}))
+    out = tmp_path / "out"
+    common = ["--out", out, "--val-fraction", 0.05, "--shard-tokens", 200_000]
+    prep.prepare(_args(stdlib_slice, "--tokenizer", hf, *common))
+    assert shards.read_manifest(out)["eos_id"] == tokenizer.token_to_id("<|eot|>")
+
+    # Without a config, the usual name separates documents, not the earlier run's <|eot|>.
+    prep.prepare(_args(stdlib_slice, "--tokenizer", bare / "tokenizer.json", *common))
+    assert shards.read_manifest(out)["eos_id"] == tokenizer.token_to_id("<|endoftext|>") == 0
+    assert not (out / "tokenizer_config.json").exists()
+
+    with pytest.raises(inputs.PrepareError, match="no end-of-text token"):
+        prep.prepare(_args(stdlib_slice, "--tokenizer", bpe_corpus / "tokenizer.json", "--eos", "<|nope|>",
+                           *common))
+    if (out / "manifest.json").exists():
+        assert (out / "tokenizer.json").read_bytes() == (bare / "tokenizer.json").read_bytes()
