@@ -92,7 +92,9 @@ def _input_files(inputs: list[str], include: tuple[str, ...] = (),
             found = []
             for dirpath, dirnames, filenames in os.walk(path):
                 dirnames[:] = sorted(d for d in dirnames if not d.startswith((".", "__pycache__")))
-                found += [Path(dirpath, name) for name in filenames if not name.startswith(".")]
+                # A broken symbolic link (or a socket, a pipe) is no document: skipped.
+                found += [Path(dirpath, name) for name in filenames
+                          if not name.startswith(".") and Path(dirpath, name).is_file()]
             found = [f for f in found if _wanted(f.relative_to(path).as_posix(), include, exclude)]
             files += sorted(found, key=lambda p: p.relative_to(path).as_posix())
         else:
@@ -250,7 +252,12 @@ def find_eos(tokenizer, tokenizer_path: Path, eos: str | None) -> int:
     names = [eos] if eos else []
     config = tokenizer_path.parent / "tokenizer_config.json"
     if not eos and config.is_file():
-        value = json.loads(config.read_text(encoding="utf-8")).get("eos_token")
+        try:
+            value = json.loads(config.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+            raise PrepareError(f"{config}: not a readable tokenizer_config.json ({err}); fix or remove it, or "
+                               "name the end-of-text token with --eos TOKEN") from None
+        value = value.get("eos_token") if isinstance(value, dict) else None
         value = value.get("content") if isinstance(value, dict) else value
         if isinstance(value, str):
             names.append(value)

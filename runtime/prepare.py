@@ -275,6 +275,25 @@ def _ship_tokenizer(source: Path, out: Path) -> Path:
     return target
 
 
+def _output_directory(spec: str, inputs: list[str]) -> Path:
+    """--out, made and checked before any work: writable, and not inside an input
+    directory (a later run would read its shards and manifest as input)."""
+    out = Path(spec).expanduser()
+    for item in inputs:
+        source = Path(item).expanduser()
+        if source.is_dir() and out.resolve().is_relative_to(source.resolve()):
+            raise PrepareError(f"--out {spec}: inside the input directory {item}, whose files a later run would "
+                               "read as input; write the shards elsewhere")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise PrepareError(f"--out {spec}: cannot make the directory ({err.strerror}); give a directory this "
+                           "user can write") from None
+    if not os.access(out, os.W_OK | os.X_OK):
+        raise PrepareError(f"--out {spec}: not writable by this user; give a directory this user can write")
+    return out
+
+
 def prepare(args: argparse.Namespace) -> dict:
     """Run `planaria data prepare`; returns the manifest."""
     if bool(args.tokenizer) == bool(args.train_bpe):
@@ -285,8 +304,7 @@ def prepare(args: argparse.Namespace) -> dict:
     if args.shard_tokens < 1 or args.workers < 1:
         raise PrepareError("--shard-tokens and --workers must be at least 1")
     say = (lambda msg: None) if args.quiet else (lambda msg: print(f"planaria data prepare: {msg}", file=sys.stderr))
-    out = Path(args.out).expanduser()
-    out.mkdir(parents=True, exist_ok=True)
+    out = _output_directory(args.out, args.inputs)
     units = discover(args.inputs, args.text_key, tuple(args.include), tuple(args.exclude))
     if args.train_bpe:
         tokenizer_path, recipe = _trained_bpe(args, units, out, say)

@@ -297,6 +297,28 @@ def test_bad_inputs_are_one_line_errors(stdlib_slice, bpe_corpus, tmp_path):
                     r"docs\.parquet: no column 'text' \(columns: \['content'\]\); name the text column with --text-key")
     _one_line_error(_cli(tmp_path / "missing", "--out", out, "--train-bpe", 512, check=False),
                     r"input .*missing' not found")
+    bad_config = tmp_path / "bad-config"
+    bad_config.mkdir()
+    shutil.copyfile(bpe_corpus / "tokenizer.json", bad_config / "tokenizer.json")
+    (bad_config / "tokenizer_config.json").write_text("{not json")
+    _one_line_error(_cli(stdlib_slice, "--out", out, "--tokenizer", bad_config, check=False),
+                    r"bad-config/tokenizer_config\.json: not a readable tokenizer_config\.json \(.*\); fix or "
+                    r"remove it, or name the end-of-text token with --eos TOKEN")
+    _one_line_error(_cli(stdlib_slice, "--out", stdlib_slice / "shards", "--train-bpe", 512, check=False),
+                    r"--out .*shards: inside the input directory .*; write the shards elsewhere")
+    assert not (stdlib_slice / "shards").exists()
+    _one_line_error(_cli(stdlib_slice, "--out", tmp_path / "docs.jsonl" / "out", "--train-bpe", 512, check=False),
+                    r"--out .*docs\.jsonl/out: cannot make the directory \(Not a directory\); give a directory")
+
+
+def test_a_broken_link_in_an_input_directory_is_skipped(bpe_corpus, tmp_path):
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "a.txt").write_text("def f():\n    return 1\n" * 50)
+    (docs / "gone.txt").symlink_to(tmp_path / "nowhere.txt")
+    manifest = prep.prepare(_args(docs, "--out", tmp_path / "out", "--tokenizer", bpe_corpus / "tokenizer.json",
+                                  "--val-fraction", 0))
+    assert sum(e["documents"] for e in manifest["splits"]["train"]) == 1
 
 
 # ---------------------------------------------------------------- training on the corpora
