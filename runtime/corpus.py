@@ -51,7 +51,7 @@ class Unit:
     start: int = 0
     stop: int = 0
     size: int = 0
-    """Bytes it covers, for the progress bar (rows for hf)."""
+    """Bytes it covers, for the progress bar (for hf, its rows' share of the text column's bytes)."""
 
 
 # ---------------------------------------------------------------- inputs
@@ -173,7 +173,11 @@ def _hf_units(directory: Path, text_key: str) -> list[Unit]:
         raise PrepareError(f"{directory}: no column {text_key!r} (columns: {data.column_names}); name the "
                            "text column with --text-key")
     n = len(data)
-    return [Unit("hf", (str(directory),), a, min(n, a + UNIT_ROWS), min(n, a + UNIT_ROWS) - a)
+    # The progress bar counts bytes: a range of rows counts its share of the text column's
+    # bytes (the Arrow buffers' size, known without reading the rows).
+    column_bytes = data.data.column(text_key).nbytes
+    return [Unit("hf", (str(directory),), a, min(n, a + UNIT_ROWS),
+                 column_bytes * (min(n, a + UNIT_ROWS) - a) // max(n, 1))
             for a in range(0, n, UNIT_ROWS)]
 
 

@@ -244,6 +244,11 @@ def test_every_input_format_gives_the_same_shards(bpe_corpus, stdlib_slice, tmp_
         outputs[name] = _shard_bytes(tmp_path / f"out-{name}")
     assert len(outputs["txt"]) > 4
     assert all(o == outputs["txt"] for o in outputs.values())
+    # The progress bar counts bytes for every format (a dataset's rows too).
+    text_bytes = sum(len(t.encode()) for t in texts)
+    for name in ("txt", "hf"):
+        size = sum(u.size for u in inputs.discover([tmp_path / name], "body"))
+        assert text_bytes <= size < 1.1 * text_bytes, (name, size, text_bytes)
 
 
 def _one_line_error(proc, pattern: str) -> None:
