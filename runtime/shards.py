@@ -270,10 +270,3 @@ class ShardStream:
         if np.ndim(index) == 0:
             return out[0]
         return out.reshape(offsets.shape)
-
-    def __array__(self, dtype=None, copy=None):
-        whole = np.concatenate([np.asarray(p) for p in self.parts])
-        return whole if dtype is None else whole.astype(dtype)
-
-    def max(self) -> int:
-        return max(int(p.max()) for p in self.parts if len(p))
