@@ -283,7 +283,7 @@ def _bin_dataset(source: str, seq_len: int, vocab_size: int, dtype: str) -> Toke
         raise ValueError(f"{KEY_DTYPE}: {source!r} has no shard header, so its token width is unknown; set "
                          f"{KEY_DTYPE}: uint16 (vocabularies up to 65,536) or uint32, or prepare the corpus "
                          f"with `planaria data prepare`")
-    width = HEADERLESS_DTYPES[dtype]
+    width = HEADERLESS_DTYPES[dtype]  # any other value is refused with the config (load_config)
     name = dtype
     size = path.stat().st_size
     if size == 0:
@@ -433,9 +433,6 @@ def build_dataset(
     seed = _as_int(seed, KEY_SEED, 0)
     if split not in SPLITS:
         raise ValueError(f"split {split!r} is unknown; use one of {SPLITS}")
-    if dtype and dtype not in HEADERLESS_DTYPES:
-        raise ValueError(f"{KEY_DTYPE}: {dtype!r} is unknown; use uint16 or uint32 (or leave it empty "
-                         f"for a prepared corpus)")
     if source == SYNTHETIC:
         num_samples = _as_int(num_samples, "num_samples", 1)
         tokens = _synthetic_tokens(seed, vocab_size, num_samples, seq_len, split)
