@@ -2,7 +2,7 @@
 documents, and the tokenizer (loaded, or trained here).
 
 Plain text files are a document each (a directory is walked in sorted order; hidden
-entries and files with NUL bytes are skipped, and `--include`/`--exclude` patterns
+entries, broken links and files with NUL bytes are skipped, and `--include`/`--exclude` patterns
 choose among its files); JSON lines (`.jsonl`, `.ndjson`, `.json`)
 and Parquet hold a document per line or row in the field `--text-key`; a local Hugging
 Face dataset directory (`save_to_disk`) is read with `datasets`. A unit is what one
