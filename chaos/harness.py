@@ -33,6 +33,7 @@ from planaria.chaos.report import (InjectedFault, Report, build_report, CommitTa
 from planaria.chaos.sources import (RandomFaults, TraceReplay, find_trace, random_kinds, read_trace,
                                     replay_schedule)
 from planaria.runtime.config import load_config
+from planaria.runtime.worker_logs import COMMITS, EVALS, log_paths
 
 POLL_S = 0.1
 
@@ -240,7 +241,8 @@ class _Run:
         # A previous run's records, and its checkpoints: a job resumes from the newest
         # checkpoint it finds, so a run in a reused folder would go on from where the
         # last one stopped instead of being the run the report compares.
-        for stale in [*self.out_dir.glob("commits-*.jsonl"), *self.out_dir.glob("audit-*.jsonl")]:
+        for stale in [*log_paths(self.out_dir, COMMITS), *log_paths(self.out_dir, EVALS),
+                      *self.out_dir.glob("audit-*.jsonl")]:
             stale.unlink()
         checkpoints = self.out_dir / "checkpoints"
         shutil.rmtree(checkpoints, ignore_errors=True)

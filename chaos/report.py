@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from planaria.chaos.faults import parse_fault
+from planaria.runtime.worker_logs import COMMITS, EVALS, log_paths, read_logs
 
 
 @dataclass
@@ -107,20 +108,12 @@ class Report:
 
 def read_commits(out_dir: Path) -> dict[str, list[dict]]:
     """Each worker's committed steps, in the order it committed them."""
-    logs = {}
-    for path in sorted(Path(out_dir).glob("commits-*.jsonl")):
-        lines = path.read_text().splitlines()
-        logs[path.stem.removeprefix("commits-")] = [json.loads(line) for line in lines if line.strip()]
-    return logs
+    return read_logs(out_dir, COMMITS)
 
 
 def read_evals(out_dir: Path) -> dict[str, list[dict]]:
-    """Each worker's validation losses (`evals-<worker>.jsonl`), in the order it logged them."""
-    logs = {}
-    for path in sorted(Path(out_dir).glob("evals-*.jsonl")):
-        lines = path.read_text().splitlines()
-        logs[path.stem.removeprefix("evals-")] = [json.loads(line) for line in lines if line.strip()]
-    return logs
+    """Each worker's validation losses, in the order it logged them."""
+    return read_logs(out_dir, EVALS)
 
 
 def step_val_losses(logs: dict[str, list[dict]]) -> dict[int, float]:
@@ -142,7 +135,7 @@ class CommitTail:
         self.newest = -1
 
     def committed(self) -> int:
-        for path in self.out_dir.glob("commits-*.jsonl"):
+        for path in log_paths(self.out_dir, COMMITS):
             with open(path, "rb") as f:
                 f.seek(self._offsets.get(path, 0))
                 data = f.read()

@@ -453,9 +453,8 @@ def _check_data_and_eval(cfg: Config) -> None:
     if cfg.eval.every < 0 or cfg.eval.batches < 1:
         raise ConfigError(f"eval.every must be 0 (off) or more and eval.batches at least 1; got "
                           f"every={cfg.eval.every}, batches={cfg.eval.batches}")
-    if cfg.eval.every and cfg.data.source == "stdlib":
-        raise ConfigError("eval.every needs a validation split, which data.source 'stdlib' lacks; prepare a "
-                          "corpus with `planaria data prepare` or set eval.every: 0")
+    # Whether data.source has a validation split is data's to say (`dataset_for(cfg, "val")`):
+    # it knows every kind of source.
 
 
 # gloo retries a connection refused by a dead peer (its retry limit is 3), each attempt

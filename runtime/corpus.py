@@ -2,7 +2,7 @@
 documents, and the tokenizer (loaded, or trained here).
 
 Plain text files are a document each (a directory is walked in sorted order; hidden
-entries and files with NUL bytes are skipped, and `--include`/`--exclude` patterns
+entries, broken links and files with NUL bytes are skipped, and `--include`/`--exclude` patterns
 choose among its files); JSON lines (`.jsonl`, `.ndjson`, `.json`)
 and Parquet hold a document per line or row in the field `--text-key`; a local Hugging
 Face dataset directory (`save_to_disk`) is read with `datasets`. A unit is what one
@@ -51,7 +51,7 @@ class Unit:
     start: int = 0
     stop: int = 0
     size: int = 0
-    """Bytes it covers, for the progress bar (rows for hf)."""
+    """Bytes it covers, for the progress bar (for hf, its rows' share of the text column's bytes)."""
 
 
 # ---------------------------------------------------------------- inputs
@@ -92,7 +92,9 @@ def _input_files(inputs: list[str], include: tuple[str, ...] = (),
             found = []
             for dirpath, dirnames, filenames in os.walk(path):
                 dirnames[:] = sorted(d for d in dirnames if not d.startswith((".", "__pycache__")))
-                found += [Path(dirpath, name) for name in filenames if not name.startswith(".")]
+                # A broken symbolic link (or a socket, a pipe) is no document: skipped.
+                found += [Path(dirpath, name) for name in filenames
+                          if not name.startswith(".") and Path(dirpath, name).is_file()]
             found = [f for f in found if _wanted(f.relative_to(path).as_posix(), include, exclude)]
             files += sorted(found, key=lambda p: p.relative_to(path).as_posix())
         else:
@@ -171,7 +173,11 @@ def _hf_units(directory: Path, text_key: str) -> list[Unit]:
         raise PrepareError(f"{directory}: no column {text_key!r} (columns: {data.column_names}); name the "
                            "text column with --text-key")
     n = len(data)
-    return [Unit("hf", (str(directory),), a, min(n, a + UNIT_ROWS), min(n, a + UNIT_ROWS) - a)
+    # The progress bar counts bytes: a range of rows counts its share of the text column's
+    # bytes (the Arrow buffers' size, known without reading the rows).
+    column_bytes = data.data.column(text_key).nbytes
+    return [Unit("hf", (str(directory),), a, min(n, a + UNIT_ROWS),
+                 column_bytes * (min(n, a + UNIT_ROWS) - a) // max(n, 1))
             for a in range(0, n, UNIT_ROWS)]
 
 
@@ -250,7 +256,12 @@ def find_eos(tokenizer, tokenizer_path: Path, eos: str | None) -> int:
     names = [eos] if eos else []
     config = tokenizer_path.parent / "tokenizer_config.json"
     if not eos and config.is_file():
-        value = json.loads(config.read_text(encoding="utf-8")).get("eos_token")
+        try:
+            value = json.loads(config.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+            raise PrepareError(f"{config}: not a readable tokenizer_config.json ({err}); fix or remove it, or "
+                               "name the end-of-text token with --eos TOKEN") from None
+        value = value.get("eos_token") if isinstance(value, dict) else None
         value = value.get("content") if isinstance(value, dict) else value
         if isinstance(value, str):
             names.append(value)

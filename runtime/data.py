@@ -283,7 +283,7 @@ def _bin_dataset(source: str, seq_len: int, vocab_size: int, dtype: str) -> Toke
         raise ValueError(f"{KEY_DTYPE}: {source!r} has no shard header, so its token width is unknown; set "
                          f"{KEY_DTYPE}: uint16 (vocabularies up to 65,536) or uint32, or prepare the corpus "
                          f"with `planaria data prepare`")
-    width = HEADERLESS_DTYPES[dtype]
+    width = HEADERLESS_DTYPES[dtype]  # any other value is refused with the config (load_config)
     name = dtype
     size = path.stat().st_size
     if size == 0:
@@ -332,7 +332,10 @@ def _shard_dataset(source: str, seq_len: int, vocab_size: int, dtype: str, split
     if split != "train":
         raise ValueError(f"{KEY_SOURCE}: {source!r} is a single shard, with no {split!r} split; give the "
                          f"prepared directory (its manifest names the splits)")
-    header, tokens = shards.open_shard(Path(source).expanduser())
+    try:
+        header, tokens = shards.open_shard(Path(source).expanduser())
+    except ValueError as err:
+        raise ValueError(f"{KEY_SOURCE}: {err}") from None
     _check_header_dtype(source, header, dtype)
     _check_length(source, header.num_tokens, seq_len)
     if header.vocab_size > vocab_size:  # ids may still fit: only then read them all
@@ -359,10 +362,13 @@ def _prepared_dataset(source: str, seq_len: int, vocab_size: int, dtype: str, sp
         if not file.is_file():
             raise ValueError(f"{KEY_SOURCE}: shard {str(file)!r} named by {str(path)!r} is missing; "
                              f"run `planaria data prepare` again into that directory")
-        header, tokens = shards.open_shard(file)
+        try:
+            header, tokens = shards.open_shard(file)
+        except ValueError as err:
+            raise ValueError(f"{KEY_SOURCE}: {err}") from None
         _check_header_dtype(str(file), header, dtype)
         if header.num_tokens != entry["tokens"] or header.vocab_size != manifest["vocab_size"]:
-            raise ValueError(f"{str(file)!r} holds {header.num_tokens:,} tokens of vocab {header.vocab_size:,}, "
+            raise ValueError(f"{KEY_SOURCE}: {str(file)!r} holds {header.num_tokens:,} tokens of vocab {header.vocab_size:,}, "
                              f"its manifest says {entry['tokens']:,} of {manifest['vocab_size']:,}; run "
                              f"`planaria data prepare` again into that directory")
         # The manifest keeps each shard's largest id: no pass over a terabyte at each start.
@@ -427,9 +433,6 @@ def build_dataset(
     seed = _as_int(seed, KEY_SEED, 0)
     if split not in SPLITS:
         raise ValueError(f"split {split!r} is unknown; use one of {SPLITS}")
-    if dtype and dtype not in HEADERLESS_DTYPES:
-        raise ValueError(f"{KEY_DTYPE}: {dtype!r} is unknown; use uint16 or uint32 (or leave it empty "
-                         f"for a prepared corpus)")
     if source == SYNTHETIC:
         num_samples = _as_int(num_samples, "num_samples", 1)
         tokens = _synthetic_tokens(seed, vocab_size, num_samples, seq_len, split)
@@ -451,6 +454,9 @@ def build_dataset(
         return _prepared_dataset(source, seq_len, vocab_size, dtype, split)
     if not path.is_file():
         raise ValueError(f"{KEY_SOURCE}: {source!r} is not a regular file; {_PATH_HINT}")
+    if not os.access(path, os.R_OK):
+        raise ValueError(f"{KEY_SOURCE}: cannot read {source!r} (permission denied); make it readable by "
+                         f"this user")
     if shards.is_shard(path):
         return _shard_dataset(source, seq_len, vocab_size, dtype, split)
     if split != "train":

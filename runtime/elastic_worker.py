@@ -20,7 +20,8 @@ A collective that fails (a peer's sockets closed: gloo reports it within about a
 second) or times out (`parallel.timeout_s`) ends the epoch on this worker: it tears
 its process groups down at once, which closes its own sockets so that peers blocked on
 it fail too, then publishes its status (`planaria.runtime.exactly_once`) and goes back
-to 1. Every committed step is appended to OUTPUT_DIR/commits-<node>.<local>.jsonl.
+to 1. Every committed step is appended to OUTPUT_DIR/commits-<node>.<local>.jsonl
+(`planaria.runtime.worker_logs` names the logs).
 """
 from __future__ import annotations
 
@@ -50,6 +51,7 @@ from planaria.runtime.faults import FaultInjector, corruption_after_step, flip_a
 from planaria.runtime.groups import forget_failed_world, set_operation_timeout
 from planaria.runtime.heartbeat import start_beating
 from planaria.runtime.model import LayerModel
+from planaria.runtime.worker_logs import COMMITS, EVALS, log_path
 
 ENV_STORE, ENV_NODE, ENV_LOCAL_RANK = "PLANARIA_STORE", "PLANARIA_NODE", "PLANARIA_LOCAL_RANK"
 EXIT_TORN_STEP = 3
@@ -113,8 +115,8 @@ class ElasticWorker:
         self.engine: Engine | None = None
         self.out_dir = Path(cfg.output.dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
-        self.commits = open(self.out_dir / f"commits-{self.name}.jsonl", "a", encoding="utf-8")
-        self.evals = open(self.out_dir / f"evals-{self.name}.jsonl", "a", encoding="utf-8") if cfg.eval.every else None
+        self.commits = open(log_path(self.out_dir, COMMITS, self.name), "a", encoding="utf-8")
+        self.evals = open(log_path(self.out_dir, EVALS, self.name), "a", encoding="utf-8") if cfg.eval.every else None
         self.checkpointer = AsyncCheckpointer(cfg.checkpoint_dir, cfg.checkpoint.every,
                                               coordinator.report_checkpoint)
 

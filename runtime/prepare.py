@@ -12,9 +12,11 @@ number of workers, and a document repeated in the corpus never straddles the spl
 The input is cut into units (`corpus.discover`); `--workers` processes encode
 units in parallel and this process writes their tokens, in unit order, into shards of
 `--shard-tokens` tokens: the output is the same for any number of workers. Every file
-is written atomically; after each shard a journal records the shards so far and where
-in the input they end, so an interrupted run resumes after its last shard (verified by
-checksum); the manifest comes last. A rerun over a finished directory with the same
+is written atomically; after each shard a journal records every split's state: its
+shards, the position in the input it has taken tokens up to, and those of its tokens not
+yet in a shard (in small pending files). An interrupted run resumes from the last such
+state (every file verified by checksum), encoding only the units after it; the
+manifest comes last. A rerun over a finished directory with the same
 inputs and settings verifies the shards and does nothing more.
 
 It does not read shards for training (`planaria.runtime.data` does) and imports no torch.
@@ -42,6 +44,8 @@ from planaria.runtime.corpus import (BPE_EOS, PrepareError, Unit, discover, docu
 __all__ = ["prepare", "in_val", "add_parser", "main"]
 
 JOURNAL = ".prepare-journal.json"
+PENDING = ".prepare-pending-"
+TOKENIZER_CONFIG = "tokenizer_config.json"
 DEFAULT_SHARD_TOKENS = 100_000_000
 ENCODE_BATCH_CHARS = 1 << 20
 
@@ -123,8 +127,13 @@ def encode_unit(unit: Unit) -> dict:
 
 @dataclass
 class SplitWriter:
-    """Cuts one split's token stream into shards; skips the tokens already in shards
-    that a resumed run kept (`resume`: unit index and tokens into it)."""
+    """Cuts one split's token stream into shards.
+
+    `position` is the next token this split takes: (unit index, tokens into that unit).
+    The tokens taken but not yet in a shard sit in the buffer; `save_pending` copies
+    the part of them not saved before into a small pending file, so that a journal can
+    record this split's state whenever the other split finishes a shard. A resumed run
+    sets `position` and refills the buffer from those files (`restore`)."""
 
     split: str
     out: Path
@@ -132,36 +141,61 @@ class SplitWriter:
     vocab_size: int
     eos_id: int
     entries: list = field(default_factory=list)
-    resume: tuple[int, int] = (0, 0)
+    pending: list = field(default_factory=list)
+    position: tuple[int, int] = (0, 0)
     _buffer: np.ndarray | None = None
     _buffered: int = 0
-    _unit: int = 0
-    _into_unit: int = 0
+    _saved: int = 0
 
-    def add(self, unit_index: int, tokens: np.ndarray, on_shard) -> None:
-        skip_unit, skip_tokens = self.resume
-        if unit_index < skip_unit:
-            return
-        self._unit, self._into_unit = unit_index, 0
-        if unit_index == skip_unit:
-            tokens = tokens[skip_tokens:]
-            self._into_unit = skip_tokens
+    def _ensure_buffer(self) -> None:
         if self._buffer is None:
             # Pages of an empty array cost nothing until written: memory grows with the
             # shard, never past one shard's bytes, and no concatenation copies it.
             self._buffer = np.empty(self.shard_tokens, dtype=shards.dtype_for_vocab(self.vocab_size))
+
+    def add(self, unit_index: int, tokens: np.ndarray, on_shard) -> None:
+        unit, into = self.position
+        if unit_index < unit:
+            return  # already taken before the interruption
+        if unit_index == unit:
+            tokens = tokens[into:]
+        else:
+            into = 0
+        self._ensure_buffer()
         while len(tokens):
             take = min(len(tokens), self.shard_tokens - self._buffered)
             self._buffer[self._buffered:self._buffered + take] = tokens[:take]
             self._buffered += take
-            self._into_unit += take
+            into += take
             tokens = tokens[take:]
+            self.position = (unit_index, into)
             if self._buffered == self.shard_tokens:
                 self._flush(on_shard)
+        self.position = (unit_index + 1, 0)
 
     def finish(self, on_shard) -> None:
         if self._buffered:
             self._flush(on_shard)
+
+    def save_pending(self) -> None:
+        """Write the buffered tokens not yet in a pending file into a new one."""
+        if self._buffered == self._saved:
+            return
+        name = f"{PENDING}{self.split}-{len(self.entries):05d}-{len(self.pending):05d}.tokens"
+        tokens = self._buffer[self._saved:self._buffered]
+        checksum = shards.write_shard(self.out / name, tokens, vocab_size=self.vocab_size, eos_id=self.eos_id)
+        self.pending.append({"file": name, "tokens": int(len(tokens)), shards.CHECKSUM: checksum})
+        self._saved = self._buffered
+
+    def restore(self, entries: list, pending: list, position) -> None:
+        """Continue from a journal's state (its files verified by the caller)."""
+        self.entries, self.pending, self.position = list(entries), list(pending), tuple(position)
+        self._ensure_buffer()
+        for entry in pending:
+            _, tokens = shards.open_shard(self.out / entry["file"])
+            self._buffer[self._buffered:self._buffered + len(tokens)] = tokens
+            self._buffered += len(tokens)
+        self._saved = self._buffered
 
     def _flush(self, on_shard) -> None:
         tokens = self._buffer[:self._buffered]
@@ -169,9 +203,9 @@ class SplitWriter:
         checksum = shards.write_shard(self.out / name, tokens, vocab_size=self.vocab_size, eos_id=self.eos_id)
         self.entries.append({"file": name, "tokens": int(len(tokens)),
                              "documents": int(np.count_nonzero(tokens == self.eos_id)),
-                             "max_token": int(tokens.max()), shards.CHECKSUM: checksum,
-                             "end": [self._unit, self._into_unit]})
-        self._buffered = 0
+                             "max_token": int(tokens.max()), shards.CHECKSUM: checksum})
+        self._buffered = self._saved = 0
+        self.pending = []  # its tokens are in the shard now
         on_shard()
 
 
@@ -207,25 +241,57 @@ def _read_json(path: Path) -> dict | None:
         return None
 
 
-def _tokenizer_for(args, units: list[Unit], out: Path, say) -> tuple[Path, dict]:
-    """The tokenizer.json to encode with, and what the manifest records of it."""
+def _trained_bpe(args, units: list[Unit], out: Path, say) -> tuple[Path, dict]:
+    """The BPE trained on these inputs (reused from an earlier run when its recipe is
+    the same), and what the manifest records of it."""
     target = out / shards.TOKENIZER_FILE
-    if args.train_bpe:
-        recipe = {"trained_bpe": args.train_bpe, "inputs": _fingerprint(units, {"text_key": args.text_key})}
-        previous = _read_json(out / shards.MANIFEST) or _read_json(out / JOURNAL) or {}
-        if previous.get("tokenizer_recipe") == recipe and target.is_file():
-            say(f"reusing the BPE of {args.train_bpe:,} tokens trained on these inputs: {target}")
-        else:
-            say(f"training a byte-level BPE of {args.train_bpe:,} tokens on the inputs")
-            train_bpe(units, args.text_key, args.train_bpe, target)
+    recipe = {"trained_bpe": args.train_bpe, "inputs": _fingerprint(units, {"text_key": args.text_key})}
+    previous = _read_json(out / shards.MANIFEST) or _read_json(out / JOURNAL) or {}
+    if previous.get("tokenizer_recipe") == recipe and target.is_file():
+        say(f"reusing the BPE of {args.train_bpe:,} tokens trained on these inputs: {target}")
         return target, recipe
-    _, source = load_tokenizer(args.tokenizer)
+    say(f"training a byte-level BPE of {args.train_bpe:,} tokens on the inputs")
+    _invalidate(out)
+    train_bpe(units, args.text_key, args.train_bpe, target)
+    return target, recipe
+
+
+def _invalidate(out: Path) -> None:
+    """Before the tokenizer or the shards change: a manifest must never name files it did
+    not describe, and an earlier tokenizer's config must not name the end-of-text token."""
+    (out / shards.MANIFEST).unlink(missing_ok=True)
+    (out / TOKENIZER_CONFIG).unlink(missing_ok=True)
+
+
+def _ship_tokenizer(source: Path, out: Path) -> Path:
+    """Copy the tokenizer (and its tokenizer_config.json) beside the shards: export
+    ships it with the model."""
+    target = out / shards.TOKENIZER_FILE
     if source.resolve() != target.resolve():
-        atomic_write_bytes(target, source.read_bytes())  # export ships it with the model
-        config = source.parent / "tokenizer_config.json"
+        atomic_write_bytes(target, source.read_bytes())
+        config = source.parent / TOKENIZER_CONFIG
         if config.is_file():
-            atomic_write_bytes(out / config.name, config.read_bytes())
-    return target, {"source": str(source)}
+            atomic_write_bytes(out / TOKENIZER_CONFIG, config.read_bytes())
+    return target
+
+
+def _output_directory(spec: str, inputs: list[str]) -> Path:
+    """--out, made and checked before any work: writable, and not inside an input
+    directory (a later run would read its shards and manifest as input)."""
+    out = Path(spec).expanduser()
+    for item in inputs:
+        source = Path(item).expanduser()
+        if source.is_dir() and out.resolve().is_relative_to(source.resolve()):
+            raise PrepareError(f"--out {spec}: inside the input directory {item}, whose files a later run would "
+                               "read as input; write the shards elsewhere")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise PrepareError(f"--out {spec}: cannot make the directory ({err.strerror}); give a directory this "
+                           "user can write") from None
+    if not os.access(out, os.W_OK | os.X_OK):
+        raise PrepareError(f"--out {spec}: not writable by this user; give a directory this user can write")
+    return out
 
 
 def prepare(args: argparse.Namespace) -> dict:
@@ -238,10 +304,13 @@ def prepare(args: argparse.Namespace) -> dict:
     if args.shard_tokens < 1 or args.workers < 1:
         raise PrepareError("--shard-tokens and --workers must be at least 1")
     say = (lambda msg: None) if args.quiet else (lambda msg: print(f"planaria data prepare: {msg}", file=sys.stderr))
-    out = Path(args.out).expanduser()
-    out.mkdir(parents=True, exist_ok=True)
+    out = _output_directory(args.out, args.inputs)
     units = discover(args.inputs, args.text_key, tuple(args.include), tuple(args.exclude))
-    tokenizer_path, recipe = _tokenizer_for(args, units, out, say)
+    if args.train_bpe:
+        tokenizer_path, recipe = _trained_bpe(args, units, out, say)
+    else:  # read where it is: nothing in --out changes before the manifest is invalidated
+        _, tokenizer_path = load_tokenizer(args.tokenizer)
+        recipe = {"source": str(tokenizer_path)}
     tokenizer, _ = load_tokenizer(str(tokenizer_path))
     eos_id = find_eos(tokenizer, tokenizer_path, args.eos or (BPE_EOS if args.train_bpe else None))
     vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
@@ -255,24 +324,29 @@ def prepare(args: argparse.Namespace) -> dict:
             len(_verified(out, done["splits"][s])) == len(done["splits"][s]) for s in shards.SPLITS):
         say(f"{out} is up to date (same inputs and settings, every shard verified)")
         return done
-    (out / shards.MANIFEST).unlink(missing_ok=True)  # shards are about to change under it
+    if args.train_bpe:
+        (out / shards.MANIFEST).unlink(missing_ok=True)  # shards are about to change under it
+    elif tokenizer_path.resolve() != (out / shards.TOKENIZER_FILE).resolve():
+        _invalidate(out)
+        tokenizer_path = _ship_tokenizer(tokenizer_path, out)
+    else:
+        (out / shards.MANIFEST).unlink(missing_ok=True)
 
     writers = {s: SplitWriter(s, out, args.shard_tokens, vocab_size, eos_id) for s in shards.SPLITS}
-    journal = _read_json(out / JOURNAL)
-    first_unit = 0
-    if journal and journal.get("fingerprint") == fingerprint:
-        for split, writer in writers.items():
-            writer.entries = _verified(out, journal["splits"][split])
-            writer.resume = tuple(writer.entries[-1]["end"]) if writer.entries else (0, 0)
-        first_unit = min(w.resume[0] for w in writers.values())
-        kept = sum(len(w.entries) for w in writers.values())
-        if kept:
-            say(f"resuming after {kept} finished shard(s), from input unit {first_unit} of {len(units)}")
+    first_unit = _resume(out, fingerprint, writers, len(units), say)
 
     def save_journal():
+        # Every split's state, not only the one that finished a shard: with 1% held out,
+        # a val shard is rare, and without its buffered tokens on disk a resumed run
+        # would have to encode again from the first unit whose val tokens are not in a shard.
+        for writer in writers.values():
+            writer.save_pending()
         body = {"fingerprint": fingerprint, "tokenizer_recipe": recipe,
-                "splits": {s: w.entries for s, w in writers.items()}}
+                "splits": {s: w.entries for s, w in writers.items()},
+                "pending": {s: w.pending for s, w in writers.items()},
+                "position": {s: list(w.position) for s, w in writers.items()}}
         atomic_write_bytes(out / JOURNAL, json.dumps(body).encode())
+        _remove_pending(out, keep={e["file"] for w in writers.values() for e in w.pending})
 
     encode = EncodeSettings(str(tokenizer_path), args.text_key, args.val_fraction, args.seed, eos_id, vocab_size)
     started = time.perf_counter()
@@ -289,6 +363,7 @@ def prepare(args: argparse.Namespace) -> dict:
                 "splits": {s: w.entries for s, w in writers.items()}}
     shards.write_manifest(out, manifest)
     (out / JOURNAL).unlink(missing_ok=True)
+    _remove_pending(out, keep=set())
     _remove_stale(out, manifest)
     totals = {s: sum(e["tokens"] for e in w.entries) for s, w in writers.items()}
     docs = {s: sum(e["documents"] for e in w.entries) for s, w in writers.items()}
@@ -331,6 +406,38 @@ def _run_units(units, first_unit, encode: EncodeSettings, workers: int, writers,
                 pool.terminate()
                 pool.join()
     return n_tokens
+
+
+def _resume(out: Path, fingerprint: str, writers: dict, n_units: int, say) -> int:
+    """Take up an interrupted run's journal, if it is this run's and all its files
+    verify: the writers continue where they were at its last shard. Returns the first
+    unit to encode (0 when there is nothing to resume)."""
+    journal = _read_json(out / JOURNAL)
+    if not journal or journal.get("fingerprint") != fingerprint:
+        return 0
+    try:
+        state = {s: (journal["splits"][s], journal["pending"][s], journal["position"][s]) for s in writers}
+    except (KeyError, TypeError):
+        return 0  # a journal of another version: start over
+    for entries, pending, _ in state.values():
+        if len(_verified(out, entries)) != len(entries) or len(_verified(out, pending)) != len(pending):
+            say("the journal's files do not verify: starting over")
+            return 0
+    for split, writer in writers.items():
+        writer.restore(*state[split])
+    first_unit = min(w.position[0] for w in writers.values())
+    kept = sum(len(w.entries) for w in writers.values())
+    held = sum(w._buffered for w in writers.values())
+    say(f"resuming after {kept} finished shard(s) and {held:,} tokens pending, "
+        f"from input unit {first_unit} of {n_units}")
+    return first_unit
+
+
+def _remove_pending(out: Path, keep: set) -> None:
+    """Pending files no journal names any more."""
+    for path in out.glob(f"{PENDING}*.tokens"):
+        if path.name not in keep:
+            path.unlink(missing_ok=True)
 
 
 def _remove_stale(out: Path, manifest: dict) -> None:

@@ -115,8 +115,12 @@ def read_header(path: Path) -> ShardHeader:
     """The header of a shard, checked against the file's size (a truncated copy or an
     interrupted download is refused here, not mid-training)."""
     path = Path(path)
-    with open(path, "rb") as f:
-        raw = f.read(HEADER_SIZE)
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(HEADER_SIZE)
+    except OSError as err:
+        raise ValueError(f"{path}: cannot read the shard ({err.strerror}); make it readable by this user, "
+                         f"or {_REDO}") from None
     if len(raw) < HEADER_SIZE or raw[:len(MAGIC)] != MAGIC:
         raise ValueError(f"{path}: not a Planaria token shard (no {MAGIC[:-1].decode()} header); "
                          f"{_REDO}, or read a headerless .bin with data.dtype")
@@ -178,6 +182,9 @@ def read_manifest(path: Path) -> dict:
         manifest = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise ValueError(f"{path}: no manifest of a prepared corpus here; {fix}") from None
+    except OSError as err:
+        raise ValueError(f"{path}: cannot read the manifest ({err.strerror}); make it readable by this "
+                         f"user") from None
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
         raise ValueError(f"{path}: not a valid manifest ({err}); {fix}") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
@@ -185,7 +192,31 @@ def read_manifest(path: Path) -> dict:
     if manifest.get("version") != VERSION:
         raise ValueError(f"{path}: manifest version {manifest.get('version')}, this Planaria reads "
                          f"{VERSION}; {fix} again")
+    _check_manifest_fields(path, manifest, f"{fix} again")
     return manifest
+
+
+_ENTRY_FIELDS = {"file": str, "tokens": int, "max_token": int}
+
+
+def _check_manifest_fields(path: Path, manifest: dict, fix: str) -> None:
+    """The fields a reader indexes, with their types: a damaged or hand-edited manifest
+    is a one-line error naming what is wrong, not a KeyError."""
+    vocab = manifest.get("vocab_size")
+    if not isinstance(vocab, int) or isinstance(vocab, bool) or vocab < 1:
+        raise ValueError(f"{path}: 'vocab_size' is {vocab!r}, not a positive integer; {fix}")
+    splits = manifest.get("splits")
+    if not isinstance(splits, dict):
+        raise ValueError(f"{path}: 'splits' is {type(splits).__name__}, not a mapping of split to shards; {fix}")
+    for split, entries in splits.items():
+        if not isinstance(entries, list):
+            raise ValueError(f"{path}: split {split!r} is {type(entries).__name__}, not a list of shards; {fix}")
+        for i, entry in enumerate(entries):
+            for key, kind in _ENTRY_FIELDS.items():
+                value = entry.get(key) if isinstance(entry, dict) else None
+                if not isinstance(value, kind) or isinstance(value, bool):
+                    raise ValueError(f"{path}: shard {i} of split {split!r} has no valid {key!r} "
+                                     f"(got {value!r}); {fix}")
 
 
 # ---------------------------------------------------------------- many shards, one stream
@@ -239,10 +270,3 @@ class ShardStream:
         if np.ndim(index) == 0:
             return out[0]
         return out.reshape(offsets.shape)
-
-    def __array__(self, dtype=None, copy=None):
-        whole = np.concatenate([np.asarray(p) for p in self.parts])
-        return whole if dtype is None else whole.astype(dtype)
-
-    def max(self) -> int:
-        return max(int(p.max()) for p in self.parts if len(p))

@@ -54,8 +54,9 @@ def test_eval_is_due_every_n_steps_and_after_the_last():
     cfg = load_config(TINY, JOB)
     assert [i for i in range(STEPS) if cfg.eval.due(i, STEPS)] == [1, 3, 4]
     assert not dataclasses.replace(cfg.eval, every=0).due(1, STEPS)
-    with pytest.raises(ConfigError, match=r"eval\.every needs a validation split, which data\.source 'stdlib' lacks"):
-        load_config(TINY, [*JOB, "data.source=stdlib"])
+    with pytest.raises(ConfigError, match=r"data\.source: 'stdlib' has no 'val' split; prepare a corpus .* or "
+                                          r"set eval\.every: 0"):
+        dataset_for(load_config(TINY, [*JOB, "data.source=stdlib"]), "val")
 
 
 @pytest.mark.multiprocess

@@ -144,7 +144,7 @@ def test_128k_vocabulary_writes_uint32_and_reads_it_back(big_corpus, bpe_corpus,
     manifest = shards.read_manifest(big_corpus)
     assert (manifest["vocab_size"], manifest["dtype"]) == (LLAMA3_VOCAB, "uint32")
     ds = build_dataset(str(big_corpus), seq_len=32, vocab_size=LLAMA3_VOCAB, seed=0)
-    tokens = np.asarray(ds.tokens)
+    tokens = np.concatenate(ds.tokens.parts)
     high = np.count_nonzero(tokens > 65_535)
     assert high > 1000 and tokens.max() < LLAMA3_VOCAB
     texts = _texts(stdlib_slice)
@@ -170,25 +170,45 @@ def test_workers_interruptions_and_reruns_give_the_same_shards(bpe_corpus, stdli
     reference = _shard_bytes(tmp_path / "one")
     assert len(reference) > 10 and _shard_bytes(tmp_path / "two") == reference
 
-    # Interrupted after three shards: the rerun keeps them (verified) and writes the rest.
-    real_write = shards.write_shard
-    written = []
+    # Interrupted while writing the fourth shard: the rerun keeps the three (verified) and
+    # the tokens pending since, and encodes only the units after the last shard.
+    real_write, real_encode = shards.write_shard, prep.encode_unit
+    written, encoded = [], []
 
     def write(path, *a, **k):
-        if len(written) == 3:
-            raise KeyboardInterrupt
-        written.append(path.name)
+        if not path.name.startswith(prep.PENDING):
+            if len(written) == 3:
+                raise KeyboardInterrupt
+            written.append(path.name)
         return real_write(path, *a, **k)
 
+    def count(unit):
+        encoded.append(unit)
+        return real_encode(unit)
+
     monkeypatch.setattr(shards, "write_shard", write)
+    monkeypatch.setattr(prep, "encode_unit", count)
     with pytest.raises(KeyboardInterrupt):
         prep.prepare(_args(stdlib_slice, "--out", tmp_path / "cut", *common))
     assert not (tmp_path / "cut" / "manifest.json").exists()
     assert not [p for p in (tmp_path / "cut").iterdir() if ".tmp" in p.name]  # nothing half-written
-    monkeypatch.setattr(shards, "write_shard", lambda path, *a, **k: written.append(path.name) or real_write(path, *a, **k))
+    n_units = len(inputs.discover([stdlib_slice], "text", (), ()))
+    before = len(encoded)
+    encoded.clear()
+
+    def record(path, *a, **k):
+        if not path.name.startswith(prep.PENDING):
+            written.append(path.name)
+        return real_write(path, *a, **k)
+
+    monkeypatch.setattr(shards, "write_shard", record)
     prep.prepare(_args(stdlib_slice, "--out", tmp_path / "cut", *common))
     assert _shard_bytes(tmp_path / "cut") == reference
+    assert not list((tmp_path / "cut").glob(prep.PENDING + "*"))
     assert len(written) == len(reference)  # the three kept shards were not written again
+    # Redone: the units between the third shard and the interruption, no more (a shard
+    # spans about two units here).
+    assert 0 < before < n_units and before + len(encoded) <= n_units + 3, (before, len(encoded), n_units)
 
     # A rerun over a finished directory rewrites nothing; a damaged shard is redone.
     written.clear()
@@ -224,6 +244,11 @@ def test_every_input_format_gives_the_same_shards(bpe_corpus, stdlib_slice, tmp_
         outputs[name] = _shard_bytes(tmp_path / f"out-{name}")
     assert len(outputs["txt"]) > 4
     assert all(o == outputs["txt"] for o in outputs.values())
+    # The progress bar counts bytes for every format (a dataset's rows too).
+    text_bytes = sum(len(t.encode()) for t in texts)
+    for name in ("txt", "hf"):
+        size = sum(u.size for u in inputs.discover([tmp_path / name], "body"))
+        assert text_bytes <= size < 1.1 * text_bytes, (name, size, text_bytes)
 
 
 def _one_line_error(proc, pattern: str) -> None:
@@ -277,6 +302,28 @@ def test_bad_inputs_are_one_line_errors(stdlib_slice, bpe_corpus, tmp_path):
                     r"docs\.parquet: no column 'text' \(columns: \['content'\]\); name the text column with --text-key")
     _one_line_error(_cli(tmp_path / "missing", "--out", out, "--train-bpe", 512, check=False),
                     r"input .*missing' not found")
+    bad_config = tmp_path / "bad-config"
+    bad_config.mkdir()
+    shutil.copyfile(bpe_corpus / "tokenizer.json", bad_config / "tokenizer.json")
+    (bad_config / "tokenizer_config.json").write_text("{not json")
+    _one_line_error(_cli(stdlib_slice, "--out", out, "--tokenizer", bad_config, check=False),
+                    r"bad-config/tokenizer_config\.json: not a readable tokenizer_config\.json \(.*\); fix or "
+                    r"remove it, or name the end-of-text token with --eos TOKEN")
+    _one_line_error(_cli(stdlib_slice, "--out", stdlib_slice / "shards", "--train-bpe", 512, check=False),
+                    r"--out .*shards: inside the input directory .*; write the shards elsewhere")
+    assert not (stdlib_slice / "shards").exists()
+    _one_line_error(_cli(stdlib_slice, "--out", tmp_path / "docs.jsonl" / "out", "--train-bpe", 512, check=False),
+                    r"--out .*docs\.jsonl/out: cannot make the directory \(Not a directory\); give a directory")
+
+
+def test_a_broken_link_in_an_input_directory_is_skipped(bpe_corpus, tmp_path):
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "a.txt").write_text("def f():\n    return 1\n" * 50)
+    (docs / "gone.txt").symlink_to(tmp_path / "nowhere.txt")
+    manifest = prep.prepare(_args(docs, "--out", tmp_path / "out", "--tokenizer", bpe_corpus / "tokenizer.json",
+                                  "--val-fraction", 0))
+    assert sum(e["documents"] for e in manifest["splits"]["train"]) == 1
 
 
 # ---------------------------------------------------------------- training on the corpora
@@ -334,3 +381,34 @@ def test_a_hugging_face_tokenizer_directory_names_its_end_of_text(bpe_corpus, st
     assert (out / "tokenizer_config.json").read_text() == (hf / "tokenizer_config.json").read_text()
     docs = sum(e["documents"] for split in manifest["splits"].values() for e in split)
     assert docs == N_FILES
+
+
+def test_another_tokenizer_into_the_same_directory_never_pairs_with_the_old_manifest(bpe_corpus, stdlib_slice,
+                                                                                      tmp_path):
+    """A rerun with another tokenizer leaves no stale tokenizer_config.json to name the
+    end-of-text token, and one that fails leaves the manifest with the tokenizer it describes."""
+    from tokenizers import AddedToken, Tokenizer
+
+    hf, bare = tmp_path / "hf-tokenizer", tmp_path / "bare"
+    hf.mkdir()
+    bare.mkdir()
+    tokenizer = Tokenizer.from_file(str(bpe_corpus / "tokenizer.json"))
+    tokenizer.add_special_tokens([AddedToken("<|eot|>", special=True)])
+    tokenizer.save(str(hf / "tokenizer.json"))
+    tokenizer.save(str(bare / "tokenizer.json"))
+    (hf / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|eot|>"}))
+    out = tmp_path / "out"
+    common = ["--out", out, "--val-fraction", 0.05, "--shard-tokens", 200_000]
+    prep.prepare(_args(stdlib_slice, "--tokenizer", hf, *common))
+    assert shards.read_manifest(out)["eos_id"] == tokenizer.token_to_id("<|eot|>")
+
+    # Without a config, the usual name separates documents, not the earlier run's <|eot|>.
+    prep.prepare(_args(stdlib_slice, "--tokenizer", bare / "tokenizer.json", *common))
+    assert shards.read_manifest(out)["eos_id"] == tokenizer.token_to_id("<|endoftext|>") == 0
+    assert not (out / "tokenizer_config.json").exists()
+
+    with pytest.raises(inputs.PrepareError, match="no end-of-text token"):
+        prep.prepare(_args(stdlib_slice, "--tokenizer", bpe_corpus / "tokenizer.json", "--eos", "<|nope|>",
+                           *common))
+    if (out / "manifest.json").exists():
+        assert (out / "tokenizer.json").read_bytes() == (bare / "tokenizer.json").read_bytes()

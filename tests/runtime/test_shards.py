@@ -4,13 +4,14 @@ samples of the same tokens in one array."""
 from __future__ import annotations
 
 import json
+import os
 
 import numpy as np
 import pytest
 
 from planaria.runtime import shards
 from planaria.runtime.config import ConfigError, load_config
-from planaria.runtime.data import TokenDataset, build_dataset
+from planaria.runtime.data import TokenDataset, build_dataset, dataset_for
 
 
 def _prepared(tmp_path, parts: list[np.ndarray], vocab_size: int, eos_id: int = 0, val=None):
@@ -116,12 +117,42 @@ def test_many_shards_give_the_samples_of_one_array(tmp_path):
 def test_prepared_val_split_and_missing_split(tmp_path):
     _prepared(tmp_path, [np.arange(100) % 50], 4096, val=[np.arange(40) % 7])
     val = build_dataset(str(tmp_path), seq_len=8, vocab_size=4096, seed=0, split="val")
-    np.testing.assert_array_equal(np.asarray(val.tokens), np.arange(40) % 7)
+    np.testing.assert_array_equal(np.concatenate(val.tokens.parts), np.arange(40) % 7)
     manifest = json.loads((tmp_path / "manifest.json").read_text())
     manifest["splits"]["val"] = []
     (tmp_path / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(ValueError, match=r"data\.source: .* has no 'val' shards; prepare it again .*--val-fraction"):
         build_dataset(str(tmp_path), seq_len=8, vocab_size=4096, seed=0, split="val")
+
+
+@pytest.mark.parametrize("edit, pattern", [
+    (lambda m: m.pop("vocab_size"), r"'vocab_size' is None, not a positive integer"),
+    (lambda m: m.update(splits=["train"]), r"'splits' is list, not a mapping of split to shards"),
+    (lambda m: m["splits"]["train"][0].pop("file"), r"shard 0 of split 'train' has no valid 'file'"),
+    (lambda m: m["splits"]["train"][0].pop("tokens"), r"shard 0 of split 'train' has no valid 'tokens'"),
+    (lambda m: m["splits"]["train"][0].pop("max_token"), r"shard 0 of split 'train' has no valid 'max_token'"),
+    (lambda m: m["splits"]["train"][0].update(tokens=99),
+     r"train-00000\.tokens' holds 100 tokens of vocab 4,096, its manifest says 99 of 4,096"),
+])
+def test_a_damaged_manifest_is_one_line_naming_it(tmp_path, edit, pattern):
+    _prepared(tmp_path, [np.arange(100)], 4096)
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    edit(manifest)
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    cfg = load_config(None, [f"data.source={tmp_path}", "model.vocab_size=4096", "model.seq_len=8"])
+    with pytest.raises(ConfigError, match=r"^data\.source: .*" + pattern + r".*; run `planaria data prepare`") as err:
+        dataset_for(cfg, "train")
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root reads a file without read permission")
+def test_an_unreadable_shard_is_one_line_naming_it(tmp_path):
+    _prepared(tmp_path, [np.arange(100)], 4096)
+    (tmp_path / "train-00000.tokens").chmod(0)
+    cfg = load_config(None, [f"data.source={tmp_path}", "model.vocab_size=4096", "model.seq_len=8"])
+    with pytest.raises(ConfigError, match=r"^data\.source: .*train-00000\.tokens: cannot read the shard "
+                                          r"\(Permission denied\); make it readable"):
+        dataset_for(cfg, "train")
 
 
 def test_synthetic_val_split_is_the_same_motifs_in_another_order():
