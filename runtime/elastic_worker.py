@@ -116,7 +116,7 @@ class ElasticWorker:
         self.commits = open(self.out_dir / f"commits-{self.name}.jsonl", "a", encoding="utf-8")
         self.evals = open(self.out_dir / f"evals-{self.name}.jsonl", "a", encoding="utf-8") if cfg.eval.every else None
         self.checkpointer = AsyncCheckpointer(cfg.checkpoint_dir, cfg.checkpoint.every,
-                                              coordinator.report_checkpoint)
+                                              coordinator.report_checkpoint, data_source=cfg.data.source)
 
     # ------------------------------------------------------------------ loop
     def run(self) -> int:
