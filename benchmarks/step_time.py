@@ -202,7 +202,7 @@ class DirectPipeline:
         model = LayerModel(cfg.model, seed=cfg.train.seed)
         start, stop = stage_ranges(cfg.model.n_layers, world)[rank]
         single = TensorParallel()  # tp = 1
-        self.module = nn.Sequential(*(model.build_layer(i, single, param_dtype, device)
+        self.module = nn.Sequential(*(model.build_layer(i, single, param_dtype, device, pretrained=True)
                                       for i in range(start, stop)))
         stage = PipelineStage(self.module, rank, world, device)
         n_micro = cfg.train.global_batch // cfg.train.micro_batch

@@ -96,7 +96,7 @@ def _export(args: argparse.Namespace) -> int:
         lines = export_hf(saved, args.out_dir, max_shard_size=max_shard_size,
                           dtype=None if args.dtype is None else getattr(torch, args.dtype),
                           tokenizer=args.tokenizer)
-    except (ConfigError, ValueError, FileNotFoundError) as err:
+    except (ConfigError, ValueError, OSError) as err:  # OSError: unreadable files, a full disk
         print(f"planaria export: {err}", file=sys.stderr)
         return 2
     for line in lines:

@@ -148,6 +148,7 @@ def run_planaria(args) -> int:
     from planaria.elastic.etcd_client import EtcdSettings
     from planaria.elastic.etcd_server import EmbeddedEtcd
     from planaria.runtime.config import load_config
+    from planaria.runtime.hf_config import check_init_from
 
     config, *overrides = args.training_script_args or [None]
     if config is None:
@@ -155,6 +156,7 @@ def run_planaria(args) -> int:
         return 2
     try:
         cfg = load_config(config, overrides)
+        check_init_from(cfg)  # before any worker starts: a missing tensor fails here, in one line
         signals = parse_signals(args.signals_to_handle)
         tls, lease_ttl = etcd_options(args.rdzv_conf)
         EtcdSettings(**tls)  # refuse missing TLS files before anything starts

@@ -17,12 +17,40 @@ from planaria.runtime.exactly_once import CommitRecord
 
 MANIFEST = "manifest.json"
 MODEL_RECORD = "model.json"
-"""Beside a checkpoint's shards: the `model` config section it was trained with, which
-`planaria export hf` rebuilds the model from (a final save keeps it in its manifest)."""
+"""Beside the shards of a final save and of a checkpoint: {"model": the `model` config
+section it was trained with, "data_source": the training data's `data.source`}, which
+`planaria export hf` rebuilds the model from and finds the tokenizer by."""
 
 
-def write_model_record(directory: Path, model: dict) -> None:
-    atomic_write_bytes(Path(directory) / MODEL_RECORD, json.dumps(model, indent=1).encode())
+def write_model_record(directory: Path, model: dict, data_source: str = "") -> None:
+    if data_source and Path(data_source).exists():  # a path: kept valid for a later export elsewhere
+        data_source = str(Path(data_source).resolve())
+    record = {"model": model, "data_source": data_source}
+    atomic_write_bytes(Path(directory) / MODEL_RECORD, json.dumps(record, indent=1).encode())
+
+
+def read_model_record(directory: Path) -> dict:
+    """{"model": the model section or None, "data_source": str} of a save. Final saves
+    from before `MODEL_RECORD` kept both in their manifest; older ones neither."""
+    directory = Path(directory)
+    if (directory / MODEL_RECORD).is_file():
+        record = read_json(directory / MODEL_RECORD)
+        if "model" not in record:  # a checkpoint's bare model section, before the data source was kept
+            record = {"model": record}
+    else:
+        record = read_manifest(directory)
+    return {"model": record.get("model"), "data_source": record.get("data_source") or ""}
+
+
+def read_json(path: Path) -> dict:
+    """A JSON object file; a ValueError naming the file when it is not one."""
+    try:
+        value = json.loads(Path(path).read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"{path} is not valid JSON ({err}); the save is damaged") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{path} is not a JSON object; the save is damaged")
+    return value
 
 
 def shard_filename(layer: int, tp_rank: int) -> str:
@@ -41,11 +69,30 @@ def atomic_write(path: Path, write: Callable[[BinaryIO], None]) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    directory = os.open(path.parent, os.O_RDONLY)
+    fsync_path(path.parent)
+
+
+def fsync_path(path: Path) -> None:
+    """Make a file's contents, or a directory's entries, durable (fsync by path)."""
+    fd = os.open(path, os.O_RDONLY)
     try:
-        os.fsync(directory)
+        os.fsync(fd)
     finally:
-        os.close(directory)
+        os.close(fd)
+
+
+def atomic_rename_dir(tmp: Path, path: Path) -> None:
+    """Rename the finished directory `tmp` to `path`, durably: every file in it and the
+    directory itself on disk first, the rename after, so that after a power cut `path`
+    is absent or whole (never present with empty files). `path` may be an empty directory."""
+    tmp, path = Path(tmp), Path(path)
+    for file in tmp.rglob("*"):
+        fsync_path(file)
+    fsync_path(tmp)
+    if path.exists():
+        path.rmdir()
+    os.replace(tmp, path)
+    fsync_path(path.parent)
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
@@ -75,12 +122,12 @@ def complete_checkpoints(directory: Path) -> list[tuple[int, Path]]:
     found = []
     for path in Path(directory).glob("step-*"):
         if (path / MANIFEST).is_file():
-            found.append((json.loads((path / MANIFEST).read_text())["iteration"], path))
+            found.append((read_manifest(path)["iteration"], path))
     return sorted(found)
 
 
 def read_manifest(path: Path) -> dict:
-    return json.loads((Path(path) / MANIFEST).read_text())
+    return read_json(Path(path) / MANIFEST)
 
 
 def prune(directory: Path, keep: int, *, after: int | None = None) -> None:

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Callable
 import torch
 import torch.distributed as dist
 
-from planaria.runtime.checkpoint import _atomic_torch_save
+from planaria.runtime.checkpoint import _atomic_torch_save, read_shard_file
 from planaria.runtime.checkpoint_files import (prune, shard_filename, step_dir, write_manifest,
                                                write_model_record)
 from planaria.runtime.exactly_once import CommitRecord
@@ -57,8 +57,8 @@ def load_layer(state: "LayerState", tensors: dict[str, torch.Tensor]) -> None:
 
 
 def read_layer(directory: Path, layer: int, tp_rank: int) -> dict[str, torch.Tensor]:
-    path = Path(directory) / shard_filename(layer, tp_rank)
-    return torch.load(path, weights_only=True, map_location="cpu")
+    """A checkpoint shard's snapshot (`snapshot_layer`): parameters and AdamW state."""
+    return read_shard_file(directory, layer, tp_rank)
 
 
 class AsyncCheckpointer:
@@ -69,8 +69,9 @@ class AsyncCheckpointer:
     worker fails right after."""
 
     def __init__(self, directory: Path, every: int,
-                 report: Callable[[int, int, CommitRecord], None]):
+                 report: Callable[[int, int, CommitRecord], None], data_source: str = ""):
         self.directory = Path(directory)
+        self.data_source = data_source  # recorded with the model config: export finds the tokenizer
         self.every = every
         self.report = report
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint")
@@ -104,11 +105,11 @@ class AsyncCheckpointer:
         target.mkdir(parents=True, exist_ok=True)
         for (layer, tp_rank), tensors in shards.items():
             _atomic_torch_save(tensors, target / shard_filename(layer, tp_rank))
-        write_model_record(target, model)  # every writer, the same content: any one suffices
+        write_model_record(target, model, self.data_source)  # every writer, the same content
         self.report(iteration, len(shards), commit)
 
 
-def save_checkpoint(engine: "Engine", directory: Path, keep: int) -> Path:
+def save_checkpoint(engine: "Engine", directory: Path, keep: int, data_source: str = "") -> Path:
     """Save the checkpoint of the engine's last step at once (collective over its world):
     every owner writes its shards, a barrier, then rank 0 writes the manifest and prunes.
     For the non-elastic trainer, which has no control plane to finish a checkpoint."""
@@ -118,7 +119,7 @@ def save_checkpoint(engine: "Engine", directory: Path, keep: int) -> Path:
         _atomic_torch_save(snapshot_layer(engine.layers[layer]), target / shard_filename(layer, engine.tp.rank))
     dist.barrier(group=engine.groups.world)
     if engine.rank == 0:
-        write_model_record(target, asdict(engine.model.cfg))
+        write_model_record(target, asdict(engine.model.cfg), data_source)
         write_manifest(directory, engine.last_commit, engine.plan.num_layers, engine.plan.tp)
         prune(directory, keep)
     return target

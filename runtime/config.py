@@ -487,6 +487,15 @@ def _rope_type(scaling: dict):
     return scaling.get("rope_type", scaling.get("type"))  # "type": older Hugging Face configs
 
 
+def normalized_rope_scaling(scaling: dict | None) -> dict | None:
+    """What a rope_scaling means, in one spelling: None for no scaling (absent, empty,
+    or of type 'default'), else the mapping with `rope_type` (never the older `type`)."""
+    if not scaling or _rope_type(scaling) in ROPE_NO_SCALING:
+        return None
+    rest = {k: v for k, v in scaling.items() if k not in ("rope_type", "type")}
+    return {"rope_type": _rope_type(scaling), **rest}
+
+
 def _check_model_shape(m: ModelConfig, tp: int) -> None:
     """Grouped-query heads, LLaMA's FFN sizing and rotary scaling."""
     if m.n_kv_heads < 0 or m.multiple_of < 1 or m.ffn_dim_multiplier < 0:

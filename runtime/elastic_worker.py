@@ -118,7 +118,7 @@ class ElasticWorker:
         self.commits = open(log_path(self.out_dir, COMMITS, self.name), "a", encoding="utf-8")
         self.evals = open(log_path(self.out_dir, EVALS, self.name), "a", encoding="utf-8") if cfg.eval.every else None
         self.checkpointer = AsyncCheckpointer(cfg.checkpoint_dir, cfg.checkpoint.every,
-                                              coordinator.report_checkpoint)
+                                              coordinator.report_checkpoint, data_source=cfg.data.source)
 
     # ------------------------------------------------------------------ loop
     def run(self) -> int:

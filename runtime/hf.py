@@ -1,7 +1,8 @@
 """Hugging Face LLaMA checkpoints in and out: the one place the mapping between them and
 Planaria's layers is written down (docs/interop.md explains it with commands).
 
-config.json <-> `model.*` (the torch-free half, `planaria.runtime.hf_config`):
+config.json <-> `model.*` (coded in the torch-free half, `planaria.runtime.hf_config`,
+with the tensor names and shapes):
 
     hidden_size -> d_model            num_hidden_layers -> n_layers
     num_attention_heads -> n_heads    num_key_value_heads -> n_kv_heads
@@ -46,7 +47,7 @@ import contextlib
 import json
 import os
 import shutil
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
@@ -55,46 +56,21 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from planaria.runtime.checkpoint_files import MANIFEST, MODEL_RECORD, complete_checkpoints, shard_filename
+from planaria.runtime.checkpoint import full_layers, recorded_model
+from planaria.runtime.checkpoint_files import (MANIFEST, atomic_rename_dir, complete_checkpoints, read_manifest,
+                                               read_model_record)
 from planaria.runtime.config import ConfigError, ModelConfig
-from planaria.runtime.hf_config import hf_config_from_model
+from planaria.runtime.hf_config import (SAFETENSORS, SAFETENSORS_INDEX, check_shape, full_shape,
+                                         hf_config_from_model, hf_name, read_weight_map)
 from planaria.runtime.model import LayerModel
 from planaria.runtime.tensor_parallel import TensorParallel
-
-SAFETENSORS = "model.safetensors"
-SAFETENSORS_INDEX = "model.safetensors.index.json"
-
-_BLOCK_NAMES = {
-    "attn_norm.weight": "input_layernorm.weight",
-    "attn.wq.weight": "self_attn.q_proj.weight", "attn.wk.weight": "self_attn.k_proj.weight",
-    "attn.wv.weight": "self_attn.v_proj.weight", "attn.wo.weight": "self_attn.o_proj.weight",
-    "mlp_norm.weight": "post_attention_layernorm.weight",
-    "mlp.w_gate.weight": "mlp.gate_proj.weight", "mlp.w_up.weight": "mlp.up_proj.weight",
-    "mlp.w_down.weight": "mlp.down_proj.weight",
-}
-EMBED = "model.embed_tokens.weight"
-
-
-def hf_name(cfg: ModelConfig, index: int, name: str) -> str:
-    """The Hugging Face tensor name of parameter `name` of Planaria layer `index`."""
-    last = cfg.num_layers - 1
-    if index == 0 and name == "embed.weight":
-        return EMBED
-    if 0 < index < last and name in _BLOCK_NAMES:
-        return f"model.layers.{index - 1}.{_BLOCK_NAMES[name]}"
-    if index == last and name == "norm.weight":
-        return "model.norm.weight"
-    if index == last and name == "output.weight":
-        return EMBED if getattr(cfg, "tie_embeddings", False) else "lm_head.weight"
-    raise ValueError(f"layer {index} parameter {name!r} has no Hugging Face LLaMA counterpart")
-
 
 def rotary_heads(cfg: ModelConfig, name: str) -> int:
     """Heads whose rows are permuted between the two rotary layouts (0: not permuted)."""
     if name == "attn.wq.weight":
         return cfg.n_heads
     if name == "attn.wk.weight":
-        return getattr(cfg, "n_kv_heads", 0) or cfg.n_heads
+        return cfg.kv_heads
     return 0
 
 
@@ -116,44 +92,6 @@ def from_hf_rows(w: torch.Tensor, heads: int) -> torch.Tensor:
     return w.view(heads, 2, rows // heads // 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-# ----------------------------------------------------------------- shapes
-@dataclass(frozen=True)
-class _Dim:
-    size: int
-    why: str  # what in model.* gives the size
-    key: str  # the model key a differing size asks to change
-    unit: int = 1  # the key's value is size / unit
-
-
-def full_shape(cfg: ModelConfig, index: int, name: str) -> tuple[_Dim, ...]:
-    """The full-size shape of a parameter, each size with the `model.*` keys behind it."""
-    c = _Dim(cfg.d_model, f"model.d_model={cfg.d_model}", "model.d_model")
-    vocab = _Dim(cfg.vocab_size, f"model.vocab_size={cfg.vocab_size}", "model.vocab_size")
-    ffn = _Dim(cfg.ffn_dim, f"the FFN width {cfg.ffn_dim} (model.ffn_hidden)", "model.ffn_hidden")
-    hd = cfg.head_dim
-    q = _Dim(cfg.n_heads * hd, f"model.n_heads={cfg.n_heads} x head_dim {hd}", "model.n_heads", hd)
-    n_kv = getattr(cfg, "n_kv_heads", 0) or cfg.n_heads
-    kv = _Dim(n_kv * hd, f"model.n_kv_heads={n_kv} x head_dim {hd}", "model.n_kv_heads", hd)
-    shapes = {"embed.weight": (vocab, c), "output.weight": (vocab, c), "norm.weight": (c,),
-              "attn_norm.weight": (c,), "mlp_norm.weight": (c,), "attn.wq.weight": (q, c),
-              "attn.wk.weight": (kv, c), "attn.wv.weight": (kv, c), "attn.wo.weight": (c, q),
-              "mlp.w_gate.weight": (ffn, c), "mlp.w_up.weight": (ffn, c), "mlp.w_down.weight": (c, ffn)}
-    return shapes[name]
-
-
-def _check_shape(directory: Path, key: str, actual: tuple[int, ...], dims: tuple[_Dim, ...]) -> None:
-    expected = tuple(d.size for d in dims)
-    if actual == expected:
-        return
-    if len(actual) != len(expected):
-        raise ConfigError(f"{key} is {actual} in {directory} but Planaria expects {expected}: "
-                          "the checkpoint is not a LLaMA of this shape")
-    d, size = next((d, a) for d, a in zip(dims, actual) if a != d.size)
-    fix = (f"set {d.key}={size // d.unit}" if size % d.unit == 0 and size // d.unit > 0
-           else "the checkpoint does not fit this model")
-    raise ConfigError(f"{key} is {actual} in {directory} but {d.why} gives {expected}: {fix}")
-
-
 # ------------------------------------------------------------- reading
 class HFCheckpoint:
     """The tensors of a Hugging Face safetensors checkpoint directory, read lazily: a
@@ -168,8 +106,7 @@ class HFCheckpoint:
     def _weight_map(self) -> dict[str, Path]:
         index, single = self.directory / SAFETENSORS_INDEX, self.directory / SAFETENSORS
         if index.is_file():
-            weight_map = json.loads(index.read_text())["weight_map"]
-            return {name: self.directory / file for name, file in weight_map.items()}
+            return {name: self.directory / file for name, file in read_weight_map(index).items()}
         if single.is_file():
             with safe_open(single, framework="pt") as f:
                 return {name: single for name in f.keys()}
@@ -226,7 +163,7 @@ def read_shard(ckpt: HFCheckpoint, model: LayerModel, index: int, name: str,
     key = hf_name(cfg, index, name)
     dims = full_shape(cfg, index, name)
     shape = ckpt.shape(key)
-    _check_shape(ckpt.directory, key, shape, dims)
+    check_shape(ckpt.directory, key, shape, dims)
     heads = rotary_heads(cfg, name)
     order = hf_row_order(shape[0], heads) if heads else None
     dim = model.shard_dims(index).get(name)
@@ -267,28 +204,7 @@ class SavedModel:
 
     def layers(self) -> Iterator[tuple[int, dict[str, torch.Tensor]]]:
         """(index, full tensors by parameter name), one layer at a time."""
-        layer_model = LayerModel(self.model, seed=0)
-        for index in range(self.model.num_layers):
-            pieces = [self._read(index, t) for t in range(self.tp)]
-            yield index, {name: layer_model.unshard(index, name, [p[name] for p in pieces])
-                          for name in pieces[0]}
-
-    def _read(self, index: int, tp_rank: int) -> dict[str, torch.Tensor]:
-        tensors = torch.load(self.directory / shard_filename(index, tp_rank), weights_only=True,
-                             map_location="cpu")
-        if self.kind == "final":
-            return tensors
-        return {key.removeprefix("param/"): value for key, value in tensors.items()
-                if key.startswith("param/")}  # a checkpoint's parameters, not its AdamW state
-
-
-def model_from_record(record: dict, where: Path) -> ModelConfig:
-    known = {f.name for f in fields(ModelConfig)}
-    unknown = sorted(set(record) - known)
-    if unknown:
-        raise ConfigError(f"{where} records model keys {unknown} that this version of Planaria "
-                          "does not know; export with the version that trained it")
-    return ModelConfig(**record)
+        return full_layers(self.directory, LayerModel(self.model, seed=0), self.tp)
 
 
 def find_saved_model(path: str | Path, config: ModelConfig | None = None) -> tuple[SavedModel, str]:
@@ -311,16 +227,18 @@ def find_saved_model(path: str | Path, config: ModelConfig | None = None) -> tup
                               "checkpoint; give a training output directory, its final/ or a "
                               "checkpoint's step-N directory")
         directory = found[-1][1]
-    manifest = json.loads((directory / MANIFEST).read_text())
+    manifest = read_manifest(directory)
+    missing = [key for key in ("num_layers", "tp") if not isinstance(manifest.get(key), int)]
+    if missing:
+        raise ConfigError(f"{directory / MANIFEST} lacks {', '.join(missing)}; the save is damaged: "
+                          "give another checkpoint")
     kind = "checkpoint" if "iteration" in manifest else "final"
-    record = manifest.get("model")
-    if record is None and (directory / MODEL_RECORD).is_file():
-        record = json.loads((directory / MODEL_RECORD).read_text())
-    if config is None and record is None:
+    record = read_model_record(directory)
+    if config is None and record["model"] is None:
         raise ConfigError(f"{directory} does not record its model config (saved by an older "
                           "version); give the training config: --config CONFIG.yaml [section.key=value ...]")
-    model = config if config is not None else model_from_record(record, directory)
-    saved = SavedModel(directory, kind, model, manifest["tp"], manifest.get("data_source", ""))
+    model = config if config is not None else recorded_model(record["model"], directory, manifest["tp"])
+    saved = SavedModel(directory, kind, model, manifest["tp"], record["data_source"])
     if manifest["num_layers"] != model.num_layers:
         raise ConfigError(f"{directory} has {manifest['num_layers']} layers but the model config gives "
                           f"{model.num_layers} (model.n_layers={model.n_layers} + 2)")
@@ -331,7 +249,7 @@ def find_saved_model(path: str | Path, config: ModelConfig | None = None) -> tup
 
 def hf_tensors(saved: SavedModel, dtype: torch.dtype | None) -> Iterator[tuple[str, torch.Tensor]]:
     """(Hugging Face name, tensor) of every parameter of `saved`, q and k permuted."""
-    tied = getattr(saved.model, "tie_embeddings", False)
+    tied = saved.model.tie_embeddings
     for index, tensors in saved.layers():
         for name, value in tensors.items():
             expected = tuple(d.size for d in full_shape(saved.model, index, name))
@@ -370,7 +288,8 @@ def export_hf(saved: SavedModel, out_dir: str | Path, *, max_shard_size: int = 5
     """Write `saved` as a Hugging Face LLaMA directory that `from_pretrained` loads:
     config.json, safetensors (model.safetensors, or shards of at most `max_shard_size`
     bytes and model.safetensors.index.json), and the tokenizer when one is known.
-    Written into a temporary directory renamed to `out_dir` at the end. Returns lines
+    Written into a temporary directory, made durable and renamed to `out_dir` at the
+    end: `out_dir` is absent or whole, even after a power cut. Returns lines
     describing what was written."""
     out_dir = Path(out_dir)
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
@@ -392,9 +311,7 @@ def export_hf(saved: SavedModel, out_dir: str | Path, *, max_shard_size: int = 5
             index = {"metadata": {"total_size": total}, "weight_map": weight_map}
             (tmp / SAFETENSORS_INDEX).write_text(json.dumps(index, indent=2) + "\n")
         copied = copy_tokenizer(tmp, tokenizer, saved, config.get("eos_token_id"))
-        if out_dir.exists():
-            out_dir.rmdir()
-        os.replace(tmp, out_dir)
+        atomic_rename_dir(tmp, out_dir)  # every file on disk before the name appears
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -51,9 +51,19 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.weight, self.eps, kernels=self.kernels)
 
 
-def embedding_init(cfg: ModelConfig, gen: torch.Generator) -> torch.Tensor:
+def initial(rows: int, cols: int, gen: torch.Generator | None, std: float) -> torch.Tensor:
+    """A full weight's seeded initial value, N(0, std) from `gen`; with no `gen`, an
+    uninitialised tensor of that shape, for a layer whose parameters are about to be
+    overwritten (`model.init_from`): drawing them first would cost as much as the
+    checkpoint read (LLaMA 3 70B: 4 GB for the embedding alone)."""
+    if gen is None:
+        return torch.empty(rows, cols)
+    return torch.randn(rows, cols, generator=gen) * std
+
+
+def embedding_init(cfg: ModelConfig, gen: torch.Generator | None) -> torch.Tensor:
     """The embedding's full initial weight (V, C): also the tied head's."""
-    return torch.randn(cfg.vocab_size, cfg.d_model, generator=gen) * cfg.init_std
+    return initial(cfg.vocab_size, cfg.d_model, gen, cfg.init_std)
 
 
 class Embedding(nn.Module):
@@ -61,7 +71,7 @@ class Embedding(nn.Module):
 
     TP_SHARD_DIMS = {"embed.weight": 0}
 
-    def __init__(self, cfg: ModelConfig, gen: torch.Generator, tp: TensorParallel):
+    def __init__(self, cfg: ModelConfig, gen: torch.Generator | None, tp: TensorParallel):
         super().__init__()
         self.embed = VocabParallelEmbedding(embedding_init(cfg, gen), tp)
 
@@ -74,17 +84,17 @@ class Attention(nn.Module):
     key/value head i // (n_heads / n_kv_heads). Heads split across tp ranks (q, k, v
     column-, out row-parallel); key/value heads are replicated where tp exceeds them."""
 
-    def __init__(self, cfg: ModelConfig, gen: torch.Generator, tp: TensorParallel, out_std: float):
+    def __init__(self, cfg: ModelConfig, gen: torch.Generator | None, tp: TensorParallel, out_std: float):
         super().__init__()
         c, kv_dim = cfg.d_model, cfg.kv_heads * cfg.head_dim
         self.local_heads = cfg.n_heads // tp.size
         self.local_kv_heads = len(kv_heads_of_rank(cfg.kv_heads, tp.rank, tp.size))
         self.head_dim = cfg.head_dim
         self.kernels = cfg.kernels
-        self.wq = ColumnParallelLinear(torch.randn(c, c, generator=gen) * cfg.init_std, tp)
-        self.wk = HeadParallelLinear(torch.randn(kv_dim, c, generator=gen) * cfg.init_std, cfg.kv_heads, tp)
-        self.wv = HeadParallelLinear(torch.randn(kv_dim, c, generator=gen) * cfg.init_std, cfg.kv_heads, tp)
-        self.wo = RowParallelLinear(torch.randn(c, c, generator=gen) * out_std, tp)
+        self.wq = ColumnParallelLinear(initial(c, c, gen, cfg.init_std), tp)
+        self.wk = HeadParallelLinear(initial(kv_dim, c, gen, cfg.init_std), cfg.kv_heads, tp)
+        self.wv = HeadParallelLinear(initial(kv_dim, c, gen, cfg.init_std), cfg.kv_heads, tp)
+        self.wo = RowParallelLinear(initial(c, c, gen, out_std), tp)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
@@ -105,13 +115,13 @@ class Attention(nn.Module):
 class FeedForward(nn.Module):
     """SwiGLU MLP: gate and up column-parallel, down row-parallel."""
 
-    def __init__(self, cfg: ModelConfig, gen: torch.Generator, tp: TensorParallel, out_std: float):
+    def __init__(self, cfg: ModelConfig, gen: torch.Generator | None, tp: TensorParallel, out_std: float):
         super().__init__()
         c, h = cfg.d_model, cfg.ffn_dim
         self.kernels = cfg.kernels
-        self.w_gate = ColumnParallelLinear(torch.randn(h, c, generator=gen) * cfg.init_std, tp)
-        self.w_up = ColumnParallelLinear(torch.randn(h, c, generator=gen) * cfg.init_std, tp)
-        self.w_down = RowParallelLinear(torch.randn(c, h, generator=gen) * out_std, tp)
+        self.w_gate = ColumnParallelLinear(initial(h, c, gen, cfg.init_std), tp)
+        self.w_up = ColumnParallelLinear(initial(h, c, gen, cfg.init_std), tp)
+        self.w_down = RowParallelLinear(initial(c, h, gen, out_std), tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w_down(swiglu(self.w_gate(x), self.w_up(x), kernels=self.kernels))
@@ -127,7 +137,7 @@ class Block(nn.Module):
     TP_KV_HEADS = ("attn.wk.weight", "attn.wv.weight")
     """Split by key/value heads (`HeadParallelLinear`): replicated where tp exceeds them."""
 
-    def __init__(self, cfg: ModelConfig, gen: torch.Generator, tp: TensorParallel,
+    def __init__(self, cfg: ModelConfig, gen: torch.Generator | None, tp: TensorParallel,
                  recompute: bool = False):
         super().__init__()
         # GPT-2's scaling of the residual projections keeps the stream's variance flat in depth.
@@ -159,7 +169,7 @@ class Head(nn.Module):
 
     TP_SHARD_DIMS = {"output.weight": 0}
 
-    def __init__(self, cfg: ModelConfig, gen: torch.Generator, tp: TensorParallel,
+    def __init__(self, cfg: ModelConfig, gen: torch.Generator | None, tp: TensorParallel,
                  tied: torch.Tensor | None = None):
         """`tied`: the embedding's full initial weight, which the output weight copies
         (`tie_embeddings`); otherwise the output weight is drawn from `gen`."""
@@ -253,21 +263,23 @@ class LayerModel:
         return torch.Generator().manual_seed(self.seed * 100_003 + index)
 
     def build_layer(self, index: int, tp: TensorParallel, dtype: torch.dtype,
-                    device: torch.device, *, pretrained: bool = True) -> nn.Module:
+                    device: torch.device, *, pretrained: bool) -> nn.Module:
         """Layer `index`'s shard for `tp`. With `model.init_from` and `pretrained`, its
         parameters are the Hugging Face checkpoint's (`planaria.runtime.hf`) instead of
-        the seeded init; a layer about to receive state (a checkpoint, a replica) passes
-        pretrained=False and the checkpoint is not read for it."""
+        the seeded init, which is then not drawn; a layer about to receive state (a
+        checkpoint, a replica) passes pretrained=False and the checkpoint is not read for it."""
         cls = self.layer_class(index)
-        gen = self._generator(index)
+        from_checkpoint = pretrained and bool(self.cfg.init_from)
+        gen = None if from_checkpoint else self._generator(index)
         if cls is Block:
             layer = Block(self.cfg, gen, tp, recompute=self.recompute)
         elif cls is Head and self.cfg.tie_embeddings:
-            layer = Head(self.cfg, gen, tp, tied=embedding_init(self.cfg, self._generator(0)))
+            tied_gen = None if from_checkpoint else self._generator(0)
+            layer = Head(self.cfg, gen, tp, tied=embedding_init(self.cfg, tied_gen))
         else:
             layer = cls(self.cfg, gen, tp)
         layer = layer.to(device=device, dtype=dtype)
-        if pretrained and getattr(self.cfg, "init_from", ""):
+        if from_checkpoint:
             from planaria.runtime.hf import load_pretrained_layer  # hf imports this module
 
             load_pretrained_layer(self, index, layer, tp)  # after .to: float64 keeps every bit

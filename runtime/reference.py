@@ -37,7 +37,7 @@ def build_reference_model(model: LayerModel, dtype: torch.dtype, device: torch.d
     own Parameter, so autograd sums the two uses and AdamW holds it once."""
     single = TensorParallel()  # tp = 1: every layer full size
     plain = LayerModel(replace(model.cfg, kernels="reference", fused_head_loss=False), model.seed, model.recompute)
-    net = nn.Sequential(*(plain.build_layer(i, single, dtype, device) for i in range(plain.num_layers)))
+    net = nn.Sequential(*(plain.build_layer(i, single, dtype, device, pretrained=True) for i in range(plain.num_layers)))
     tied = [net[index].get_parameter(name) for index, name in plain.tied_parameters()]
     for index, name in plain.tied_parameters()[1:]:
         owner, _, attribute = name.rpartition(".")

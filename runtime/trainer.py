@@ -35,6 +35,7 @@ from planaria.runtime.engine import Engine, StepResult
 from planaria.runtime.faults import FaultInjector
 from planaria.runtime.model import LayerModel
 from planaria.runtime.optim import OptimizerSettings, optimizer_settings as settings_of
+from planaria.runtime.hf_config import check_init_from
 from planaria.runtime.planning import plan_for_world
 
 
@@ -55,6 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     rank = int(os.environ.get("RANK", "0"))
     try:
         cfg = load_config(args.config, args.overrides)
+        check_init_from(cfg)  # its tensors' names and shapes, unless a checkpoint is resumed
         elastic = elastic_environment()
         if elastic is not None:  # started by a Planaria control plane
             device, backend = _device_and_backend(cfg, local_rank=elastic[2])
@@ -182,7 +184,7 @@ def train(cfg: Config, plan, rank: int, device: torch.device, console: Console,
                 if val_loss is not None:
                     console.print(f"step {iteration + 1:>5}/{cfg.train.steps} | validation loss {val_loss:.4f}")
             if every and (iteration + 1) % every == 0 and iteration + 1 < cfg.train.steps:
-                save_checkpoint(engine, cfg.checkpoint_dir, cfg.checkpoint.keep)
+                save_checkpoint(engine, cfg.checkpoint_dir, cfg.checkpoint.keep, data_source=cfg.data.source)
         if cfg.output.save_final:
             save_model_shards(engine, out_dir / "final", data_source=cfg.data.source)
             if rank == 0:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import pytest
@@ -18,6 +18,7 @@ import torch
 
 from planaria.runtime.config import ConfigError, ModelConfig, load_config
 from planaria.runtime.data import dataset_for
+from planaria.runtime.hf_config import check_init_from
 from planaria.runtime.hf import HFCheckpoint, export_hf, find_saved_model, from_hf_rows, to_hf_rows
 from planaria.runtime.model import LayerModel
 from planaria.runtime.tensor_parallel import TensorParallel
@@ -43,7 +44,8 @@ def planaria_logits(model: ModelConfig, tokens: torch.Tensor, seed: int = 0,
     x = tokens
     with torch.no_grad():
         for i in range(layer_model.num_layers):
-            layer = layer_model.build_layer(i, TensorParallel(), torch.float64, torch.device("cpu"))
+            layer = layer_model.build_layer(i, TensorParallel(), torch.float64, torch.device("cpu"),
+                                            pretrained=True)
             if states is not None:
                 layer.load_state_dict(states[i])
             x = layer(x)
@@ -89,10 +91,10 @@ def test_init_from_reads_a_sharded_checkpoint_and_only_its_tp_shard(n_kv_heads, 
                              f"parallel.tp={tp}"]).model
     layer_model = LayerModel(cfg, seed=0)
     for index in range(layer_model.num_layers):
-        full = layer_model.build_layer(index, TensorParallel(), torch.float64, torch.device("cpu"))
+        full = layer_model.build_layer(index, TensorParallel(), torch.float64, torch.device("cpu"), pretrained=True)
         for rank in range(tp):
             piece = layer_model.build_layer(index, TensorParallel(rank=rank, size=tp), torch.float64,
-                                            torch.device("cpu"))
+                                            torch.device("cpu"), pretrained=True)
             for name, value in piece.state_dict().items():
                 expected = layer_model.shard(index, name, full.state_dict()[name], rank, tp)
                 assert torch.equal(value, expected), (index, name, rank)
@@ -205,9 +207,10 @@ def test_init_from_under_a_heterogeneous_plan_trains_as_one_process(tmp_path):
 
 # ------------------------------------------------------------------ refusals
 def _refusal(overrides: list[str]) -> str:
+    """The message of the refusal at start (`load_config`, then `check_init_from`, which
+    the trainer and the elastic launcher run before any process group)."""
     with pytest.raises(ConfigError) as err:
-        cfg = load_config(None, overrides)
-        LayerModel(cfg.model, seed=0).build_layer(1, TensorParallel(), torch.float32, torch.device("cpu"))
+        check_init_from(load_config(None, overrides))
     message = str(err.value)
     assert "\n" not in message
     return message
@@ -256,6 +259,35 @@ def test_refusals_are_one_line_and_name_the_fix(tmp_path):
     del tensors["model.layers.0.mlp.up_proj.weight"]
     save_file(tensors, missing / "model.safetensors", metadata={"format": "pt"})
     assert "has no tensor model.layers.0.mlp.up_proj.weight" in _refusal([f"model.init_from={missing}"])
+    job = tmp_path / "job.yaml"
+    job.write_text(f"model:\n  init_from: {missing}\n  seq_len: 16\n")
+    train = [sys.executable, "-m", "planaria.train", str(job), "data.source=synthetic", "parallel.pp=1"]
+    proc = subprocess.run(train, capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert proc.returncode == 2 and "has no tensor model.layers.0.mlp.up_proj.weight" in proc.stdout
+    assert "process group" not in proc.stdout + proc.stderr and "Traceback" not in proc.stderr
+
+    index = tmp_path / "bad-index"
+    index.mkdir()
+    (index / "config.json").write_text(json.dumps(config))
+    (index / "model.safetensors.index.json").write_text('{"metadata": {}}')
+    message = _refusal([f"model.init_from={index}"])
+    assert "model.safetensors.index.json is not a safetensors index" in message
+    (index / "model.safetensors.index.json").write_text('{"weight_map": ')
+    assert "model.safetensors.index.json is not a safetensors index" in _refusal([f"model.init_from={index}"])
+    (index / "model.safetensors.index.json").write_text('{"weight_map": {"model.norm.weight": "x.safetensors"}}')
+    (index / "x.safetensors").write_bytes(b"\xff" * 8 + b"{}")
+    assert "x.safetensors is not a safetensors file" in _refusal([f"model.init_from={index}"])
+
+
+def test_an_explicit_rope_scaling_in_the_older_type_spelling_agrees_with_the_checkpoint(tmp_path):
+    scaling = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64}
+    hf = random_llama(rope_scaling={"rope_type": "llama3", **scaling})
+    hf.save_pretrained(tmp_path / "hf")
+    older = "{" + ", ".join(f"{k}: {v}" for k, v in {"type": "llama3", **scaling}.items()) + "}"
+    cfg = load_config(None, [f"model.init_from={tmp_path / 'hf'}", "model.seq_len=16",
+                             f"model.rope_scaling={older}"]).model
+    assert cfg.rope_scaling_factors == (8.0, 1.0, 4.0, 64)
 
 
 def test_export_refuses_a_save_without_its_model_config(tmp_path):
@@ -269,6 +301,64 @@ def test_export_refuses_a_save_without_its_model_config(tmp_path):
         find_saved_model(tmp_path / "empty")
     with pytest.raises(ConfigError, match="is not a directory"):
         find_saved_model(tmp_path / "nowhere")
+
+
+def test_layers_read_from_init_from_skip_the_seeded_draw(tmp_path, monkeypatch):
+    """The random init would be thrown away: it is not drawn (torch.randn is never
+    called), and the layers still hold the checkpoint's tensors."""
+    random_llama(tied=True).save_pretrained(tmp_path / "hf")
+    cfg = load_config(None, [f"model.init_from={tmp_path / 'hf'}", "model.seq_len=16"]).model
+    layers = LayerModel(cfg, seed=0)
+    seeded = [layers.build_layer(i, TensorParallel(), torch.float64, torch.device("cpu"), pretrained=False)
+              for i in range(layers.num_layers)]
+
+    def no_draw(*args, **kwargs):
+        raise AssertionError("a layer filled from model.init_from drew its random init")
+
+    monkeypatch.setattr(torch, "randn", no_draw)
+    with HFCheckpoint(cfg.init_from) as ckpt:
+        embed = ckpt.read("model.embed_tokens.weight")
+    for index, other in enumerate(seeded):
+        layer = layers.build_layer(index, TensorParallel(), torch.float64, torch.device("cpu"), pretrained=True)
+        assert not any(torch.equal(p, q) for p, q in zip(layer.parameters(), other.parameters()) if p.dim() > 1)
+    assert torch.equal(layer.output.weight, embed)  # the tied head: the checkpoint's embedding
+
+
+def _hand_made_final_save(directory: Path) -> ModelConfig:
+    """A final save as `save_model_shards` lays it out (tp = 1), without a training job."""
+    from planaria.runtime.checkpoint_files import write_model_record
+
+    model = load_config(TINY, ["model.n_layers=1", "model.d_model=32", "model.n_heads=4"]).model
+    layers = LayerModel(model, seed=0)
+    directory.mkdir(parents=True)
+    for index in range(layers.num_layers):
+        layer = layers.build_layer(index, TensorParallel(), torch.float32, torch.device("cpu"), pretrained=False)
+        torch.save(layer.state_dict(), directory / f"layer{index:04d}-tp0.pt")
+    write_model_record(directory, asdict(model))
+    (directory / "manifest.json").write_text(json.dumps({"num_layers": layers.num_layers, "tp": 1}))
+    return model
+
+
+def test_export_of_a_damaged_save_is_refused_in_one_line_naming_the_file(tmp_path):
+    final = tmp_path / "final"
+    _hand_made_final_save(final)
+    assert export_hf(find_saved_model(final)[0], tmp_path / "whole")  # the save itself exports
+    manifest = (final / "manifest.json").read_text()
+
+    (final / "layer0001-tp0.pt").write_bytes(b"not a torch file")
+    cmd = [sys.executable, "-m", "planaria.chaos.cli", "export", "hf", str(final), str(tmp_path / "out")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert "layer0001-tp0.pt is not a readable shard file" in proc.stderr
+    assert not (tmp_path / "out").exists()
+
+    (final / "manifest.json").write_text(json.dumps({"num_layers": 3}))
+    with pytest.raises(ConfigError, match=r"manifest.json lacks tp"):
+        find_saved_model(final)
+    (final / "manifest.json").write_text(manifest[:-3])
+    with pytest.raises(ValueError, match=r"final/manifest.json is not valid JSON") as err:
+        find_saved_model(final)
+    assert "\n" not in str(err.value)
 
 
 def _byte_level_bpe(directory: Path, vocab: int) -> Path:
@@ -297,11 +387,11 @@ def test_export_command_ships_the_data_tokenizer_and_transformers_generates(tmp_
     _byte_level_bpe(data / "tok", vocab=288)
     # What `planaria data prepare` records: the tokenizer's file and the end-of-text id.
     (data / "manifest.json").write_text(json.dumps({"tokenizer": "tok/tokenizer.json", "eos_id": 0}))
-    manifest_path = tmp_path / "run" / "final" / "manifest.json"
-    manifest = json.loads(manifest_path.read_text())
-    assert manifest["model"]["vocab_size"] == 288 and manifest["data_source"] == "synthetic"
-    # As if the run had trained on that directory's shards (the manifest records the source).
-    manifest_path.write_text(json.dumps({**manifest, "data_source": str(data)}))
+    record_path = tmp_path / "run" / "final" / "model.json"
+    record = json.loads(record_path.read_text())
+    assert record["model"]["vocab_size"] == 288 and record["data_source"] == "synthetic"
+    # As if the run had trained on that directory's shards (the save records the source).
+    record_path.write_text(json.dumps({**record, "data_source": str(data)}))
 
     cmd = [sys.executable, "-m", "planaria.chaos.cli", "export", "hf", str(tmp_path / "run"),
            str(tmp_path / "hf")]
@@ -318,6 +408,40 @@ def test_export_command_ships_the_data_tokenizer_and_transformers_generates(tmp_
 
     again = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=REPO)
     assert again.returncode == 2 and "already exists and is not empty" in again.stderr
+
+
+@pytest.mark.timeout(300)
+def test_export_of_a_checkpoint_of_a_run_on_prepared_shards_ships_its_tokenizer(tmp_path):
+    """A run trained on `planaria data prepare`'s shards, exported from its checkpoint
+    directory: the checkpoint records the data source, so the tokenizer and the end of
+    text id come along as with the final model."""
+    transformers = pytest.importorskip("transformers")
+    tok = _byte_level_bpe(tmp_path / "tok", vocab=288)
+    text = tmp_path / "text"
+    text.mkdir()
+    for i in range(8):
+        (text / f"{i}.py").write_text(f"def f{i}(n):\n    return n * {i} + fibonacci(n - {i})\n" * 20)
+    data = tmp_path / "data"
+    prepare = [sys.executable, "-m", "planaria.chaos.cli", "data", "prepare", str(text), "--out", str(data),
+               "--tokenizer", str(tok), "--eos", "<eos>", "--val-fraction", "0", "--quiet"]
+    proc = subprocess.run(prepare, capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr
+    cmd = [sys.executable, "-m", "planaria.train", str(TINY), f"data.source={data}", "model.seq_len=16",
+           "model.n_layers=2", "model.d_model=32", "model.n_heads=4", "model.vocab_size=288",
+           "train.global_batch=4", "train.micro_batch=2", "train.steps=3", "checkpoint.every=2",
+           "output.save_final=false", "parallel.pp=1", f"output.dir={tmp_path / 'run'}"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+    export = [sys.executable, "-m", "planaria.chaos.cli", "export", "hf", str(tmp_path / "run" / "checkpoints"),
+              str(tmp_path / "hf")]
+    proc = subprocess.run(export, capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr
+    assert "the checkpoint of iteration 1" in proc.stdout and "tokenizer from the data manifest" in proc.stdout
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    config = transformers.AutoConfig.from_pretrained(tmp_path / "hf")
+    assert tokenizer.eos_token == "<eos>" and config.eos_token_id == tokenizer.convert_tokens_to_ids("<eos>")
+    assert tokenizer.decode(tokenizer("def f1(n):").input_ids) == "def f1(n):"
 
 
 @pytest.mark.timeout(300)

@@ -108,9 +108,10 @@ def test_tp_pieces_are_what_shard_says_and_unshard_inverts(kv_heads, tp):
     cfg = load_config(TINY, ["model.d_model=32", f"model.n_kv_heads={kv_heads}", f"parallel.tp={tp}"])
     model = LayerModel(cfg.model, seed=3)
     for index in range(model.num_layers):
-        full = dict(model.build_layer(index, TensorParallel(), torch.float64, torch.device("cpu"))
+        full = dict(model.build_layer(index, TensorParallel(), torch.float64, torch.device("cpu"), pretrained=False)
                     .named_parameters())
-        pieces = [dict(model.build_layer(index, TensorParallel(None, r, tp), torch.float64, torch.device("cpu"))
+        pieces = [dict(model.build_layer(index, TensorParallel(None, r, tp), torch.float64, torch.device("cpu"),
+                                         pretrained=False)
                        .named_parameters()) for r in range(tp)]
         for name, tensor in full.items():
             for r in range(tp):

@@ -34,7 +34,7 @@ def _layers(cfg):
     from planaria.runtime.tensor_parallel import TensorParallel
 
     model = LayerModel(cfg.model, seed=0)
-    return [model.build_layer(i, TensorParallel(), torch.float32, torch.device("cpu"))
+    return [model.build_layer(i, TensorParallel(), torch.float32, torch.device("cpu"), pretrained=True)
             for i in range(model.num_layers)]
 
 

@@ -58,10 +58,10 @@ def test_head_starts_as_the_embeddings_copy(tp_size):
     last = tied.num_layers - 1
     for tp_rank in range(tp_size):
         tp = TensorParallel(rank=tp_rank, size=tp_size)  # sharding only: no group needed
-        embedding = tied.build_layer(0, tp, torch.float64, torch.device("cpu")).embed.weight
-        head = tied.build_layer(last, tp, torch.float64, torch.device("cpu")).output.weight
+        embedding = tied.build_layer(0, tp, torch.float64, torch.device("cpu"), pretrained=True).embed.weight
+        head = tied.build_layer(last, tp, torch.float64, torch.device("cpu"), pretrained=True).output.weight
         assert torch.equal(embedding, head)
-        untied_head = untied.build_layer(last, tp, torch.float64, torch.device("cpu")).output.weight
+        untied_head = untied.build_layer(last, tp, torch.float64, torch.device("cpu"), pretrained=True).output.weight
         assert not torch.equal(embedding, untied_head)
     assert tied.tied_parameters() == ((0, "embed.weight"), (last, "output.weight"))
     assert untied.tied_parameters() == ()
