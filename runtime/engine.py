@@ -216,7 +216,13 @@ class Engine:
         if self.groups is not None:
             with contextlib.suppress(Exception):
                 self.groups.destroy()
-        self.groups, self.schedule, self.stages, self._eval_schedule = None, None, [], None
+        self._forget_epoch()
+
+    def _forget_epoch(self) -> None:
+        """Drop the epoch's groups, stages and schedules (training and evaluation): what
+        holds sockets, buffers and pending work of the epoch's communication."""
+        self.groups, self.schedule, self.stages = None, None, []
+        self._eval_schedule, self._eval_stages = None, []
         if self.tp is not None:
             self.tp.group = None
 
@@ -318,8 +324,12 @@ class Engine:
         return schedule, stages
 
     def destroy(self) -> None:
+        """The end of the job: destroy the epoch's groups and drop every object of the
+        epoch, so that no stage or schedule keeps the groups' work alive until the
+        interpreter's exit (gloo aborts a process whose work outlives its group)."""
         if self.groups is not None:  # None after abandon_epoch
             self.groups.destroy()
+        self._forget_epoch()
 
     # ------------------------------------------------------------- iteration
     def train_step(self, iteration: int, dataset, data_seed: int,
