@@ -67,3 +67,11 @@ def assert_final_parameters(directory: Path, reference) -> None:
         for name, expected in layer.state_dict().items():
             torch.testing.assert_close(saved[index][name], expected, rtol=1e-9, atol=1e-12,
                                        msg=lambda m: f"layer {index} {name}: {m}")
+
+
+def cases_with_slow(cases, slow: set[str]) -> list:
+    """The names of `cases` for `pytest.mark.parametrize`, those in `slow` marked slow
+    (run by `make test-slow`, kept out of the default suite's time)."""
+    import pytest
+
+    return [pytest.param(name, marks=pytest.mark.slow) if name in slow else name for name in cases]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.launch import assert_final_parameters, read_metrics, reference_run, torchrun_train
+from tests.launch import assert_final_parameters, cases_with_slow, read_metrics, reference_run, torchrun_train
 from tests.runtime.test_exactness import JOB
 
 GQA = ["model.n_kv_heads=2"]
@@ -51,8 +51,7 @@ SLOW_CASES = {"gqa-pp2", "mqa-tp2-two-pipelines"}
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c in SLOW_CASES else c
-                                  for c in CASES])
+@pytest.mark.parametrize("case", cases_with_slow(CASES, SLOW_CASES))
 def test_gqa_plan_matches_single_process(case, references, tmp_path):
     nproc, model, plan = CASES[case]
     reference = references(model)

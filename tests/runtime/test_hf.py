@@ -393,9 +393,7 @@ def test_export_command_ships_the_data_tokenizer_and_transformers_generates(tmp_
     # As if the run had trained on that directory's shards (the save records the source).
     record_path.write_text(json.dumps({**record, "data_source": str(data)}))
 
-    cmd = [sys.executable, "-m", "planaria.chaos.cli", "export", "hf", str(tmp_path / "run"),
-           str(tmp_path / "hf")]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=REPO)
+    proc = _export_command(tmp_path / "run", tmp_path / "hf")
     assert proc.returncode == 0, proc.stderr
     assert "exporting the final model" in proc.stdout and "tokenizer from the data manifest" in proc.stdout
     tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
@@ -406,8 +404,14 @@ def test_export_command_ships_the_data_tokenizer_and_transformers_generates(tmp_
     assert tokenizer.decode(out[0]).startswith("def fibonacci(n):")
     assert model.config.eos_token_id == 0 and tokenizer.eos_token == "<eos>"
 
-    again = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=REPO)
+    again = _export_command(tmp_path / "run", tmp_path / "hf")
     assert again.returncode == 2 and "already exists and is not empty" in again.stderr
+
+
+def _export_command(source: Path, out: Path) -> subprocess.CompletedProcess:
+    """`planaria export hf SOURCE OUT` as a user runs it, in a process of its own."""
+    cmd = [sys.executable, "-m", "planaria.chaos.cli", "export", "hf", str(source), str(out)]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=REPO)
 
 
 @pytest.mark.timeout(300)
@@ -433,9 +437,7 @@ def test_export_of_a_checkpoint_of_a_run_on_prepared_shards_ships_its_tokenizer(
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=REPO)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
-    export = [sys.executable, "-m", "planaria.chaos.cli", "export", "hf", str(tmp_path / "run" / "checkpoints"),
-              str(tmp_path / "hf")]
-    proc = subprocess.run(export, capture_output=True, text=True, timeout=120, cwd=REPO)
+    proc = _export_command(tmp_path / "run" / "checkpoints", tmp_path / "hf")
     assert proc.returncode == 0, proc.stderr
     assert "the checkpoint of iteration 1" in proc.stdout and "tokenizer from the data manifest" in proc.stdout
     tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")

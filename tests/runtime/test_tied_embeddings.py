@@ -19,7 +19,8 @@ from planaria.runtime.config import _parameter_count, load_config
 from planaria.runtime.model import LayerModel
 from planaria.runtime.reference import build_reference_model
 from planaria.runtime.tensor_parallel import TensorParallel
-from tests.launch import TINY, assert_final_parameters, read_metrics, reference_run, torchrun_train
+from tests.launch import (TINY, assert_final_parameters, cases_with_slow, read_metrics, reference_run,
+                          torchrun_train)
 from tests.runtime import test_recovery as recovery
 
 TIED = ["model.tie_embeddings=true"]
@@ -92,8 +93,7 @@ SLOW_CASES = {"single-process", "tp2"}
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c in SLOW_CASES else c
-                                  for c in CASES])
+@pytest.mark.parametrize("case", cases_with_slow(CASES, SLOW_CASES))
 def test_tied_plan_matches_single_process(case, reference, tmp_path):
     nproc, overrides = CASES[case]
     torchrun_train(nproc, JOB + overrides, tmp_path)
