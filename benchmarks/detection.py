@@ -33,9 +33,11 @@ JOB = ["train.steps=400", "data.source=synthetic", "parallel.fault_tolerance=1",
 
 def one_run(endpoint: str, ttl: int, out: Path, run_id: str) -> dict:
     from planaria.elastic.etcd_client import EtcdClient, EtcdSettings
+    from planaria.runtime.contract import keys
+    from planaria.runtime.contract.logs import COMMITS, log_path
 
     client = EtcdClient(EtcdSettings(endpoint=endpoint))
-    prefix = f"/planaria/{run_id}/"
+    prefix = keys.run_prefix(run_id)
     agents = {}
     for i in range(4):
         node = f"node{i}"
@@ -46,22 +48,22 @@ def one_run(endpoint: str, ttl: int, out: Path, run_id: str) -> dict:
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
             env=dict(os.environ, OMP_NUM_THREADS="1"))
     try:
-        commits = out / "commits-node0.0.jsonl"
+        commits = log_path(out, COMMITS, "node0.0")
         deadline = time.monotonic() + 120
         while not (commits.exists() and len(commits.read_text().splitlines()) >= 3):
             if time.monotonic() > deadline:
                 raise RuntimeError(f"the job did not start training; see {out / 'logs'}")
             time.sleep(0.05)
-        leader = client.get(prefix + "leader")[0].decode()
+        leader = client.get(prefix + keys.LEADER)[0].decode()
         victim = next(n for n in ("node3", "node2", "node1") if n != leader)
         t0 = time.time()
         os.killpg(agents[victim].pid, signal.SIGKILL)
         lease = epoch = None
         while lease is None or epoch is None:
             now = time.time()
-            if lease is None and client.get(prefix + f"alive/{victim}.0")[0] is None:
+            if lease is None and client.get(prefix + keys.alive((victim, 0)))[0] is None:
                 lease = now - t0
-            if epoch is None and (client.get(prefix + "epoch")[0] or b"0") != b"0":
+            if epoch is None and (client.get(prefix + keys.EPOCH)[0] or b"0") != b"0":
                 epoch = now - t0
             if now - t0 > 120:
                 raise RuntimeError("no detection within 120 s")

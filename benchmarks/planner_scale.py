@@ -562,7 +562,7 @@ def main(argv: list[str] | None = None) -> int:
     plan_job_fn = cfg = None
     try:
         from planaria.runtime.config import load_config, model_shape
-        from planaria.runtime.planning import plan_job as plan_job_fn
+        from planaria.runtime.planning import cost_model as cost_model_fn, plan_job as plan_job_fn
 
         cfg = load_config(CONFIG, [f"train.global_batch={args.global_batch}",
                                    f"train.micro_batch={MICRO_BATCH}", f"train.dtype={DTYPE}",
@@ -586,8 +586,9 @@ def main(argv: list[str] | None = None) -> int:
         info = {"n": n, "construct_s": built, "instantiate_s": fresh_s - built, "total_s": fresh_s}
         if plan_job_fn is not None:
             t0 = time.perf_counter()
-            report = plan_job_fn(cfg, nodes=n, gpus_per_node=g, fault_tolerance=f,
-                                 hardware_name=args.hardware)
+            # What `planaria plan` runs: the cost model, then the planner.
+            costs = cost_model_fn(cfg, hardware_name=args.hardware, gpus_per_node=g)
+            report = plan_job_fn(cfg, costs, nodes=n, fault_tolerance=f)
             job_s = time.perf_counter() - t0
             if abs(report.choice.iteration_time_s - choices[n].iteration_time_s) > \
                     1e-9 * choices[n].iteration_time_s:

@@ -44,6 +44,9 @@ import time
 from pathlib import Path
 
 from planaria.chaos.report import write_json_atomically
+from planaria.runtime.contract import keys
+from planaria.runtime.contract.epochs import EpochTiming
+from planaria.runtime.contract.logs import COMMITS, CommitEntry, log_path, read_logs
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "configs" / "tiny.yaml"
@@ -60,11 +63,8 @@ def _env() -> dict[str, str]:
     return dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
 
 
-def _commits(out: Path) -> list[dict]:
-    entries = []
-    for path in out.glob("commits-*.jsonl"):
-        entries += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return entries
+def _commits(out: Path) -> list[CommitEntry]:
+    return [entry for entries in read_logs(out, COMMITS, CommitEntry).values() for entry in entries]
 
 
 def run_planaria(job_args: list[str], steps: int, kill_after: int, out: Path) -> dict:
@@ -77,8 +77,8 @@ def run_planaria(job_args: list[str], steps: int, kill_after: int, out: Path) ->
     def kill_when_committed(job, elapsed):
         if killed:
             return
-        log = out / "commits-node3.0.jsonl"
-        if log.exists() and any(json.loads(line)["iteration"] >= kill_after
+        log = log_path(out, COMMITS, "node3.0")
+        if log.exists() and any(CommitEntry.from_json(line).step >= kill_after
                                 for line in log.read_text().splitlines() if line.strip()):
             killed["time"] = time.time()
             job.kill(("node3", 0))
@@ -87,19 +87,18 @@ def run_planaria(job_args: list[str], steps: int, kill_after: int, out: Path) ->
     if result.outcome != "ok" or not killed:
         raise RuntimeError(f"planaria run: {result.outcome}; killed: {bool(killed)}\n{job.logs()}")
     (event,) = result.controller.events
-    timings = [json.loads(job.store.get(f"epoch/1/timing/{w}").decode())
-               for w in ("node0.0", "node1.0", "node2.0")]
+    timings = [EpochTiming.from_json(job.store.get(keys.epoch_timing(1, (f"node{i}", 0)))) for i in range(3)]
     t_kill = killed["time"]
-    before = max(e["iteration"] for e in _commits(out) if e["time"] <= t_kill)
-    after = [e for e in _commits(out) if e["time"] > t_kill]
-    back = min(e["time"] for e in after if e["iteration"] > before)
-    rendezvous = max(t["rendezvous_s"] for t in timings)
-    transfer = max(t["transfer_s"] for t in timings)
+    before = max(e.step for e in _commits(out) if e.time <= t_kill)
+    after = [e for e in _commits(out) if e.time > t_kill]
+    back = min(e.time for e in after if e.step > before)
+    rendezvous = max(t.rendezvous_s for t in timings)
+    transfer = max(t.transfer_s for t in timings)
     # The first commit of the new epoch (a worker may log a commit of the old epoch a
     # moment after the kill).
-    first = min(e["time"] for e in after if e["epoch"] >= 1)
-    received = sum(t.get("bytes_received", 0) for t in timings)
-    seconds = max(t.get("transfer_seconds", 0.0) for t in timings)
+    first = min(e.time for e in after if e.epoch >= 1)
+    received = sum(t.bytes_received for t in timings)
+    seconds = max(t.transfer_seconds or 0.0 for t in timings)
     return {
         "first_step_s": first - t_kill, "back_s": back - t_kill, "steps_rerun": 0,
         "detection_s": event.detected_s - t_kill, "statuses_s": event.statuses_s - event.detected_s,

@@ -151,14 +151,14 @@ def worker_reference(args) -> None:
     from planaria.runtime.data import build_dataset
     from planaria.runtime.model import LayerModel
     from planaria.runtime.reference import train_reference
-    from planaria.runtime.config import torch_dtypes as dtypes
-    from planaria.runtime.trainer import optimizer_settings
+    from planaria.runtime.model import torch_dtypes as dtypes
+    from planaria.runtime.optim import optimizer_settings
 
     cfg = _load(args.config, args.overrides)
     dataset = build_dataset(cfg.data.source, seq_len=cfg.model.seq_len,
                             vocab_size=cfg.model.vocab_size, seed=cfg.data.seed)
     param_dtype, autocast_dtype = dtypes(cfg.train.dtype)
-    run = train_reference(LayerModel(cfg.model, seed=cfg.train.seed), optimizer_settings(cfg), dataset,
+    run = train_reference(LayerModel(cfg.model, seed=cfg.train.seed), optimizer_settings(cfg.train), dataset,
                           steps=cfg.train.steps, global_batch=cfg.train.global_batch,
                           micro_batch=cfg.train.micro_batch, data_seed=cfg.data.seed,
                           grad_clip=cfg.train.grad_clip, dtype=param_dtype,
@@ -193,8 +193,8 @@ class DirectPipeline:
         from planaria.runtime.data import build_dataset
         from planaria.runtime.model import LayerModel
         from planaria.runtime.tensor_parallel import TensorParallel
-        from planaria.runtime.config import torch_dtypes as dtypes
-        from planaria.runtime.trainer import optimizer_settings
+        from planaria.runtime.model import torch_dtypes as dtypes
+        from planaria.runtime.optim import optimizer_settings
 
         self.cfg, self.rank = cfg, rank
         device = torch.device("cpu")
@@ -214,7 +214,7 @@ class DirectPipeline:
             return F.cross_entropy(logits, target.flatten()) / n_micro
 
         self.schedule = Schedule1F1B(stage, n_micro, loss_fn=loss_fn, scale_grads=False)
-        self.optim = optimizer_settings(cfg)
+        self.optim = optimizer_settings(cfg.train)
         self.params = list(self.module.parameters())
         self.optimizer = torch.optim.AdamW(
             [{"params": [p for p in self.params if p.dim() >= 2], "weight_decay": self.optim.weight_decay},
@@ -286,7 +286,7 @@ def worker_paired_pp2(args) -> None:
     import torch
     import torch.distributed as dist
 
-    from planaria.runtime import trainer
+    from planaria.runtime.build import build_engine
     from planaria.runtime.config import plan_from_config
     from planaria.runtime.data import build_dataset
 
@@ -294,8 +294,7 @@ def worker_paired_pp2(args) -> None:
     rank, world = _init_torchrun_group(cfg)
     try:
         # The trainer's own Engine: its dtypes, clipping and wide gradient sums.
-        engine = trainer.engine_from_config(cfg, plan_from_config(cfg, world_size=world), rank,
-                                            torch.device("cpu"))
+        engine = build_engine(cfg, plan_from_config(cfg, world_size=world), rank, torch.device("cpu"))
         dataset = build_dataset(cfg.data.source, seq_len=cfg.model.seq_len,
                                 vocab_size=cfg.model.vocab_size, seed=cfg.data.seed)
         pipe = DirectPipeline(cfg, rank, world)
@@ -323,7 +322,9 @@ def worker_paired_single(args) -> None:
     import torch.distributed as dist
 
     from planaria.runtime import trainer
-    from planaria.runtime.config import torch_dtypes as dtypes
+    from planaria.runtime.build import build_engine
+    from planaria.runtime.optim import optimizer_settings
+    from planaria.runtime.model import torch_dtypes as dtypes
     from planaria.runtime.config import plan_from_config
     from planaria.runtime.data import build_dataset
     from planaria.runtime.model import LayerModel
@@ -336,9 +337,9 @@ def worker_paired_single(args) -> None:
     try:
         param_dtype, autocast_dtype = dtypes(cfg.train.dtype)
         model = LayerModel(cfg.model, seed=cfg.train.seed)
-        optim = trainer.optimizer_settings(cfg)
+        optim = optimizer_settings(cfg.train)
         # The trainer's own Engine: its dtypes, clipping and wide gradient sums.
-        engine = trainer.engine_from_config(cfg, plan_from_config(cfg, world_size=1), 0, torch.device("cpu"))
+        engine = build_engine(cfg, plan_from_config(cfg, world_size=1), 0, torch.device("cpu"))
         dataset = build_dataset(cfg.data.source, seq_len=cfg.model.seq_len,
                                 vocab_size=cfg.model.vocab_size, seed=cfg.data.seed)
         blocks: dict[str, list[list[float]]] = {"planaria": [], "plain": []}
@@ -394,7 +395,8 @@ def worker_breakdown(args) -> None:
 
     from planaria.runtime import engine as engine_mod
     from planaria.runtime import trainer
-    from planaria.runtime.config import torch_dtypes as dtypes
+    from planaria.runtime.optim import optimizer_settings
+    from planaria.runtime.model import torch_dtypes as dtypes
     from planaria.runtime.config import plan_from_config
     from planaria.runtime.data import build_dataset
     from planaria.runtime.model import LayerModel
@@ -416,7 +418,7 @@ def worker_breakdown(args) -> None:
         dataset.batch = sec.wrap("data batch", dataset.batch)
         param_dtype, autocast_dtype = dtypes(cfg.train.dtype)
         model = LayerModel(cfg.model, seed=cfg.train.seed)
-        engine = E(plan, model, trainer.optimizer_settings(cfg), rank=0, device=torch.device("cpu"),
+        engine = E(plan, model, optimizer_settings(cfg.train), rank=0, device=torch.device("cpu"),
                    param_dtype=param_dtype, autocast_dtype=autocast_dtype,
                    grad_clip=cfg.train.grad_clip)
         # Inside the schedule: the stage's forward and backward chunks, the model's own
@@ -447,8 +449,8 @@ def worker_breakdown_reference(args) -> None:
     from planaria.runtime import reference
     from planaria.runtime.data import build_dataset
     from planaria.runtime.model import LayerModel
-    from planaria.runtime.config import torch_dtypes as dtypes
-    from planaria.runtime.trainer import optimizer_settings
+    from planaria.runtime.model import torch_dtypes as dtypes
+    from planaria.runtime.optim import optimizer_settings
 
     cfg = _load(args.config, args.overrides)
     sec = _Sections()
@@ -477,7 +479,7 @@ def worker_breakdown_reference(args) -> None:
     torch.optim.AdamW.zero_grad = sec.wrap("zero_grad", torch.optim.AdamW.zero_grad)
     param_dtype, autocast_dtype = dtypes(cfg.train.dtype)
     run = reference.train_reference(
-        LayerModel(cfg.model, seed=cfg.train.seed), optimizer_settings(cfg), dataset,
+        LayerModel(cfg.model, seed=cfg.train.seed), optimizer_settings(cfg.train), dataset,
         steps=cfg.train.steps, global_batch=cfg.train.global_batch,
         micro_batch=cfg.train.micro_batch, data_seed=cfg.data.seed, grad_clip=cfg.train.grad_clip,
         dtype=param_dtype, autocast_dtype=autocast_dtype)

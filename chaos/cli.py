@@ -60,15 +60,20 @@ def _plan(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from planaria.runtime.config import ConfigError, load_config
-    from planaria.runtime.planning import plan_job, print_report, profile_cache_dir, report_json
+    from planaria.runtime.planning import cost_model, plan_job, print_report, profile_cache_dir, report_json
 
     try:
         cfg = load_config(args.config, args.overrides)
-        report = plan_job(cfg, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
+        if args.profile:  # measured on this machine: imports torch
+            from planaria.runtime.profile import profiled_cost_model
+
+            costs = profiled_cost_model(cfg, hardware_name=args.hardware, gpus_per_node=args.gpus_per_node,
+                                        cache_dir=profile_cache_dir(cfg))
+        else:
+            costs = cost_model(cfg, hardware_name=args.hardware, gpus_per_node=args.gpus_per_node)
+        report = plan_job(cfg, costs, nodes=args.nodes,
                           fault_tolerance=(args.fault_tolerance if args.fault_tolerance is not None
-                                           else cfg.parallel.fault_tolerance),
-                          hardware_name=args.hardware, profile=args.profile,
-                          cache_dir=profile_cache_dir(cfg) if args.profile else None)
+                                           else cfg.parallel.fault_tolerance))
     except (ConfigError, ValueError) as err:
         print(f"planaria plan: {err}", file=sys.stderr)
         return 2

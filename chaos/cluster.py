@@ -9,15 +9,20 @@ worker's own announcement), and which nodes are live from its processes.
 """
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import TypeVar
 
 from planaria.elastic.etcd_client import EtcdClient, EtcdSettings
 from planaria.elastic.etcd_server import EmbeddedEtcd, EmbeddedEtcdCluster
+from planaria.runtime.contract import keys
+from planaria.runtime.contract.membership import Announcement
+from planaria.runtime.contract.record import JsonRecord
+
+R = TypeVar("R", bound=JsonRecord)
 
 
 class LocalCluster:
@@ -36,7 +41,7 @@ class LocalCluster:
         self.etcd = (EmbeddedEtcdCluster(etcd_members, log_dir=self.log_dir) if etcd_members > 1
                      else EmbeddedEtcd(log=self.log_dir / "etcd.log")).start()
         self.client = EtcdClient(EtcdSettings(endpoint=self.etcd.endpoint))
-        self.prefix = f"/planaria/{run_id}/"
+        self.prefix = keys.run_prefix(run_id)
         self.agents: dict[int, subprocess.Popen] = {}
         for _ in range(nodes):
             self.add_node()
@@ -68,8 +73,8 @@ class LocalCluster:
         self.agents[index].send_signal(signal.SIGKILL)
 
     def worker_pid(self, index: int, local: int) -> int | None:
-        value, _ = self.client.get(self.prefix + f"members/node{index}.{local}")
-        return json.loads(value)["pid"] if value else None
+        value, _ = self.client.get(self.prefix + keys.member((f"node{index}", local)))
+        return Announcement.from_json(value).pid if value else None
 
     def signal_worker(self, index: int, local: int, signum: int) -> bool:
         pid = self.worker_pid(index, local)
@@ -95,12 +100,16 @@ class LocalCluster:
     # -------------------------------------------------------------- job
     def outcome(self) -> str | None:
         """The job's end as the leader recorded it ("ok" or "failed: ..."), or None."""
-        value, _ = self.client.get(self.prefix + "done")
+        value, _ = self.client.get(self.prefix + keys.DONE)
         return value.decode() if value else None
 
-    def store_json(self, key: str):
+    def store_value(self, key: str) -> bytes | None:
         value, _ = self.client.get(self.prefix + key)
-        return json.loads(value) if value else None
+        return value
+
+    def store_record(self, key: str, record: type[R]) -> R | None:
+        value = self.store_value(key)
+        return record.from_json(value) if value else None
 
     def store_keys(self, prefix: str) -> list[str]:
         return self.client.keys_with_prefix(self.prefix + prefix)

@@ -33,7 +33,9 @@ from planaria.chaos.report import (InjectedFault, Report, build_report, CommitTa
 from planaria.chaos.sources import (RandomFaults, TraceReplay, find_trace, random_kinds, read_trace,
                                     replay_schedule)
 from planaria.runtime.config import load_config
-from planaria.runtime.worker_logs import COMMITS, EVALS, log_paths
+from planaria.runtime.contract import keys
+from planaria.runtime.contract.epochs import EpochEvent, EpochTiming
+from planaria.runtime.contract.logs import AUDIT, COMMITS, EVALS, log_paths
 
 POLL_S = 0.1
 
@@ -242,7 +244,7 @@ class _Run:
         # checkpoint it finds, so a run in a reused folder would go on from where the
         # last one stopped instead of being the run the report compares.
         for stale in [*log_paths(self.out_dir, COMMITS), *log_paths(self.out_dir, EVALS),
-                      *self.out_dir.glob("audit-*.jsonl")]:
+                      *log_paths(self.out_dir, AUDIT)]:
             stale.unlink()
         checkpoints = self.out_dir / "checkpoints"
         shutil.rmtree(checkpoints, ignore_errors=True)
@@ -321,11 +323,11 @@ class _Run:
         """A line per reconfiguration as the leader publishes it: the recoveries as they
         happen, before the table at the end."""
         try:
-            current = int(cluster.store_json("epoch") or 0)
+            current = int(cluster.store_value(keys.EPOCH) or 0)
         except (TypeError, ValueError):
             return
         for epoch in range(self._epochs_shown + 1, current + 1):
-            event = cluster.store_json(f"epoch/{epoch}/event")
+            event = cluster.store_record(keys.epoch_event(epoch), EpochEvent)
             if event is None and epoch == current:
                 return  # published a moment ago; its account follows the record
             if event is not None:  # (none: its leader died between the two writes)
@@ -372,12 +374,15 @@ class _Run:
         self.progress.note(f"  [red]fault[/] {spec} (job at step {committed})")
 
 
-def _events_and_timings(cluster: LocalCluster) -> tuple[list[dict], dict[int, list[dict]]]:
+def _events_and_timings(cluster: LocalCluster) -> tuple[list[EpochEvent], dict[int, list[EpochTiming]]]:
+    """Every reconfiguration's account and every worker's timings, by epoch."""
+    current = int(cluster.store_value(keys.EPOCH) or 0)
     events, timings = [], {}
-    for key in cluster.store_keys("epoch/"):
-        parts = key.split("/")
-        if len(parts) == 2 and parts[1] == "event":
-            events.append(cluster.store_json(f"epoch/{key}"))
-        elif len(parts) == 3 and parts[1] == "timing":
-            timings.setdefault(int(parts[0]), []).append(cluster.store_json(f"epoch/{key}"))
-    return [e for e in events if e], timings
+    for epoch in range(1, current + 1):
+        event = cluster.store_record(keys.epoch_event(epoch), EpochEvent)
+        if event is not None:  # (none: its leader died between the two writes)
+            events.append(event)
+    for epoch in range(current + 1):
+        for worker in cluster.store_keys(keys.epoch_timings(epoch)):
+            timings.setdefault(epoch, []).append(cluster.store_record(keys.epoch_timings(epoch) + worker, EpochTiming))
+    return events, timings

@@ -18,7 +18,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from planaria.chaos.faults import parse_fault
-from planaria.runtime.worker_logs import COMMITS, EVALS, log_paths, read_logs
+from planaria.runtime.contract.epochs import EpochEvent, EpochTiming
+from planaria.runtime.contract.logs import COMMITS, EVALS, CommitEntry, EvalEntry, log_paths, read_logs
 
 
 @dataclass
@@ -106,21 +107,21 @@ class Report:
         return data
 
 
-def read_commits(out_dir: Path) -> dict[str, list[dict]]:
+def read_commits(out_dir: Path) -> dict[str, list[CommitEntry]]:
     """Each worker's committed steps, in the order it committed them."""
-    return read_logs(out_dir, COMMITS)
+    return read_logs(out_dir, COMMITS, CommitEntry)
 
 
-def read_evals(out_dir: Path) -> dict[str, list[dict]]:
+def read_evals(out_dir: Path) -> dict[str, list[EvalEntry]]:
     """Each worker's validation losses, in the order it logged them."""
-    return read_logs(out_dir, EVALS)
+    return read_logs(out_dir, EVALS, EvalEntry)
 
 
-def step_val_losses(logs: dict[str, list[dict]]) -> dict[int, float]:
+def step_val_losses(logs: dict[str, list[EvalEntry]]) -> dict[int, float]:
     """The validation loss after each evaluated step, the first logged in time."""
     found: dict[int, float] = {}
-    for e in sorted((e for entries in logs.values() for e in entries), key=lambda e: e["time"]):
-        found.setdefault(e["iteration"], e["val_loss"])
+    for e in sorted((e for entries in logs.values() for e in entries), key=lambda e: e.time):
+        found.setdefault(e.step, e.val_loss)
     return found
 
 
@@ -143,11 +144,11 @@ class CommitTail:
             self._offsets[path] = self._offsets.get(path, 0) + len(complete)
             for line in complete.splitlines():
                 if line.strip():
-                    self.newest = max(self.newest, json.loads(line)["iteration"])
+                    self.newest = max(self.newest, CommitEntry.from_json(line).step)
         return self.newest + 1
 
 
-def step_losses(logs: dict[str, list[dict]]) -> tuple[dict[int, float], list[tuple[float, int]], int]:
+def step_losses(logs: dict[str, list[CommitEntry]]) -> tuple[dict[int, float], list[tuple[float, int]], int]:
     """(loss per iteration, (time, iteration) of each step's first commit, steps lost):
     a step is lost when it was committed in one epoch and committed again in a later one
     (the job went back to a checkpoint). A roll-forward is not a second commit: it applies,
@@ -155,23 +156,21 @@ def step_losses(logs: dict[str, list[dict]]) -> tuple[dict[int, float], list[tup
     losses: dict[int, float] = {}
     first_commit: dict[int, float] = {}
     epochs: dict[int, set[int]] = {}
-    for e in sorted((e for entries in logs.values() for e in entries), key=lambda e: e["time"]):
-        i = e["iteration"]
-        losses.setdefault(i, e["loss"])  # the first commit's, in time
-        first_commit.setdefault(i, e["time"])
-        if not e.get("rolled_forward"):
-            epochs.setdefault(i, set()).add(e["epoch"])
+    for e in sorted((e for entries in logs.values() for e in entries), key=lambda e: e.time):
+        losses.setdefault(e.step, e.loss)  # the first commit's, in time
+        first_commit.setdefault(e.step, e.time)
+        if not e.rolled_forward:
+            epochs.setdefault(e.step, set()).add(e.epoch)
     lost = sum(len(found) - 1 for found in epochs.values())
     times = sorted((t, i) for i, t in first_commit.items())
     return losses, times, lost
 
 
-def recoveries(faults: list[InjectedFault], events: list[dict], timings: dict[int, list[dict]],
-               logs: dict[str, list[dict]]) -> list[Recovery]:
+def recoveries(faults: list[InjectedFault], events: list[EpochEvent], timings: dict[int, list[EpochTiming]],
+               logs: dict[str, list[CommitEntry]]) -> list[Recovery]:
     """One entry per fault: the first reconfiguration the controller detected after it
     (simultaneous faults share one)."""
-    stepped = sorted((e["time"], e["epoch"]) for entries in logs.values() for e in entries
-                     if not e.get("rolled_forward"))
+    stepped = sorted((e.time, e.epoch) for entries in logs.values() for e in entries if not e.rolled_forward)
 
     def resumed_after(fault_time: float, epoch: int) -> float | None:
         """The first step committed after the fault in that epoch or a later one (the
@@ -189,28 +188,28 @@ def recoveries(faults: list[InjectedFault], events: list[dict], timings: dict[in
                     else "no reconfiguration followed")
             found.append(Recovery(fault.fault, fault.step, None, None, None, None, 0, None, note=note))
             continue
-        epoch = event["epoch"]
+        epoch = event.epoch
         worker_timings = timings.get(epoch, [])
-        transfers = [t["transfer_s"] - t["rendezvous_s"] for t in worker_timings
-                     if "transfer_s" in t and "rendezvous_s" in t]
+        transfers = [t.transfer_s - t.rendezvous_s for t in worker_timings
+                     if t.transfer_s is not None and t.rendezvous_s is not None]
         resumed = resumed_after(fault.time, epoch)
         # Measured by the receivers; a receiver that died in that epoch never reported,
         # and then the planner's count of the bytes its transfers carry stands in.
-        received = sum(int(t.get("bytes_received", 0)) for t in worker_timings)
-        moved = received if received or not event.get("transfers") else int(event.get("moved_bytes", 0))
-        rendezvous = [t["rendezvous_s"] - event["published_s"] for t in worker_timings if "rendezvous_s" in t]
-        first_steps = [t["first_step_s"] - t["transfer_s"] for t in worker_timings
-                       if "first_step_s" in t and "transfer_s" in t]
+        received = sum(t.bytes_received for t in worker_timings)
+        moved = received if received or not event.transfers else event.moved_bytes
+        rendezvous = [t.rendezvous_s - event.published_s for t in worker_timings if t.rendezvous_s is not None]
+        first_steps = [t.first_step_s - t.transfer_s for t in worker_timings
+                       if t.first_step_s is not None and t.transfer_s is not None]
         # A fault that struck while this reconfiguration was under way was not what it
         # detected: no detection time, and its plan time counts from the fault.
-        under_way = event["detected_s"] < fault.time
+        under_way = event.detected_s < fault.time
         found.append(Recovery(
-            fault.fault, fault.step, detect_s=None if under_way else event["detected_s"] - fault.time,
-            plan_s=event["published_s"] - max(event["detected_s"], fault.time),
+            fault.fault, fault.step, detect_s=None if under_way else event.detected_s - fault.time,
+            plan_s=event.published_s - max(event.detected_s, fault.time),
             transfer_s=max(transfers) if transfers else None,
             total_s=None if resumed is None else resumed - fault.time,
-            bytes_moved=moved, epoch=epoch, plan_shape=event.get("plan_shape"),
-            transfers=int(event.get("transfers", 0)),
+            bytes_moved=moved, epoch=epoch, plan_shape=list(event.plan_shape),
+            transfers=event.transfers,
             note=(f"{'arrived' if fault.fault.startswith('add-node') else 'struck'} while the "
                   f"reconfiguration to epoch {epoch} was under way; it took this in" if under_way else ""),
             rendezvous_s=max(rendezvous) if rendezvous else None,
@@ -218,7 +217,7 @@ def recoveries(faults: list[InjectedFault], events: list[dict], timings: dict[in
     return found
 
 
-def _handling_event(fault: InjectedFault, events: list[dict]) -> dict | None:
+def _handling_event(fault: InjectedFault, events: list[EpochEvent]) -> EpochEvent | None:
     """The reconfiguration that took `fault` in: the first one detected after it, or an
     earlier one, already under way when the fault struck (collecting statuses, say),
     that counted the fault's node among the failed before it published its plan. A node
@@ -227,33 +226,33 @@ def _handling_event(fault: InjectedFault, events: list[dict]) -> dict | None:
     spec = parse_fault(fault.fault)
     node = None if spec.node is None else f"node{spec.node}"
     joining = spec.kind == "add-node" and node is not None
-    ordered = sorted(events, key=lambda ev: ev["epoch"])
+    ordered = sorted(events, key=lambda ev: ev.epoch)
     # The one that names the node wins over any that merely came after the fault: under
     # random faults and trace replay a join handled in between would otherwise take the
     # credit (and a bogus detection time) for a kill.
     for ev in ordered:
-        listed = ev.get("joined" if joining else "failed", ())
-        if ev["published_s"] >= fault.time and node in {w.split(".")[0].split("~")[0] for w in listed}:
+        listed = ev.joined if joining else ev.failed
+        if ev.published_s >= fault.time and node in {w.split(".")[0].split("~")[0] for w in listed}:
             return ev
     if joining:
         return None
-    return next((ev for ev in ordered if ev["detected_s"] >= fault.time), None)
+    return next((ev for ev in ordered if ev.detected_s >= fault.time), None)
 
 
 def build_report(*, out_dir: Path, steps: int, outcome: str, faults: list[InjectedFault],
-                 events: list[dict], timings: dict[int, list[dict]], reference: dict,
+                 events: list[EpochEvent], timings: dict[int, list[EpochTiming]], reference: dict,
                  live_nodes: list[tuple[float, int]], wall_s: float) -> Report:
     logs = read_commits(out_dir)
     losses, times, lost = step_losses(logs)
     ref_losses = {int(k): v for k, v in reference["losses"].items()}
     # Every commit of a step counts, a step run again after a rollback too: it must
     # equal the reference as much as the first one did.
-    diffs = [abs(e["loss"] - ref_losses[e["iteration"]]) for entries in logs.values() for e in entries
-             if e["iteration"] in ref_losses]
+    diffs = [abs(e.loss - ref_losses[e.step]) for entries in logs.values() for e in entries
+             if e.step in ref_losses]
     evals = read_evals(out_dir)
     ref_val = {int(k): v for k, v in reference.get("val_losses", {}).items()}
-    val_diffs = [abs(e["val_loss"] - ref_val[e["iteration"]]) for entries in evals.values() for e in entries
-                 if e["iteration"] in ref_val]
+    val_diffs = [abs(e.val_loss - ref_val[e.step]) for entries in evals.values() for e in entries
+                 if e.step in ref_val]
     start = times[0][0] if times else 0.0
     last = times[-1][0] - start if times else 0.0
     own = own_step_s([t for t, _ in times], [f.time for f in faults]) if times else None
@@ -263,7 +262,7 @@ def build_report(*, out_dir: Path, steps: int, outcome: str, faults: list[Inject
         completed=outcome == "ok" and len(losses) == steps, outcome=outcome, steps=steps,
         steps_committed=len(losses), max_loss_diff=max(diffs) if diffs else None,
         committed_steps_lost=lost,
-        checkpoint_loads=sum(1 for ev in events if ev.get("restored") is not None),
+        checkpoint_loads=sum(1 for ev in events if ev.restored is not None),
         ettr=ettr, wall_s=wall_s, recoveries=recoveries(faults, events, timings, logs),
         reference_step_s=reference.get("step_s"), own_step_s=own, ettr_own_steps=ettr_own,
         losses=losses, reference_losses=ref_losses,
@@ -300,16 +299,16 @@ def ettr_against(steps: int, last_commit_s: float, step_s: float) -> float:
     return min(1.0, steps * step_s / (last_commit_s + step_s))
 
 
-def training_nodes(logs: dict[str, list[dict]], start: float) -> list[tuple[float, int]]:
+def training_nodes(logs: dict[str, list[CommitEntry]], start: float) -> list[tuple[float, int]]:
     """Per epoch, in order: (its first commit, since `start`; the nodes that committed in it)."""
     first: dict[int, float] = {}
     nodes: dict[int, set[str]] = {}
     for worker, entries in logs.items():
         for e in entries:
-            if e.get("rolled_forward"):
+            if e.rolled_forward:
                 continue
-            first[e["epoch"]] = min(first.get(e["epoch"], e["time"]), e["time"])
-            nodes.setdefault(e["epoch"], set()).add(worker.rsplit(".", 1)[0])
+            first[e.epoch] = min(first.get(e.epoch, e.time), e.time)
+            nodes.setdefault(e.epoch, set()).add(worker.rsplit(".", 1)[0])
     return [(first[e] - start, len(nodes[e])) for e in sorted(first, key=first.get)]
 
 
@@ -358,18 +357,17 @@ def _fmt(value, unit: str = "") -> str:
     return f"{value}{unit}"
 
 
-def format_epoch_event(event: dict) -> str:
-    """One line for a reconfiguration the leader published (`epoch/<e>/event`)."""
+def format_epoch_event(event: EpochEvent) -> str:
+    """One line for a reconfiguration the leader published (`keys.epoch_event`)."""
     who = "; ".join(part for part in (
-        f"failed {', '.join(event['failed'])}" if event.get("failed") else "",
-        f"joined {', '.join(event['joined'])}" if event.get("joined") else "") if part)
-    moved, count = event.get("moved_bytes") or 0, event.get("transfers", 0)
-    copies = f"{count} layer cop{'y' if count == 1 else 'ies'} ({moved / 2**20:.2f} MiB)"
-    restored = event.get("restored")
-    source = copies if restored is None else f"back to the checkpoint of step {restored}"
-    return (f"  [cyan]epoch {event['epoch']}[/]: {event['reason']} ({who or '-'}) -> pipelines of "
-            f"{event.get('plan_shape')} stages from step {event.get('first_iteration')}, {source}, "
-            f"published {event['published_s'] - event['detected_s']:.2f} s after detection")
+        f"failed {', '.join(event.failed)}" if event.failed else "",
+        f"joined {', '.join(event.joined)}" if event.joined else "") if part)
+    count = event.transfers
+    copies = f"{count} layer cop{'y' if count == 1 else 'ies'} ({event.moved_bytes / 2**20:.2f} MiB)"
+    source = copies if event.restored is None else f"back to the checkpoint of step {event.restored}"
+    return (f"  [cyan]epoch {event.epoch}[/]: {event.reason} ({who or '-'}) -> pipelines of "
+            f"{list(event.plan_shape)} stages from step {event.first_iteration}, {source}, "
+            f"published {event.published_s - event.detected_s:.2f} s after detection")
 
 
 def recovery_table(recoveries: list[Recovery]):

@@ -1,5 +1,5 @@
 """One agent per node: membership under an etcd lease, the node's workers, and, on the
-agent that holds the leadership, the controller (DESIGN §7-8).
+agent that holds the leadership, the controller (docs/control_plane.md).
 
     python -m planaria.elastic.agent --node NAME --nproc-per-node G --etcd HOST:PORT \\
         --run-id JOB --nnodes MIN [--lease-ttl S] -- CONFIG.yaml [section.key=value ...]
@@ -67,8 +67,11 @@ from planaria.elastic.controller import CheckpointPolicy, Controller, StepDown
 from planaria.elastic.etcd_client import EtcdClient, EtcdSettings, EtcdUnavailable
 from planaria.elastic.etcd_kv import EtcdKeyValue
 from planaria.runtime.config import ConfigError, load_config, status_timeout_s
-from planaria.runtime.coordination import Worker, worker_key
-from planaria.runtime.heartbeat import ENV as HEARTBEAT_ENV, silent_for
+from planaria.runtime.contract import env as worker_env, keys
+from planaria.runtime.contract.heartbeat import silent_for
+from planaria.runtime.contract.keys import parse_worker_key, worker_key
+from planaria.runtime.contract.membership import JobSpec, NodeRegistration
+from planaria.templates.plan import Worker
 from planaria.runtime.planning import build_planner, cost_model
 
 POLL_S = 0.1
@@ -76,9 +79,6 @@ DEFAULT_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
 """torchrun's --signals-to-handle."""
 
 
-def _worker_of(key: str) -> Worker:
-    node, _, local = key.rpartition(".")
-    return node, int(local)
 
 
 class NodeNameTaken(RuntimeError):
@@ -97,7 +97,7 @@ class Agent:
         self.settings = settings
         self.client = EtcdClient(settings, on_outage=self.log)
         self.outage_limit_s = outage_limit_s
-        self.prefix = f"/planaria/{run_id}/"
+        self.prefix = keys.run_prefix(run_id)
         self.store = EtcdKeyValue(self.client, self.prefix)
         self.store_url = f"etcd://{settings.endpoint}{self.prefix.rstrip('/')}"
         self.config, self.overrides = config, overrides
@@ -172,8 +172,8 @@ class Agent:
             return self._leave()
         self._serve_kill_requests()
         self._lead()
-        if self.store.check(["done"]) and not self._running():
-            outcome = self.store.get("done").decode()
+        if self.store.check([keys.DONE]) and not self._running():
+            outcome = self.store.get(keys.DONE).decode()
             self.log(f"job ended: {outcome}")
             return 0 if outcome == "ok" else 1
         return None
@@ -197,8 +197,8 @@ class Agent:
     def _check_job_config(self) -> str | None:
         """One run id, one job: the first agent records its config; a later agent with a
         different one is refused (naming both), so two jobs never mix their workers."""
-        mine = json.dumps({"config": self.config, "overrides": self.overrides}, sort_keys=True)
-        key = self.prefix + "config"
+        mine = JobSpec(self.config, tuple(self.overrides)).to_json()
+        key = self.prefix + keys.JOB
         if self.client.put_if_absent(key, mine.encode()):
             return None
         theirs = (self.client.get(key)[0] or b"").decode()
@@ -210,7 +210,7 @@ class Agent:
     def _check_not_ended(self) -> str | None:
         """A run id whose job has ended is not run again: its agents would see the old
         outcome and exit at once, as if this job had run."""
-        outcome = self.client.get(self.prefix + "done")[0]
+        outcome = self.client.get(self.prefix + keys.DONE)[0]
         if outcome is None:
             return None
         return (f"refused: run id {self.run_id!r} already ran and ended ({outcome.decode()}); use another "
@@ -226,8 +226,8 @@ class Agent:
         then refused (`NodeNameTaken`)."""
         self._lease_lost.clear()
         self.lease = self.client.lease(self.lease_ttl_s)
-        key = self.prefix + f"nodes/{self.node}"
-        mine = json.dumps({"gpus": self.nproc, "agent": self.agent_id}).encode()
+        key = self.prefix + keys.node_registration(self.node)
+        mine = NodeRegistration(self.nproc, self.agent_id).to_json().encode()
         deadline = time.monotonic() + 1.5 * self.lease_ttl_s + 1
         while not self.client.put_if_absent(key, mine, lease=self.lease):
             if self.client.get(key)[0] == mine:
@@ -239,7 +239,7 @@ class Agent:
             if not self.client.refresh(self.lease):  # kept alive while waiting: nobody else does yet
                 self.lease = self.client.lease(self.lease_ttl_s)
         for worker in self._running():
-            self.client.put(self.prefix + f"alive/{worker_key(worker)}", b"1", lease=self.lease)
+            self.client.put(self.prefix + keys.alive(worker), b"1", lease=self.lease)
 
     def _keep_alive(self) -> None:
         while not self._stop.wait(self.lease_ttl_s / 3):
@@ -285,15 +285,14 @@ class Agent:
         error_file.parent.mkdir(parents=True, exist_ok=True)
         error_file.unlink(missing_ok=True)
         self._heartbeat_file(worker).unlink(missing_ok=True)
-        env = dict(os.environ, PLANARIA_STORE=self.store_url, PLANARIA_NODE=worker[0],
-                   PLANARIA_LOCAL_RANK=str(worker[1]), PYTHONUNBUFFERED="1",
-                   PLANARIA_DIE_WITH_AGENT="1", TORCHELASTIC_RUN_ID=self.run_id,
+        env = dict(os.environ, **worker_env.for_worker(self.store_url, worker), PYTHONUNBUFFERED="1",
+                   **{worker_env.DIE_WITH_AGENT: "1"}, TORCHELASTIC_RUN_ID=self.run_id,
                    TORCHELASTIC_RESTART_COUNT=str(self.restarts),
                    TORCHELASTIC_MAX_RESTARTS=str(self.max_restarts),
                    TORCHELASTIC_ERROR_FILE=str(error_file), **self.settings.to_env(),
-                   **{HEARTBEAT_ENV: str(self._heartbeat_file(worker))})
+                   **{worker_env.HEARTBEAT_FILE: str(self._heartbeat_file(worker))})
         if self.restarts:  # an injected fault fires in the first incarnation only
-            env.pop("PLANARIA_FAULTS", None)
+            env.pop(worker_env.FAULTS, None)
         env.setdefault("OMP_NUM_THREADS", "1")
         out = None  # inherit: the worker's lines (prefixed with its name) in the agent's output
         if self.log_dir is not None:
@@ -301,7 +300,7 @@ class Agent:
         self.workers[worker] = subprocess.Popen(
             [sys.executable, "-m", "planaria.train", self.config, *self.overrides],
             stdout=out, stderr=subprocess.STDOUT if out else None, env=env)
-        self.client.put(self.prefix + f"alive/{worker_key(worker)}", b"1", lease=self.lease)
+        self.client.put(self.prefix + keys.alive(worker), b"1", lease=self.lease)
 
     def _running(self) -> list[Worker]:
         return [w for w, p in self.workers.items() if p.poll() is None]
@@ -332,13 +331,13 @@ class Agent:
                 # Counted from the process, not from its key: a key that went with an
                 # expired lease (etcd away) would hide the exit, and the node would
                 # neither leave nor restart.
-                ended = self.store.check(["done"])  # etcd away: asked again next tick
+                ended = self.store.check([keys.DONE])  # etcd away: asked again next tick
                 self._exited.add(worker)
                 if not ended:
                     self.log(f"worker {worker_key(worker)} exited with code {proc.returncode}"
                              f"{self._reported_error(worker)}")
                     exited = True
-            key = self.prefix + f"alive/{worker_key(worker)}"
+            key = self.prefix + keys.alive(worker)
             if self.client.get(key)[0] is not None:
                 self.client.delete(key)
         return exited
@@ -407,8 +406,8 @@ class Agent:
         """Campaign for `leader` (a create-if-absent under this agent's lease), or check
         that this agent still holds it: a lease that expired while etcd was away may
         have handed it to another agent."""
-        won = self.client.put_if_absent(self.prefix + "leader", self.node.encode(), lease=self.lease)
-        holder = self.node.encode() if won else self.client.get(self.prefix + "leader")[0]
+        won = self.client.put_if_absent(self.prefix + keys.LEADER, self.node.encode(), lease=self.lease)
+        holder = self.node.encode() if won else self.client.get(self.prefix + keys.LEADER)[0]
         if holder != self.node.encode():
             if self.controller is not None:
                 self.log(f"{holder.decode() if holder else 'nobody'} leads the job now; following")
@@ -445,7 +444,7 @@ class Agent:
                                          self.cfg.checkpoint.keep))
 
     def _alive_now(self) -> set[Worker]:
-        return {_worker_of(key) for key in self.client.keys_with_prefix(self.prefix + "alive/")}
+        return {parse_worker_key(key) for key in self.client.keys_with_prefix(self.prefix + keys.ALIVE)}
 
     def _kill(self, worker: Worker) -> None:
         self.store.set(f"kill/{worker_key(worker)}", "1")

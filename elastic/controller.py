@@ -1,10 +1,10 @@
-"""The control plane's decisions: epochs, plans, and the exactly-once rule (DESIGN §7).
+"""The control plane's decisions: epochs, plans, and the exactly-once rule (docs/recovery.md).
 
 The controller is the leader's brain, apart from how it learns who is alive: a caller
-(the local harness here; the etcd agent and leader next) calls `poll(alive, kill)` with
-a function that returns the workers whose processes are alive now, and the controller
-reads and writes the job's store
-(keys in `planaria.runtime.coordination`). On a change it runs the reconfiguration:
+(the local launcher, or the etcd agent that leads) calls `poll(alive, kill)` with a
+function that returns the workers whose processes are alive now, and the controller
+reads and writes the job's store (keys in `planaria.runtime.contract.keys`, records in
+`planaria.runtime.contract`). On a change it runs the reconfiguration:
 
 1. Detect: a worker of the current plan is gone, a worker reported that its epoch
    failed (a collective error or timeout), or a new worker is alive (it joins: the
@@ -23,17 +23,20 @@ entered ends the same way, and its statuses say what each worker holds.
 """
 from __future__ import annotations
 
-import json
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
-from planaria.runtime.checkpoint_files import (complete_checkpoints, missing_shards, prune, read_manifest,
-                                               step_dir, write_manifest)
-from planaria.runtime.coordination import EpochRecord, ReachableDeadline, Worker, worker_key
-from planaria.runtime.exactly_once import CommitRecord, InconsistentStatuses, Resolution, WorkerStatus, resolve
-from planaria.templates.plan import Plan, missing_from, transfers_from
+from planaria.runtime.contract import keys
+from planaria.runtime.contract.checkpoint_layout import (complete_checkpoints, missing_shards, prune,
+                                                         read_checkpoint_manifest, step_dir, write_manifest)
+from planaria.runtime.contract.deadline import ReachableDeadline
+from planaria.runtime.contract.epochs import EpochEvent, EpochRecord
+from planaria.runtime.contract.exactly_once import (CommitRecord, InconsistentStatuses, Resolution, WorkerStatus,
+                                                    resolve)
+from planaria.runtime.contract.keys import worker_key
+from planaria.templates.plan import Plan, Worker, missing_from, transfers_from
 from planaria.templates.planner import Planner
 
 if TYPE_CHECKING:
@@ -68,27 +71,6 @@ class CheckpointPolicy:
     directory: Path
     every: int
     keep: int = 2
-
-
-@dataclass
-class EpochEvent:
-    """What happened at one reconfiguration, for reports and benchmarks."""
-
-    epoch: int
-    reason: str
-    detected_s: float
-    statuses_s: float = 0.0
-    planned_s: float = 0.0
-    published_s: float = 0.0
-    failed: list[str] = field(default_factory=list)
-    joined: list[str] = field(default_factory=list)
-    first_iteration: int = 0
-    rolled_forward: int | None = None
-    transfers: int = 0
-    restored: int | None = None
-    """The checkpoint's iteration, when the job went back to one."""
-    moved_bytes: int = 0
-    plan_shape: list[int] = field(default_factory=list)
 
 
 class Controller:
@@ -139,10 +121,10 @@ class Controller:
             self._publish(EpochRecord(plan))
             return plan
         iteration, path = found[-1]
-        manifest = read_manifest(path)
-        if (manifest["num_layers"], manifest["tp"]) != (plan.num_layers, plan.tp):
-            self._end(f"failed: the checkpoint {path} is of a model of {manifest['num_layers']} layers "
-                      f"at tp={manifest['tp']}, this job's has {plan.num_layers} at tp={plan.tp}; "
+        manifest = read_checkpoint_manifest(path)
+        if (manifest.num_layers, manifest.tp) != (plan.num_layers, plan.tp):
+            self._end(f"{keys.JOB_FAILED}the checkpoint {path} is of a model of {manifest.num_layers} layers "
+                      f"at tp={manifest.tp}, this job's has {plan.num_layers} at tp={plan.tp}; "
                       "give this job its own checkpoint.dir (or output.dir)")
             self.log(f"controller: {self.outcome}")
             return plan
@@ -156,8 +138,8 @@ class Controller:
         """Take over a running job (a new leader): the newest published epoch and its plan
         from the store. False when no epoch was published yet; `StaleLeader` when another
         leader moved the job on meanwhile."""
-        epoch = int(self.store.get("epoch")) if self.store.check(["epoch"]) else -1
-        if self.store.check([f"epoch/{epoch + 1}/record"]):
+        epoch = int(self.store.get(keys.EPOCH)) if self.store.check([keys.EPOCH]) else -1
+        if self.store.check([keys.epoch_record(epoch + 1)]):
             # The last leader wrote the next epoch's record and died before moving `epoch`
             # to it: finish its publication (the record is whole: one key, one write).
             self.log(f"controller: epoch {epoch + 1} was written but not published; publishing it")
@@ -165,12 +147,12 @@ class Controller:
             epoch += 1
         if epoch < 0:
             return False
-        record = EpochRecord.from_json(self.store.get(f"epoch/{epoch}/record").decode())
+        record = EpochRecord.from_json(self.store.get(keys.epoch_record(epoch)))
         self.epoch, self.plan = epoch, record.plan
         # Checkpoints an earlier leader completed (and pruned): not to be completed again.
         self.completed_checkpoints = [i for i, _ in self._checkpoint_list()]
-        if self.store.check(["done"]):
-            self.outcome = self.store.get("done").decode()
+        if self.store.check([keys.DONE]):
+            self.outcome = self.store.get(keys.DONE).decode()
         self.log(f"controller: resumed at epoch {epoch}")
         return True
 
@@ -179,14 +161,14 @@ class Controller:
         """Look at the job once: "running", "finished", or "failed" (see `outcome`).
         `alive_now()`: the workers alive at this moment (asked again while waiting)."""
         if self.outcome is not None:
-            return "finished" if self.outcome == "ok" else "failed"
+            return "finished" if self.outcome == keys.JOB_OK else "failed"
         self._complete_checkpoints()
         alive = alive_now() - self._killed
         members = set(self.plan.rank_of_worker())
         gone = members - alive
         statuses = self._statuses(members)
         if len(statuses) == len(members) and all(s.finished for s in statuses.values()):
-            self._end("ok")
+            self._end(keys.JOB_OK)
             return "finished"
         joiners = set(self._whole_nodes(alive - members)) - self._unusable
         failed_report = any(not s.finished for s in statuses.values())
@@ -204,25 +186,23 @@ class Controller:
                 self._reconfigure(alive_now, kill, reason)
             except JobFailed as err:
                 self.log(f"controller: the job cannot go on: {err}")
-                self._end(f"failed: {err}")
+                self._end(f"{keys.JOB_FAILED}{err}")
                 return "failed"
         return "running"
 
     # ------------------------------------------------------- reconfigure
     def _reconfigure(self, alive_now: Callable[[], set[Worker]], kill: Callable[[Worker], None],
                      reason: str) -> None:
-        event = EpochEvent(epoch=self.epoch + 1, reason=reason, detected_s=time.time())
+        detected = time.time()
         members = set(self.plan.rank_of_worker())
         # Stop everyone at the next iteration boundary (a join: nobody failed), and abandon
         # the epoch's rendezvous if it is still going on (a peer died before joining it).
-        self.store.set(f"epoch/{self.epoch}/reconfigure", reason)
+        self.store.set(keys.epoch_reconfigure(self.epoch), reason)
         time.sleep(self.debounce_s)
         statuses = self._collect_statuses(members, alive_now, kill)
-        event.statuses_s = time.time()
-        event.failed = sorted(worker_key(w) for w in members - set(statuses))
+        statuses_s = time.time()
         survivors = set(statuses)
         joiners = alive_now() - members - self._killed
-        event.joined = sorted(worker_key(w) for w in joiners)
         if not statuses:
             raise JobFailed("every worker of the job failed before reporting a status; see the "
                             "workers' logs, then restart the job (from its last checkpoint)")
@@ -243,25 +223,23 @@ class Controller:
                             f"n0={self.planner.n0}; add nodes and restart from the last checkpoint")
         choice, transfers, restore, first = self._plan_or_leave_out_joiners(nodes, stateful, first)
         plan = choice.plan
-        event.joined = sorted(worker_key(w) for w in joiners if w[0] in plan.nodes())
-        if restore is not None:
-            resolution = None  # everyone loads the checkpoint: nothing to roll forward
-        event.planned_s = time.time()
-        event.first_iteration = first
-        roll = None if resolution is None else resolution.roll_forward
-        event.rolled_forward = None if roll is None else roll.iteration
-        event.restored = None if restore is None else first - 1
-        event.transfers = len(transfers)
-        event.moved_bytes = choice.moved_bytes
-        event.plan_shape = [len(p.stages) for p in plan.pipelines]
+        roll = None if restore is not None else resolution.roll_forward  # a restore loads everything
+        planned_s = time.time()
         self._publish(EpochRecord(plan, roll_forward=roll, transfers=tuple(transfers),
                                   restore=None if restore is None else str(restore)))
-        event.published_s = time.time()
+        event = EpochEvent(
+            epoch=plan.epoch, reason=reason, detected_s=detected, statuses_s=statuses_s,
+            planned_s=planned_s, published_s=time.time(),
+            failed=tuple(sorted(worker_key(w) for w in members - survivors)),
+            joined=tuple(sorted(worker_key(w) for w in joiners if w[0] in plan.nodes())),
+            first_iteration=first, rolled_forward=None if roll is None else roll.iteration,
+            transfers=len(transfers), restored=None if restore is None else first - 1,
+            moved_bytes=choice.moved_bytes, plan_shape=tuple(len(p.stages) for p in plan.pipelines))
         self.events.append(event)
         # For reports (the chaos harness reads them from the store, wherever the leader ran).
-        self.store.set(f"epoch/{plan.epoch}/event", json.dumps(asdict(event)))
-        self.log(f"controller: epoch {plan.epoch} ({reason}; failed {event.failed or '-'}, joined "
-                 f"{event.joined or '-'}): pipelines of {event.plan_shape} stages from iteration "
+        self.store.set(keys.epoch_event(plan.epoch), event.to_json())
+        self.log(f"controller: epoch {plan.epoch} ({reason}; failed {list(event.failed) or '-'}, joined "
+                 f"{list(event.joined) or '-'}): pipelines of {list(event.plan_shape)} stages from iteration "
                  f"{first}{f', rolling forward {event.rolled_forward}' if event.rolled_forward is not None else ''}"
                  f"{f', restored from the checkpoint of {event.restored}' if restore else ''}"
                  f", {len(transfers)} layer transfers")
@@ -315,7 +293,7 @@ class Controller:
         self.log(f"controller: layer shards {missing} lost every replica; going back to the "
                  f"checkpoint of iteration {iteration} ({first - 1 - iteration} step(s) of work lost)")
         for k in range(iteration + 1, first + self.checkpoints.every):  # they will be rewritten
-            self.store.delete_key(f"checkpoint/{k}/shards")
+            self.store.delete_key(keys.checkpoint_shards(k))
         prune(self.checkpoints.directory, self.checkpoints.keep, after=iteration)
         self.completed_checkpoints = [k for k in self.completed_checkpoints if k <= iteration]
         return path, iteration + 1
@@ -338,7 +316,7 @@ class Controller:
         total = self.plan.num_layers * self.plan.tp
         newest = self.completed_checkpoints[-1] if self.completed_checkpoints else -1
         for k in range(newest + policy.every, self.total_steps, policy.every):
-            key = f"checkpoint/{k}/shards"
+            key = keys.checkpoint_shards(k)
             reported = self.store.check([key]) and self.store.add(key, 0) >= total
             if reported and not step_dir(policy.directory, k).is_dir():  # completed and pruned already
                 self.completed_checkpoints.append(k)
@@ -349,7 +327,7 @@ class Controller:
                 if k < self.plan.first_iteration:
                     continue  # abandoned (or its last shards still being written: asked again)
                 break
-            commit = CommitRecord(**json.loads(self.store.get(f"checkpoint/{k}/commit")))
+            commit = CommitRecord.from_json(self.store.get(keys.checkpoint_commit(k)))
             write_manifest(policy.directory, commit, self.plan.num_layers, self.plan.tp)
             self.completed_checkpoints.append(k)
             prune(policy.directory, policy.keep)
@@ -377,9 +355,8 @@ class Controller:
         return statuses
 
     def _statuses(self, workers: set[Worker]) -> dict[Worker, WorkerStatus]:
-        keys = {w: f"epoch/{self.epoch}/status/{worker_key(w)}" for w in workers}
-        return {w: WorkerStatus.from_json(self.store.get(k).decode())
-                for w, k in keys.items() if self.store.check([k])}
+        wanted = {w: keys.epoch_status(self.epoch, w) for w in workers}
+        return {w: WorkerStatus.from_json(self.store.get(k)) for w, k in wanted.items() if self.store.check([k])}
 
     def _check_progress(self, first_iteration: int, nodes: list[str]) -> None:
         """Fail the job after `max_stalled` reconfigurations in a row that made no progress
@@ -396,7 +373,7 @@ class Controller:
                             f"committed step (stuck at iteration {first_iteration}); see the workers' logs")
 
     def _epoch_trained(self) -> bool:
-        return bool(self.store.check([f"epoch/{self.epoch}/trained"]))
+        return bool(self.store.check([keys.epoch_trained(self.epoch)]))
 
     def _whole_nodes(self, workers: set[Worker]) -> list[str]:
         """Nodes all of whose workers are in `workers` (a stage needs the whole node)."""
@@ -413,7 +390,7 @@ class Controller:
         without knowing it can thus neither overwrite its successor's record nor move
         the job to an epoch of its own; it steps down (`StaleLeader`)."""
         epoch, text = record.plan.epoch, record.to_json()
-        written = _text(self.store.compare_set(f"epoch/{epoch}/record", "", text))
+        written = _text(self.store.compare_set(keys.epoch_record(epoch), "", text))
         if written != text:
             raise StaleLeader(f"epoch {epoch} was published by another leader; this one steps down")
         self._advance(self.epoch, epoch)
@@ -422,7 +399,7 @@ class Controller:
     def _advance(self, known: int, epoch: int) -> None:
         """Move the job's `epoch` from `known` (-1: none yet) to `epoch`, or step down."""
         expected = "" if known < 0 else str(known)
-        now = _text(self.store.compare_set("epoch", expected, str(epoch)))
+        now = _text(self.store.compare_set(keys.EPOCH, expected, str(epoch)))
         if now != str(epoch):
             raise StaleLeader(f"the job's epoch is {now!r}, not {expected!r} as this controller "
                               f"believed; another leader took over, so this one steps down")
@@ -430,4 +407,4 @@ class Controller:
 
     def _end(self, outcome: str) -> None:
         self.outcome = outcome
-        self.store.set("done", outcome)
+        self.store.set(keys.DONE, outcome)

@@ -27,6 +27,8 @@ from typing import Callable
 
 from tenacity import Retrying, retry_if_exception, stop_after_delay, wait_exponential
 
+from planaria.runtime.contract import env
+
 _OUTAGE_REPORT_S = 1.0
 """An error that lasts this long is an outage worth a line (a blip is not)."""
 _GRPC_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 200), ("grpc.min_reconnect_backoff_ms", 200),
@@ -72,9 +74,8 @@ class EtcdSettings:
         if (self.user is None) != (self.password is None):
             raise ValueError("etcd authentication needs both user and password, or neither")
 
-    _ENV = {"ca_cert": "PLANARIA_ETCD_CA_CERT", "cert_cert": "PLANARIA_ETCD_CERT",
-            "cert_key": "PLANARIA_ETCD_KEY", "user": "PLANARIA_ETCD_USER",
-            "password": "PLANARIA_ETCD_PASSWORD"}
+    _ENV = {"ca_cert": env.ETCD_CA_CERT, "cert_cert": env.ETCD_CERT, "cert_key": env.ETCD_KEY,
+            "user": env.ETCD_USER, "password": env.ETCD_PASSWORD}
 
     def to_env(self) -> dict[str, str]:
         """TLS and credentials as environment variables, for `from_env`."""

@@ -28,7 +28,9 @@ from planaria.elastic.etcd_server import EmbeddedEtcd, EmbeddedEtcdCluster
 from planaria.elastic.etcd_store import EtcdStore
 from planaria.runtime.config import load_config
 from planaria.runtime.config import status_timeout_s as default_status_timeout
-from planaria.runtime.coordination import Worker, worker_key
+from planaria.runtime.contract import env as worker_env
+from planaria.runtime.contract.keys import run_prefix, worker_key
+from planaria.templates.plan import Worker
 from planaria.runtime.planning import build_planner, cost_model
 
 
@@ -60,7 +62,7 @@ class LocalJob:
         if store == "etcd":
             self.etcd = (EmbeddedEtcd(log=self.out_dir / "logs" / "etcd.log") if etcd_members == 1
                          else EmbeddedEtcdCluster(etcd_members, log_dir=self.out_dir / "logs")).start()
-            prefix = f"/planaria/{run_id}"
+            prefix = run_prefix(run_id).rstrip("/")
             self.store = EtcdStore(EtcdClient(EtcdSettings(endpoint=self.etcd.endpoint)), prefix)
             self.store_url = f"etcd://{self.etcd.endpoint}{prefix}"
         elif store == "tcp":
@@ -107,9 +109,8 @@ class LocalJob:
 
     def _spawn(self, worker: Worker, faults: str) -> None:
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
-                   PLANARIA_STORE=self.store_url, PLANARIA_NODE=worker[0],
-                   PLANARIA_LOCAL_RANK=str(worker[1]), PLANARIA_FAULTS=faults,
-                   PLANARIA_CORRUPT=self.corrupt)
+                   **worker_env.for_worker(self.store_url, worker, **{worker_env.FAULTS: faults,
+                                                                       worker_env.CORRUPT: self.corrupt}))
         log = open(self.out_dir / "logs" / f"{worker_key(worker)}.log", "a", encoding="utf-8")
         self._log_files.append(log)
         self.processes[worker] = subprocess.Popen(

@@ -17,7 +17,7 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
-from planaria.runtime.checkpoint_files import (MANIFEST, atomic_write, atomic_write_bytes, read_manifest,
+from planaria.runtime.contract.checkpoint_layout import (MANIFEST, atomic_write, atomic_write_bytes, read_manifest,
                                                read_model_record, shard_filename, write_model_record)
 from planaria.runtime.config import ConfigError, ModelConfig
 from planaria.runtime.model import LayerModel

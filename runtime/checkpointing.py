@@ -1,4 +1,4 @@
-"""Periodic training checkpoints: the fallback when a layer loses every replica (DESIGN §6).
+"""Periodic training checkpoints: the fallback when a layer loses every replica (docs/recovery.md).
 
 Layout: CHECKPOINT_DIR/step-<iteration>/layer<L>-tp<T>.pt, one file per (layer, tp rank)
 holding the shard's parameters and AdamW state after that iteration's step, written by
@@ -11,7 +11,7 @@ copied to CPU memory (cheap), and a thread writes the files (temporary name, the
 rename) while training goes on. When a worker's files of a checkpoint are on disk, the
 thread adds their count to `checkpoint/<iteration>/shards` in the job's store; the control
 plane writes the manifest when the count reaches the number of shards, and prunes old
-checkpoints (`planaria.runtime.checkpoint_files`). Loading uses
+checkpoints (`planaria.runtime.contract.checkpoint_layout`). Loading uses
 `torch.load(weights_only=True)`: tensors only, no arbitrary pickle.
 """
 from __future__ import annotations
@@ -25,9 +25,9 @@ import torch
 import torch.distributed as dist
 
 from planaria.runtime.checkpoint import _atomic_torch_save, read_shard_file
-from planaria.runtime.checkpoint_files import (prune, shard_filename, step_dir, write_manifest,
+from planaria.runtime.contract.checkpoint_layout import (prune, shard_filename, step_dir, write_manifest,
                                                write_model_record)
-from planaria.runtime.exactly_once import CommitRecord
+from planaria.runtime.contract.exactly_once import CommitRecord
 from planaria.runtime.optim import empty_adam_state
 
 if TYPE_CHECKING:

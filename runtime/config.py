@@ -612,34 +612,10 @@ def _check_schedules(plan: Plan) -> None:
             raise ConfigError(f"pipeline {i}: {err}") from None
 
 
-def describe(cfg: Config, plan: Plan) -> str:
-    """The job's start-up line. (It asks the kernels' dispatcher, which imports torch:
-    only the processes that compute print it.)"""
-    from planaria.kernels import describe as describe_kernels
-
-    params = _parameter_count(cfg.model)
-    kv = f" ({cfg.model.kv_heads} key/value)" if cfg.model.kv_heads != cfg.model.n_heads else ""
-    return (f"model: {cfg.model.n_layers} blocks, d_model {cfg.model.d_model}, "
-            f"{cfg.model.n_heads} heads{kv}, vocab {cfg.model.vocab_size}, {params / 1e6:.2f}M parameters | "
-            f"plan: {len(plan.pipelines)} pipeline(s), stages "
-            f"{[len(pl.stages) for pl in plan.pipelines]}, microbatches "
-            f"{[pl.num_microbatches for pl in plan.pipelines]}, tp {plan.tp}, "
-            f"schedule {plan.schedule} (v={plan.virtual_stages}) | kernels: {describe_kernels(cfg.model.kernels)}"
-            + (", fused head and loss" if cfg.model.fused_head_loss else ""))
-
-
-def _parameter_count(m: ModelConfig) -> int:
+def parameter_count(m: ModelConfig) -> int:
+    """The model's parameters, a tied weight once."""
     tied = m.vocab_size * m.d_model if m.tie_embeddings else 0  # a tied weight counts once
     return model_shape(m).parameters - tied
-
-
-def torch_dtypes(name: str):
-    """(parameter dtype, autocast dtype or None) for train.dtype."""
-    import torch
-
-    if name == "bfloat16":
-        return torch.float32, torch.bfloat16  # fp32 master weights, bf16 compute
-    return getattr(torch, name), None
 
 
 def model_shape(model: ModelConfig) -> ModelShape:

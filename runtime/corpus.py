@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-from planaria.runtime.checkpoint_files import atomic_write_bytes
+from planaria.runtime.contract.checkpoint_layout import atomic_write_bytes
 from planaria.runtime.shards import TOKENIZER_FILE
 
 __all__ = ["PrepareError", "Unit", "discover", "documents", "load_tokenizer", "find_eos", "train_bpe",

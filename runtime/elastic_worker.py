@@ -1,4 +1,4 @@
-"""A training worker that survives the failure of others: the epoch loop (DESIGN §6-7).
+"""A training worker that survives the failure of others: the epoch loop (docs/recovery.md).
 
 `python -m planaria.train CONFIG [overrides]` runs this loop when its environment names
 a control plane (`PLANARIA_STORE=host:port` of a TCPStore or `etcd://host:port/prefix`,
@@ -19,20 +19,20 @@ as `planaria.elastic`'s launchers and the tests' harness start workers. Per epoc
 A collective that fails (a peer's sockets closed: gloo reports it within about a
 second) or times out (`parallel.timeout_s`) ends the epoch on this worker: it tears
 its process groups down at once, which closes its own sockets so that peers blocked on
-it fail too, then publishes its status (`planaria.runtime.exactly_once`) and goes back
+it fail too, then publishes its status (`planaria.runtime.contract.exactly_once`) and goes back
 to 1. Every committed step is appended to OUTPUT_DIR/commits-<node>.<local>.jsonl
-(`planaria.runtime.worker_logs` names the logs).
+(`planaria.runtime.contract.logs` holds the logs' records).
 """
 from __future__ import annotations
 
 import gc
-import json
 import logging
 import sys
 import threading
 from dataclasses import asdict
 import os
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -42,18 +42,20 @@ from rich.markup import escape
 
 from planaria.runtime.checkpoint import save_model_shards
 from planaria.runtime.checkpointing import AsyncCheckpointer
-from planaria.runtime.config import Config, torch_dtypes
-from planaria.runtime.coordination import EpochRecord, JobEnded, StoreCoordinator, connect_store
+from planaria.runtime.build import build_engine
+from planaria.runtime.config import Config
+from planaria.runtime.contract import env
+from planaria.runtime.contract.epochs import EpochRecord, EpochTiming
+from planaria.runtime.contract.logs import AuditEntry, CommitEntry, EvalEntry, append
+from planaria.runtime.coordination import JobEnded, StoreCoordinator, connect_store
 from planaria.runtime.data import dataset_for
 from planaria.runtime.engine import Engine, StepResult, TornStep
 from planaria.runtime.audit import audit_replicas
 from planaria.runtime.faults import FaultInjector, corruption_after_step, flip_a_bit
 from planaria.runtime.groups import forget_failed_world, set_operation_timeout
-from planaria.runtime.heartbeat import start_beating
-from planaria.runtime.model import LayerModel
-from planaria.runtime.worker_logs import COMMITS, EVALS, log_path
+from planaria.runtime.contract.heartbeat import start_beating
+from planaria.runtime.contract.logs import AUDIT, COMMITS, EVALS, log_path
 
-ENV_STORE, ENV_NODE, ENV_LOCAL_RANK = "PLANARIA_STORE", "PLANARIA_NODE", "PLANARIA_LOCAL_RANK"
 EXIT_TORN_STEP = 3
 """A worker's exit code when its optimizer step failed part-way (`TornStep`)."""
 
@@ -85,31 +87,22 @@ class _StopWatcher(threading.Thread):
 def elastic_environment() -> tuple[str, str, int] | None:
     """(store address, node, local rank) when this process was started by a Planaria
     control plane, else None."""
-    if ENV_STORE not in os.environ:
-        return None
-    missing = [k for k in (ENV_NODE, ENV_LOCAL_RANK) if k not in os.environ]
-    if missing:
-        raise RuntimeError(f"{ENV_STORE} is set but {', '.join(missing)} is not; the launcher must "
-                           "set all three")
-    return os.environ[ENV_STORE], os.environ[ENV_NODE], int(os.environ[ENV_LOCAL_RANK])
+    return env.elastic_worker(os.environ)
 
 
 class ElasticWorker:
     """One worker's epochs (module docstring)."""
 
     def __init__(self, cfg: Config, coordinator: StoreCoordinator, console: Console,
-                 device: torch.device, backend: str, optimizer_settings):
+                 device: torch.device, backend: str):
         self.cfg = cfg
         self.coordinator = coordinator
         self.worker = coordinator.worker
         self.name = f"{self.worker[0]}.{self.worker[1]}"
         self.console = console
         self.device, self.backend = device, backend
-        self.optim = optimizer_settings
         self.dataset = dataset_for(cfg)
         self.val_dataset = dataset_for(cfg, "val") if cfg.eval.every else None
-        self.param_dtype, self.autocast_dtype = torch_dtypes(cfg.train.dtype)
-        self.model = LayerModel(cfg.model, seed=cfg.train.seed, recompute=cfg.train.recompute)
         self.faults = FaultInjector.from_env(self.name)
         self.corrupt_after = corruption_after_step(self.name)
         self.engine: Engine | None = None
@@ -149,8 +142,8 @@ class ElasticWorker:
         finished = False
         try:
             dist.init_process_group(self.backend, store=self.coordinator.rendezvous_store(epoch),
-                                    rank=rank, world_size=plan.world_size, timeout=self._connect_timeout())
-            set_operation_timeout(None, self._timeout())
+                                    rank=rank, world_size=plan.world_size, timeout=timedelta(seconds=self._connect_timeout_s()))
+            set_operation_timeout(None, timedelta(seconds=self.cfg.parallel.timeout_s))
             timing["rendezvous_s"] = time.time()
             self._enter_epoch(plan, rank, record)
             timing["transfer_s"] = time.time()
@@ -175,7 +168,7 @@ class ElasticWorker:
             self._log(f"epoch {epoch} failed on this worker: {timing['error']}")
         finally:
             self._leave_epoch()
-        self.coordinator.publish_timing(epoch, timing)
+        self.coordinator.publish_timing(epoch, EpochTiming(**timing))
         self.coordinator.publish_status(epoch, self._status(finished))
 
     def _enter_epoch(self, plan, rank: int, record: EpochRecord) -> None:
@@ -183,14 +176,11 @@ class ElasticWorker:
         if record.restore is not None:
             self._log(f"epoch {plan.epoch}: restoring from checkpoint {record.restore}")
         if self.engine is None:
-            self.engine = Engine(plan, self.model, self.optim, rank=rank, device=self.device,
-                                 param_dtype=self.param_dtype, autocast_dtype=self.autocast_dtype,
-                                 grad_clip=self.cfg.train.grad_clip,
-                                 grad_accum_dtype=torch.float64 if self.cfg.train.exact_reduction else None,
-                                 collective_timeout=self._timeout(), phase=self.faults,
-                                 connect_timeout=self._connect_timeout(),
-                                 transfers=transfers,  # collective with the others' reconfigure
-                                 restore=None if record.restore is None else Path(record.restore))
+            # A worker that joins a running job receives its layers (collective with the
+            # others' reconfigure) or loads them from the checkpoint (with their restore).
+            self.engine = build_engine(self.cfg, plan, rank, self.device, phase=self.faults,
+                                       connect_timeout_s=self._connect_timeout_s(), transfers=transfers,
+                                       restore=None if record.restore is None else Path(record.restore))
             return
         if record.restore is not None:
             self.engine.restore(plan, rank, None, Path(record.restore))
@@ -237,8 +227,8 @@ class ElasticWorker:
             for mismatch in audit_replicas(self.engine, repair=self.cfg.parallel.audit_repair):
                 self.console.print(f"[bold red]replica audit after step {iteration}:[/] "
                                    f"{escape(mismatch.describe())}")
-                with open(self.out_dir / f"audit-{self.name}.jsonl", "a", encoding="utf-8") as f:
-                    f.write(json.dumps({"iteration": iteration, **asdict(mismatch)}) + "\n")
+                with open(log_path(self.out_dir, AUDIT, self.name), "a", encoding="utf-8") as f:
+                    append(f, AuditEntry(step=iteration, **asdict(mismatch)))
 
     def _leave_epoch(self) -> None:
         """Tear this epoch's groups down now: closing our sockets makes peers blocked on us
@@ -255,20 +245,17 @@ class ElasticWorker:
 
     # --------------------------------------------------------------- helpers
     def _status(self, finished: bool):
-        from planaria.runtime.exactly_once import INCOMPLETE, WorkerStatus
+        from planaria.runtime.contract.exactly_once import INCOMPLETE, WorkerStatus
 
         if self.engine is None:
             return WorkerStatus(worker=self.worker, last_stepped=-1, state=INCOMPLETE, finished=finished)
         return self.engine.status(self.worker, finished=finished)
 
     def _record_commit(self, result, epoch: int, rolled_forward: bool = False) -> None:
-        entry = {"iteration": result.iteration, "loss": result.loss, "grad_norm": result.grad_norm,
-                 "epoch": epoch, "rolled_forward": rolled_forward}
-        if isinstance(result, StepResult):
-            entry["step_time_s"] = result.step_time_s
-        entry["time"] = time.time()
-        self.commits.write(json.dumps(entry) + "\n")
-        self.commits.flush()
+        append(self.commits, CommitEntry(
+            step=result.iteration, loss=result.loss, grad_norm=result.grad_norm, epoch=epoch,
+            time=time.time(), rolled_forward=rolled_forward,
+            step_time_s=result.step_time_s if isinstance(result, StepResult) else None))
         if self.worker[1] == 0 and (result.iteration % self.cfg.train.log_every == 0
                                     or result.iteration == self.cfg.train.steps - 1):
             self._log(f"step {result.iteration + 1}/{self.cfg.train.steps} | loss {result.loss:.4f}"
@@ -277,23 +264,14 @@ class ElasticWorker:
     def _evaluate(self, iteration: int, epoch: int) -> None:
         """The validation loss after step `iteration` (collective), in evals-<worker>.jsonl."""
         val_loss = self.engine.evaluate(self.val_dataset, self.cfg.data.seed, self.cfg.eval.batches)
-        entry = {"iteration": iteration, "val_loss": val_loss, "epoch": epoch, "time": time.time()}
-        self.evals.write(json.dumps(entry) + "\n")
-        self.evals.flush()
+        append(self.evals, EvalEntry(step=iteration, val_loss=val_loss, epoch=epoch, time=time.time()))
         if self.worker[1] == 0:
             self._log(f"step {iteration + 1}/{self.cfg.train.steps} | validation loss {val_loss:.4f}")
 
-    def _timeout(self):
-        from datetime import timedelta
-
-        return timedelta(seconds=self.cfg.parallel.timeout_s)
-
-    def _connect_timeout(self):
+    def _connect_timeout_s(self) -> float:
         """An epoch's process groups connect within this: a peer that died after the
         rendezvous (a fault during a recovery) fails the epoch in seconds, not minutes."""
-        from datetime import timedelta
-
-        return timedelta(seconds=min(self.cfg.parallel.connect_timeout_s, self.cfg.parallel.timeout_s))
+        return min(self.cfg.parallel.connect_timeout_s, self.cfg.parallel.timeout_s)
 
     def _log(self, message: str) -> None:
         self.console.print(f"[{self.name}] {message}", markup=False)
@@ -314,13 +292,12 @@ def _die_with_parent() -> None:
         os._exit(1)
 
 
-def run_elastic(cfg: Config, console: Console, device: torch.device, backend: str,
-                optimizer_settings) -> int:
+def run_elastic(cfg: Config, console: Console, device: torch.device, backend: str) -> int:
     address, node, local_rank = elastic_environment()
-    if os.environ.get("PLANARIA_DIE_WITH_AGENT") == "1":
+    if os.environ.get(env.DIE_WITH_AGENT) == "1":
         _die_with_parent()
     start_beating()  # for the agent's watch on frozen workers (runtime/heartbeat.py)
-    if not os.environ.get("PLANARIA_DEBUG"):
+    if not os.environ.get(env.DEBUG):
         # A failed peer makes torch's schedule runtime log its whole action table as an
         # error; here that is the expected start of a recovery, which the worker reports
         # in one line. PLANARIA_DEBUG=1 keeps torch's dump.
@@ -329,4 +306,4 @@ def run_elastic(cfg: Config, console: Console, device: torch.device, backend: st
     logging.basicConfig(format=f"[{node}.{local_rank}] %(message)s", level=logging.WARNING)
     store = connect_store(address, timeout_s=cfg.parallel.timeout_s + 60)
     coordinator = StoreCoordinator(store, (node, local_rank))
-    return ElasticWorker(cfg, coordinator, console, device, backend, optimizer_settings).run()
+    return ElasticWorker(cfg, coordinator, console, device, backend).run()

@@ -10,7 +10,7 @@ next epoch's in the same process while keeping the layers it still owns, with th
 optimizer state untouched, and receiving the others from replicas
 (`planaria.runtime.transfer`).
 
-The engine also keeps what the exactly-once rule needs (`planaria.runtime.exactly_once`):
+The engine also keeps what the exactly-once rule needs (`planaria.runtime.contract.exactly_once`):
 the last iteration it stepped with its commit record, and whether the gradients of the
 next one are synced. A `phase` callback, when given, is called as each phase of an
 iteration starts (forward and backward once per microbatch and chunk, then "sync",
@@ -31,9 +31,9 @@ import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from planaria.runtime.checkpoint_files import read_manifest
+from planaria.runtime.contract.checkpoint_layout import read_manifest
 from planaria.runtime.checkpointing import load_layer, read_layer
-from planaria.runtime.exactly_once import INCOMPLETE, SYNCED, CommitRecord, WorkerStatus
+from planaria.runtime.contract.exactly_once import INCOMPLETE, SYNCED, CommitRecord, WorkerStatus
 from planaria.runtime.groups import EpochGroups
 from planaria.runtime.model import LayerModel
 from planaria.runtime.optim import OptimizerSettings, build_optimizer, learning_rate, set_learning_rate

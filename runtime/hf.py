@@ -57,7 +57,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from planaria.runtime.checkpoint import full_layers, recorded_model
-from planaria.runtime.checkpoint_files import (MANIFEST, atomic_rename_dir, complete_checkpoints, read_manifest,
+from planaria.runtime.contract.checkpoint_layout import (MANIFEST, atomic_rename_dir, complete_checkpoints, read_manifest,
                                                read_model_record)
 from planaria.runtime.config import ConfigError, ModelConfig
 from planaria.runtime.hf_config import (SAFETENSORS, SAFETENSORS_INDEX, check_shape, full_shape,

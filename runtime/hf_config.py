@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from planaria.runtime.checkpoint_files import complete_checkpoints
+from planaria.runtime.contract.checkpoint_layout import complete_checkpoints
 from planaria.runtime.config import Config, ConfigError, ModelConfig, normalized_rope_scaling
 
 ARCHITECTURE = "LlamaForCausalLM"

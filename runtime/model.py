@@ -40,6 +40,13 @@ from planaria.runtime.tensor_parallel import (
 from planaria.templates.costs import kv_heads_of_rank
 
 
+def torch_dtypes(name: str) -> tuple[torch.dtype, torch.dtype | None]:
+    """(parameter dtype, autocast dtype or None) for `train.dtype`."""
+    if name == "bfloat16":
+        return torch.float32, torch.bfloat16  # fp32 master weights, bf16 compute
+    return getattr(torch, name), None
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float, kernels: str = "auto"):
         super().__init__()

@@ -1,34 +1,28 @@
 """`planaria plan`: ask the planner how a configured job would run on N nodes.
 
-Turns a job config into a cost model (analytic with a hardware preset, or profiled on
-this machine), builds the templates, instantiates the plan for N nodes, and reports
-it as a table a person can read or as JSON for tools.
+Turns a job config and a cost model (analytic here, from a hardware preset; profiled
+by `planaria.runtime.profile.profiled_cost_model`) into the templates and the plan for N
+nodes, and reports it as a table a person can read or as JSON for tools.
 
-A node's agent plans with the analytic model and never computes: torch is imported only
-where a profile is measured or a plan is broadcast, so the agent starts without it.
+A node's agent plans with the analytic model and never computes: this module imports no
+torch, not even inside a function (tests/test_import_graph.py), so the agent starts
+without it. Profiling and the plan of a torchrun world are `planaria.runtime.build`'s.
 """
 from __future__ import annotations
 
 import json
-import os
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from rich.console import Console
 from rich.table import Table
 
-from planaria.runtime.config import Config, ConfigError, model_shape
+from planaria.runtime.config import Config, model_shape
 from planaria.templates.analytic import analytic_cost_model, hardware
 from planaria.templates.costs import CostModel, ModelShape
 from planaria.templates.partition import pipeline_iteration_time
-from planaria.templates.plan import Plan
 from planaria.templates.planner import Planner, PlanChoice, PlannerSettings
-
-if TYPE_CHECKING:
-    import torch
-    import torch.distributed as dist
 
 
 @dataclass(frozen=True)
@@ -41,35 +35,17 @@ class PlanReport:
     peak_memory_bytes: int
 
 
-def cost_model(cfg: Config, *, hardware_name: str, gpus_per_node: int, profile: bool = False,
-               cache_dir: Path | None = None, device: torch.device | None = None,
-               concurrent_workers: int | None = None) -> CostModel:
-    """The job's cost model: profiled on `device`, or analytic from the hardware preset.
-    `concurrent_workers` (profiling on CPU): how many workers compute at once on this
-    machine, default a node's `gpus_per_node`; counted at most one per core."""
-    if profile:
-        import torch
-
-        from planaria.runtime.profile import profile_model
-
-        if gpus_per_node != cfg.parallel.tp:
-            cfg = replace(cfg, parallel=replace(cfg.parallel, tp=gpus_per_node))
-        # CPU workers run one thread each under torchrun; profile the way they run.
-        on_cpu = (device or torch.device("cuda" if torch.cuda.is_available() else "cpu")).type == "cpu"
-        # CPU workers of one machine share its cores: profile beside as many busy ones.
-        busy = min(concurrent_workers or gpus_per_node, os.cpu_count() or 1) if on_cpu else 1
-        return profile_model(cfg, hardware_name=hardware_name, cache_dir=cache_dir, device=device,
-                             num_threads=1 if on_cpu else None, concurrent_workers=busy)
+def cost_model(cfg: Config, *, hardware_name: str, gpus_per_node: int) -> CostModel:
+    """The job's analytic cost model, from the hardware preset (what an agent plans with;
+    a computing process may profile instead: `planaria.runtime.profile.profiled_cost_model`)."""
     hw = hardware(hardware_name, gpus_per_node=gpus_per_node)
     return analytic_cost_model(model_shape(cfg.model), hw, tp=gpus_per_node, micro_batch=cfg.train.micro_batch,
                                dtype=cfg.train.dtype, recompute=cfg.train.recompute)
 
 
-def plan_job(cfg: Config, *, nodes: int, gpus_per_node: int, fault_tolerance: int,
-             hardware_name: str, profile: bool = False, cache_dir: Path | None = None,
-             device: torch.device | None = None, concurrent_workers: int | None = None) -> PlanReport:
-    costs = cost_model(cfg, hardware_name=hardware_name, gpus_per_node=gpus_per_node, profile=profile,
-                       cache_dir=cache_dir, device=device, concurrent_workers=concurrent_workers)
+def plan_job(cfg: Config, costs: CostModel, *, nodes: int, fault_tolerance: int) -> PlanReport:
+    """The planner's choice for `nodes` nodes of `costs.hardware`, with its estimates."""
+    gpus_per_node = costs.hardware.gpus_per_node
     started = time.perf_counter()
     planner = build_planner(cfg, costs, fault_tolerance=fault_tolerance)
     choice = planner.instantiate(nodes)
@@ -99,49 +75,9 @@ def model_flops_per_token(shape: ModelShape) -> float:
     return 6 * shape.parameters + attention
 
 
-def detect_hardware_name(device: torch.device) -> str:
-    """The preset closest to this device, for the links and memory the profiler does not measure."""
-    if device.type != "cuda":
-        return "cpu"
-    import torch
-
-    name = torch.cuda.get_device_name(device).lower()
-    return next((preset for preset in ("h200", "h100", "a100") if preset in name), "h100")
-
-
 def profile_cache_dir(cfg: Config) -> Path:
     """`parallel.profile_cache`, or the job's own `output.dir`/profile-cache."""
     return Path(cfg.parallel.profile_cache or Path(cfg.output.dir) / "profile-cache").expanduser()
-
-
-def plan_for_world(cfg: Config, world_size: int, rank: int, device: torch.device,
-                   group: dist.ProcessGroup | None = None) -> tuple[Plan, str]:
-    """The planner's plan for `world_size` processes: made on rank 0, broadcast to all.
-
-    Only rank 0 profiles and plans: measured times differ a little between processes,
-    and every rank must run the very same plan. Returns the plan and a summary line.
-    """
-    import torch.distributed as dist
-
-    payload: list = [None]
-    if rank == 0:
-        try:
-            report = plan_job(cfg, nodes=world_size // cfg.parallel.tp, gpus_per_node=cfg.parallel.tp,
-                              fault_tolerance=cfg.parallel.fault_tolerance,
-                              hardware_name=detect_hardware_name(device), profile=True,
-                              cache_dir=profile_cache_dir(cfg), device=device,
-                              concurrent_workers=int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
-            summary = (f"planner: n0={report.planner.n0}, {report.choice.replicas} replica(s), "
-                       f"estimated {report.choice.iteration_time_s * 1000:.1f} ms per step "
-                       f"(planned in {report.planning_time_s:.2f} s)")
-            payload = [(report.choice.plan.to_json(), summary, None)]
-        except ValueError as err:  # broadcast the reason, so no rank waits forever
-            payload = [(None, None, str(err))]
-    dist.broadcast_object_list(payload, src=0, group=group)
-    plan_json, summary, error = payload[0]
-    if error is not None:
-        raise ConfigError(f"the planner found no plan: {error}")
-    return Plan.from_json(plan_json), summary
 
 
 def report_json(report: PlanReport) -> str:

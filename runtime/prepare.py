@@ -37,7 +37,7 @@ from typing import Iterator
 import numpy as np
 
 from planaria.runtime import shards
-from planaria.runtime.checkpoint_files import atomic_write_bytes
+from planaria.runtime.contract.checkpoint_layout import atomic_write_bytes
 from planaria.runtime.corpus import (BPE_EOS, PrepareError, Unit, discover, documents, find_eos, load_tokenizer,
                                      train_bpe)
 

@@ -16,20 +16,36 @@ import subprocess
 import sys
 import tempfile
 from contextlib import contextmanager
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
 
-from planaria.runtime.config import Config, ModelConfig, model_shape, torch_dtypes
+from planaria.runtime.config import Config, ModelConfig, model_shape
 from planaria.runtime.engine import accumulate_wide
-from planaria.runtime.model import LayerModel
+from planaria.runtime.model import LayerModel, torch_dtypes
 from planaria.runtime.optim import build_optimizer, optimizer_settings
 from planaria.runtime.pipeline_probe import measure_links_and_runtime
 from planaria.runtime.tensor_parallel import TensorParallel
 from planaria.templates.analytic import hardware
 from planaria.templates.costs import CostModel
 from planaria.templates.profiler import profile_layers
+
+
+def profiled_cost_model(cfg: Config, *, hardware_name: str, gpus_per_node: int, cache_dir: Path | None = None,
+                        device: torch.device | None = None, concurrent_workers: int | None = None) -> CostModel:
+    """The job's cost model measured on `device` (the analytic one is
+    `planaria.runtime.planning.cost_model`). `concurrent_workers` (profiling on CPU): how
+    many workers compute at once on this machine, default a node's `gpus_per_node`;
+    counted at most one per core."""
+    if gpus_per_node != cfg.parallel.tp:
+        cfg = replace(cfg, parallel=replace(cfg.parallel, tp=gpus_per_node))
+    # CPU workers run one thread each under torchrun; profile the way they run.
+    on_cpu = (device or torch.device("cuda" if torch.cuda.is_available() else "cpu")).type == "cpu"
+    # CPU workers of one machine share its cores: profile beside as many busy ones.
+    busy = min(concurrent_workers or gpus_per_node, os.cpu_count() or 1) if on_cpu else 1
+    return profile_model(cfg, hardware_name=hardware_name, cache_dir=cache_dir, device=device,
+                         num_threads=1 if on_cpu else None, concurrent_workers=busy)
 
 
 def profile_model(cfg: Config, *, device: torch.device | str | None = None,

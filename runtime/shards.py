@@ -34,7 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
-from planaria.runtime.checkpoint_files import atomic_write, atomic_write_bytes
+from planaria.runtime.contract.checkpoint_layout import atomic_write, atomic_write_bytes
 
 __all__ = ["MAGIC", "VERSION", "HEADER_SIZE", "MANIFEST", "FORMAT", "SPLITS", "ShardHeader", "ShardStream",
            "dtype_for_vocab", "dtype_name", "write_shard", "read_header", "open_shard", "is_shard",

@@ -25,18 +25,15 @@ import torch.distributed as dist
 from rich.console import Console
 
 from planaria.runtime.checkpoint import save_model_shards
-from planaria.runtime.checkpoint_files import complete_checkpoints
+from planaria.runtime.contract.checkpoint_layout import complete_checkpoints
 from planaria.runtime.checkpointing import save_checkpoint
-from planaria.runtime.config import (Config, ConfigError, describe, load_config, plan_from_config,
-                                     torch_dtypes, uses_planner)
+from planaria.runtime.build import build_engine, describe, plan_for_world
+from planaria.runtime.config import Config, ConfigError, load_config, plan_from_config, uses_planner
 from planaria.runtime.data import TokenDataset, dataset_for
 from planaria.runtime.elastic_worker import elastic_environment, run_elastic
-from planaria.runtime.engine import Engine, StepResult
+from planaria.runtime.engine import StepResult
 from planaria.runtime.faults import FaultInjector
-from planaria.runtime.model import LayerModel
-from planaria.runtime.optim import OptimizerSettings, optimizer_settings as settings_of
 from planaria.runtime.hf_config import check_init_from
-from planaria.runtime.planning import plan_for_world
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -60,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
         elastic = elastic_environment()
         if elastic is not None:  # started by a Planaria control plane
             device, backend = _device_and_backend(cfg, local_rank=elastic[2])
-            return run_elastic(cfg, console, device, backend, optimizer_settings(cfg))
+            return run_elastic(cfg, console, device, backend)
         plan = None if uses_planner(cfg) else plan_from_config(cfg, world_size=world_size)
         if plan is None and world_size % cfg.parallel.tp:
             raise ConfigError(f"{world_size} processes do not make whole nodes of parallel.tp = "
@@ -133,24 +130,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def optimizer_settings(cfg: Config) -> OptimizerSettings:
-    return settings_of(cfg.train)
-
-
-def engine_from_config(cfg: Config, plan, rank: int, device: torch.device, *,
-                       restore: Path | None = None, phase=None) -> Engine:
-    """The Engine this trainer runs for `cfg` (dtypes, clipping, wide gradient sums,
-    collective timeout), on the default process group; benchmarks build theirs here too."""
-    param_dtype, autocast_dtype = torch_dtypes(cfg.train.dtype)
-    model = LayerModel(cfg.model, seed=cfg.train.seed, recompute=cfg.train.recompute)
-    return Engine(plan, model, optimizer_settings(cfg), rank=rank, device=device,
-                  param_dtype=param_dtype, autocast_dtype=autocast_dtype,
-                  grad_clip=cfg.train.grad_clip,
-                  grad_accum_dtype=torch.float64 if cfg.train.exact_reduction else None,
-                  collective_timeout=timedelta(seconds=cfg.parallel.timeout_s),
-                  restore=restore, phase=phase)
-
-
 def train(cfg: Config, plan, rank: int, device: torch.device, console: Console,
           data: tuple[TokenDataset, TokenDataset | None]) -> list[StepResult]:
     """Train `plan`; `data`: the training set and, with eval.every, the validation set."""
@@ -159,9 +138,8 @@ def train(cfg: Config, plan, rank: int, device: torch.device, console: Console,
     resume = _checkpoint_to_resume(cfg)
     if resume is not None:
         plan = replace(plan, first_iteration=resume[0] + 1)
-    engine = engine_from_config(cfg, plan, rank, device,
-                                restore=None if resume is None else resume[1],
-                                phase=_fault_injector(rank))
+    engine = build_engine(cfg, plan, rank, device, restore=None if resume is None else resume[1],
+                          phase=_fault_injector(rank))
     log = _MetricsLog(out_dir / "metrics.jsonl", append=resume is not None) if rank == 0 else None
     if rank == 0:
         console.print(describe(cfg, plan))

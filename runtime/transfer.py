@@ -1,4 +1,4 @@
-"""Copying layer state between workers when the plan changes (DESIGN §7, "Repair").
+"""Copying layer state between workers when the plan changes (docs/recovery.md).
 
 A `Transfer` (from `planaria.templates.plan.transfers_from`) names one (layer, tp rank)
 shard, a worker that holds it and a worker of the new plan that needs it. What moves is

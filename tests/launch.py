@@ -45,12 +45,12 @@ def reference_run(overrides: list[str], config: Path = TINY):
     from planaria.runtime.data import build_dataset
     from planaria.runtime.model import LayerModel
     from planaria.runtime.reference import train_reference
-    from planaria.runtime.trainer import optimizer_settings
+    from planaria.runtime.optim import optimizer_settings
 
     cfg = load_config(config, overrides)
     dataset = build_dataset(cfg.data.source, seq_len=cfg.model.seq_len,
                             vocab_size=cfg.model.vocab_size, seed=cfg.data.seed)
-    return train_reference(LayerModel(cfg.model, seed=cfg.train.seed), optimizer_settings(cfg), dataset,
+    return train_reference(LayerModel(cfg.model, seed=cfg.train.seed), optimizer_settings(cfg.train), dataset,
                            steps=cfg.train.steps, global_batch=cfg.train.global_batch,
                            micro_batch=cfg.train.global_batch, data_seed=cfg.data.seed,
                            grad_clip=cfg.train.grad_clip, dtype=torch.float64)

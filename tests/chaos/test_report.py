@@ -2,14 +2,31 @@
 and drawn."""
 from __future__ import annotations
 
-import json
+from dataclasses import replace
 
 from planaria.chaos.plot import plot_report
 from planaria.chaos.report import InjectedFault, build_report, format_epoch_event, load_report, write_report
+from planaria.runtime.contract.epochs import EpochEvent, EpochTiming
+from planaria.runtime.contract.logs import CommitEntry
 
 
-def commit_log(path, entries):
-    path.write_text("".join(json.dumps(e) + "\n" for e in entries))
+def entry(iteration, loss, epoch, time, rolled_forward=False) -> CommitEntry:
+    return CommitEntry(step=iteration, loss=loss, grad_norm=1.0, epoch=epoch, time=time,
+                       rolled_forward=rolled_forward)
+
+
+def entries(*dicts) -> list[CommitEntry]:
+    return [entry(**d) for d in dicts]
+
+
+def event(epoch, detected_s, published_s, failed=(), joined=(), **more) -> EpochEvent:
+    return EpochEvent(epoch=epoch, reason=more.pop("reason", "failure"), detected_s=detected_s,
+                      statuses_s=detected_s, planned_s=published_s, published_s=published_s,
+                      failed=tuple(failed), joined=tuple(joined), **more)
+
+
+def commit_log(path, dicts):
+    path.write_text("".join(entry(**d).to_json() + "\n" for d in dicts))
 
 
 def test_a_report_from_commit_logs_round_trips_and_draws(tmp_path):
@@ -23,11 +40,10 @@ def test_a_report_from_commit_logs_round_trips_and_draws(tmp_path):
     commit_log(tmp_path / "commits-node1.0.jsonl", node1)
     reference = {"losses": {str(i): 5.0 - i * 0.1 for i in range(10)}, "step_s": 1.0}
     fault = InjectedFault("kill-node@5:target=1", 5, t0 + 5.5)
-    event = {"epoch": 1, "detected_s": t0 + 6, "published_s": t0 + 6.5, "restored": 2,
-             "transfers": 0, "plan_shape": [1]}
-    report = build_report(out_dir=tmp_path, steps=10, outcome="ok", faults=[fault], events=[event],
-                          timings={1: [{"rendezvous_s": t0 + 6.6, "transfer_s": t0 + 6.7,
-                                        "first_step_s": t0 + 7}]},
+    restore = event(1, t0 + 6, t0 + 6.5, restored=2, transfers=0, plan_shape=(1,))
+    report = build_report(out_dir=tmp_path, steps=10, outcome="ok", faults=[fault], events=[restore],
+                          timings={1: [EpochTiming(record_s=t0 + 6.5, rendezvous_s=t0 + 6.6, transfer_s=t0 + 6.7,
+                                                   first_step_s=t0 + 7)]},
                           reference=reference, live_nodes=[(t0, 2), (t0 + 5.5, 1)], wall_s=20.0)
     assert report.completed and report.steps_committed == 10
     assert report.committed_steps_lost == 2 and report.checkpoint_loads == 1
@@ -45,23 +61,21 @@ def test_a_report_from_commit_logs_round_trips_and_draws(tmp_path):
 
 
 def test_an_epoch_event_reads_as_a_line():
-    event = {"epoch": 3, "reason": "failure", "failed": ["node2.0"], "joined": ["node6.0"], "transfers": 1,
-             "moved_bytes": 3 * 2**19, "plan_shape": [2, 2], "first_iteration": 61, "restored": None,
-             "detected_s": 10.0, "published_s": 10.25}
-    assert format_epoch_event(event) == (
+    change = event(3, 10.0, 10.25, failed=["node2.0"], joined=["node6.0"], transfers=1,
+                   moved_bytes=3 * 2**19, plan_shape=(2, 2), first_iteration=61)
+    assert format_epoch_event(change) == (
         "  [cyan]epoch 3[/]: failure (failed node2.0; joined node6.0) -> pipelines of [2, 2] stages "
         "from step 61, 1 layer copy (1.50 MiB), published 0.25 s after detection")
-    event.update(restored=40, failed=[], joined=[])
-    assert "(-) -> " in format_epoch_event(event)
-    assert "back to the checkpoint of step 40" in format_epoch_event(event)
+    change = replace(change, restored=40, failed=(), joined=())
+    assert "(-) -> " in format_epoch_event(change)
+    assert "back to the checkpoint of step 40" in format_epoch_event(change)
 
 
 def test_a_roll_forward_is_not_a_lost_step_but_a_second_commit_is():
     from planaria.chaos.report import step_losses
 
     def entry(iteration, epoch, rolled=False):
-        return {"iteration": iteration, "loss": 1.0, "epoch": epoch, "rolled_forward": rolled,
-                "time": 100.0 + iteration + epoch}
+        return globals()["entry"](iteration, 1.0, epoch, 100.0 + iteration + epoch, rolled_forward=rolled)
 
     # node1 was one step behind when epoch 0 failed: epoch 1 rolls step 2 forward on it.
     rolled = {"node0": [entry(0, 0), entry(1, 0), entry(2, 0), entry(3, 1)],
@@ -95,10 +109,10 @@ def test_a_fault_during_a_reconfiguration_is_credited_to_the_one_that_took_it_in
     (node4 at 12.9, seen only after the plan went out) goes to the next one."""
     from planaria.chaos.report import recoveries
 
-    events = [{"epoch": 1, "detected_s": 10.2, "published_s": 13.0, "failed": ["node2.0", "node5.0"]},
-              {"epoch": 2, "detected_s": 13.5, "published_s": 14.0, "failed": ["node4.0"]}]
-    logs = {"node0.0": [{"iteration": 3, "loss": 1.0, "epoch": 1, "time": 13.4},
-                        {"iteration": 4, "loss": 1.0, "epoch": 2, "time": 14.3}]}
+    events = [event(**{"epoch": 1, "detected_s": 10.2, "published_s": 13.0, "failed": ["node2.0", "node5.0"]}),
+              event(**{"epoch": 2, "detected_s": 13.5, "published_s": 14.0, "failed": ["node4.0"]})]
+    logs = {"node0.0": [entry(3, 1.0, 1, 13.4),
+                        entry(4, 1.0, 2, 14.3)]}
     faults = [InjectedFault("kill-node@3:target=2", 3, 10.0), InjectedFault("kill-agent@3+1:target=5", 3, 11.0),
               InjectedFault("kill-node@3:target=4", 3, 12.9)]
     node, agent, late = recoveries(faults, events, {}, logs)
@@ -114,11 +128,11 @@ def test_a_node_added_during_a_recovery_is_credited_to_the_epoch_it_joined():
     (joined). A node that arrives after the last epoch never joined: the job ended first."""
     from planaria.chaos.report import recoveries
 
-    events = [{"epoch": 1, "detected_s": 10.4, "published_s": 13.2, "failed": ["node1.0"],
-               "joined": ["node4.0"]},
-              {"epoch": 2, "detected_s": 20.0, "published_s": 21.0, "failed": ["node2.0"]}]
-    logs = {"node0.0": [{"iteration": 43, "loss": 1.0, "epoch": 1, "time": 15.0},
-                        {"iteration": 60, "loss": 1.0, "epoch": 2, "time": 22.0}]}
+    events = [event(**{"epoch": 1, "detected_s": 10.4, "published_s": 13.2, "failed": ["node1.0"],
+               "joined": ["node4.0"]}),
+              event(**{"epoch": 2, "detected_s": 20.0, "published_s": 21.0, "failed": ["node2.0"]})]
+    logs = {"node0.0": [entry(43, 1.0, 1, 15.0),
+                        entry(60, 1.0, 2, 22.0)]}
     faults = [InjectedFault("kill-node@43:target=1", 43, 10.0), InjectedFault("add-node@43:target=4", 43, 12.0),
               InjectedFault("add-node@55:target=5", 55, 19.0), InjectedFault("kill-node@55:target=2", 55, 19.5)]
     removal, addition, late, second = recoveries(faults, events, {}, logs)
@@ -149,9 +163,9 @@ def test_a_kill_is_credited_to_the_epoch_that_names_its_node_not_a_join_in_betwe
     (epoch 3, naming node3): the kill's recovery is epoch 3's."""
     from planaria.chaos.report import recoveries
 
-    events = [{"epoch": 2, "detected_s": 10.5, "published_s": 11.0, "failed": [], "joined": ["node6.0"]},
-              {"epoch": 3, "detected_s": 13.1, "published_s": 14.0, "failed": ["node3.0"]}]
-    logs = {"node0.0": [{"iteration": 7, "loss": 1.0, "epoch": 2, "time": 11.5},
-                        {"iteration": 8, "loss": 1.0, "epoch": 3, "time": 14.5}]}
+    events = [event(**{"epoch": 2, "detected_s": 10.5, "published_s": 11.0, "failed": [], "joined": ["node6.0"]}),
+              event(**{"epoch": 3, "detected_s": 13.1, "published_s": 14.0, "failed": ["node3.0"]})]
+    logs = {"node0.0": [entry(7, 1.0, 2, 11.5),
+                        entry(8, 1.0, 3, 14.5)]}
     (kill,) = recoveries([InjectedFault("kill-node@7:target=3", 7, 10.0)], events, {}, logs)
     assert kill.epoch == 3 and abs(kill.detect_s - 3.1) < 1e-9

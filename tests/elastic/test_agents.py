@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from planaria.elastic.etcd_client import EtcdClient, EtcdSettings
+from planaria.runtime.contract import keys
 from tests.launch import TINY, reference_run
 from tests.runtime.test_recovery import JOB, check_against_reference
 
@@ -32,7 +33,7 @@ class Job:
         for i in range(nodes):
             self.add_node(f"node{i}", (env or {}).get(f"node{i}"))
         self.client = EtcdClient(EtcdSettings(endpoint=etcd.endpoint))
-        self.prefix = f"/planaria/{run_id}/"
+        self.prefix = keys.run_prefix(run_id)
 
     def add_node(self, node: str, env: dict[str, str] | None = None) -> None:
         log = open(self.tmp_path / "logs" / f"agent-{node}.log", "w")
@@ -64,7 +65,7 @@ class Job:
     def leader(self, timeout=60) -> str:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            value, _ = self.client.get(self.prefix + "leader")
+            value, _ = self.client.get(self.prefix + keys.LEADER)
             if value:
                 return value.decode()
             time.sleep(0.1)
@@ -237,7 +238,7 @@ def test_same_run_id_with_another_config_is_refused(etcd, tmp_path):
     try:
         client = EtcdClient(EtcdSettings(endpoint=etcd.endpoint))
         deadline = time.monotonic() + 60
-        while client.get("/planaria/one-job/config")[0] is None:
+        while client.get(keys.run_prefix("one-job") + keys.JOB)[0] is None:
             assert time.monotonic() < deadline and first.poll() is None, first.stdout.read()
             time.sleep(0.1)
         second = subprocess.run([*base[:3], "--node", "b", *base[3:], "train.steps=7"],
@@ -294,7 +295,7 @@ def _agent(etcd, tmp_path, node: str, run_id: str, *extra: str) -> subprocess.Co
 def test_a_run_id_whose_job_ended_is_not_run_again(etcd, tmp_path):
     """Its agents would read the old outcome and exit 0 at once, as if this job had run."""
     client = EtcdClient(EtcdSettings(endpoint=etcd.endpoint))
-    client.put("/planaria/ended/done", b"ok")
+    client.put(keys.run_prefix("ended") + keys.DONE, keys.JOB_OK.encode())
     proc = _agent(etcd, tmp_path, "a", "ended")
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "run id 'ended' already ran and ended (ok)" in proc.stdout
@@ -335,9 +336,9 @@ def test_a_worker_exit_while_the_lease_was_lost_still_takes_the_node_out(etcd, t
     agent._register()
     worker = ("lapsed", 0)
     agent.workers[worker] = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
-    agent.client.put(agent.prefix + "alive/lapsed.0", b"1", lease=agent.lease)
+    agent.client.put(agent.prefix + keys.alive(("lapsed", 0)), b"1", lease=agent.lease)
     agent.workers[worker].wait()
     agent.client.revoke(agent.lease)  # as an expiry would: the key is gone
-    assert agent.client.get(agent.prefix + "alive/lapsed.0")[0] is None
+    assert agent.client.get(agent.prefix + keys.alive(("lapsed", 0)))[0] is None
     assert agent._reap() is True
     assert agent._reap() is False  # counted once

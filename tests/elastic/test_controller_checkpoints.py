@@ -9,8 +9,8 @@ import json
 import torch.distributed as dist
 
 from planaria.elastic.controller import CheckpointPolicy, Controller
-from planaria.runtime.checkpoint_files import complete_checkpoints, shard_filename, step_dir, write_manifest
-from planaria.runtime.exactly_once import CommitRecord
+from planaria.runtime.contract.checkpoint_layout import complete_checkpoints, shard_filename, step_dir, write_manifest
+from planaria.runtime.contract.exactly_once import CommitRecord
 from planaria.runtime.config import load_config
 from planaria.runtime.planning import build_planner, cost_model
 from tests.launch import TINY

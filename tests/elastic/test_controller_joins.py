@@ -6,8 +6,8 @@ import torch.distributed as dist
 
 from planaria.elastic.controller import Controller
 from planaria.runtime.config import load_config
-from planaria.runtime.coordination import worker_key
-from planaria.runtime.exactly_once import INCOMPLETE, CommitRecord, WorkerStatus
+from planaria.runtime.contract import keys
+from planaria.runtime.contract.exactly_once import INCOMPLETE, CommitRecord, WorkerStatus
 from planaria.runtime.planning import build_planner, cost_model
 from tests.launch import TINY
 
@@ -19,8 +19,8 @@ def report_statuses(store, plan, last_stepped: int, workers) -> None:
         status = WorkerStatus(worker=worker, last_stepped=last_stepped, state=INCOMPLETE,
                               commit=CommitRecord(last_stepped, 1.0, 1.0),
                               holds=tuple((layer, worker[1]) for layer in plan.layers_of(rank)))
-        store.set(f"epoch/{plan.epoch}/status/{worker_key(worker)}", status.to_json())
-    store.set(f"epoch/{plan.epoch}/trained", "1")
+        store.set(keys.epoch_status(plan.epoch, worker), status.to_json())
+    store.set(keys.epoch_trained(plan.epoch), "1")
 
 
 def test_a_node_the_job_cannot_use_waits_and_is_used_after_a_failure():
@@ -40,7 +40,7 @@ def test_a_node_the_job_cannot_use_waits_and_is_used_after_a_failure():
     assert controller.epoch == 1 and sorted(controller.plan.nodes()) == sorted(n for n, _ in members)
     assert any("['node99'] wait until a node fails" in line for line in logs)
     (event,) = controller.events
-    assert event.joined == [] and event.first_iteration == 4
+    assert event.joined == () and event.first_iteration == 4
     store.set("epoch/1/trained", "1")
     assert controller.poll(lambda: alive, kill=lambda worker: None) == "running"
     assert controller.epoch == 1  # the waiting node does not stop the epoch again
@@ -49,4 +49,4 @@ def test_a_node_the_job_cannot_use_waits_and_is_used_after_a_failure():
     report_statuses(store, controller.plan, 7, sorted(alive - {extra}))
     assert controller.poll(lambda: alive, kill=lambda worker: None) == "running"
     assert controller.epoch == 2 and "node99" in controller.plan.nodes()
-    assert controller.events[-1].joined == ["node99.0"]
+    assert controller.events[-1].joined == ("node99.0",)

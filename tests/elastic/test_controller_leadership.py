@@ -11,7 +11,8 @@ import torch.distributed as dist
 
 from planaria.elastic.controller import Controller, Interrupted, StaleLeader
 from planaria.runtime.config import load_config
-from planaria.runtime.coordination import EpochRecord
+from planaria.runtime.contract import keys
+from planaria.runtime.contract.epochs import EpochRecord
 from planaria.runtime.planning import build_planner, cost_model
 from tests.launch import TINY
 
@@ -31,7 +32,7 @@ def next_record(plan, *, first_iteration: int) -> EpochRecord:
 
 
 def published(store, epoch: int) -> EpochRecord:
-    return EpochRecord.from_json(store.get(f"epoch/{epoch}/record").decode())
+    return EpochRecord.from_json(store.get(keys.epoch_record(epoch)))
 
 
 def test_a_stale_leader_can_neither_overwrite_nor_move_on_its_successors_epoch(planner):

@@ -23,7 +23,7 @@ def test_rank_killed_recovers_in_place_over_etcd(tmp_path):
     assert result.outcome == "ok", job.logs()
     check_against_reference(tmp_path, reference, job)
     (event,) = result.controller.events
-    assert event.failed == ["node3.0"] and event.first_iteration == 2
+    assert event.failed == ("node3.0",) and event.first_iteration == 2
 
 
 @pytest.mark.multiprocess

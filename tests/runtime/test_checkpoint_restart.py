@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from planaria.runtime.checkpoint_files import complete_checkpoints
+from planaria.runtime.contract.checkpoint_layout import complete_checkpoints
+from planaria.runtime.contract.logs import COMMITS, CommitEntry, read_logs
 from planaria.runtime.checkpointing import read_layer
 from tests.launch import assert_final_parameters, read_metrics, reference_run, torchrun_train
 from tests.runtime.test_recovery import JOB, STEPS
@@ -37,8 +38,6 @@ def test_elastic_job_run_again_after_losing_every_node_resumes_from_its_checkpoi
     again goes on from the newest checkpoint (of iteration 5), not from scratch, and
     trains exactly like the reference. (Before, it started over, and a later loss of
     every replica restored a checkpoint of the previous run.)"""
-    import json
-
     from planaria.elastic.local import LocalJob
     from tests.launch import TINY
 
@@ -53,8 +52,8 @@ def test_elastic_job_run_again_after_losing_every_node_resumes_from_its_checkpoi
                      out_dir=tmp_path / "rerun", log=lambda m: None)
     result = rerun.run(200)
     assert result.outcome == "ok", rerun.logs()
-    commits = [json.loads(line) for line in (tmp_path / "rerun" / "commits-node0.0.jsonl").read_text().splitlines()]
-    assert [c["iteration"] for c in commits] == [6, 7, 8]
+    commits = read_logs(tmp_path / "rerun", COMMITS, CommitEntry)["node0.0"]
+    assert [c.step for c in commits] == [6, 7, 8]
     for c in commits:
-        assert abs(c["loss"] - reference.losses[c["iteration"]]) < 1e-9
+        assert abs(c.loss - reference.losses[c.step]) < 1e-9
     assert_final_parameters(tmp_path / "rerun" / "final", reference)

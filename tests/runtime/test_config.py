@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from planaria.runtime.config import ConfigError, load_config, plan_from_config, uses_planner
-from planaria.runtime.trainer import optimizer_settings
+from planaria.runtime.optim import optimizer_settings
 from tests.launch import TINY
 
 
@@ -207,7 +207,7 @@ def test_layout_must_be_a_list_of_lists():
 def test_published_learning_rates_are_accepted_with_a_final_lr_of_a_tenth(lr):
     cfg = load_config(TINY, [f"train.lr={lr}"])
     assert cfg.train.final_lr == pytest.approx(lr / 10)
-    assert optimizer_settings(cfg).min_lr == pytest.approx(lr / 10)
+    assert optimizer_settings(cfg.train).min_lr == pytest.approx(lr / 10)
 
 
 def test_min_lr_given_wins_over_the_ratio_and_must_not_exceed_lr():
@@ -222,7 +222,7 @@ def test_min_lr_given_wins_over_the_ratio_and_must_not_exceed_lr():
 
 
 def test_adam_settings_reach_the_optimizer():
-    settings = optimizer_settings(load_config(TINY, ["train.adam_eps=1e-5", "train.adam_beta2=0.99"]))
+    settings = optimizer_settings(load_config(TINY, ["train.adam_eps=1e-5", "train.adam_beta2=0.99"]).train)
     assert (settings.eps, settings.betas) == (1e-5, (0.9, 0.99))
     with pytest.raises(ConfigError, match="train.adam_eps"):
         load_config(TINY, ["train.adam_eps=0"])

@@ -12,7 +12,7 @@ from planaria.runtime.config import ConfigError, load_config
 from planaria.runtime.data import dataset_for
 from planaria.runtime.model import LayerModel
 from planaria.runtime.reference import train_reference
-from planaria.runtime.trainer import optimizer_settings
+from planaria.runtime.optim import optimizer_settings
 from tests.launch import TINY, read_metrics, reference_run, torchrun_train
 
 STEPS = 5
@@ -40,7 +40,7 @@ def reference_val_losses() -> dict[int, float]:
     for step in range(STEPS):
         if not cfg.eval.due(step, STEPS):
             continue
-        run = train_reference(LayerModel(cfg.model, seed=cfg.train.seed), optimizer_settings(cfg), train,
+        run = train_reference(LayerModel(cfg.model, seed=cfg.train.seed), optimizer_settings(cfg.train), train,
                               steps=step + 1, global_batch=8, micro_batch=8, data_seed=cfg.data.seed,
                               grad_clip=cfg.train.grad_clip, dtype=torch.float64)
         with torch.no_grad():

@@ -13,7 +13,7 @@ from planaria.runtime.config import load_config
 from planaria.runtime.data import build_dataset
 from planaria.runtime.model import LayerModel
 from planaria.runtime.reference import train_reference
-from planaria.runtime.trainer import optimizer_settings
+from planaria.runtime.optim import optimizer_settings
 from tests.launch import TINY, assert_final_parameters, read_metrics, torchrun_train
 
 STEPS = 6
@@ -47,7 +47,7 @@ def reference():
     cfg = load_config(TINY, JOB)
     dataset = build_dataset(cfg.data.source, seq_len=cfg.model.seq_len,
                             vocab_size=cfg.model.vocab_size, seed=cfg.data.seed)
-    return train_reference(LayerModel(cfg.model, seed=cfg.train.seed), optimizer_settings(cfg), dataset,
+    return train_reference(LayerModel(cfg.model, seed=cfg.train.seed), optimizer_settings(cfg.train), dataset,
                            steps=STEPS, global_batch=cfg.train.global_batch,
                            micro_batch=cfg.train.micro_batch, data_seed=cfg.data.seed,
                            grad_clip=cfg.train.grad_clip, dtype=torch.float64)

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from planaria.runtime.heartbeat import EVERY_S, silent_for, start_beating
+from planaria.runtime.contract.heartbeat import EVERY_S, silent_for, start_beating
 
 
 def test_a_beating_file_stays_fresh_and_goes_stale_when_stopped(tmp_path, monkeypatch):
@@ -29,7 +29,7 @@ def test_a_beating_file_stays_fresh_and_goes_stale_when_stopped(tmp_path, monkey
 @pytest.mark.timeout(60)
 def test_a_frozen_process_stops_beating(tmp_path):
     path = tmp_path / "beat"
-    code = ("import time; from planaria.runtime.heartbeat import start_beating; "
+    code = ("import time; from planaria.runtime.contract.heartbeat import start_beating; "
             f"start_beating({str(path)!r}); time.sleep(60)")
     proc = subprocess.Popen([sys.executable, "-c", code])
     try:

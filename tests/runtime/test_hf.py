@@ -326,7 +326,7 @@ def test_layers_read_from_init_from_skip_the_seeded_draw(tmp_path, monkeypatch):
 
 def _hand_made_final_save(directory: Path) -> ModelConfig:
     """A final save as `save_model_shards` lays it out (tp = 1), without a training job."""
-    from planaria.runtime.checkpoint_files import write_model_record
+    from planaria.runtime.contract.checkpoint_layout import write_model_record
 
     model = load_config(TINY, ["model.n_layers=1", "model.d_model=32", "model.n_heads=4"]).model
     layers = LayerModel(model, seed=0)

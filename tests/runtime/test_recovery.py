@@ -10,11 +10,10 @@ parameters equal the reference's; and no checkpoint was involved (the job has no
 """
 from __future__ import annotations
 
-import json
-
 import pytest
 
 from planaria.elastic.local import LocalJob
+from planaria.runtime.contract.logs import AUDIT, COMMITS, AuditEntry, CommitEntry, read_logs
 from planaria.runtime.elastic_worker import EXIT_TORN_STEP
 from tests.launch import TINY, assert_final_parameters, reference_run
 
@@ -41,22 +40,21 @@ def run_job(tmp_path, *, nodes, faults="", fault_tolerance=1, extra=(), actions=
     return job, result
 
 
-def commits(tmp_path) -> dict[str, list[dict]]:
-    return {path.stem.removeprefix("commits-"): [json.loads(line) for line in path.read_text().splitlines()]
-            for path in sorted(tmp_path.glob("commits-*.jsonl"))}
+def commits(tmp_path) -> dict[str, list[CommitEntry]]:
+    return read_logs(tmp_path, COMMITS, CommitEntry)
 
 
 def check_against_reference(tmp_path, reference, job, steps=STEPS):
     logs = commits(tmp_path)
     done = set()
     for worker, entries in logs.items():
-        iterations = [e["iteration"] for e in entries]
+        iterations = [e.step for e in entries]
         # Exactly once per worker: consecutive from where it started, never repeated.
         assert iterations == list(range(iterations[0], iterations[0] + len(iterations))), \
             f"worker {worker} committed {iterations}\n{job.logs()}"
         for e in entries:
-            expected = reference.losses[e["iteration"]]
-            assert abs(e["loss"] - expected) < 1e-9, (worker, e, expected)
+            expected = reference.losses[e.step]
+            assert abs(e.loss - expected) < 1e-9, (worker, e, expected)
         done.update(iterations)
     assert done == set(range(steps)), f"iterations committed: {sorted(done)}"
     assert_final_parameters(tmp_path / "final", reference)
@@ -82,15 +80,15 @@ def test_rank_killed_in_every_phase_recovers_in_place(phase, reference, tmp_path
     job, result = run_job(tmp_path, nodes=4, faults=PHASES[phase])
     logs = check_against_reference(tmp_path, reference, job)
     (event,) = result.controller.events
-    assert event.failed == ["node3.0"]
+    assert event.failed == ("node3.0",)
     # Node 3 dies in iteration 2. Before its commit nobody can step 2: the job resumes at
     # 2. After it, the others stepped 2 as well: the job resumes at 3.
     after_commit = phase in ("just after the commit", "optimizer step")
     assert event.first_iteration == (3 if after_commit else 2)
-    assert [e["iteration"] for e in logs["node3.0"]] == [0, 1]  # it never logged 2
+    assert [e.step for e in logs["node3.0"]] == [0, 1]  # it never logged 2
     # The broken pipeline (node2 alone) is below n0 = 2: the three survivors merge into
     # one pipeline of three stages, re-cutting the layers, so state moves.
-    assert event.plan_shape == [3] and event.transfers > 0
+    assert event.plan_shape == (3,) and event.transfers > 0
 
 
 @pytest.mark.multiprocess
@@ -101,9 +99,9 @@ def test_commit_lost_on_one_worker_is_rolled_forward(reference, tmp_path):
     job, result = run_job(tmp_path, nodes=4, faults="node1.0:committed@3!error")
     logs = check_against_reference(tmp_path, reference, job)
     (event,) = result.controller.events
-    assert event.failed == [] and event.rolled_forward == 3 and event.first_iteration == 4
-    rolled = [e for e in logs["node1.0"] if e["rolled_forward"]]
-    assert [e["iteration"] for e in rolled] == [3]
+    assert event.failed == () and event.rolled_forward == 3 and event.first_iteration == 4
+    rolled = [e for e in logs["node1.0"] if e.rolled_forward]
+    assert [e.step for e in rolled] == [3]
 
 
 @pytest.mark.multiprocess
@@ -116,8 +114,8 @@ def test_optimizer_step_failing_part_way_leaves_the_job(reference, tmp_path):
     job, result = run_job(tmp_path, nodes=4, faults="node1.0:step@3!error")
     logs = check_against_reference(tmp_path, reference, job)
     (event,) = result.controller.events
-    assert event.failed == ["node1.0"] and event.rolled_forward is None and event.first_iteration == 4
-    assert [e["iteration"] for e in logs["node1.0"]] == [0, 1, 2]
+    assert event.failed == ("node1.0",) and event.rolled_forward is None and event.first_iteration == 4
+    assert [e.step for e in logs["node1.0"]] == [0, 1, 2]
     assert job.processes[("node1", 0)].returncode == EXIT_TORN_STEP
 
 
@@ -128,7 +126,7 @@ def test_failure_during_reconfiguration(reference, tmp_path):
     in the middle of its transfer. Epoch 2 is planned from what the two left hold."""
     job, result = run_job(tmp_path, nodes=4, faults="node3.0:backward@2,node2.0:transfer@2")
     check_against_reference(tmp_path, reference, job)
-    assert [e.failed for e in result.controller.events] == [["node3.0"], ["node2.0"]]
+    assert [e.failed for e in result.controller.events] == [("node3.0",), ("node2.0",)]
 
 
 @pytest.mark.multiprocess
@@ -141,8 +139,8 @@ def test_two_simultaneous_failures_with_three_replicas(reference, tmp_path):
     assert [len(p.stages) for p in job.initial_plan().pipelines] == [2, 2, 2]
     check_against_reference(tmp_path, reference, job)
     assert [e.failed for e in result.controller.events] in (
-        [["node1.0", "node3.0"]], [["node1.0"], ["node3.0"]], [["node3.0"], ["node1.0"]])
-    assert result.controller.events[-1].plan_shape == [2, 2]
+        [("node1.0", "node3.0")], [("node1.0",), ("node3.0",)], [("node3.0",), ("node1.0",)])
+    assert result.controller.events[-1].plan_shape == (2, 2)
 
 
 @pytest.mark.multiprocess
@@ -154,7 +152,7 @@ def test_pipeline_left_too_small_borrows_a_node(reference, tmp_path):
     assert [len(p.stages) for p in job.initial_plan().pipelines] == [3, 2]
     check_against_reference(tmp_path, reference, job)
     (event,) = result.controller.events
-    assert event.failed == ["node4.0"] and event.plan_shape == [2, 2]
+    assert event.failed == ("node4.0",) and event.plan_shape == (2, 2)
 
 
 @pytest.mark.multiprocess
@@ -177,10 +175,10 @@ def test_node_joining_mid_run_receives_its_layers(reference, tmp_path):
     job, result = run_job(tmp_path, nodes=4, faults=straggler, actions=add_after_iteration_1)
     logs = check_against_reference(tmp_path, reference, job)
     (event,) = result.controller.events
-    assert event.reason == "join" and event.joined == ["node4.0"] and event.failed == []
+    assert event.reason == "join" and event.joined == ("node4.0",) and event.failed == ()
     assert event.transfers > 0
     assert len(event.plan_shape) == 2 and sum(event.plan_shape) == 5
-    joiner = [e["iteration"] for e in logs["node4.0"]]
+    joiner = [e.step for e in logs["node4.0"]]
     assert joiner and joiner[0] == event.first_iteration >= 2 and joiner[-1] == STEPS - 1
 
 
@@ -196,10 +194,10 @@ def test_more_failures_than_replicas_resumes_from_the_last_checkpoint(reference,
     (event,) = result.controller.events
     assert sorted(event.failed) == ["node1.0", "node3.0"] and event.restored == 2
     for worker in ("node0.0", "node2.0"):
-        iterations = [e["iteration"] for e in logs[worker]]
+        iterations = [e.step for e in logs[worker]]
         assert iterations == [0, 1, 2, 3, 3, 4, 5], iterations  # 3 lost and run again
         for e in logs[worker]:
-            assert abs(e["loss"] - reference.losses[e["iteration"]]) < 1e-9, (worker, e)
+            assert abs(e.loss - reference.losses[e.step]) < 1e-9, (worker, e)
     assert_final_parameters(tmp_path / "final", reference)
 
 
@@ -214,8 +212,7 @@ def test_more_failures_than_replicas_without_checkpoint_fails_clearly(tmp_path):
 
 
 def audits(tmp_path) -> list[dict]:
-    return [json.loads(line) for path in sorted(tmp_path.glob("audit-*.jsonl"))
-            for line in path.read_text().splitlines()]
+    return [entry for entries in read_logs(tmp_path, AUDIT, AuditEntry).values() for entry in entries]
 
 
 @pytest.mark.multiprocess
@@ -232,8 +229,8 @@ def test_replica_audit_repairs_silent_corruption_from_the_majority(reference, tm
     assert result.outcome == "ok", job.logs()
     found = audits(tmp_path)
     assert found, job.logs()
-    assert {(a["iteration"], a["layer"]) for a in found} == {(3, 0)}
-    assert all(a["minority"] == [2] and a["majority"] == [0, 4] and a["repaired"] for a in found)
+    assert {(a.step, a.layer) for a in found} == {(3, 0)}
+    assert all(a.minority == (2,) and a.majority == (0, 4) and a.repaired for a in found)
     assert "replica audit after step 3" in job.logs()
 
 
@@ -246,8 +243,8 @@ def test_replica_audit_reports_a_tie_loudly(tmp_path):
     result = job.run(200)
     assert result.outcome == "ok", job.logs()
     first = audits(tmp_path)[0]
-    assert (first["iteration"], first["layer"], first["majority"], first["minority"]) == (1, 0, [], [0, 2])
-    assert not first["repaired"]
+    assert (first.step, first.layer, first.majority, first.minority) == (1, 0, (), (0, 2))
+    assert not first.repaired
 
 
 @pytest.mark.multiprocess
@@ -264,8 +261,8 @@ def test_hung_worker_is_detected_within_the_timeout(reference, tmp_path):
     assert result.outcome == "ok", job.logs()
     check_against_reference(tmp_path, reference, job)
     (event,) = result.controller.events
-    assert event.failed == ["node3.0"]
-    hung_at = max(e["time"] for e in commits(tmp_path)["node3.0"])  # its last commit, before the hang
+    assert event.failed == ("node3.0",)
+    hung_at = max(e.time for e in commits(tmp_path)["node3.0"])  # its last commit, before the hang
     assert event.statuses_s - hung_at < timeout_s + status_timeout_s + 5
 
 
@@ -282,4 +279,4 @@ def test_tensor_parallel_shards_move_shard_by_shard(reference, tmp_path):
     assert result.outcome == "ok", job.logs()
     check_against_reference(tmp_path, reference, job)
     (event,) = result.controller.events
-    assert event.failed == ["node3.0"] and event.plan_shape == [3] and event.transfers > 0
+    assert event.failed == ("node3.0",) and event.plan_shape == (3,) and event.transfers > 0

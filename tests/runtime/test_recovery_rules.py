@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from planaria.runtime.audit import _compare
-from planaria.runtime.checkpoint_files import complete_checkpoints, prune, step_dir, write_manifest
-from planaria.runtime.coordination import EpochRecord
-from planaria.runtime.exactly_once import (INCOMPLETE, SYNCED, CommitRecord, InconsistentStatuses,
+from planaria.runtime.contract.checkpoint_layout import complete_checkpoints, prune, step_dir, write_manifest
+from planaria.runtime.contract.epochs import EpochRecord
+from planaria.runtime.contract.exactly_once import (INCOMPLETE, SYNCED, CommitRecord, InconsistentStatuses,
                                            WorkerStatus, resolve)
 from planaria.runtime.faults import Fault, FaultInjector, flip_a_bit, parse_faults
 from planaria.templates.layout import plan_from_layout

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from planaria.runtime.checkpoint import load_full_model
-from planaria.runtime.config import _parameter_count, load_config
+from planaria.runtime.config import parameter_count, load_config
 from planaria.runtime.model import LayerModel
 from planaria.runtime.reference import build_reference_model
 from planaria.runtime.tensor_parallel import TensorParallel
@@ -73,8 +73,8 @@ def test_reference_shares_one_weight_counted_once():
     net = build_reference_model(model, torch.float64, torch.device("cpu"))
     assert net[0].embed.weight is net[-1].output.weight
     count = sum(p.numel() for p in net.parameters())  # parameters() yields a shared one once
-    assert count == _parameter_count(model.cfg)
-    assert _parameter_count(tiny_model(False).cfg) - count == model.cfg.vocab_size * model.cfg.d_model
+    assert count == parameter_count(model.cfg)
+    assert parameter_count(tiny_model(False).cfg) - count == model.cfg.vocab_size * model.cfg.d_model
 
 
 @pytest.fixture(scope="module")
@@ -121,7 +121,7 @@ def test_worker_holding_a_head_killed_recovers_exactly(tmp_path):
                                    extra=[*TIED, "parallel.audit_every=2"])
     recovery.check_against_reference(tmp_path, reference, job)
     (event,) = result.controller.events
-    assert event.failed == ["node3.0"] and event.first_iteration == 2 and event.transfers > 0
+    assert event.failed == ("node3.0",) and event.first_iteration == 2 and event.transfers > 0
     assert not recovery.audits(tmp_path), "the replica audit found replicas that differ"
     assert_copies_identical(load_full_model(tmp_path / "final"))
 

@@ -1,20 +1,33 @@
 """The per-worker logs are named in one place: what a worker writes at `log_path` is
-what the chaos report reads back, per worker and in order, and one kind never reads
-the other's files."""
+what the chaos report reads back, per worker and in order, as typed records, and one
+kind never reads the other's files."""
 from __future__ import annotations
 
-import json
+import pytest
 
 from planaria.chaos.report import read_commits, read_evals
-from planaria.runtime.worker_logs import COMMITS, EVALS, log_path
+from planaria.runtime.contract.logs import COMMITS, EVALS, CommitEntry, EvalEntry, append, log_path
+from planaria.runtime.contract.record import RecordError
+
+
+def commit(step: int) -> CommitEntry:
+    return CommitEntry(step=step, loss=5.0 - step / 10, grad_norm=1.0, epoch=0, time=100.0 + step)
 
 
 def test_what_a_worker_writes_the_report_reads(tmp_path):
     for worker, n in (("n0.0", 3), ("n1.0", 2)):
         with open(log_path(tmp_path, COMMITS, worker), "a", encoding="utf-8") as f:
-            f.writelines(json.dumps({"iteration": i}) + "\n" for i in range(n))
+            for i in range(n):
+                append(f, commit(i))
+    evaluation = EvalEntry(step=1, val_loss=2.5, epoch=0, time=101.0)
     with open(log_path(tmp_path, EVALS, "n0.0"), "a", encoding="utf-8") as f:
-        f.write(json.dumps({"iteration": 1, "val_loss": 2.5}) + "\n")
-    assert read_commits(tmp_path) == {"n0.0": [{"iteration": i} for i in range(3)],
-                                      "n1.0": [{"iteration": i} for i in range(2)]}
-    assert read_evals(tmp_path) == {"n0.0": [{"iteration": 1, "val_loss": 2.5}]}
+        append(f, evaluation)
+    assert read_commits(tmp_path) == {"n0.0": [commit(i) for i in range(3)], "n1.0": [commit(i) for i in range(2)]}
+    assert read_evals(tmp_path) == {"n0.0": [evaluation]}
+
+
+def test_a_damaged_log_line_is_named_by_file_and_line(tmp_path):
+    path = log_path(tmp_path, COMMITS, "n0.0")
+    path.write_text(commit(0).to_json() + "\n" + '{"step": 1, "loss": 4.9}\n')
+    with pytest.raises(RecordError, match=r"commits-n0\.0\.jsonl:2: CommitEntry\.grad_norm: missing"):
+        read_commits(tmp_path)

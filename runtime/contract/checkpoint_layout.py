@@ -1,9 +1,9 @@
 """Checkpoint and model directories as files: names, manifests, what is complete, pruning.
 
-Free of torch: the control plane (a node's agent, which never computes) writes the
-manifests and prunes old checkpoints, and must not spend seconds importing torch for
-that. The tensors themselves are written and read by `planaria.runtime.checkpoint`
-(the final model) and `planaria.runtime.checkpointing` (training checkpoints).
+Part of the contract because the control plane (a node's agent, which never computes)
+writes the checkpoints' manifests and prunes old checkpoints, while the workers write
+the shard files. The tensors themselves are written and read by the runtime's
+`planaria.runtime.checkpoint`.
 """
 from __future__ import annotations
 
@@ -13,7 +13,10 @@ import shutil
 from pathlib import Path
 from typing import BinaryIO, Callable
 
-from planaria.runtime.exactly_once import CommitRecord
+from dataclasses import dataclass
+
+from planaria.runtime.contract.exactly_once import CommitRecord
+from planaria.runtime.contract.record import JsonRecord, RecordError
 
 MANIFEST = "manifest.json"
 MODEL_RECORD = "model.json"
@@ -109,12 +112,37 @@ def missing_shards(directory: Path, num_layers: int, tp: int) -> list[str]:
             if not (Path(directory) / name).is_file()]
 
 
+@dataclass(frozen=True)
+class CheckpointManifest(JsonRecord):
+    """A complete training checkpoint: written last, by the control plane (or rank 0 of a
+    plain job), once every shard file is on disk."""
+
+    iteration: int
+    """The last step the checkpoint's state has taken."""
+    loss: float
+    grad_norm: float
+    num_layers: int
+    tp: int
+
+    @property
+    def commit(self) -> CommitRecord:
+        return CommitRecord(self.iteration, self.loss, self.grad_norm)
+
+
 def write_manifest(directory: Path, commit: CommitRecord, num_layers: int, tp: int) -> Path:
     target = step_dir(directory, commit.iteration)
-    manifest = {"iteration": commit.iteration, "loss": commit.loss, "grad_norm": commit.grad_norm,
-                "num_layers": num_layers, "tp": tp}
-    atomic_write_bytes(target / MANIFEST, json.dumps(manifest, indent=1).encode())
+    manifest = CheckpointManifest(commit.iteration, commit.loss, commit.grad_norm, num_layers, tp)
+    atomic_write_bytes(target / MANIFEST, json.dumps(manifest.to_dict(), indent=1).encode())
     return target
+
+
+def read_checkpoint_manifest(path: Path) -> CheckpointManifest:
+    """The manifest of the checkpoint directory `path`; a ValueError naming the file
+    when it is not one."""
+    try:
+        return CheckpointManifest.from_dict(read_manifest(path))
+    except RecordError as err:
+        raise ValueError(f"{Path(path) / MANIFEST} is not a checkpoint's manifest ({err})") from None
 
 
 def complete_checkpoints(directory: Path) -> list[tuple[int, Path]]:
@@ -122,7 +150,7 @@ def complete_checkpoints(directory: Path) -> list[tuple[int, Path]]:
     found = []
     for path in Path(directory).glob("step-*"):
         if (path / MANIFEST).is_file():
-            found.append((read_manifest(path)["iteration"], path))
+            found.append((read_checkpoint_manifest(path).iteration, path))
     return sorted(found)
 
 

@@ -1,4 +1,4 @@
-"""Exactly-once optimizer steps across failures (DESIGN §6): statuses and the rule.
+"""Exactly-once optimizer steps across failures (docs/recovery.md): statuses and the rule.
 
 A worker steps iteration `k` only after its commit all-reduce for `k` completed. If
 that all-reduce completed on any worker, every worker had entered it, so every
@@ -12,7 +12,7 @@ survivor holds fully synced gradients for `k`. After a failure each survivor rep
   worker that joined after that step: it received the state, not the step);
 - `holds`: the (layer, tp rank) shards whose state it holds at `last_stepped`.
 
-In DESIGN's words, a worker with `last_stepped == k` "stepped" `k`. The rule
+In the design's words, a worker with `last_stepped == k` "stepped" `k`. The rule
 (`resolve`): let `K` be the largest `last_stepped`. Workers at `K - 1` must be
 `synced` for `K` (anything else means the statuses contradict the commit protocol);
 they step `K` now with the commit record of a worker that stepped it (roll forward).
@@ -20,16 +20,19 @@ The next plan starts at `K + 1`; gradients of any later, uncommitted iteration a
 dropped and that iteration runs again. Every survivor then holds the state of step `K`,
 so any of them can be the source of a layer.
 
-No torch import: the control plane (`planaria.elastic`) applies the rule too.
+The control plane (`planaria.elastic`) applies the rule; the workers report statuses.
 """
 from __future__ import annotations
 
-import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
+from typing import Literal, get_args
 
-SYNCED = "synced"
-INCOMPLETE = "incomplete"
-STATES = (SYNCED, INCOMPLETE)
+from planaria.runtime.contract.record import JsonRecord
+from planaria.templates.plan import Worker
+
+StepState = Literal["synced", "incomplete"]
+SYNCED, INCOMPLETE = get_args(StepState)
+STATES = get_args(StepState)
 
 
 class InconsistentStatuses(RuntimeError):
@@ -37,7 +40,7 @@ class InconsistentStatuses(RuntimeError):
 
 
 @dataclass(frozen=True)
-class CommitRecord:
+class CommitRecord(JsonRecord):
     """What the commit all-reduce of one iteration agreed on."""
 
     iteration: int
@@ -46,13 +49,13 @@ class CommitRecord:
 
 
 @dataclass(frozen=True)
-class WorkerStatus:
+class WorkerStatus(JsonRecord):
     """A worker's report after its epoch ended (module docstring)."""
 
-    worker: tuple[str, int]
+    worker: Worker
     """(node, local rank): a worker's name across epochs."""
     last_stepped: int
-    state: str
+    state: StepState
     commit: CommitRecord | None = None
     holds: tuple[tuple[int, int], ...] = field(default=())
     finished: bool = False
@@ -64,16 +67,6 @@ class WorkerStatus:
         if self.commit is not None and self.commit.iteration != self.last_stepped:
             raise ValueError(f"worker {self.worker} last stepped iteration {self.last_stepped} but "
                              f"reports the commit record of {self.commit.iteration}")
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self))
-
-    @classmethod
-    def from_json(cls, text: str) -> "WorkerStatus":
-        data = json.loads(text)
-        commit = data.pop("commit")
-        return cls(worker=tuple(data.pop("worker")), commit=None if commit is None else CommitRecord(**commit),
-                   holds=tuple(tuple(h) for h in data.pop("holds")), **data)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,99 @@
+"""The records of an epoch: what the controller publishes, and what workers report back.
+
+- `EpochRecord`: the plan of an epoch and what survivors do before it starts (written
+  by the leader's controller, read by every worker);
+- `EpochEvent`: the controller's account of one reconfiguration (read by the chaos
+  harness, its report and the benchmarks);
+- `EpochTiming`: when each of a worker's recovery phases ended (read by the same).
+
+Times are wall-clock seconds (`time.time()`): they are compared across processes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Annotated, Literal
+
+from pydantic import PlainSerializer, PlainValidator
+
+from planaria.runtime.contract.exactly_once import CommitRecord
+from planaria.runtime.contract.record import JsonRecord, RecordError
+from planaria.templates.plan import Plan, Transfer
+
+
+def _plan_from_json(value) -> Plan:
+    if isinstance(value, Plan):
+        return value
+    if not isinstance(value, dict):
+        raise RecordError(f"a plan must be a JSON object, got {type(value).__name__}")
+    return Plan.from_dict(value)  # the plan contract's own reader and validation
+
+
+PlanField = Annotated[Plan, PlainValidator(_plan_from_json), PlainSerializer(Plan.to_dict)]
+"""A Plan in a record, in `Plan.to_dict`'s form (the plan contract owns its JSON)."""
+
+
+@dataclass(frozen=True)
+class EpochRecord(JsonRecord):
+    """An epoch's plan and what survivors do before it starts."""
+
+    plan: PlanField
+    roll_forward: CommitRecord | None = None
+    """Workers one step behind apply this committed step first (exactly-once rule)."""
+    transfers: tuple[Transfer, ...] = field(default=())
+    """Layer shards to copy from holders to the workers that lack them."""
+    restore: str | None = None
+    """A checkpoint directory every worker loads its layers from (some layer lost every
+    replica); the plan then starts right after the checkpoint's iteration."""
+
+
+Reason = Literal["failure", "join"]
+
+
+@dataclass(frozen=True)
+class EpochEvent(JsonRecord):
+    """What happened at one reconfiguration, for reports and benchmarks."""
+
+    epoch: int
+    reason: Reason
+    detected_s: float
+    """When the controller saw the change."""
+    statuses_s: float
+    """When every live worker's status was in (or the silent ones were given up)."""
+    planned_s: float
+    published_s: float
+    """When the epoch's record was published (workers may start)."""
+    failed: tuple[str, ...] = ()
+    """Workers ("node.local") of the old plan that did not report."""
+    joined: tuple[str, ...] = ()
+    first_iteration: int = 0
+    rolled_forward: int | None = None
+    """The iteration survivors one step behind applied first, if any."""
+    transfers: int = 0
+    """Layer shards copied between workers."""
+    restored: int | None = None
+    """The checkpoint's iteration, when the job went back to one."""
+    moved_bytes: int = 0
+    """The planner's estimate of the layer state the transfers move."""
+    plan_shape: tuple[int, ...] = ()
+    """Stages of each pipeline of the new plan."""
+
+
+@dataclass(frozen=True)
+class EpochTiming(JsonRecord):
+    """A worker's account of one epoch: when each phase ended (absent: not reached)."""
+
+    record_s: float
+    """It read the epoch's record."""
+    rendezvous_s: float | None = None
+    """Its process group was up."""
+    transfer_s: float | None = None
+    """It held every layer of the plan (transfers, a restore, or nothing to do)."""
+    first_step_s: float | None = None
+    """Its first step of the epoch committed."""
+    failed_s: float | None = None
+    error: str | None = None
+    """The first line of what ended the epoch on this worker, when it failed."""
+    bytes_received: int = 0
+    bytes_sent: int = 0
+    transfer_seconds: float | None = None
+    """How long its layer exchange took."""

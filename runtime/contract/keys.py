@@ -1,0 +1,117 @@
+"""The job store's key layout: one function per key, used by every reader and writer.
+
+Keys are relative to the store's prefix (a `torch.distributed.PrefixStore`, or the run's
+prefix in etcd, `/planaria/<run id>/`):
+
+    members/<node>.<local>          a worker's `Announcement`
+    epoch                           the newest epoch whose record is complete
+    epoch/<e>/record                `EpochRecord`, written before `epoch` moves to e
+    epoch/<e>/status/<node>.<local> `WorkerStatus`, once the worker left epoch e
+    epoch/<e>/reconfigure           present: stop after the current iteration
+    epoch/<e>/trained               present: epoch e committed a step
+    epoch/<e>/pg/...                the epoch's process-group rendezvous
+    epoch/<e>/timing/<node>.<local> `EpochTiming`
+    epoch/<e>/event                 `EpochEvent`: the controller's account of the change
+    checkpoint/<i>/shards           shard files of the checkpoint of iteration i on disk (a count)
+    checkpoint/<i>/commit           that iteration's `CommitRecord`
+    done                            the job is over: "ok", or "failed: <reason>"
+
+The agents' own keys in etcd lie beside these, under the same prefix:
+
+    job                             the job's config and overrides (`JobSpec`)
+    nodes/<node>                    a node's registration (`NodeRegistration`), on its lease
+    alive/<node>.<local>            present while the worker's process runs, on its lease
+    leader                          the node whose agent leads, on its lease
+"""
+from __future__ import annotations
+
+from planaria.templates.plan import Worker
+
+EPOCH = "epoch"
+DONE = "done"
+MEMBERS = "members/"
+JOB_OK = "ok"
+JOB_FAILED = "failed: "
+"""`done`'s value for a failed job starts so, the reason follows."""
+
+
+def run_prefix(run_id: str) -> str:
+    """Everything of one job in etcd lies under this."""
+    return f"/planaria/{run_id}/"
+
+
+JOB = "config"
+LEADER = "leader"
+NODES = "nodes/"
+ALIVE = "alive/"
+
+
+def node_registration(node: str) -> str:
+    return f"{NODES}{node}"
+
+
+def alive(worker: Worker) -> str:
+    return f"{ALIVE}{worker_key(worker)}"
+
+
+def worker_key(worker: Worker) -> str:
+    """A worker's name in keys and logs: "node.local"."""
+    return f"{worker[0]}.{worker[1]}"
+
+
+def parse_worker_key(key: str) -> Worker:
+    """The inverse of `worker_key` (node names may contain dots: the local rank is last)."""
+    node, _, local = key.rpartition(".")
+    if not node or not local.isdigit():
+        raise ValueError(f"{key!r} is not a worker name (node.local_rank)")
+    return node, int(local)
+
+
+def member(worker: Worker) -> str:
+    return f"{MEMBERS}{worker_key(worker)}"
+
+
+def _epoch(epoch: int) -> str:
+    return f"epoch/{epoch}/"
+
+
+def epoch_record(epoch: int) -> str:
+    return _epoch(epoch) + "record"
+
+
+def epoch_status(epoch: int, worker: Worker) -> str:
+    return _epoch(epoch) + f"status/{worker_key(worker)}"
+
+
+def epoch_timing(epoch: int, worker: Worker) -> str:
+    return _epoch(epoch) + f"timing/{worker_key(worker)}"
+
+
+def epoch_timings(epoch: int) -> str:
+    """The prefix under which every worker's timing of `epoch` lies."""
+    return _epoch(epoch) + "timing/"
+
+
+def epoch_reconfigure(epoch: int) -> str:
+    return _epoch(epoch) + "reconfigure"
+
+
+def epoch_trained(epoch: int) -> str:
+    return _epoch(epoch) + "trained"
+
+
+def epoch_event(epoch: int) -> str:
+    return _epoch(epoch) + "event"
+
+
+def epoch_rendezvous(epoch: int) -> str:
+    """The prefix of the epoch's process-group rendezvous store."""
+    return _epoch(epoch) + "pg/"
+
+
+def checkpoint_shards(iteration: int) -> str:
+    return f"checkpoint/{iteration}/shards"
+
+
+def checkpoint_commit(iteration: int) -> str:
+    return f"checkpoint/{iteration}/commit"
