@@ -15,17 +15,17 @@ setup:
 	@bash .ci/setup
 
 demo: setup
-	$(PYTHON) -m planaria.chaos.cli demo $(ARGS)
+	$(PYTHON) -m planaria.cli demo $(ARGS)
 
 # The long chaos runs of docs/chaos.md, not part of the test suite.
 soak: setup
-	$(PYTHON) -m planaria.chaos.cli chaos configs/soak.yaml --nodes 6 --etcd-members 3 \
+	$(PYTHON) -m planaria.cli chaos configs/soak.yaml --nodes 6 --etcd-members 3 \
 		--random 1.5 --random-nodes 4-6 --seed 1 --fresh-reference --timeout 5400 --out soak-out $(ARGS)
 
 replay: setup
-	$(PYTHON) -m planaria.chaos.cli chaos configs/tiny.yaml --nodes 6 --fault-tolerance 1 \
+	$(PYTHON) -m planaria.cli chaos configs/tiny.yaml --nodes 6 --fault-tolerance 1 \
 		--trace p3 --time-scale 68 --fresh-reference --timeout 3600 --out replay-out \
-		parallel.min_stages=2 parallel.timeout_s=10 checkpoint.every=20 train.steps=6000 train.log_every=500 $(ARGS)
+		parallel.min_stages=2 comm.timeout_s=10 checkpoint.every=20 train.steps=6000 train.log_every=500 $(ARGS)
 
 train: setup
 	OMP_NUM_THREADS=1 $(PYTHON) -m torch.distributed.run --standalone --nproc-per-node=$(NPROC) \

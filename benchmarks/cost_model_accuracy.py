@@ -58,7 +58,7 @@ from step_time import _busy_seconds, _children_seconds, _cpu_name, _wait_quiet  
 
 CONFIG = REPO / "configs" / "tiny.yaml"
 COMMON = ["data.source=synthetic", "train.dtype=float32", "train.recompute=false",
-          "parallel.tp=1", "parallel.pp=2", "parallel.backend=gloo",
+          "parallel.tp=1", "parallel.pp=2", "comm.backend=gloo",
           "output.save_final=false", "train.log_every=1000000"]
 LARGER = ["model.n_layers=8", "model.d_model=256", "model.n_heads=4", "model.seq_len=128",
           "train.global_batch=16", "train.micro_batch=2"]

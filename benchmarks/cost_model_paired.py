@@ -67,7 +67,7 @@ def worker(args) -> None:
     cfg = load_config(CONFIG, CASES[args.case])
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     dist.init_process_group("gloo", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=cfg.parallel.timeout_s))
+                            timeout=timedelta(seconds=cfg.comm.timeout_s))
     try:
         plan = plan_from_config(cfg, world_size=world)
         engine = build_engine(cfg, plan, rank, torch.device("cpu"))

@@ -105,7 +105,7 @@ def _tree_rss(root_pid: int) -> int:
 def run_prepare(corpus: Path, tokenizer_path: Path, out: Path, workers: int) -> tuple[int, float, int]:
     """(tokens, seconds, peak tree RSS bytes) of `planaria data prepare` in a fresh process."""
     shutil.rmtree(out, ignore_errors=True)
-    cmd = [sys.executable, "-m", "planaria.chaos.cli", "data", "prepare", str(corpus), "--out", str(out),
+    cmd = [sys.executable, "-m", "planaria.cli", "data", "prepare", str(corpus), "--out", str(out),
            "--tokenizer", str(tokenizer_path), "--workers", str(workers), "--quiet"]
     started = time.perf_counter()
     proc = subprocess.Popen(cmd)
@@ -146,7 +146,7 @@ def main() -> None:
         print(f"corpus: {size / 2**20:.0f} MiB of standard-library source, "
               f"{sum(1 for _ in (tmp / 'corpus').rglob('*.py')):,} files")
         one_copy = tmp / "corpus" / "copy000"
-        subprocess.run([sys.executable, "-m", "planaria.chaos.cli", "data", "prepare", str(one_copy), "--out",
+        subprocess.run([sys.executable, "-m", "planaria.cli", "data", "prepare", str(one_copy), "--out",
                         str(tmp / "tok"), "--train-bpe", "4096", "--quiet", "--val-fraction", "0"], check=True)
         tokenizer_path = tmp / "tok" / "tokenizer.json"
         rates: dict[str, list[float]] = {"direct": [], **{f"prepare w{w}": [] for w in workers}}

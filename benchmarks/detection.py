@@ -27,8 +27,8 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-JOB = ["train.steps=400", "data.source=synthetic", "parallel.fault_tolerance=1", "parallel.min_stages=2",
-       "parallel.backend=gloo", "train.log_every=100000", "output.save_final=false"]
+JOB = ["train.steps=400", "data.source=synthetic", "fault_tolerance.f=1", "parallel.min_stages=2",
+       "comm.backend=gloo", "train.log_every=100000", "output.save_final=false"]
 
 
 def one_run(endpoint: str, ttl: int, out: Path, run_id: str) -> dict:

@@ -611,7 +611,7 @@ def main(argv: list[str] | None = None) -> int:
                "--nodes", str(n), "--gpus-per-node", str(g), "--hardware", args.hardware,
                "--fault-tolerance", str(f), "--json"]
         t0 = time.perf_counter()
-        proc = subprocess.run([sys.executable, "-m", "planaria.chaos.cli", *cli[1:]], check=False, cwd=REPO,
+        proc = subprocess.run([sys.executable, "-m", "planaria.cli", *cli[1:]], check=False, cwd=REPO,
                               capture_output=True, text=True, timeout=600)
         cli_s = time.perf_counter() - t0
         if proc.returncode == 0:

@@ -52,9 +52,9 @@ REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "configs" / "tiny.yaml"
 JOB = ["model.n_layers=8", "model.d_model=256", "model.n_heads=4", "model.seq_len=128",
        "train.global_batch=16", "train.micro_batch=2", "train.dtype=float32", "train.recompute=false",
-       "data.source=synthetic", "parallel.backend=gloo", "parallel.tp=1", "train.log_every=1000",
+       "data.source=synthetic", "comm.backend=gloo", "parallel.tp=1", "train.log_every=1000",
        "output.save_final=false"]
-PLANARIA = ["parallel.fault_tolerance=1", "parallel.min_stages=2"]
+PLANARIA = ["fault_tolerance.f=1", "parallel.min_stages=2"]
 TORCHRUN = ["parallel.pp=2", "parallel.dp=2"]
 NODES = 4
 

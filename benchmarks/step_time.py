@@ -69,7 +69,7 @@ BENCH_OVERRIDES = [
     "model.seq_len=128", "data.source=synthetic", "train.global_batch=8",
     "train.micro_batch=2", "train.dtype=float32", "train.grad_clip=1.0",
     "train.recompute=false", "parallel.tp=1", "parallel.dp=1", "parallel.schedule=1f1b",
-    "parallel.virtual_stages=1", "parallel.backend=gloo", "output.save_final=false",
+    "parallel.virtual_stages=1", "comm.backend=gloo", "output.save_final=false",
 ]
 
 RUNS = {
@@ -257,7 +257,7 @@ def _init_torchrun_group(cfg) -> tuple[int, int]:
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     dist.init_process_group("gloo", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=cfg.parallel.timeout_s))
+                            timeout=timedelta(seconds=cfg.comm.timeout_s))
     return rank, world
 
 
@@ -428,7 +428,7 @@ def worker_breakdown(args) -> None:
             stage.backward_one_chunk = sec.wrap("backward", stage.backward_one_chunk)
             stage.submod.forward = sec.wrap("model forward", stage.submod.forward)
         engine.schedule._loss_fn = sec.wrap("loss", engine.schedule._loss_fn)
-        for state in engine.layers.values():
+        for state in map(engine.shard, engine.held_layers()):
             state.optimizer.zero_grad = sec.wrap("zero_grad", state.optimizer.zero_grad)
             state.optimizer.step = sec.wrap("optimizer.step", state.optimizer.step)
         totals = []

@@ -312,7 +312,7 @@ class Agent:
         """SIGKILL a worker whose heartbeat stopped (runtime/heartbeat.py): frozen, it
         would hold the job up until the leader's status timeout; dead, it is a failure
         like any other, seen at once."""
-        limit = self.cfg.parallel.heartbeat_timeout_s or self.cfg.parallel.timeout_s
+        limit = self.cfg.comm.heartbeat_timeout_s or self.cfg.comm.timeout_s
         now = time.time()
         for worker, proc in self.workers.items():
             silent = silent_for(self._heartbeat_file(worker), now)
@@ -438,7 +438,7 @@ class Agent:
         costs = cost_model(self.cfg, hardware_name=self.hardware, gpus_per_node=self.nproc)
         return Controller(
             self.store, build_planner(self.cfg, costs), total_steps=self.cfg.train.steps,
-            gpus_per_node=self.nproc, status_timeout_s=status_timeout_s(self.cfg.parallel),
+            gpus_per_node=self.nproc, status_timeout_s=status_timeout_s(self.cfg.comm),
             log=lambda message: self.log(message), interrupted=lambda: self._signal is not None,
             checkpoints=CheckpointPolicy(self.cfg.checkpoint_dir, self.cfg.checkpoint.every,
                                          self.cfg.checkpoint.keep))

@@ -288,7 +288,7 @@ class Controller:
         if not usable:
             raise JobFailed(f"no surviving worker holds layer shards {missing} (layer, tp rank) and "
                             "there is no complete checkpoint to go back to: more failures than "
-                            "replicas; set checkpoint.every, or raise parallel.fault_tolerance")
+                            "replicas; set checkpoint.every, or raise fault_tolerance.f")
         iteration, path = usable[-1]
         self.log(f"controller: layer shards {missing} lost every replica; going back to the "
                  f"checkpoint of iteration {iteration} ({first - 1 - iteration} step(s) of work lost)")

@@ -98,7 +98,7 @@ def one_gpu_each(nproc: int, backend: str, environ=os.environ) -> list[dict[str,
         return [{} for _ in range(nproc)]
     if nproc > gpus and backend in ("auto", "nccl"):
         raise ValueError(f"--nproc-per-node={nproc} but {gpus} GPU(s) visible, and NCCL needs a GPU "
-                         f"per worker: start at most {gpus}, or set parallel.backend=gloo")
+                         f"per worker: start at most {gpus}, or set comm.backend=gloo")
     listed = environ.get("CUDA_VISIBLE_DEVICES")
     ids = [d.strip() for d in listed.split(",")][:gpus] if listed else [str(i) for i in range(gpus)]
     return [{"CUDA_VISIBLE_DEVICES": ids[i % gpus]} for i in range(nproc)]
@@ -188,7 +188,7 @@ def run_planaria(args) -> int:
     if args.standalone and per_node == 1:
         nodes, min_nodes = [f"{socket.gethostname()}-{i}" for i in range(nproc)], nproc
         try:
-            devices = one_gpu_each(nproc, cfg.parallel.backend)
+            devices = one_gpu_each(nproc, cfg.comm.backend)
         except ValueError as err:
             print(f"planaria-run: {err}", file=sys.stderr)
             return 2

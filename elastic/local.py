@@ -76,7 +76,7 @@ class LocalJob:
             self.store, build_planner(self.cfg, costs), total_steps=self.cfg.train.steps,
             gpus_per_node=gpus_per_node,
             status_timeout_s=(status_timeout_s if status_timeout_s is not None
-                              else default_status_timeout(self.cfg.parallel)),
+                              else default_status_timeout(self.cfg.comm)),
             log=self.log, checkpoints=CheckpointPolicy(self.cfg.checkpoint_dir, self.cfg.checkpoint.every,
                                                       self.cfg.checkpoint.keep))
         self.processes: dict[Worker, subprocess.Popen] = {}

@@ -29,8 +29,8 @@ def main() -> int:
     out = Path(args.out)
     shutil.rmtree(out, ignore_errors=True)
     job = LocalJob(REPO / "configs" / "tiny.yaml",
-                   [f"train.steps={args.steps}", "train.log_every=1", "parallel.backend=gloo",
-                    "parallel.fault_tolerance=1", "parallel.min_stages=2", "data.source=synthetic"],
+                   [f"train.steps={args.steps}", "train.log_every=1", "comm.backend=gloo",
+                    "fault_tolerance.f=1", "parallel.min_stages=2", "data.source=synthetic"],
                    nodes=args.nodes, out_dir=out, faults=args.kill)
     plan = job.initial_plan()
     print("epoch 0:", " | ".join(

@@ -4,10 +4,10 @@ Recovery copies a lost layer from any surviving replica, so it silently assumes 
 all replicas agree. They should: they receive the same synced gradient and the same
 clip coefficient, and run the same deterministic update. Silent data corruption (a
 flipped bit in memory) or a bug breaks that without any error. Every
-`parallel.audit_every` steps each worker checksums the layer shards it holds
+`audit.every` steps each worker checksums the layer shards it holds
 (parameters and optimizer state, bit for bit), the replicas of each shard gather their
 checksums over the shard's gradient-sync group, and any disagreement is reported with
-the layer and the ranks on each side. With `parallel.audit_repair`, a shard whose
+the layer and the ranks on each side. With `audit.repair`, a shard whose
 replicas have a strict majority is overwritten from it (a broadcast from the first
 rank of the majority); a tie cannot be repaired and is only reported.
 """
@@ -43,7 +43,7 @@ class Mismatch:
         if not self.majority:
             return (f"layer {self.layer} (tp rank {self.tp_rank}): replicas on ranks "
                     f"{list(self.minority)} all differ; no majority to repair from")
-        action = "repaired from the majority" if self.repaired else "not repaired (parallel.audit_repair=false)"
+        action = "repaired from the majority" if self.repaired else "not repaired (audit.repair=false)"
         return (f"layer {self.layer} (tp rank {self.tp_rank}): ranks {list(self.minority)} differ from "
                 f"ranks {list(self.majority)}; {action}")
 
@@ -80,7 +80,7 @@ def audit_replicas(engine: "Engine", repair: bool) -> list[Mismatch]:
         if bucket.group is None:
             continue
         # Checksums are summed on the CPU; NCCL gathers GPU tensors only.
-        local = torch.stack([shard_checksum(engine.layers[layer]) for layer in bucket.layers]).to(engine.device)
+        local = torch.stack([shard_checksum(engine.shard(layer)) for layer in bucket.layers]).to(engine.device)
         gathered = [torch.empty_like(local) for _ in bucket.ranks]
         dist.all_gather(gathered, local, group=bucket.group)
         for i, layer in enumerate(bucket.layers):
@@ -89,7 +89,7 @@ def audit_replicas(engine: "Engine", repair: bool) -> list[Mismatch]:
                 continue
             if repair and found.majority:
                 source = bucket.ranks.index(found.majority[0])
-                tensors = shard_tensors(engine.layers[layer])
+                tensors = shard_tensors(engine.shard(layer))
                 for tensor, staged in zip(tensors, on_device(tensors, engine.device)):
                     dist.broadcast(staged, group=bucket.group, group_src=source)
                     if staged is not tensor:

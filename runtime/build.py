@@ -35,14 +35,14 @@ def build_engine(cfg: Config, plan: Plan, rank: int, device: torch.device, *,
     `transfers` and `phase`). `connect_timeout_s`: how long the epoch's process groups
     may take to connect (an elastic worker's, so that a peer that died after the
     rendezvous fails the epoch in seconds); the collectives' own timeout is
-    `parallel.timeout_s`."""
+    `comm.timeout_s`."""
     param_dtype, autocast_dtype = torch_dtypes(cfg.train.dtype)
     model = LayerModel(cfg.model, seed=cfg.train.seed, recompute=cfg.train.recompute)
     return Engine(plan, model, optimizer_settings(cfg.train), rank=rank, device=device,
                   param_dtype=param_dtype, autocast_dtype=autocast_dtype,
                   grad_clip=cfg.train.grad_clip,
                   grad_accum_dtype=torch.float64 if cfg.train.exact_reduction else None,
-                  collective_timeout=timedelta(seconds=cfg.parallel.timeout_s),
+                  collective_timeout=timedelta(seconds=cfg.comm.timeout_s),
                   connect_timeout=None if connect_timeout_s is None else timedelta(seconds=connect_timeout_s),
                   phase=phase, transfers=transfers, restore=restore)
 
@@ -82,7 +82,7 @@ def plan_for_world(cfg: Config, world_size: int, rank: int, device: torch.device
                                         device=device,
                                         concurrent_workers=int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
             report = plan_job(cfg, costs, nodes=world_size // cfg.parallel.tp,
-                              fault_tolerance=cfg.parallel.fault_tolerance)
+                              fault_tolerance=cfg.fault_tolerance.f)
             summary = (f"planner: n0={report.planner.n0}, {report.choice.replicas} replica(s), "
                        f"estimated {report.choice.iteration_time_s * 1000:.1f} ms per step "
                        f"(planned in {report.planning_time_s:.2f} s)")

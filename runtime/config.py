@@ -1,10 +1,15 @@
 """Job configuration: YAML sections as dataclasses, overrides, and validation.
 
-`load_config(path, overrides)` reads a YAML file with the sections `model`, `data`,
-`train`, `parallel` and `output`, applies `section.key=value` overrides (values
-parsed as YAML), and refuses unknown keys and inconsistent values with a message
-naming the key and the fix. `plan_from_config` turns the parallel section into a
-`Plan`. Both run before any process group exists.
+`load_config(path, overrides)` reads a YAML file of sections (`model`, `data`, `train`,
+`parallel`, `comm`, `fault_tolerance`, `audit`, `eval`, `checkpoint`, `output`), applies
+`section.key=value` overrides (values parsed as YAML), and refuses unknown keys and
+inconsistent values with a message naming the key and the fix. A key whose choices are
+a closed set is a `Literal`, checked by the loader itself. `plan_from_config` turns the
+parallel section into a `Plan`. Both run before any process group exists.
+
+Keys that moved to another section (`MOVED`: `parallel.timeout_s` is `comm.timeout_s`
+now, ...) are still read where they were, for one release, with a warning that names
+the new key.
 """
 from __future__ import annotations
 
@@ -12,16 +17,18 @@ import difflib
 import typing
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any
+import warnings
+from typing import Any, Literal, get_args
 
 import yaml
 
 from planaria.templates.costs import ModelShape, check_kv_heads, llama_ffn_dim
 from planaria.templates.layout import homogeneous_layout, plan_from_layout
-from planaria.templates.plan import SCHEDULE_NAMES, Plan
+from planaria.templates.plan import Plan, ScheduleName
 
-DTYPES = ("float32", "float64", "bfloat16")
-KERNEL_MODES = ("auto", "triton", "reference")
+TrainDtype = Literal["float32", "float64", "bfloat16"]
+KernelMode = Literal["auto", "triton", "reference"]
+KERNEL_MODES = get_args(KernelMode)
 """`planaria.kernels.MODES`, written out: importing the kernels package imports torch and
 Triton, which a node's agent (it checks configs, never computes) does without.
 tests/runtime/test_config.py checks that the two agree."""
@@ -65,7 +72,7 @@ class ModelConfig:
     {rope_type: llama3, factor: 8.0, low_freq_factor: 1.0, high_freq_factor: 4.0,
     original_max_position_embeddings: 8192}; rope_type 'default' means no scaling."""
     init_std: float = 0.02
-    kernels: str = "auto"
+    kernels: KernelMode = "auto"
     """Fused Triton kernels (planaria.kernels): "auto" where Triton and a GPU are present,
     "triton" the same but warning when they cannot run, "reference" plain PyTorch.
     PLANARIA_KERNELS=triton runs them through Triton's interpreter on CPU (for tests)."""
@@ -118,7 +125,7 @@ class DataConfig:
     source: str = "synthetic"
     """'synthetic', 'stdlib' (byte-level corpus of the Python standard library), a directory
     prepared by `planaria data prepare` (or its manifest.json), or a headerless .bin file."""
-    dtype: str = ""
+    dtype: Literal["", "uint16", "uint32"] = ""
     """Token width of a headerless nanoGPT .bin: 'uint16' or 'uint32' (required for one);
     empty for prepared shards, whose header says it (a contradicting value is refused)."""
     seed: int = 1234
@@ -142,7 +149,7 @@ class TrainConfig:
     """min_lr as a fraction of lr when min_lr is not given: 0.1, as LLaMA's schedules."""
     warmup_steps: int = 0
     """Linear warm-up steps."""
-    lr_schedule: str = "cosine"
+    lr_schedule: Literal["cosine", "constant"] = "cosine"
     """'cosine' or 'constant'."""
     weight_decay: float = 0.1
     """AdamW weight decay on matrices (not on norm gains)."""
@@ -156,7 +163,7 @@ class TrainConfig:
     """Clip the global gradient norm to this; 0 disables."""
     seed: int = 0
     """Seed of the parameter initialisation."""
-    dtype: str = "float32"
+    dtype: TrainDtype = "float32"
     """'float32' or 'float64' (CPU exactness), 'bfloat16' (autocast over float32 master weights)."""
     recompute: bool = False
     """Recompute each block's activations in the backward pass instead of storing them."""
@@ -183,7 +190,7 @@ class ParallelConfig:
     """Stages per pipeline of a homogeneous plan; 0 (with dp 0): the planner decides."""
     dp: int = 0
     """Pipelines of a homogeneous plan; 0 with pp > 0: as many as the processes allow."""
-    schedule: str = "1f1b"
+    schedule: ScheduleName = "1f1b"
     """'gpipe', '1f1b', 'interleaved' or 'zb1f1b' (1F1B with split backward)."""
     virtual_stages: int = 1
     """Chunks per stage, for the interleaved schedule."""
@@ -191,8 +198,6 @@ class ParallelConfig:
     """Explicit pipelines: transformer blocks per model stage, e.g. [[4], [2, 2]]."""
     microbatches: list | None = None
     """Microbatches per pipeline, e.g. [3, 5]; default: an even split."""
-    fault_tolerance: int = 1
-    """f: failures to survive without a checkpoint; the planner keeps f+1 replicas of every layer."""
     min_stages: int = 1
     """The planner gives every pipeline at least this many stages."""
     profile_cache: str = ""
@@ -200,8 +205,14 @@ class ParallelConfig:
     dp); empty: `output.dir`/profile-cache. A profile is keyed by everything that changes
     it (model, micro batch, dtype, device, threads, torch's version), so one directory can
     serve every job of a machine type and spare each new run the measurement."""
-    backend: str = "auto"
-    """'gloo', 'nccl', or 'auto' (nccl when CUDA is present)."""
+
+
+@dataclass(frozen=True)
+class CommConfig:
+    """Communication and its timeouts."""
+
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    """'auto': nccl when CUDA is present, else gloo."""
     timeout_s: float = 300.0
     """Collective timeout in seconds."""
     heartbeat_timeout_s: float = 0.0
@@ -211,10 +222,25 @@ class ParallelConfig:
     connect_timeout_s: float = 30.0
     """Seconds an elastic epoch's process groups get to connect (at most timeout_s): a peer
     that died after the epoch's rendezvous fails the epoch this soon."""
-    audit_every: int = 0
+
+
+@dataclass(frozen=True)
+class FaultToleranceConfig:
+    """How many failures a job survives in place."""
+
+    f: int = 1
+    """Failures to survive without a checkpoint: the planner keeps f+1 replicas of every
+    layer (Oobleck's f)."""
+
+
+@dataclass(frozen=True)
+class AuditConfig:
+    """The replica audit: are the replicas of each layer still bit-identical?"""
+
+    every: int = 0
     """Every this many steps, compare checksums of each layer across its replicas; 0: never."""
-    audit_repair: bool = False
-    """On an audit mismatch, overwrite the minority from the majority of the replicas."""
+    repair: bool = False
+    """On a mismatch, overwrite the minority from the majority of the replicas."""
 
 
 @dataclass(frozen=True)
@@ -256,6 +282,9 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    comm: CommConfig = field(default_factory=CommConfig)
+    fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
+    audit: AuditConfig = field(default_factory=AuditConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
@@ -266,6 +295,21 @@ class Config:
 
 
 SECTIONS = {f.name: f.default_factory for f in fields(Config)}
+CHOICE_HINTS = {
+    ("data", "dtype"): "use uint16 or uint32 for a headerless .bin, or leave it empty (a prepared corpus's "
+                       "header says it)",
+}
+"""What to say of a closed set's choices where their names alone do not say enough."""
+MOVED = {
+    ("parallel", "backend"): ("comm", "backend"),
+    ("parallel", "timeout_s"): ("comm", "timeout_s"),
+    ("parallel", "heartbeat_timeout_s"): ("comm", "heartbeat_timeout_s"),
+    ("parallel", "connect_timeout_s"): ("comm", "connect_timeout_s"),
+    ("parallel", "fault_tolerance"): ("fault_tolerance", "f"),
+    ("parallel", "audit_every"): ("audit", "every"),
+    ("parallel", "audit_repair"): ("audit", "repair"),
+}
+"""Keys of an earlier release -> where they are now: read for one more release, with a warning."""
 
 
 def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
@@ -283,6 +327,7 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
             raise ConfigError(f"{path} is not valid YAML: {_yaml_problem(err)}") from None
         if not isinstance(raw, dict):
             raise ConfigError(f"{path}: the top level must be a mapping of sections {sorted(SECTIONS)}")
+    _move_old_keys(raw)  # before the overrides: an override of either name wins over the file
     for item in overrides:
         _apply_override(raw, item)
     cfg = _build(raw)
@@ -298,6 +343,8 @@ def _apply_override(raw: dict, item: str) -> None:
     if not sep or key.count(".") != 1:
         raise ConfigError(f"override {item!r} must look like section.key=value, e.g. train.steps=10")
     section, name = key.split(".")
+    if (section, name) in MOVED:
+        section, name = _moved(section, name)
     if not isinstance(raw.setdefault(section, {}), dict):
         raise ConfigError(f"config section {section!r} must be a mapping")
     try:
@@ -312,6 +359,31 @@ def _yaml_problem(err: yaml.YAMLError) -> str:
     mark = getattr(err, "problem_mark", None)
     problem = getattr(err, "problem", None) or str(err).splitlines()[0]
     return f"{problem} at line {mark.line + 1}, column {mark.column + 1}" if mark else problem
+
+
+def _move_old_keys(raw: dict) -> None:
+    """Keys of `MOVED` that a config file gives where they were: moved, with a warning
+    naming the new key; given both ways in one file, refused."""
+    for (section, key), (new_section, new_key) in MOVED.items():
+        old = raw.get(section)
+        if not isinstance(old, dict) or key not in old:
+            continue
+        target = raw.setdefault(new_section, {})
+        if not isinstance(target, dict):
+            continue  # _build refuses the section
+        if new_key in target:
+            raise ConfigError(f"{section}.{key} and {new_section}.{new_key} are one setting, given twice; "
+                              f"keep {new_section}.{new_key}")
+        _moved(section, key)
+        target[new_key] = old.pop(key)
+
+
+def _moved(section: str, key: str) -> tuple[str, str]:
+    """Where a key of `MOVED` is now, with the warning that says so."""
+    new_section, new_key = MOVED[(section, key)]
+    warnings.warn(f"config key {section}.{key} is now {new_section}.{new_key}; the old name is read "
+                  "until the next release", FutureWarning, stacklevel=4)
+    return new_section, new_key
 
 
 def _build(raw: dict) -> Config:
@@ -347,6 +419,12 @@ def _coerce(section: str, key: str, value, default, hint=None):
     """Check `value` against the key's type: its default's, or for a key that defaults to
     None, the declared one (`float | None`: a number or nothing). YAML reads 1e-2 as a
     string, so a float key takes a string that parses as one."""
+    if typing.get_origin(hint) is Literal:
+        choices = typing.get_args(hint)
+        if value not in choices or isinstance(value, bool):
+            raise ConfigError(f"{section}.{key} {value!r} is unknown{_suggest(str(value), choices)}; "
+                              + CHOICE_HINTS.get((section, key), f"use one of {', '.join(map(repr, choices))}"))
+        return value
     expected = type(default)
     if default is None:
         if value is None:
@@ -394,20 +472,23 @@ def check_config(cfg: Config) -> Config:
     if t.warmup_steps < 0 or t.weight_decay < 0 or t.grad_clip < 0:
         raise ConfigError("train.warmup_steps, train.weight_decay and train.grad_clip must not be negative "
                           f"(grad_clip 0: off); got {t.warmup_steps}, {t.weight_decay}, {t.grad_clip}")
-    if p.audit_every < 0:
-        raise ConfigError(f"parallel.audit_every must be 0 (off) or more, got {p.audit_every}")
+    if cfg.audit.every < 0:
+        raise ConfigError(f"audit.every must be 0 (off) or more, got {cfg.audit.every}")
     if cfg.checkpoint.every < 0 or cfg.checkpoint.keep < 1:
         raise ConfigError(f"checkpoint.every must be 0 (off) or more and checkpoint.keep at least 1; "
                           f"got every={cfg.checkpoint.every}, keep={cfg.checkpoint.keep}")
-    if p.heartbeat_timeout_s < 0:
-        raise ConfigError(f"parallel.heartbeat_timeout_s must be 0 (the collective timeout) or positive "
-                          f"seconds; got {p.heartbeat_timeout_s}")
-    if p.timeout_s <= 0 or p.connect_timeout_s <= 0:
-        raise ConfigError(f"parallel.timeout_s and parallel.connect_timeout_s must be positive seconds; "
-                          f"got {p.timeout_s} and {p.connect_timeout_s}")
-    for key in ("pp", "dp", "fault_tolerance"):
+    c = cfg.comm
+    if c.heartbeat_timeout_s < 0:
+        raise ConfigError(f"comm.heartbeat_timeout_s must be 0 (the collective timeout) or positive "
+                          f"seconds; got {c.heartbeat_timeout_s}")
+    if c.timeout_s <= 0 or c.connect_timeout_s <= 0:
+        raise ConfigError(f"comm.timeout_s and comm.connect_timeout_s must be positive seconds; "
+                          f"got {c.timeout_s} and {c.connect_timeout_s}")
+    for key in ("pp", "dp"):
         if getattr(p, key) < 0:
             raise ConfigError(f"parallel.{key} must not be negative, got {getattr(p, key)}")
+    if cfg.fault_tolerance.f < 0:
+        raise ConfigError(f"fault_tolerance.f must not be negative, got {cfg.fault_tolerance.f}")
     if m.d_model % m.n_heads:
         raise ConfigError(f"model.n_heads={m.n_heads} does not divide model.d_model={m.d_model}; "
                           "pick n_heads among the divisors of d_model")
@@ -420,19 +501,9 @@ def check_config(cfg: Config) -> Config:
     for key, size in (("model.vocab_size", m.vocab_size), ("model.ffn_hidden", m.ffn_dim)):
         if size % p.tp:
             raise ConfigError(f"{key}={size} is not divisible by parallel.tp={p.tp}")
-    if m.kernels not in KERNEL_MODES:
-        raise ConfigError(f"model.kernels {m.kernels!r} is unknown; use one of {KERNEL_MODES}")
-    if t.dtype not in DTYPES:
-        raise ConfigError(f"train.dtype {t.dtype!r} is unknown; use one of {DTYPES}")
-    if t.lr_schedule not in ("cosine", "constant"):
-        raise ConfigError(f"train.lr_schedule {t.lr_schedule!r} is unknown; use 'cosine' or 'constant'")
     if t.global_batch % t.micro_batch:
         raise ConfigError(f"train.global_batch={t.global_batch} is not a multiple of "
                           f"train.micro_batch={t.micro_batch}")
-    if p.schedule not in SCHEDULE_NAMES:
-        raise ConfigError(f"parallel.schedule {p.schedule!r} is unknown; use one of {SCHEDULE_NAMES}")
-    if p.backend not in ("auto", "gloo", "nccl"):
-        raise ConfigError(f"parallel.backend {p.backend!r} is unknown; use 'auto', 'gloo' or 'nccl'")
     if uses_planner(cfg) and p.microbatches is not None:
         raise ConfigError("parallel.microbatches splits the batch over the pipelines of parallel.layout "
                           "or parallel.pp; the planner splits it itself: give a layout or pp, or remove it")
@@ -447,9 +518,6 @@ def check_config(cfg: Config) -> Config:
 
 
 def _check_data_and_eval(cfg: Config) -> None:
-    if cfg.data.dtype not in ("", "uint16", "uint32"):
-        raise ConfigError(f"data.dtype {cfg.data.dtype!r} is unknown; use uint16 or uint32 for a headerless "
-                          ".bin, or leave it empty (a prepared corpus's header says it)")
     if cfg.eval.every < 0 or cfg.eval.batches < 1:
         raise ConfigError(f"eval.every must be 0 (off) or more and eval.batches at least 1; got "
                           f"every={cfg.eval.every}, batches={cfg.eval.batches}")
@@ -462,7 +530,7 @@ def _check_data_and_eval(cfg: Config) -> None:
 GLOO_CONNECT_ATTEMPTS = 4
 
 
-def status_timeout_s(p: "ParallelConfig") -> float:
+def status_timeout_s(p: "CommConfig") -> float:
     """How long the leader waits for a live worker's status after a failure before it
     kills the worker as hung: the collective timeout, plus what an epoch's connection to
     peers that died after its rendezvous can take (gloo's retries of the connect timeout),

@@ -17,7 +17,7 @@ as `planaria.elastic`'s launchers and the tests' harness start workers. Per epoc
    worker's layers).
 
 A collective that fails (a peer's sockets closed: gloo reports it within about a
-second) or times out (`parallel.timeout_s`) ends the epoch on this worker: it tears
+second) or times out (`comm.timeout_s`) ends the epoch on this worker: it tears
 its process groups down at once, which closes its own sockets so that peers blocked on
 it fail too, then publishes its status (`planaria.runtime.contract.exactly_once`) and goes back
 to 1. Every committed step is appended to OUTPUT_DIR/commits-<node>.<local>.jsonl
@@ -40,8 +40,8 @@ import torch.distributed as dist
 from rich.console import Console
 from rich.markup import escape
 
-from planaria.runtime.checkpoint import save_model_shards
-from planaria.runtime.checkpointing import AsyncCheckpointer
+from planaria.runtime.saved_model import save_model_shards
+from planaria.runtime.checkpoints import AsyncCheckpointer
 from planaria.runtime.build import build_engine
 from planaria.runtime.config import Config
 from planaria.runtime.contract import env
@@ -50,6 +50,7 @@ from planaria.runtime.contract.logs import AuditEntry, CommitEntry, EvalEntry, a
 from planaria.runtime.coordination import JobEnded, StoreCoordinator, connect_store
 from planaria.runtime.data import dataset_for
 from planaria.runtime.engine import Engine, StepResult, TornStep
+from planaria.runtime.loop import Call, Evaluation, Every, run_steps
 from planaria.runtime.audit import audit_replicas
 from planaria.runtime.faults import FaultInjector, corruption_after_step, flip_a_bit
 from planaria.runtime.groups import forget_failed_world, set_operation_timeout
@@ -117,7 +118,7 @@ class ElasticWorker:
     def run(self) -> int:
         self.coordinator.announce()
         epoch = -1
-        wait_s = 4 * self.cfg.parallel.timeout_s + 60
+        wait_s = 4 * self.cfg.comm.timeout_s + 60
         while True:
             try:
                 epoch, record = self.coordinator.wait_for_epoch(epoch, wait_s)
@@ -143,7 +144,7 @@ class ElasticWorker:
         try:
             dist.init_process_group(self.backend, store=self.coordinator.rendezvous_store(epoch),
                                     rank=rank, world_size=plan.world_size, timeout=timedelta(seconds=self._connect_timeout_s()))
-            set_operation_timeout(None, timedelta(seconds=self.cfg.parallel.timeout_s))
+            set_operation_timeout(None, timedelta(seconds=self.cfg.comm.timeout_s))
             timing["rendezvous_s"] = time.time()
             self._enter_epoch(plan, rank, record)
             timing["transfer_s"] = time.time()
@@ -152,7 +153,7 @@ class ElasticWorker:
                 timing.update(bytes_received=t.bytes_received, bytes_sent=t.bytes_sent,
                               transfer_seconds=t.seconds)
             self._log(f"epoch {epoch}: rank {rank} of {plan.world_size}, layers "
-                      f"{sorted(self.engine.layers)}, from iteration {plan.first_iteration}")
+                      f"{self.engine.held_layers()}, from iteration {plan.first_iteration}")
             self._train(epoch, plan.first_iteration, timing)
             self.checkpointer.flush()
             save_model_shards(self.engine, self.out_dir / "final", data_source=self.cfg.data.source)
@@ -199,36 +200,40 @@ class ElasticWorker:
             watcher.done.set()
 
     def _steps(self, epoch: int, first: int, timing: dict, request) -> None:
+        evaluation = Evaluation(self.val_dataset, self.cfg.data.seed, self.cfg.eval.batches, self.cfg.eval.due,
+                                report=lambda step, val_loss: self._record_eval(step, val_loss, epoch))
         # A failure during the evaluation after step first-1 (committed) lost it: every
         # worker of the epoch evaluates it again, from the same parameters, the same value.
         if first > 0 and self.cfg.eval.due(first - 1, self.cfg.train.steps):
-            self._evaluate(first - 1, epoch)
-        for iteration in range(first, self.cfg.train.steps):
-            result = self.engine.train_step(iteration, self.dataset, self.cfg.data.seed, request=request)
+            evaluation.run(self.engine, first - 1)
+
+        def first_step(engine: Engine, ctx) -> None:
             if "first_step_s" not in timing:
                 timing["first_step_s"] = time.time()
                 self.coordinator.mark_trained(epoch)
-            self._record_commit(result, epoch)
-            self.checkpointer.after_step(self.engine)
-            if self.cfg.eval.due(iteration, self.cfg.train.steps):
-                self._evaluate(iteration, epoch)
-            self._after_step(iteration)
-            if result.stop_requested and iteration + 1 < self.cfg.train.steps:
-                raise _StopRequested()
 
-    def _after_step(self, iteration: int) -> None:
-        """Injected corruption, then the replica audit when it is due."""
-        if self.corrupt_after == iteration:
-            layer = min(self.engine.layers)
-            flip_a_bit(next(self.engine.layers[layer].module.parameters()))
-            self._log(f"injected corruption: flipped a bit of layer {layer} after step {iteration}")
-        every = self.cfg.parallel.audit_every
-        if every and (iteration + 1) % every == 0:
-            for mismatch in audit_replicas(self.engine, repair=self.cfg.parallel.audit_repair):
-                self.console.print(f"[bold red]replica audit after step {iteration}:[/] "
-                                   f"{escape(mismatch.describe())}")
-                with open(log_path(self.out_dir, AUDIT, self.name), "a", encoding="utf-8") as f:
-                    append(f, AuditEntry(step=iteration, **asdict(mismatch)))
+        # The commit is logged before the evaluation: a failure during it never hides a
+        # committed step from the logs.
+        components = [Call(first_step), Call(lambda engine, ctx: self._record_commit(ctx.result, epoch)),
+                      Call(lambda engine, ctx: self.checkpointer.after_step(engine)), evaluation,
+                      Call(self._corrupt), Every(self.cfg.audit.every, self._audit)]
+        if not run_steps(self.engine, self.dataset, self.cfg.data.seed, first, self.cfg.train.steps, components,
+                         request=request):
+            raise _StopRequested()
+
+    def _corrupt(self, engine: Engine, ctx) -> None:
+        """The injected corruption of a test (PLANARIA_CORRUPT), after its step."""
+        if self.corrupt_after == ctx.step:
+            layer = engine.held_layers()[0]
+            flip_a_bit(next(engine.shard(layer).module.parameters()))
+            self._log(f"injected corruption: flipped a bit of layer {layer} after step {ctx.step}")
+
+    def _audit(self, engine: Engine, step: int) -> None:
+        """The replica audit (collective): mismatches printed and in audit-<worker>.jsonl."""
+        for mismatch in audit_replicas(engine, repair=self.cfg.audit.repair):
+            self.console.print(f"[bold red]replica audit after step {step}:[/] {escape(mismatch.describe())}")
+            with open(log_path(self.out_dir, AUDIT, self.name), "a", encoding="utf-8") as f:
+                append(f, AuditEntry(step=step, **asdict(mismatch)))
 
     def _leave_epoch(self) -> None:
         """Tear this epoch's groups down now: closing our sockets makes peers blocked on us
@@ -261,17 +266,15 @@ class ElasticWorker:
             self._log(f"step {result.iteration + 1}/{self.cfg.train.steps} | loss {result.loss:.4f}"
                       f"{' (rolled forward)' if rolled_forward else ''}")
 
-    def _evaluate(self, iteration: int, epoch: int) -> None:
-        """The validation loss after step `iteration` (collective), in evals-<worker>.jsonl."""
-        val_loss = self.engine.evaluate(self.val_dataset, self.cfg.data.seed, self.cfg.eval.batches)
-        append(self.evals, EvalEntry(step=iteration, val_loss=val_loss, epoch=epoch, time=time.time()))
+    def _record_eval(self, step: int, val_loss: float, epoch: int) -> None:
+        append(self.evals, EvalEntry(step=step, val_loss=val_loss, epoch=epoch, time=time.time()))
         if self.worker[1] == 0:
-            self._log(f"step {iteration + 1}/{self.cfg.train.steps} | validation loss {val_loss:.4f}")
+            self._log(f"step {step + 1}/{self.cfg.train.steps} | validation loss {val_loss:.4f}")
 
     def _connect_timeout_s(self) -> float:
         """An epoch's process groups connect within this: a peer that died after the
         rendezvous (a fault during a recovery) fails the epoch in seconds, not minutes."""
-        return min(self.cfg.parallel.connect_timeout_s, self.cfg.parallel.timeout_s)
+        return min(self.cfg.comm.connect_timeout_s, self.cfg.comm.timeout_s)
 
     def _log(self, message: str) -> None:
         self.console.print(f"[{self.name}] {message}", markup=False)
@@ -304,6 +307,6 @@ def run_elastic(cfg: Config, console: Console, device: torch.device, backend: st
         logging.getLogger("torch.distributed.pipelining.schedules").setLevel(logging.CRITICAL)
     # The control plane's warnings (etcd away, back) on this worker's lines, like its own.
     logging.basicConfig(format=f"[{node}.{local_rank}] %(message)s", level=logging.WARNING)
-    store = connect_store(address, timeout_s=cfg.parallel.timeout_s + 60)
+    store = connect_store(address, timeout_s=cfg.comm.timeout_s + 60)
     coordinator = StoreCoordinator(store, (node, local_rank))
     return ElasticWorker(cfg, coordinator, console, device, backend).run()

@@ -32,7 +32,7 @@ from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from planaria.runtime.contract.checkpoint_layout import read_manifest
-from planaria.runtime.checkpointing import load_layer, read_layer
+from planaria.runtime.checkpoints import load_layer, read_layer
 from planaria.runtime.contract.exactly_once import INCOMPLETE, SYNCED, CommitRecord, WorkerStatus
 from planaria.runtime.groups import EpochGroups
 from planaria.runtime.model import LayerModel
@@ -134,7 +134,7 @@ class Engine:
         self.last_commit: CommitRecord | None = None
         self.synced = False
         """The gradients of iteration last_stepped + 1 are fully synced."""
-        self.layers: dict[int, LayerState] = {}
+        self._shards: dict[int, LayerState] = {}
         self.last_transfer: TransferStats | None = None
         self.tp = None  # one TensorParallel for the engine's life: layers keep it
         self._tied = dict(model.tied_parameters())
@@ -152,12 +152,12 @@ class Engine:
     def _add_fresh_layers(self) -> None:
         """Build from their seeds the plan's layers this worker lacks: only right before
         the first step, when every replica still holds exactly that state."""
-        missing = [i for i in self.plan.layers_of(self.rank) if i not in self.layers]
+        missing = [i for i in self.plan.layers_of(self.rank) if i not in self._shards]
         if missing and self.last_stepped >= 0:
             raise RuntimeError(f"layers {missing} were neither held nor received, and iteration "
                                f"{self.last_stepped} was already stepped: their state is lost")
         for index in missing:
-            self.layers[index] = self._new_layer(index, pretrained=True)
+            self._shards[index] = self._build_shard(index, pretrained=True)
 
     # ----------------------------------------------------------- epoch set-up
     def _build_epoch(self, plan: Plan, world: dist.ProcessGroup | None) -> None:
@@ -182,7 +182,7 @@ class Engine:
         self.schedule, self.stages = self._build_schedule(self.tp)
         self._eval_schedule = None  # built at the epoch's first evaluation
 
-    def _new_layer(self, index: int, pretrained: bool = False) -> LayerState:
+    def _build_shard(self, index: int, pretrained: bool = False) -> LayerState:
         """A layer's shard with its optimizer. `pretrained`: its initial state, read from
         `model.init_from` when set; otherwise an empty shell that a checkpoint or a
         replica is about to fill (so the Hugging Face checkpoint is not read for it)."""
@@ -256,8 +256,8 @@ class Engine:
         self._build_epoch(plan, world)
         stats = exchange_layers(self, transfers, stepped=self.last_stepped >= 0)
         dist.barrier(group=self.groups.world)
-        for index in [i for i in self.layers if i not in set(plan.layers_of(rank))]:
-            del self.layers[index]
+        for index in [i for i in self._shards if i not in set(plan.layers_of(rank))]:
+            self.drop_shard(index)
         self._add_fresh_layers()
         self.iteration = plan.first_iteration
         self.synced = False
@@ -271,7 +271,7 @@ class Engine:
         step count and commit record of the checkpoint's iteration; then a barrier."""
         self.abandon_epoch()
         self.rank = rank
-        self.layers.clear()
+        self._shards.clear()
         self._build_epoch(plan, world)
         self._load_checkpoint(directory)
         dist.barrier(group=self.groups.world)
@@ -284,15 +284,15 @@ class Engine:
             raise RuntimeError(f"the plan of epoch {self.plan.epoch} starts at iteration "
                                f"{self.plan.first_iteration}; the checkpoint {directory} is of {iteration}")
         for index in self.plan.layers_of(self.rank):
-            state = self._new_layer(index)
+            state = self._build_shard(index)
             load_layer(state, read_layer(directory, index, self.tp.rank))
-            self.layers[index] = state
+            self._shards[index] = state
         self.last_stepped, self.iteration, self.synced = iteration, iteration + 1, False
         self.last_commit = CommitRecord(iteration, manifest["loss"], manifest["grad_norm"])
 
     def held(self) -> tuple[tuple[int, int], ...]:
         """(layer, tp rank) shards whose state at `last_stepped` this worker holds."""
-        return tuple((index, self.tp.rank) for index in sorted(self.layers))
+        return tuple((index, self.tp.rank) for index in sorted(self._shards))
 
     def status(self, worker: tuple[str, int], finished: bool = False) -> WorkerStatus:
         return WorkerStatus(worker=worker, last_stepped=self.last_stepped,
@@ -304,7 +304,7 @@ class Engine:
         num_stages = len(self.pipeline.stages)
         chunks = [
             (c * num_stages + self.info.stage,
-             nn.Sequential(*(self.layers[i].module for i in range(start, stop))))
+             nn.Sequential(*(self._shards[i].module for i in range(start, stop))))
             for c, (start, stop) in enumerate(stage.chunks)
         ]
         stages = build_stages(chunks, num_stages * self.plan.virtual_stages,
@@ -312,7 +312,7 @@ class Engine:
         total = self.plan.total_microbatches
 
         last = self.model.num_layers - 1
-        head = self.layers[last].module if last in self.layers else None  # only the last stage's loss runs
+        head = self._shards[last].module if last in self._shards else None  # only the last stage's loss runs
 
         def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
             # Scaled by the iteration's total microbatches, all pipelines together, so
@@ -399,7 +399,7 @@ class Engine:
         return lr
 
     def _forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> list[torch.Tensor]:
-        for state in self.layers.values():
+        for state in self._shards.values():
             state.optimizer.zero_grad(set_to_none=True)
             if self.grad_accum_dtype is not None:
                 for p in state.module.parameters():
@@ -443,7 +443,7 @@ class Engine:
         return p.grad
 
     def _local_grads(self, layer: int) -> list[torch.Tensor]:
-        return [self._local_grad(p) for p in self.layers[layer].module.parameters()]
+        return [self._local_grad(p) for p in self._shards[layer].module.parameters()]
 
     def _sync_gradients(self) -> None:
         """Sum each layer's gradient over its replica group, one bucket per distinct group,
@@ -455,7 +455,7 @@ class Engine:
             if bucket.group is None:
                 continue
             grads = [self._local_grad(p) for layer in bucket.layers
-                     for name, p in self.layers[layer].module.named_parameters()
+                     for name, p in self._shards[layer].module.named_parameters()
                      if name != self._tied.get(layer)]  # summed over the tied group instead
             flat = _flatten_dense_tensors(grads)
             dist.all_reduce(flat, group=bucket.group)
@@ -464,7 +464,7 @@ class Engine:
         self._sync_kv_head_replicas()
         self._sync_tied()
         if self.grad_accum_dtype is not None:
-            for state in self.layers.values():
+            for state in self._shards.values():
                 for p, wide in zip(state.module.parameters(), self._local_grads(state.index)):
                     p.grad = wide.to(p.dtype)
 
@@ -480,8 +480,8 @@ class Engine:
         order is consistent across replica groups already) before entering it. After the
         buckets, a head's replicas in every pipeline hold the same per-tp-rank sums, and
         the gathered, fixed-order sum then gives every holder the same bits."""
-        grads = [self._local_grad(self.layers[index].module.get_parameter(name))
-                 for index in sorted(self.layers)
+        grads = [self._local_grad(self._shards[index].module.get_parameter(name))
+                 for index in sorted(self._shards)
                  for name in self.model.replicated_kv_heads(index, self.tp.size)]
         sum_over_head_replicas(grads, self.model.cfg.kv_heads, self.tp)
 
@@ -492,8 +492,8 @@ class Engine:
         gradient, clip coefficient and update as one shared weight: they stay bit-identical."""
         if self.groups.tied is None:
             return
-        copies = [self._local_grad(self.layers[layer].module.get_parameter(name))
-                  for layer, name in self._tied.items() if layer in self.layers]
+        copies = [self._local_grad(self._shards[layer].module.get_parameter(name))
+                  for layer, name in self._tied.items() if layer in self._shards]
         # Usually the rank holds one copy, summed in place; a rank holding both (the
         # embedding and the head in one stage) adds the second into the first.
         total = copies[0]
@@ -516,8 +516,8 @@ class Engine:
         """
         wide = self.grad_accum_dtype is not None  # the norm of the unrounded sums
         counted = [(p.main_grad if wide else p.grad) for layer in sorted(self._grad_norm_owner)
-                   for name, p in self.layers[layer].module.named_parameters()
-                   if name in self.layers[layer].norm_names and not self._is_tied_copy(layer, name)]
+                   for name, p in self._shards[layer].module.named_parameters()
+                   if name in self._shards[layer].norm_names and not self._is_tied_copy(layer, name)]
         squared = torch.zeros((), dtype=torch.float64, device=self.device)
         if counted:
             squared = torch.nn.utils.get_total_norm(counted, foreach=True).double().pow(2)
@@ -534,15 +534,48 @@ class Engine:
     def _clip_and_step(self, grad_norm: float, lr: float) -> None:
         if self.grad_clip > 0:
             # clip_grad_norm_'s formula, applied with the global norm every rank agreed on.
-            params = [p for state in self.layers.values() for p in state.module.parameters()]
+            params = [p for state in self._shards.values() for p in state.module.parameters()]
             total = torch.tensor(grad_norm, dtype=self.param_dtype, device=self.device)
             torch.nn.utils.clip_grads_with_norm_(params, self.grad_clip, total, foreach=True)
         self._phase("step", self.iteration)
-        for state in self.layers.values():
+        for state in self._shards.values():
             set_learning_rate(state.optimizer, lr)
             state.optimizer.step()
 
     # ---------------------------------------------------------------- state
+    # The layer state this worker holds, one (layer, tp rank) shard each: a module and
+    # its optimizer. Transfers, checkpoints, the audit and tools read and change it only
+    # through these methods.
+    def held_layers(self) -> list[int]:
+        """The layers whose shard this worker holds, in order."""
+        return sorted(self._shards)
+
+    def shard(self, layer: int) -> LayerState:
+        """The shard of `layer` this worker holds (its module and optimizer), to read or
+        to send; a RuntimeError when it holds none."""
+        try:
+            return self._shards[layer]
+        except KeyError:
+            raise RuntimeError(f"worker rank {self.rank} holds no shard of layer {layer} "
+                               f"(it holds {self.held_layers()})") from None
+
+    def empty_shard(self, layer: int) -> LayerState:
+        """A new shard of `layer` for this worker's tp rank, not yet held: a shell for a
+        transfer or a checkpoint to fill, then `install_shards`."""
+        return self._build_shard(layer)
+
+    def install_shards(self, shards: dict[int, LayerState]) -> None:
+        """Hold `shards` (filled shells of `empty_shard`), replacing any of those layers."""
+        self._shards.update(shards)
+
+    def drop_shard(self, layer: int) -> None:
+        """Stop holding the shard of `layer` (its state is freed)."""
+        del self._shards[layer]
+
+    def phase(self, name: str, iteration: int) -> None:
+        """Report a phase of an iteration to the engine's hook (fault injection, progress)."""
+        self._phase(name, iteration)
+
     def owned_shards(self) -> list[int]:
         """Layers this rank speaks for (grad norm, saving): it is first in their replica group."""
         tp_rank = self.info.tp_rank

@@ -56,7 +56,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from planaria.runtime.checkpoint import full_layers, recorded_model
+from planaria.runtime.saved_model import full_layers, recorded_model
 from planaria.runtime.contract.checkpoint_layout import (MANIFEST, atomic_rename_dir, complete_checkpoints, read_manifest,
                                                read_model_record)
 from planaria.runtime.config import ConfigError, ModelConfig

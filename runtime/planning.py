@@ -63,7 +63,7 @@ def build_planner(cfg: Config, costs: CostModel, *, fault_tolerance: int | None 
     """The planner of a job: its config's batch, schedule and stage settings over `costs`."""
     p = cfg.parallel
     settings = PlannerSettings(
-        fault_tolerance=p.fault_tolerance if fault_tolerance is None else fault_tolerance,
+        fault_tolerance=cfg.fault_tolerance.f if fault_tolerance is None else fault_tolerance,
         global_batch=cfg.train.global_batch, micro_batch=cfg.train.micro_batch,
         schedule=p.schedule, virtual_stages=p.virtual_stages, min_stages=p.min_stages)
     return Planner(costs, settings)

@@ -12,7 +12,6 @@ failure of other workers and follows the plans the control plane publishes.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -24,14 +23,16 @@ import torch
 import torch.distributed as dist
 from rich.console import Console
 
-from planaria.runtime.checkpoint import save_model_shards
+from planaria.runtime.saved_model import save_model_shards
 from planaria.runtime.contract.checkpoint_layout import complete_checkpoints
-from planaria.runtime.checkpointing import save_checkpoint
+from planaria.runtime.checkpoints import save_checkpoint
 from planaria.runtime.build import build_engine, describe, plan_for_world
 from planaria.runtime.config import Config, ConfigError, load_config, plan_from_config, uses_planner
 from planaria.runtime.data import TokenDataset, dataset_for
 from planaria.runtime.elastic_worker import elastic_environment, run_elastic
+from planaria.runtime.contract.logs import METRICS, MetricsEntry, append as append_entry
 from planaria.runtime.engine import StepResult
+from planaria.runtime.loop import Call, Evaluation, Every, StepContext, run_steps
 from planaria.runtime.faults import FaultInjector
 from planaria.runtime.hf_config import check_init_from
 
@@ -70,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
         if rank == 0:
             console.print(f"[bold red]config error:[/] {err}")
         return 2
-    _init_process_group(backend, rank, world_size, cfg.parallel.timeout_s)
+    _init_process_group(backend, rank, world_size, cfg.comm.timeout_s)
     try:
         if plan is None:
             plan, summary = plan_for_world(cfg, world_size, rank, device)
@@ -90,7 +91,7 @@ def _device_and_backend(cfg: Config, *, local_rank: int, per_node: int = 1) -> t
     """This process's device and backend: with NCCL, the GPU of its local rank (torchrun's
     LOCAL_RANK, or the one a Planaria agent gives it); `per_node` processes on its node
     (at least local_rank + 1: an agent does not say how many it starts)."""
-    backend = cfg.parallel.backend
+    backend = cfg.comm.backend
     if backend == "auto":
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
@@ -99,7 +100,7 @@ def _device_and_backend(cfg: Config, *, local_rank: int, per_node: int = 1) -> t
         if per_node > gpus:  # every rank of the node sees it, so rank 0 says it
             raise ConfigError(f"{per_node} process(es) on this node but {gpus} GPU(s) visible, and NCCL "
                               f"needs a GPU per process: launch at most {gpus} per node "
-                              "(--nproc-per-node), or set parallel.backend=gloo to train on CPU")
+                              "(--nproc-per-node), or set comm.backend=gloo to train on CPU")
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank), backend
     return torch.device("cpu"), backend
@@ -131,7 +132,7 @@ def _free_port() -> int:
 
 
 def train(cfg: Config, plan, rank: int, device: torch.device, console: Console,
-          data: tuple[TokenDataset, TokenDataset | None]) -> list[StepResult]:
+          data: tuple[TokenDataset, TokenDataset | None]) -> None:
     """Train `plan`; `data`: the training set and, with eval.every, the validation set."""
     out_dir = Path(cfg.output.dir)
     dataset, val_dataset = data
@@ -140,29 +141,19 @@ def train(cfg: Config, plan, rank: int, device: torch.device, console: Console,
         plan = replace(plan, first_iteration=resume[0] + 1)
     engine = build_engine(cfg, plan, rank, device, restore=None if resume is None else resume[1],
                           phase=_fault_injector(rank))
-    log = _MetricsLog(out_dir / "metrics.jsonl", append=resume is not None) if rank == 0 else None
+    log = _MetricsLog(out_dir / METRICS, cfg.train.log_every, append=resume is not None) if rank == 0 else None
     if rank == 0:
         console.print(describe(cfg, plan))
         console.print(f"data: {dataset.description}")
         if resume is not None:
             console.print(f"resumed from the checkpoint of iteration {resume[0]} ({resume[1]})")
-    results = []
-    every = cfg.checkpoint.every
+    components = [Evaluation(val_dataset, cfg.data.seed, cfg.eval.batches, cfg.eval.due)]
+    if log is not None:  # after the evaluation: a step's line carries its validation loss
+        components.append(Call(lambda engine, ctx: log.write(ctx, console)))
+    components.append(Every(cfg.checkpoint.every, before_last=True, action=lambda engine, step: save_checkpoint(
+        engine, cfg.checkpoint_dir, cfg.checkpoint.keep, data_source=cfg.data.source)))
     try:
-        for iteration in range(plan.first_iteration, cfg.train.steps):
-            result = engine.train_step(iteration, dataset, cfg.data.seed)
-            results.append(result)
-            val_loss = None
-            if cfg.eval.due(iteration, cfg.train.steps):
-                val_loss = engine.evaluate(val_dataset, cfg.data.seed, cfg.eval.batches)
-            if log is not None:
-                log.write(result, val_loss)
-                if iteration % cfg.train.log_every == 0 or iteration == cfg.train.steps - 1:
-                    console.print(_progress_line(result, cfg.train.steps))
-                if val_loss is not None:
-                    console.print(f"step {iteration + 1:>5}/{cfg.train.steps} | validation loss {val_loss:.4f}")
-            if every and (iteration + 1) % every == 0 and iteration + 1 < cfg.train.steps:
-                save_checkpoint(engine, cfg.checkpoint_dir, cfg.checkpoint.keep, data_source=cfg.data.source)
+        run_steps(engine, dataset, cfg.data.seed, plan.first_iteration, cfg.train.steps, components)
         if cfg.output.save_final:
             save_model_shards(engine, out_dir / "final", data_source=cfg.data.source)
             if rank == 0:
@@ -171,7 +162,6 @@ def train(cfg: Config, plan, rank: int, device: torch.device, console: Console,
         if log is not None:
             log.close()
         engine.destroy()
-    return results
 
 
 def _fault_injector(rank: int) -> FaultInjector | None:
@@ -197,19 +187,23 @@ def _progress_line(r: StepResult, steps: int) -> str:
 
 
 class _MetricsLog:
-    """metrics.jsonl: one complete JSON line per step, flushed, so a crash never leaves half a line."""
+    """metrics.jsonl (`contract.logs.MetricsEntry`, one complete line per step, flushed)
+    and the progress lines of rank 0."""
 
-    def __init__(self, path: Path, append: bool = False):
+    def __init__(self, path: Path, log_every: int, append: bool = False):
+        self.log_every = log_every
         path.parent.mkdir(parents=True, exist_ok=True)
         self._file = open(path, "a" if append else "w", encoding="utf-8")
 
-    def write(self, r: StepResult, val_loss: float | None = None) -> None:
-        record = {"step": r.iteration, "loss": r.loss, "grad_norm": r.grad_norm, "lr": r.lr,
-                  "tokens": r.tokens, "step_time_s": r.step_time_s, "time": time.time()}
-        if val_loss is not None:
-            record["val_loss"] = val_loss
-        self._file.write(json.dumps(record) + "\n")
-        self._file.flush()
+    def write(self, ctx: StepContext, console: Console) -> None:
+        r = ctx.result
+        append_entry(self._file, MetricsEntry(step=r.iteration, loss=r.loss, grad_norm=r.grad_norm, lr=r.lr,
+                                              tokens=r.tokens, step_time_s=r.step_time_s, time=time.time(),
+                                              val_loss=ctx.val_loss))
+        if r.iteration % self.log_every == 0 or ctx.last:
+            console.print(_progress_line(r, ctx.steps))
+        if ctx.val_loss is not None:
+            console.print(f"step {r.iteration + 1:>5}/{ctx.steps} | validation loss {ctx.val_loss:.4f}")
 
     def close(self) -> None:
         self._file.close()

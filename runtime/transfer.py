@@ -72,7 +72,7 @@ def on_device(tensors: list[torch.Tensor], device: torch.device) -> list[torch.T
 def exchange_layers(engine: "Engine", transfers: list[Transfer], *, stepped: bool) -> TransferStats:
     """Send the shards this worker is a source of, receive the ones it needs; collective
     over the transfers' workers on `engine.groups.world` (workers in no transfer return
-    at once). The received layers are added to `engine.layers` only once all arrived."""
+    at once). The received shards are installed (`engine.install_shards`) only once all arrived."""
     started = time.perf_counter()
     plan, me = engine.plan, engine.plan.worker(engine.rank)
     rank_of = plan.rank_of_worker()
@@ -81,12 +81,11 @@ def exchange_layers(engine: "Engine", transfers: list[Transfer], *, stepped: boo
     received: dict[int, "LayerState"] = {}
     for t in sorted(transfers, key=lambda t: (t.layer, t.tp_rank, t.src, t.dst)):
         if t.src == me:
-            if t.layer not in engine.layers:
+            if t.layer not in engine.held_layers():
                 raise RuntimeError(f"worker {me} is to send layer {t.layer}, which it does not hold")
-            outgoing.setdefault(rank_of[t.dst], []).extend(
-                layer_state_tensors(engine.layers[t.layer], stepped))
+            outgoing.setdefault(rank_of[t.dst], []).extend(layer_state_tensors(engine.shard(t.layer), stepped))
         elif t.dst == me:
-            state = engine._new_layer(t.layer)
+            state = engine.empty_shard(t.layer)
             if stepped:
                 _empty_optimizer_state(state)
             received[t.layer] = state
@@ -102,13 +101,13 @@ def exchange_layers(engine: "Engine", transfers: list[Transfer], *, stepped: boo
             ops.append(dist.P2POp(dist.irecv, buffer, peer, group=engine.groups.world, tag=tag))
             unpack.append((buffer, group))
     works = dist.batch_isend_irecv(ops) if ops else []
-    engine._phase("transfer", plan.first_iteration)
+    engine.phase("transfer", plan.first_iteration)
     for work in works:
         work.wait()
     for buffer, group in unpack:
         for target, value in zip(group, _unflatten_dense_tensors(buffer, group)):
             target.copy_(value)  # back to the CPU for a step count (see `on_device`)
-    engine.layers.update(received)
+    engine.install_shards(received)
     nbytes = lambda groups: sum(t.numel() * t.element_size() for ts in groups.values() for t in ts)  # noqa: E731
     return TransferStats(layers_sent=sum(t.src == me for t in transfers), layers_received=len(received),
                          bytes_sent=nbytes(outgoing), bytes_received=nbytes(incoming),

@@ -20,9 +20,11 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 from functools import cached_property
-from typing import Iterable, Iterator, Mapping
+from typing import Iterable, Iterator, Literal, Mapping, get_args
 
-SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved", "zb1f1b")
+ScheduleName = Literal["gpipe", "1f1b", "interleaved", "zb1f1b"]
+"""The pipeline schedules (`planaria.templates.schedules` builds each)."""
+SCHEDULE_NAMES: tuple[str, ...] = get_args(ScheduleName)
 
 LayerRange = tuple[int, int]
 Worker = tuple[str, int]  # (node id, local rank on that node)

@@ -26,13 +26,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from itertools import count
 
+from planaria.templates.plan import SCHEDULE_NAMES
+
 FORWARD = "F"
 BACKWARD = "B"
 BACKWARD_INPUT = "I"
 BACKWARD_WEIGHT = "W"
 _SIMULATED_KINDS = (FORWARD, BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT)
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb1f1b")
+SCHEDULES = SCHEDULE_NAMES  # the plan contract's list: one list of one thing
 
 
 @dataclass(frozen=True)

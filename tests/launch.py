@@ -60,7 +60,7 @@ def assert_final_parameters(directory: Path, reference) -> None:
     """The saved final model (`directory`, tp shards reassembled) equals the reference's."""
     import torch
 
-    from planaria.runtime.checkpoint import load_full_model
+    from planaria.runtime.saved_model import load_full_model
 
     saved = load_full_model(directory)
     for index, layer in enumerate(reference.model):

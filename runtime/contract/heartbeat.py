@@ -2,10 +2,10 @@
 
 A worker that is alive but frozen (SIGSTOP, a machine swapping itself to death, a
 process stuck in the kernel) keeps its sockets open: no peer sees it die, its peers'
-collectives only time out (`parallel.timeout_s`), and it never reports a status, so the
+collectives only time out (`comm.timeout_s`), and it never reports a status, so the
 leader would wait for it until its status timeout. Its threads are frozen with it,
 though. A daemon thread touches a file every second; the agent, on the same node, kills
-a worker whose file has not changed for `parallel.heartbeat_timeout_s` (default: the
+a worker whose file has not changed for `comm.heartbeat_timeout_s` (default: the
 collective timeout), which turns a frozen worker into a dead one in that time. A worker
 that is merely busy (a long step, a collective waiting on a peer) keeps beating: its
 thread needs nothing but the interpreter.

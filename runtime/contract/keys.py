@@ -30,6 +30,10 @@ from planaria.templates.plan import Worker
 EPOCH = "epoch"
 DONE = "done"
 MEMBERS = "members/"
+JOB = "config"
+LEADER = "leader"
+NODES = "nodes/"
+ALIVE = "alive/"
 JOB_OK = "ok"
 JOB_FAILED = "failed: "
 """`done`'s value for a failed job starts so, the reason follows."""
@@ -38,12 +42,6 @@ JOB_FAILED = "failed: "
 def run_prefix(run_id: str) -> str:
     """Everything of one job in etcd lies under this."""
     return f"/planaria/{run_id}/"
-
-
-JOB = "config"
-LEADER = "leader"
-NODES = "nodes/"
-ALIVE = "alive/"
 
 
 def node_registration(node: str) -> str:

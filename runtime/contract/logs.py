@@ -30,10 +30,17 @@ E = TypeVar("E", bound=JsonRecord)
 
 
 @dataclass(frozen=True)
-class MetricsEntry(JsonRecord):
+class StepEntry(JsonRecord):
+    """What every line of a log is about: the step (logs of earlier versions said iteration)."""
+
+    renamed = {"iteration": "step"}
+    step: int
+
+
+@dataclass(frozen=True)
+class MetricsEntry(StepEntry):
     """A step of a plain (torchrun) job, in metrics.jsonl."""
 
-    step: int
     loss: float
     grad_norm: float
     lr: float
@@ -44,11 +51,9 @@ class MetricsEntry(JsonRecord):
 
 
 @dataclass(frozen=True)
-class CommitEntry(JsonRecord):
+class CommitEntry(StepEntry):
     """A step an elastic worker committed, or applied by rolling forward."""
 
-    renamed = {"iteration": "step"}
-    step: int
     loss: float
     grad_norm: float
     epoch: int
@@ -59,22 +64,18 @@ class CommitEntry(JsonRecord):
 
 
 @dataclass(frozen=True)
-class EvalEntry(JsonRecord):
+class EvalEntry(StepEntry):
     """The validation loss after a step."""
 
-    renamed = {"iteration": "step"}
-    step: int
     val_loss: float
     epoch: int
     time: float
 
 
 @dataclass(frozen=True)
-class AuditEntry(JsonRecord):
+class AuditEntry(StepEntry):
     """Replicas of one shard that disagreed at the audit after a step."""
 
-    renamed = {"iteration": "step"}
-    step: int
     layer: int
     tp_rank: int
     majority: tuple[int, ...]

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from planaria.chaos.cli import main as chaos_main
+from planaria.cli import main as chaos_main
 from planaria.chaos.faults import FaultSpec, FaultSpecError, parse_fault, validate
 from tests.launch import TINY
 
@@ -27,7 +27,7 @@ def cache(tmp_path_factory):
 
 def chaos(args: list[str], tmp_path, cache, timeout: float = 600) -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_NUM_THREADS="1", XDG_CACHE_HOME=str(cache))
-    return subprocess.run([sys.executable, "-m", "planaria.chaos.cli", "chaos", str(TINY), *args,
+    return subprocess.run([sys.executable, "-m", "planaria.cli", "chaos", str(TINY), *args,
                            "--out", str(tmp_path / "out")],
                           capture_output=True, text=True, timeout=timeout, env=env)
 
@@ -84,11 +84,11 @@ def assert_nothing_lost(proc, tmp_path, steps: int) -> dict:
 @pytest.mark.timeout(600)
 def test_a_hung_worker_an_agent_and_an_etcd_member(tmp_path, cache):
     """The other kinds, through the harness, on a 3-member etcd: a worker SIGSTOPped (its
-    peers time out after parallel.timeout_s; the leader has its agent kill it), an agent
+    peers time out after comm.timeout_s; the leader has its agent kill it), an agent
     SIGKILLed, an etcd member SIGKILLed (no reconfiguration)."""
     proc = chaos(["--nodes", "6", "--fault-tolerance", "1", "--etcd-members", "3",
                   "--fault", "hang-worker@3:target=5.0", "--fault", "kill-agent@8:target=0",
-                  "--fault", "kill-etcd-member@12", "parallel.min_stages=2", "parallel.timeout_s=4"],
+                  "--fault", "kill-etcd-member@12", "parallel.min_stages=2", "comm.timeout_s=4"],
                  tmp_path, cache)
     report = assert_nothing_lost(proc, tmp_path, 30)
     hang, agent, member = report["recoveries"]
@@ -180,7 +180,7 @@ def test_a_trace_replay_removes_and_adds_nodes(tmp_path, cache):
 @pytest.mark.timeout(900)
 def test_the_demo_loses_nothing(tmp_path, cache):
     env = dict(os.environ, OMP_NUM_THREADS="1", XDG_CACHE_HOME=str(cache))
-    proc = subprocess.run([sys.executable, "-m", "planaria.chaos.cli", "demo", "--out", str(tmp_path / "out")],
+    proc = subprocess.run([sys.executable, "-m", "planaria.cli", "demo", "--out", str(tmp_path / "out")],
                           capture_output=True, text=True, timeout=850, env=env)
     report = assert_nothing_lost(proc, tmp_path, 300)
     kinds = [r["fault"].split(":")[0] for r in report["recoveries"]]
@@ -211,7 +211,7 @@ def test_an_interrupted_run_stops_its_cluster_and_reports_the_run_so_far(tmp_pat
     cached.parent.mkdir(parents=True)
     cached.write_text(json.dumps({"losses": {}, "step_s": 0.05, "median_step_s": 0.05}))
     env = dict(os.environ, OMP_NUM_THREADS="1", XDG_CACHE_HOME=str(tmp_path / "cache"))
-    proc = subprocess.Popen([sys.executable, "-m", "planaria.chaos.cli", "chaos", str(TINY), "--nodes", "2",
+    proc = subprocess.Popen([sys.executable, "-m", "planaria.cli", "chaos", str(TINY), "--nodes", "2",
                              "--fault", "kill-worker@30:target=1.0", *overrides, "--out", str(out)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                             start_new_session=True)

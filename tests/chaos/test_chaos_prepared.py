@@ -23,7 +23,7 @@ def test_chaos_on_prepared_shards_with_validation_loss(tmp_path):
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     corpus = tmp_path / "corpus"
     prepare = subprocess.run(
-        [sys.executable, "-m", "planaria.chaos.cli", "data", "prepare", str(stdlib / "json"), str(stdlib / "email"),
+        [sys.executable, "-m", "planaria.cli", "data", "prepare", str(stdlib / "json"), str(stdlib / "email"),
          "--out", str(corpus), "--train-bpe", "512", "--shard-tokens", "20000", "--val-fraction", "0.1", "--quiet"],
         capture_output=True, text=True, timeout=120)
     assert prepare.returncode == 0, prepare.stderr
@@ -33,7 +33,7 @@ def test_chaos_on_prepared_shards_with_validation_loss(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1", XDG_CACHE_HOME=str(tmp_path / "cache"))
     steps = 24
     proc = subprocess.run(
-        [sys.executable, "-m", "planaria.chaos.cli", "chaos", str(TINY), "--nodes", "4", "--fault-tolerance", "1",
+        [sys.executable, "-m", "planaria.cli", "chaos", str(TINY), "--nodes", "4", "--fault-tolerance", "1",
          "--fault", "kill-node@4", "--fault", "add-node@7", f"data.source={corpus}", "model.vocab_size=512",
          f"train.steps={steps}", "eval.every=3", "eval.batches=2", "parallel.min_stages=2",
          "--out", str(tmp_path / "out")],

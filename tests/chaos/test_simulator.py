@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from planaria.chaos.cli import main
+from planaria.cli import main
 from planaria.chaos.simulator.availability import Availability, Change, load_availability, synthetic
 from planaria.chaos.simulator.calibration import Calibration, young_daly_interval
 from planaria.chaos.simulator.engine import Outcome, Running, simulate

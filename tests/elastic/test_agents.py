@@ -96,7 +96,7 @@ def reference():
     return reference_run(JOB)
 
 
-OVERRIDES = [*JOB, "parallel.fault_tolerance=1"]
+OVERRIDES = [*JOB, "fault_tolerance.f=1"]
 
 
 @pytest.mark.multiprocess
@@ -216,7 +216,7 @@ def test_sigterm_to_an_agent_takes_its_node_out_and_the_job_goes_on(etcd, tmp_pa
 def test_a_worker_that_dies_of_an_exception_is_reported_from_its_error_file(etcd, tmp_path):
     """The worker's uncaught exception reaches TORCHELASTIC_ERROR_FILE (torch's `record`),
     and its agent's line names it."""
-    one_node = [*JOB, "parallel.min_stages=1", "parallel.fault_tolerance=0"]
+    one_node = [*JOB, "parallel.min_stages=1", "fault_tolerance.f=0"]
     job = Job(etcd, tmp_path, 1, one_node, run_id="error-file",
               env={"node0": {"PLANARIA_CORRUPT": "not-a-spec"}})
     try:
@@ -254,9 +254,9 @@ def test_same_run_id_with_another_config_is_refused(etcd, tmp_path):
 @pytest.mark.timeout(300)
 def test_a_frozen_worker_is_killed_by_its_agent(etcd, tmp_path, reference):
     """node2's worker stops (SIGSTOP) in a backward. Its heartbeat stops with it, so its
-    agent kills it after parallel.heartbeat_timeout_s (default: timeout_s), without waiting
+    agent kills it after comm.heartbeat_timeout_s (default: timeout_s), without waiting
     for the leader; the node leaves and the others go on."""
-    job = Job(etcd, tmp_path, 4, [*OVERRIDES, "parallel.timeout_s=4"], run_id="frozen",
+    job = Job(etcd, tmp_path, 4, [*OVERRIDES, "comm.timeout_s=4"], run_id="frozen",
               env={"node2": {"PLANARIA_FAULTS": "node2.0:backward@2!hang"}})
     run_until_only_this_node_left(job, "node2")
     assert "worker node2.0 froze (no heartbeat for" in job.logs()
@@ -270,7 +270,7 @@ def test_a_frozen_worker_is_killed_by_its_agent(etcd, tmp_path, reference):
 def test_hung_worker_is_killed_by_its_agent_on_the_leaders_request(etcd, tmp_path, reference):
     """The same, with the heartbeat watch out of the way: node2's worker reports nothing,
     so the leader, after its status timeout, asks its agent to kill it."""
-    job = Job(etcd, tmp_path, 4, [*OVERRIDES, "parallel.timeout_s=4", "parallel.heartbeat_timeout_s=1000"],
+    job = Job(etcd, tmp_path, 4, [*OVERRIDES, "comm.timeout_s=4", "comm.heartbeat_timeout_s=1000"],
               run_id="hung", env={"node2": {"PLANARIA_FAULTS": "node2.0:backward@2!hang"}})
     run_until_only_this_node_left(job, "node2")
     assert "worker node2.0 did not report" in job.logs()

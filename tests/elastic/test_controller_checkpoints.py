@@ -32,7 +32,7 @@ def complete_in_store(store, k: int, shards: int) -> None:
 def started_job(tmp_path):
     """A store, a checkpoint policy (every 10, keep 2), and a controller that published
     epoch 0 for four nodes."""
-    cfg = load_config(TINY, ["parallel.fault_tolerance=1"])
+    cfg = load_config(TINY, ["fault_tolerance.f=1"])
     planner = build_planner(cfg, cost_model(cfg, hardware_name="h100", gpus_per_node=1))
     store = dist.HashStore()
     policy = CheckpointPolicy(tmp_path / "ckpt", every=10, keep=2)
@@ -41,7 +41,7 @@ def started_job(tmp_path):
 
 
 def test_a_new_leader_skips_checkpoints_an_earlier_one_completed_and_pruned(tmp_path):
-    cfg = load_config(TINY, ["parallel.fault_tolerance=1"])
+    cfg = load_config(TINY, ["fault_tolerance.f=1"])
     planner = build_planner(cfg, cost_model(cfg, hardware_name="h100", gpus_per_node=1))
     store = dist.HashStore()
     policy = CheckpointPolicy(tmp_path / "ckpt", every=10, keep=2)
@@ -101,7 +101,7 @@ def test_a_shard_counted_twice_does_not_complete_a_checkpoint_whose_file_is_miss
 def test_a_job_started_over_another_models_checkpoints_ends_with_a_message(tmp_path):
     """A new job resumes from the newest checkpoint in its directory; one of another model
     (a reused output.dir) must not be loaded into it."""
-    cfg = load_config(TINY, ["parallel.fault_tolerance=1"])
+    cfg = load_config(TINY, ["fault_tolerance.f=1"])
     planner = build_planner(cfg, cost_model(cfg, hardware_name="h100", gpus_per_node=1))
     policy = CheckpointPolicy(tmp_path / "ckpt", every=10, keep=2)
     plan = planner.instantiate(4, node_ids=[f"node{i}" for i in range(4)]).plan

@@ -24,7 +24,7 @@ def report_statuses(store, plan, last_stepped: int, workers) -> None:
 
 
 def test_a_node_the_job_cannot_use_waits_and_is_used_after_a_failure():
-    cfg = load_config(TINY, ["parallel.fault_tolerance=1"])  # 4 microbatches
+    cfg = load_config(TINY, ["fault_tolerance.f=1"])  # 4 microbatches
     planner = build_planner(cfg, cost_model(cfg, hardware_name="h100", gpus_per_node=1))
     most = 4 * max(planner._sizes_for(10**6))  # 4 pipelines of the largest template
     logs: list[str] = []

@@ -19,7 +19,7 @@ from tests.launch import TINY
 
 @pytest.fixture(scope="module")
 def planner():
-    cfg = load_config(TINY, ["parallel.fault_tolerance=1"])
+    cfg = load_config(TINY, ["fault_tolerance.f=1"])
     return build_planner(cfg, cost_model(cfg, hardware_name="h100", gpus_per_node=1))
 
 

@@ -143,7 +143,7 @@ def test_planaria_job_under_planaria_run_recovers_in_place(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1", PLANARIA_FAULTS=f"{victim}:backward@2#2")
     proc = subprocess.run(
         [sys.executable, "-m", "planaria.elastic.launcher", "--standalone", "--nproc-per-node=4",
-         "-m", "planaria.train", str(TINY), *JOB, "parallel.fault_tolerance=1",
+         "-m", "planaria.train", str(TINY), *JOB, "fault_tolerance.f=1",
          f"output.dir={tmp_path}"], capture_output=True, text=True, timeout=250, env=env)
     logs = proc.stdout[-4000:] + proc.stderr[-4000:]
     assert proc.returncode == 0, logs

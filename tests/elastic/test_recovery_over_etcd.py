@@ -16,7 +16,7 @@ pytest.importorskip("pyetcd")
 @pytest.mark.timeout(300)
 def test_rank_killed_recovers_in_place_over_etcd(tmp_path):
     reference = reference_run(JOB)
-    job = LocalJob(TINY, [*JOB, "parallel.fault_tolerance=1"], nodes=4, out_dir=tmp_path,
+    job = LocalJob(TINY, [*JOB, "fault_tolerance.f=1"], nodes=4, out_dir=tmp_path,
                    faults="node3.0:backward@2#2", store="etcd", log=lambda message: None)
     assert job.store_url.startswith("etcd://127.0.0.1:")
     result = job.run(250)
@@ -34,7 +34,7 @@ def test_losing_one_of_three_etcd_members_changes_nothing(tmp_path):
     reference = reference_run(JOB)
     # node0 dawdles 3 s in iteration 2 (a straggler, nothing fails) so that the member
     # dies while the job trains: its ~50 ms iterations could all end before the poll.
-    job = LocalJob(TINY, [*JOB, "parallel.fault_tolerance=1"], nodes=4, out_dir=tmp_path,
+    job = LocalJob(TINY, [*JOB, "fault_tolerance.f=1"], nodes=4, out_dir=tmp_path,
                    store="etcd", etcd_members=3, faults="node0.0:commit@2!slow=3",
                    log=lambda message: None)
     killed = []

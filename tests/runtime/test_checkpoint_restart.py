@@ -7,7 +7,7 @@ import pytest
 
 from planaria.runtime.contract.checkpoint_layout import complete_checkpoints
 from planaria.runtime.contract.logs import COMMITS, CommitEntry, read_logs
-from planaria.runtime.checkpointing import read_layer
+from planaria.runtime.checkpoints import read_layer
 from tests.launch import assert_final_parameters, read_metrics, reference_run, torchrun_train
 from tests.runtime.test_recovery import JOB, STEPS
 
@@ -41,7 +41,7 @@ def test_elastic_job_run_again_after_losing_every_node_resumes_from_its_checkpoi
     from planaria.elastic.local import LocalJob
     from tests.launch import TINY
 
-    overrides = [*JOB, "train.steps=9", "checkpoint.every=3", "parallel.fault_tolerance=1"]
+    overrides = [*JOB, "train.steps=9", "checkpoint.every=3", "fault_tolerance.f=1"]
     reference = reference_run(overrides)
     every_node = ",".join(f"node{i}.0:forward@7" for i in range(4))
     lost = LocalJob(TINY, overrides, nodes=4, out_dir=tmp_path, faults=every_node, log=lambda m: None)

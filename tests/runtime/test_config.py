@@ -191,12 +191,12 @@ def test_cli_refuses_more_nccl_processes_than_gpus(launcher, tmp_path):
     counts and the ways out, not a CUDA error from the second rank."""
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", **launcher)
     proc = subprocess.run(
-        [sys.executable, "-m", "planaria.train", str(TINY), "parallel.pp=2", "parallel.backend=nccl",
+        [sys.executable, "-m", "planaria.train", str(TINY), "parallel.pp=2", "comm.backend=nccl",
          f"output.dir={tmp_path}"],
         capture_output=True, text=True, timeout=50, env=env)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "2 process(es) on this node but 0 GPU(s) visible" in proc.stdout
-    assert "parallel.backend=gloo" in proc.stdout
+    assert "comm.backend=gloo" in proc.stdout
 
 
 def test_layout_must_be_a_list_of_lists():
@@ -226,3 +226,48 @@ def test_adam_settings_reach_the_optimizer():
     assert (settings.eps, settings.betas) == (1e-5, (0.9, 0.99))
     with pytest.raises(ConfigError, match="train.adam_eps"):
         load_config(TINY, ["train.adam_eps=0"])
+
+
+def test_keys_of_the_earlier_layout_still_work_and_name_their_new_place():
+    with pytest.warns(FutureWarning, match=r"parallel\.timeout_s is now comm\.timeout_s"):
+        cfg = load_config(TINY, ["parallel.timeout_s=12", "parallel.fault_tolerance=2", "parallel.audit_every=3",
+                                 "parallel.audit_repair=true", "parallel.backend=gloo"])
+    assert (cfg.comm.timeout_s, cfg.fault_tolerance.f, cfg.audit.every, cfg.audit.repair, cfg.comm.backend) == \
+        (12.0, 2, 3, True, "gloo")
+
+
+def test_a_config_file_of_the_earlier_layout_loads(tmp_path):
+    old = tmp_path / "old.yaml"
+    old.write_text(TINY.read_text().replace("fault_tolerance:\n  f: 1", "")
+                   .replace("parallel:\n", "parallel:\n  fault_tolerance: 0\n  heartbeat_timeout_s: 7\n"))
+    with pytest.warns(FutureWarning, match=r"parallel\.fault_tolerance is now fault_tolerance\.f"):
+        cfg = load_config(old)
+    assert cfg.fault_tolerance.f == 0 and cfg.comm.heartbeat_timeout_s == 7
+
+
+def test_a_moved_key_given_both_ways_in_a_file_is_refused(tmp_path):
+    both = tmp_path / "both.yaml"
+    both.write_text(TINY.read_text().replace("parallel:\n", "parallel:\n  timeout_s: 12\n") + "comm:\n  timeout_s: 13\n")
+    with pytest.raises(ConfigError, match=r"parallel\.timeout_s and comm\.timeout_s are one setting, given twice"):
+        load_config(both)
+
+
+def test_an_override_under_either_name_wins_over_the_file():
+    with pytest.warns(FutureWarning):
+        assert load_config(TINY, ["parallel.fault_tolerance=3"]).fault_tolerance.f == 3
+    assert load_config(TINY, ["fault_tolerance.f=0"]).fault_tolerance.f == 0
+
+
+@pytest.mark.parametrize("override, message", [
+    ("parallel.schedule=zigzag", r"parallel\.schedule 'zigzag' is unknown; use one of 'gpipe', '1f1b', "
+                                 r"'interleaved', 'zb1f1b'"),
+    ("parallel.schedule=interleave", r"parallel\.schedule 'interleave' is unknown \(did you mean 'interleaved'\?\)"),
+    ("comm.backend=mpi", r"comm\.backend 'mpi' is unknown; use one of 'auto', 'gloo', 'nccl'"),
+    ("train.dtype=float16", r"train\.dtype 'float16' is unknown \(did you mean 'bfloat16'\?\); use one of 'float32', 'float64', 'bfloat16'"),
+    ("model.kernels=true", r"model\.kernels True is unknown"),
+    ("data.dtype=uint8", r"data\.dtype 'uint8' is unknown.*; use uint16 or uint32 for a headerless \.bin"),
+    ("train.lr_schedule=linear", r"train\.lr_schedule 'linear' is unknown; use one of 'cosine', 'constant'"),
+])
+def test_a_choice_outside_its_set_is_refused_with_the_set(override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(TINY, [override])

@@ -37,8 +37,8 @@ CASES = {
     "heterogeneous-[[4],[2,2]]-mb[3,5]": (3, ["parallel.layout=[[4],[2,2]]",
                                               "parallel.microbatches=[3,5]"]),
     # No layout, pp or dp: rank 0 profiles and plans for 3 nodes, every rank runs that plan.
-    "planner-3-nodes-f1": (3, ["parallel.fault_tolerance=1"]),
-    "planner-4-nodes-min-stages-2": (4, ["parallel.fault_tolerance=1", "parallel.min_stages=2"]),
+    "planner-3-nodes-f1": (3, ["fault_tolerance.f=1"]),
+    "planner-4-nodes-min-stages-2": (4, ["fault_tolerance.f=1", "parallel.min_stages=2"]),
 }
 
 

@@ -346,7 +346,7 @@ def test_export_of_a_damaged_save_is_refused_in_one_line_naming_the_file(tmp_pat
     manifest = (final / "manifest.json").read_text()
 
     (final / "layer0001-tp0.pt").write_bytes(b"not a torch file")
-    cmd = [sys.executable, "-m", "planaria.chaos.cli", "export", "hf", str(final), str(tmp_path / "out")]
+    cmd = [sys.executable, "-m", "planaria.cli", "export", "hf", str(final), str(tmp_path / "out")]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=REPO)
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert "layer0001-tp0.pt is not a readable shard file" in proc.stderr
@@ -410,7 +410,7 @@ def test_export_command_ships_the_data_tokenizer_and_transformers_generates(tmp_
 
 def _export_command(source: Path, out: Path) -> subprocess.CompletedProcess:
     """`planaria export hf SOURCE OUT` as a user runs it, in a process of its own."""
-    cmd = [sys.executable, "-m", "planaria.chaos.cli", "export", "hf", str(source), str(out)]
+    cmd = [sys.executable, "-m", "planaria.cli", "export", "hf", str(source), str(out)]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=REPO)
 
 
@@ -426,7 +426,7 @@ def test_export_of_a_checkpoint_of_a_run_on_prepared_shards_ships_its_tokenizer(
     for i in range(8):
         (text / f"{i}.py").write_text(f"def f{i}(n):\n    return n * {i} + fibonacci(n - {i})\n" * 20)
     data = tmp_path / "data"
-    prepare = [sys.executable, "-m", "planaria.chaos.cli", "data", "prepare", str(text), "--out", str(data),
+    prepare = [sys.executable, "-m", "planaria.cli", "data", "prepare", str(text), "--out", str(data),
                "--tokenizer", str(tok), "--eos", "<eos>", "--val-fraction", "0", "--quiet"]
     proc = subprocess.run(prepare, capture_output=True, text=True, timeout=120, cwd=REPO)
     assert proc.returncode == 0, proc.stderr

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from planaria.chaos.cli import main
+from planaria.cli import main
 from planaria.runtime.config import ConfigError, load_config, model_shape
 from planaria.runtime.model import LayerModel
 from planaria.runtime.tensor_parallel import TensorParallel

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from planaria.runtime.checkpointing import load_layer, snapshot_layer
+from planaria.runtime.checkpoints import load_layer, snapshot_layer
 from planaria.runtime.engine import LayerState
 from planaria.runtime.optim import empty_adam_state
 from planaria.runtime.transfer import on_device

@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from planaria.chaos.cli import build_parser
+from planaria.cli import build_parser
 from planaria.runtime import corpus as inputs
 from planaria.runtime import prepare as prep
 from planaria.runtime import shards
@@ -52,7 +52,7 @@ def _args(*argv):
 
 def _cli(*argv, check=True):
     """The `planaria` command as a user runs it, in a process of its own."""
-    proc = subprocess.run([sys.executable, "-m", "planaria.chaos.cli", "data", "prepare", *map(str, argv)],
+    proc = subprocess.run([sys.executable, "-m", "planaria.cli", "data", "prepare", *map(str, argv)],
                           capture_output=True, text=True, timeout=240)
     if check:
         assert proc.returncode == 0, proc.stderr

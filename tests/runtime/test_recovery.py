@@ -22,7 +22,7 @@ JOB = [
     "model.n_layers=4", "model.d_model=32", "model.n_heads=4", "model.vocab_size=128",
     "model.seq_len=16", "data.source=synthetic", f"train.steps={STEPS}", "train.global_batch=8",
     "train.micro_batch=1", "train.dtype=float64", "train.lr=0.01", "train.warmup_steps=2",
-    "train.grad_clip=0.5", "train.log_every=1", "parallel.backend=gloo", "parallel.timeout_s=30",
+    "train.grad_clip=0.5", "train.log_every=1", "comm.backend=gloo", "comm.timeout_s=30",
     "parallel.min_stages=2",
 ]
 
@@ -33,7 +33,7 @@ def reference():
 
 
 def run_job(tmp_path, *, nodes, faults="", fault_tolerance=1, extra=(), actions=None, timeout=200):
-    job = LocalJob(TINY, [*JOB, f"parallel.fault_tolerance={fault_tolerance}", *extra], nodes=nodes,
+    job = LocalJob(TINY, [*JOB, f"fault_tolerance.f={fault_tolerance}", *extra], nodes=nodes,
                    out_dir=tmp_path, faults=faults, log=lambda message: None)
     result = job.run(timeout, actions=actions)
     assert result.outcome == "ok", f"{result.outcome}\n{job.logs()}"
@@ -204,7 +204,7 @@ def test_more_failures_than_replicas_resumes_from_the_last_checkpoint(reference,
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 def test_more_failures_than_replicas_without_checkpoint_fails_clearly(tmp_path):
-    job = LocalJob(TINY, [*JOB, "parallel.fault_tolerance=1"], nodes=4, out_dir=tmp_path,
+    job = LocalJob(TINY, [*JOB, "fault_tolerance.f=1"], nodes=4, out_dir=tmp_path,
                    faults="node1.0:forward@2#2,node3.0:forward@2#2", log=lambda message: None)
     result = job.run(200)
     assert result.outcome.startswith("failed: no surviving worker holds layer shards")
@@ -222,8 +222,8 @@ def test_replica_audit_repairs_silent_corruption_from_the_majority(reference, tm
     audit after step 3 finds node2 (rank 2) against ranks 0 and 4, and repairs it. The
     corruption changed that pipeline's step-3 gradient, so the final state differs from
     the reference a little, but all replicas agree again and the next audit is clean."""
-    job = LocalJob(TINY, [*JOB, "parallel.fault_tolerance=2", "parallel.audit_every=2",
-                          "parallel.audit_repair=true"], nodes=6, out_dir=tmp_path,
+    job = LocalJob(TINY, [*JOB, "fault_tolerance.f=2", "audit.every=2",
+                          "audit.repair=true"], nodes=6, out_dir=tmp_path,
                    corrupt="node2.0@2", log=lambda message: None)
     result = job.run(200)
     assert result.outcome == "ok", job.logs()
@@ -238,7 +238,7 @@ def test_replica_audit_repairs_silent_corruption_from_the_majority(reference, tm
 @pytest.mark.timeout(300)
 def test_replica_audit_reports_a_tie_loudly(tmp_path):
     """Two replicas disagree: there is no majority; the audit names the layer and ranks."""
-    job = LocalJob(TINY, [*JOB, "parallel.fault_tolerance=1", "parallel.audit_every=2"], nodes=4,
+    job = LocalJob(TINY, [*JOB, "fault_tolerance.f=1", "audit.every=2"], nodes=4,
                    out_dir=tmp_path, corrupt="node2.0@0", log=lambda message: None)
     result = job.run(200)
     assert result.outcome == "ok", job.logs()
@@ -251,10 +251,10 @@ def test_replica_audit_reports_a_tie_loudly(tmp_path):
 @pytest.mark.timeout(300)
 def test_hung_worker_is_detected_within_the_timeout(reference, tmp_path):
     """node3 stops (SIGSTOP) in a backward: no socket closes. Its peers' collectives time
-    out after parallel.timeout_s; the controller waits that long again for node3's status,
+    out after comm.timeout_s; the controller waits that long again for node3's status,
     then kills it, and the job goes on without it."""
     timeout_s, status_timeout_s = 4, 6
-    job = LocalJob(TINY, [*JOB, "parallel.fault_tolerance=1", f"parallel.timeout_s={timeout_s}"],
+    job = LocalJob(TINY, [*JOB, "fault_tolerance.f=1", f"comm.timeout_s={timeout_s}"],
                    nodes=4, out_dir=tmp_path, faults="node3.0:backward@2!hang",
                    status_timeout_s=status_timeout_s, log=lambda message: None)
     result = job.run(200)
@@ -272,7 +272,7 @@ def test_tensor_parallel_shards_move_shard_by_shard(reference, tmp_path):
     """Nodes of two workers (tp = 2), two pipelines of two stages: node3.0 dies, which
     takes node3 out (a stage needs the whole node; node3.1 is left idle), and the three
     nodes' re-cut moves tp shards between workers of the same tp rank."""
-    job = LocalJob(TINY, [*JOB, "parallel.fault_tolerance=1", "parallel.tp=2"], nodes=4,
+    job = LocalJob(TINY, [*JOB, "fault_tolerance.f=1", "parallel.tp=2"], nodes=4,
                    gpus_per_node=2, out_dir=tmp_path, faults="node3.0:backward@2#2",
                    log=lambda message: None)
     result = job.run(250)

@@ -14,7 +14,7 @@ import json
 import pytest
 import torch
 
-from planaria.runtime.checkpoint import load_full_model
+from planaria.runtime.saved_model import load_full_model
 from planaria.runtime.config import parameter_count, load_config
 from planaria.runtime.model import LayerModel
 from planaria.runtime.reference import build_reference_model
@@ -116,9 +116,9 @@ def test_worker_holding_a_head_killed_recovers_exactly(tmp_path):
     iteration 2; the survivors re-plan, the head moves by replica transfer, and the job
     ends with the fault-free losses and the two copies still bit-identical. The replica
     audit runs every other step and finds every layer's replicas equal."""
-    reference = reference_run([*recovery.JOB, "parallel.fault_tolerance=1", *TIED])
+    reference = reference_run([*recovery.JOB, "fault_tolerance.f=1", *TIED])
     job, result = recovery.run_job(tmp_path, nodes=4, faults="node3.0:sync@2",
-                                   extra=[*TIED, "parallel.audit_every=2"])
+                                   extra=[*TIED, "audit.every=2"])
     recovery.check_against_reference(tmp_path, reference, job)
     (event,) = result.controller.events
     assert event.failed == ("node3.0",) and event.first_iteration == 2 and event.transfers > 0

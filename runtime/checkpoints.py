@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Callable
 import torch
 import torch.distributed as dist
 
-from planaria.runtime.checkpoint import _atomic_torch_save, read_shard_file
+from planaria.runtime.saved_model import _atomic_torch_save, read_shard_file
 from planaria.runtime.contract.checkpoint_layout import (prune, shard_filename, step_dir, write_manifest,
                                                write_model_record)
 from planaria.runtime.contract.exactly_once import CommitRecord
@@ -89,7 +89,7 @@ class AsyncCheckpointer:
         iteration = engine.last_stepped
         if not self.every or (iteration + 1) % self.every:
             return
-        shards = {(layer, engine.tp.rank): snapshot_layer(engine.layers[layer])
+        shards = {(layer, engine.tp.rank): snapshot_layer(engine.shard(layer))
                   for layer in engine.owned_shards()}
         self._pending.append(self._pool.submit(self._write, iteration, shards, engine.last_commit,
                                                asdict(engine.model.cfg)))
@@ -116,7 +116,7 @@ def save_checkpoint(engine: "Engine", directory: Path, keep: int, data_source: s
     target = step_dir(directory, engine.last_stepped)
     target.mkdir(parents=True, exist_ok=True)
     for layer in engine.owned_shards():
-        _atomic_torch_save(snapshot_layer(engine.layers[layer]), target / shard_filename(layer, engine.tp.rank))
+        _atomic_torch_save(snapshot_layer(engine.shard(layer)), target / shard_filename(layer, engine.tp.rank))
     dist.barrier(group=engine.groups.world)
     if engine.rank == 0:
         write_model_record(target, asdict(engine.model.cfg), data_source)

@@ -1,4 +1,9 @@
-"""Model state on disk: one file per (layer, tp rank), written by one owner replica, manifest last.
+"""A saved model (a final save, or the parameters of a checkpoint): written one file per
+(layer, tp rank) by one owner replica, manifest last; read whole (export, init, tests).
+
+Training checkpoints, which add the optimizer state and are written in the background,
+are `planaria.runtime.checkpoints`'s; the names of the files and manifests are the
+contract's (`planaria.runtime.contract.checkpoint_layout`).
 
 The manifest is written only after every shard file is complete (and every file is
 written to a temporary name, made durable, then renamed), so a directory without a
@@ -35,7 +40,7 @@ def save_model_shards(engine, directory: Path, data_source: str = "") -> None:
     directory.mkdir(parents=True, exist_ok=True)
     tp_rank = engine.info.tp_rank
     for layer in engine.owned_shards():
-        state = {k: v.detach().cpu() for k, v in engine.layers[layer].module.state_dict().items()}
+        state = {k: v.detach().cpu() for k, v in engine.shard(layer).module.state_dict().items()}
         _atomic_torch_save(state, directory / shard_filename(layer, tp_rank))
     dist.barrier(group=engine.groups.world)
     if engine.rank == 0:

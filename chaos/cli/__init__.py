@@ -73,7 +73,7 @@ def _plan(args: argparse.Namespace) -> int:
             costs = cost_model(cfg, hardware_name=args.hardware, gpus_per_node=args.gpus_per_node)
         report = plan_job(cfg, costs, nodes=args.nodes,
                           fault_tolerance=(args.fault_tolerance if args.fault_tolerance is not None
-                                           else cfg.parallel.fault_tolerance))
+                                           else cfg.fault_tolerance.f))
     except (ConfigError, ValueError) as err:
         print(f"planaria plan: {err}", file=sys.stderr)
         return 2
@@ -159,7 +159,7 @@ def _chaos(args: argparse.Namespace) -> int:
     console = Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 120)
     overrides = list(args.overrides)
     if args.fault_tolerance is not None:
-        overrides.append(f"parallel.fault_tolerance={args.fault_tolerance}")
+        overrides.append(f"fault_tolerance.f={args.fault_tolerance}")
     refused = _chaos_options_refused(args)
     if refused:
         print(f"planaria chaos: {refused}", file=sys.stderr)
@@ -245,7 +245,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--nodes", type=int, required=True, help="live nodes N")
     plan.add_argument("--gpus-per-node", type=int, default=1, help="workers per node (tensor parallelism)")
     plan.add_argument("--fault-tolerance", type=int, default=None,
-                      help="f (default: parallel.fault_tolerance of the config)")
+                      help="f (default: fault_tolerance.f of the config)")
     plan.add_argument("--hardware", default="cpu", help="a100, h100, h200, v100, t4 or cpu (measured here)")
     plan.add_argument("--profile", action="store_true",
                       help="measure the real layers on this machine instead of the analytic model")
@@ -273,7 +273,7 @@ def build_parser() -> argparse.ArgumentParser:
     chaos.add_argument("overrides", nargs="*", default=[], help="section.key=value, as planaria.train takes them")
     chaos.add_argument("--nodes", type=int, required=True, help="nodes (an agent each) at the start")
     chaos.add_argument("--nproc-per-node", type=int, default=1, help="workers per node (parallel.tp)")
-    chaos.add_argument("--fault-tolerance", type=int, default=None, help="f (parallel.fault_tolerance)")
+    chaos.add_argument("--fault-tolerance", type=int, default=None, help="f (fault_tolerance.f)")
     chaos.add_argument("--fault", action="append", default=[], metavar="KIND@STEP[:target=T]",
                        help="kill-worker, kill-node, kill-agent, hang-worker, kill-etcd-member, add-node; "
                             "repeat for several (same step: simultaneous)")

@@ -1,0 +1,6 @@
+"""`python -m planaria.cli ...`: the `planaria` command."""
+import sys
+
+from planaria.cli import main
+
+sys.exit(main())
