@@ -2,7 +2,7 @@
 #   make demo    # 4 local nodes train; two are killed, one comes back; nothing is lost (a few minutes)
 #   make soak    # 30 minutes of random faults on 4-6 nodes (docs/chaos.md); make replay: the p3 trace
 #   make train   # train configs/tiny.yaml in 2 processes, plan chosen by the planner (torchrun, CPU or GPU)
-#   make test    # the test suite (15 to 20 minutes on 2 CPU cores, as busy as the machine is)
+#   make test    # the test suite (15 to 30 minutes on 2 CPU cores, as busy as the machine is)
 #   make test-slow  # the longer runs kept out of it (a few minutes)
 PYTHON ?= python3
 NPROC ?= 2
