@@ -52,7 +52,7 @@ from planaria.runtime.data import dataset_for
 from planaria.runtime.engine import Engine, StepResult, TornStep
 from planaria.runtime.loop import Call, Evaluation, Every, run_steps
 from planaria.runtime.audit import audit_replicas
-from planaria.runtime.faults import FaultInjector, corruption_after_step, flip_a_bit
+from planaria.runtime.fault_injection import FaultInjector, corruption_after_step, flip_a_bit
 from planaria.runtime.groups import forget_failed_world, set_operation_timeout
 from planaria.runtime.contract.heartbeat import start_beating
 from planaria.runtime.contract.logs import AUDIT, COMMITS, EVALS, log_path

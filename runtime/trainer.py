@@ -33,7 +33,7 @@ from planaria.runtime.elastic_worker import elastic_environment, run_elastic
 from planaria.runtime.contract.logs import METRICS, MetricsEntry, append as append_entry
 from planaria.runtime.engine import StepResult
 from planaria.runtime.loop import Call, Evaluation, Every, StepContext, run_steps
-from planaria.runtime.faults import FaultInjector
+from planaria.runtime.fault_injection import FaultInjector
 from planaria.runtime.hf_config import check_init_from
 
 

@@ -24,7 +24,7 @@ import math
 from dataclasses import dataclass, replace
 
 from planaria.chaos.simulator.calibration import Calibration
-from planaria.chaos.simulator.engine import Outcome, Running
+from planaria.chaos.simulator.simulation import Outcome, Running
 from planaria.templates.costs import CostModel
 from planaria.templates.placement import layers_held
 from planaria.templates.plan import Plan

@@ -6,7 +6,7 @@ import json
 import math
 from pathlib import Path
 
-from planaria.chaos.simulator.engine import ACCOUNTS, SimResult
+from planaria.chaos.simulator.simulation import ACCOUNTS, SimResult
 from planaria.chaos.simulator.runner import POLICIES, Simulation
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from planaria.chaos.simulator.availability import Availability, with_boot_delay
 from planaria.chaos.simulator.calibration import Calibration, young_daly_interval
-from planaria.chaos.simulator.engine import SimResult, simulate
+from planaria.chaos.simulator.simulation import SimResult, simulate
 from planaria.chaos.simulator.models import SimJob
 from planaria.chaos.simulator.policies import (CheckpointPolicy, Job, PlanariaPolicy, RedundancyPolicy,
                                                checkpoint_seconds, redundancy_costs)

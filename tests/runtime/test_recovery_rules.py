@@ -14,7 +14,7 @@ from planaria.runtime.contract.checkpoint_layout import complete_checkpoints, pr
 from planaria.runtime.contract.epochs import EpochRecord
 from planaria.runtime.contract.exactly_once import (INCOMPLETE, SYNCED, CommitRecord, InconsistentStatuses,
                                            WorkerStatus, resolve)
-from planaria.runtime.faults import Fault, FaultInjector, flip_a_bit, parse_faults
+from planaria.runtime.fault_injection import Fault, FaultInjector, flip_a_bit, parse_faults
 from planaria.templates.layout import plan_from_layout
 from planaria.templates.plan import Transfer, holders, missing_from, transfers_from
 
