@@ -7,7 +7,7 @@
 over a few such repeats. On a shared VM whose speed drifts by a third over tens of
 seconds, a 30 ms step and a profile taken a minute apart need not see the same machine.
 Here one torchrun job (2 processes, the cases of `cost_model_accuracy.py`) builds the
-trainer's Engine (`build.build_engine`) and alternates, round after round:
+trainer's Engine (`build.build_engine`, via `start_engine`) and alternates, round after round:
 
   (i)  rank 0 profiles the config (`profile_model(cfg, num_threads=1,
        concurrent_workers=2)`: the layers timed beside one process computing a block,
@@ -61,7 +61,7 @@ def worker(args) -> None:
     from planaria.runtime.config import load_config, plan_from_config
     from planaria.runtime.data import build_dataset
     from planaria.runtime.profile import profile_model
-    from planaria.runtime.build import build_engine
+    from planaria.runtime.build import start_engine
     from planaria.runtime import pipeline_probe
 
     cfg = load_config(CONFIG, CASES[args.case])
@@ -70,7 +70,7 @@ def worker(args) -> None:
                             timeout=timedelta(seconds=cfg.comm.timeout_s))
     try:
         plan = plan_from_config(cfg, world_size=world)
-        engine = build_engine(cfg, plan, rank, torch.device("cpu"))
+        engine = start_engine(cfg, plan, rank, torch.device("cpu"))
         dataset = build_dataset(cfg.data.source, seq_len=cfg.model.seq_len,
                                 vocab_size=cfg.model.vocab_size, seed=cfg.data.seed)
         rounds, iteration = [], 0

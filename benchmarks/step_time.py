@@ -286,7 +286,7 @@ def worker_paired_pp2(args) -> None:
     import torch
     import torch.distributed as dist
 
-    from planaria.runtime.build import build_engine
+    from planaria.runtime.build import start_engine
     from planaria.runtime.config import plan_from_config
     from planaria.runtime.data import build_dataset
 
@@ -294,7 +294,7 @@ def worker_paired_pp2(args) -> None:
     rank, world = _init_torchrun_group(cfg)
     try:
         # The trainer's own Engine: its dtypes, clipping and wide gradient sums.
-        engine = build_engine(cfg, plan_from_config(cfg, world_size=world), rank, torch.device("cpu"))
+        engine = start_engine(cfg, plan_from_config(cfg, world_size=world), rank, torch.device("cpu"))
         dataset = build_dataset(cfg.data.source, seq_len=cfg.model.seq_len,
                                 vocab_size=cfg.model.vocab_size, seed=cfg.data.seed)
         pipe = DirectPipeline(cfg, rank, world)
@@ -322,7 +322,7 @@ def worker_paired_single(args) -> None:
     import torch.distributed as dist
 
     from planaria.runtime import trainer
-    from planaria.runtime.build import build_engine
+    from planaria.runtime.build import start_engine
     from planaria.runtime.optim import optimizer_settings
     from planaria.runtime.model import torch_dtypes as dtypes
     from planaria.runtime.config import plan_from_config
@@ -339,7 +339,7 @@ def worker_paired_single(args) -> None:
         model = LayerModel(cfg.model, seed=cfg.train.seed)
         optim = optimizer_settings(cfg.train)
         # The trainer's own Engine: its dtypes, clipping and wide gradient sums.
-        engine = build_engine(cfg, plan_from_config(cfg, world_size=1), 0, torch.device("cpu"))
+        engine = start_engine(cfg, plan_from_config(cfg, world_size=1), 0, torch.device("cpu"))
         dataset = build_dataset(cfg.data.source, seq_len=cfg.model.seq_len,
                                 vocab_size=cfg.model.vocab_size, seed=cfg.data.seed)
         blocks: dict[str, list[list[float]]] = {"planaria": [], "plain": []}

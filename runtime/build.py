@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 from datetime import timedelta
-from pathlib import Path
 from typing import Callable
 
 import torch
@@ -19,32 +18,45 @@ import torch.distributed as dist
 
 from planaria.kernels import describe as describe_kernels
 from planaria.runtime.config import Config, ConfigError, parameter_count
-from planaria.runtime.engine import Engine
+from planaria.runtime.engine import Engine, EngineSettings
 from planaria.runtime.model import LayerModel, torch_dtypes
 from planaria.runtime.optim import optimizer_settings
 from planaria.runtime.planning import plan_job, profile_cache_dir
 from planaria.runtime.profile import profiled_cost_model
-from planaria.templates.plan import Plan, Transfer
+from planaria.templates.plan import Plan
 
 
-def build_engine(cfg: Config, plan: Plan, rank: int, device: torch.device, *,
-                 restore: Path | None = None, transfers: list[Transfer] | None = None,
-                 phase: Callable[[str, int], None] | None = None,
-                 connect_timeout_s: float | None = None) -> Engine:
-    """The Engine of `cfg` for `plan` on this rank (see `Engine` for `restore`,
-    `transfers` and `phase`). `connect_timeout_s`: how long the epoch's process groups
-    may take to connect (an elastic worker's, so that a peer that died after the
-    rendezvous fails the epoch in seconds); the collectives' own timeout is
+def engine_settings(cfg: Config, device: torch.device,
+                    connect_timeout_s: float | None = None) -> EngineSettings:
+    """How `cfg`'s engines compute on `device`. `connect_timeout_s`: how long an epoch's
+    process groups may take to connect (an elastic worker's, so that a peer that died
+    after the rendezvous fails the epoch in seconds); the collectives' own timeout is
     `comm.timeout_s`."""
     param_dtype, autocast_dtype = torch_dtypes(cfg.train.dtype)
+    return EngineSettings(
+        device=device, param_dtype=param_dtype, autocast_dtype=autocast_dtype,
+        grad_clip=cfg.train.grad_clip,
+        grad_accum_dtype=torch.float64 if cfg.train.exact_reduction else None,
+        collective_timeout=timedelta(seconds=cfg.comm.timeout_s),
+        connect_timeout=None if connect_timeout_s is None else timedelta(seconds=connect_timeout_s))
+
+
+def build_engine(cfg: Config, device: torch.device, *, phase: Callable[[str, int], None] | None = None,
+                 connect_timeout_s: float | None = None) -> Engine:
+    """A new Engine of `cfg` on `device`, holding nothing yet: its first `enter_epoch`
+    gives it a plan and its layers. `phase`: the engine's phase hook (fault injection,
+    progress)."""
     model = LayerModel(cfg.model, seed=cfg.train.seed, recompute=cfg.train.recompute)
-    return Engine(plan, model, optimizer_settings(cfg.train), rank=rank, device=device,
-                  param_dtype=param_dtype, autocast_dtype=autocast_dtype,
-                  grad_clip=cfg.train.grad_clip,
-                  grad_accum_dtype=torch.float64 if cfg.train.exact_reduction else None,
-                  collective_timeout=timedelta(seconds=cfg.comm.timeout_s),
-                  connect_timeout=None if connect_timeout_s is None else timedelta(seconds=connect_timeout_s),
-                  phase=phase, transfers=transfers, restore=restore)
+    return Engine(model, optimizer_settings(cfg.train), engine_settings(cfg, device, connect_timeout_s),
+                  phase=phase)
+
+
+def start_engine(cfg: Config, plan: Plan, rank: int, device: torch.device) -> Engine:
+    """A new Engine of `cfg` in the first epoch of a new job's `plan` (layers from their
+    seeds): what benchmarks and tests of a single plan want."""
+    engine = build_engine(cfg, device)
+    engine.enter_epoch(plan, rank)
+    return engine
 
 
 def describe(cfg: Config, plan: Plan) -> str:

@@ -8,8 +8,9 @@ as `planaria.elastic`'s launchers and the tests' harness start workers. Per epoc
 1. wait for the epoch's record (plan, roll-forward, transfers); a worker not in the
    plan waits for the next one;
 2. join the epoch's process group through the epoch's rendezvous store;
-3. first epoch: build the engine (a worker joining a running job receives its layers);
-   later epochs: roll forward if the record says so, then `Engine.reconfigure`;
+3. first epoch: build the engine; later epochs: roll forward if the record says so;
+   then `Engine.enter_epoch`, with the record's transfers or checkpoint (a worker
+   joining a running job receives its layers like any other);
 4. train from the plan's first iteration; the commit all-reduce also carries "the
    control plane asked to stop here" (a node joins), so all stop after the same step;
 5. at the end, save the final parameters and report "finished", then wait: the job is
@@ -177,19 +178,16 @@ class ElasticWorker:
         if record.restore is not None:
             self._log(f"epoch {plan.epoch}: restoring from checkpoint {record.restore}")
         if self.engine is None:
-            # A worker that joins a running job receives its layers (collective with the
-            # others' reconfigure) or loads them from the checkpoint (with their restore).
-            self.engine = build_engine(self.cfg, plan, rank, self.device, phase=self.faults,
-                                       connect_timeout_s=self._connect_timeout_s(), transfers=transfers,
-                                       restore=None if record.restore is None else Path(record.restore))
-            return
-        if record.restore is not None:
-            self.engine.restore(plan, rank, None, Path(record.restore))
-            return
-        if record.roll_forward is not None and self.engine.roll_forward(record.roll_forward):
+            # A worker new to the job (its start, or a join) holds nothing: it builds its
+            # layers, receives them or loads them, in the same epoch as every other worker.
+            self.engine = build_engine(self.cfg, self.device, phase=self.faults,
+                                       connect_timeout_s=self._connect_timeout_s())
+        elif (record.restore is None and record.roll_forward is not None
+              and self.engine.roll_forward(record.roll_forward)):
             self._record_commit(record.roll_forward, plan.epoch - 1, rolled_forward=True)
             self.checkpointer.after_step(self.engine)
-        self.engine.reconfigure(plan, rank, None, transfers)
+        self.engine.enter_epoch(plan, rank, transfers=transfers,
+                                checkpoint=None if record.restore is None else Path(record.restore))
 
     def _train(self, epoch: int, first: int, timing: dict) -> None:
         watcher = _StopWatcher(self.coordinator, epoch)

@@ -5,10 +5,12 @@ schedule, and the iteration: pipelined forward/backward, layer-wise gradient syn
 over replica groups, the commit all-reduce, clipping, and the optimizer step.
 
 Everything that depends on the plan (process groups, stages, schedule) is built in
-`_build_epoch` from the plan alone, so `reconfigure` can tear it down and build the
+`_build_epoch` from the plan alone, so `enter_epoch` can tear it down and build the
 next epoch's in the same process while keeping the layers it still owns, with their
 optimizer state untouched, and receiving the others from replicas
-(`planaria.runtime.transfer`).
+(`planaria.runtime.transfer`) or loading them from a checkpoint. How the engine
+computes (dtypes, clipping, wide gradient sums, timeouts) is fixed for its life by its
+`EngineSettings`.
 
 The engine also keeps what the exactly-once rule needs (`planaria.runtime.contract.exactly_once`):
 the last iteration it stepped with its commit record, and whether the gradients of the
@@ -97,40 +99,57 @@ class StepResult:
     stop_requested: bool = False
 
 
+@dataclass(frozen=True)
+class EngineSettings:
+    """How an engine computes and communicates, fixed for its life (`build_engine`
+    makes them from the config, so that every kind of job runs the same numerics)."""
+
+    device: torch.device
+    param_dtype: torch.dtype
+    autocast_dtype: torch.dtype | None = None
+    """Mixed precision: the forward runs under autocast to this dtype (None: off)."""
+    grad_clip: float = 1.0
+    """The global gradient norm is clipped to this (0: no clipping)."""
+    grad_accum_dtype: torch.dtype | None = None
+    """float64 (`train.exact_reduction`): gradients are summed over microbatches and
+    replicas in this dtype, in `main_grad`, and rounded to the parameters' dtype once,
+    after the sync, so that the sum does not depend on the plan's split of the batch.
+    None, or the parameters' own dtype: summed in `grad`."""
+    collective_timeout: timedelta | None = None
+    connect_timeout: timedelta | None = None
+    """How long an epoch's process groups may take to connect (None: `collective_timeout`)."""
+
+    @property
+    def wide_sums(self) -> torch.dtype | None:
+        """The dtype gradients are summed in apart from the parameters', or None."""
+        return self.grad_accum_dtype if self.grad_accum_dtype != self.param_dtype else None
+
+
 class Engine:
-    """Runs iterations of one Plan on one worker. Process groups are passed, never global."""
+    """Runs iterations of one Plan on one worker. Process groups are passed, never global.
+
+    Built empty (no plan, no layers, no communication); `enter_epoch` is the one way
+    into an epoch, the first and every later one."""
 
     _eval_schedule: PlanSchedule | None = None
     _evaluating = False
 
-    def __init__(self, plan: Plan, model: LayerModel, optim: OptimizerSettings, *, rank: int,
-                 device: torch.device, param_dtype: torch.dtype,
-                 autocast_dtype: torch.dtype | None = None, grad_clip: float = 1.0,
-                 world: dist.ProcessGroup | None = None, collective_timeout: timedelta | None = None,
-                 phase: Callable[[str, int], None] | None = None,
-                 transfers: list[Transfer] | None = None, restore: Path | None = None,
-                 grad_accum_dtype: torch.dtype | None = None, connect_timeout: timedelta | None = None):
-        """`transfers`: a worker joining a running job receives its layers from their
-        holders (collective with the other workers' `reconfigure`); `restore`: it loads
-        them from that checkpoint (collective with the others' `restore`); otherwise every
-        layer is built fresh, from its seed. `grad_accum_dtype` (float64: the config's
-        `train.exact_reduction`): gradients are summed over microbatches and replicas in
-        that dtype, in `main_grad`, and rounded to the parameters' dtype once, after the
-        sync, so that the sum does not depend on the plan's split of the batch."""
+    def __init__(self, model: LayerModel, optim: OptimizerSettings, settings: EngineSettings, *,
+                 phase: Callable[[str, int], None] | None = None):
         self.model = model
         self.optim = optim
-        self.rank = rank
-        self.device = device
-        self.param_dtype = param_dtype
-        self.autocast_dtype = autocast_dtype
-        self.grad_clip = grad_clip
-        self.grad_accum_dtype = grad_accum_dtype if grad_accum_dtype != param_dtype else None
-        self.collective_timeout = collective_timeout
-        self.connect_timeout = connect_timeout
+        self.settings = settings
+        self.device = settings.device
+        self.grad_accum_dtype = settings.wide_sums
         self._phase = phase or (lambda name, iteration: None)
         self._has_phase_hooks = phase is not None
-        self.iteration = plan.first_iteration
-        self.last_stepped = plan.first_iteration - 1
+        self.plan: Plan | None = None
+        self.rank = -1
+        self.groups: EpochGroups | None = None
+        self.schedule, self.stages = None, []
+        self.iteration = 0
+        self.last_stepped: int | None = None
+        """The last iteration this worker stepped; None until its first epoch says."""
         self.last_commit: CommitRecord | None = None
         self.synced = False
         """The gradients of iteration last_stepped + 1 are fully synced."""
@@ -139,15 +158,57 @@ class Engine:
         self.tp = None  # one TensorParallel for the engine's life: layers keep it
         self._tied = dict(model.tied_parameters())
         """Layer -> the name of its copy of the tied weight (tied embeddings)."""
+
+    def enter_epoch(self, plan: Plan, rank: int, world: dist.ProcessGroup | None = None, *,
+                    transfers: list[Transfer] | None = None,
+                    checkpoint: Path | None = None) -> TransferStats | None:
+        """Move to `plan` as `rank` of `world` (None: the default group), from wherever
+        this engine is (new, or at the end of an epoch that finished or failed): the
+        epoch's groups built; then its layers, which come from one of three places:
+
+        - `checkpoint`: every layer of the plan loaded from that directory (parameters,
+          optimizer state, the step count and commit record of its iteration);
+        - `transfers`: the layers this rank lacks received from their holders
+          (parameters and optimizer state), collective with every other worker's
+          `enter_epoch` of the same plan;
+        - otherwise none: only a new job's layers, built from their seeds.
+
+        After a checkpoint or transfers, a barrier; only then are the layers the plan no
+        longer gives this rank dropped: once the barrier completed anywhere, every worker
+        had its layers, so a failure at any earlier point leaves every layer with the
+        holders it had (`held()` says which). Layers still missing are built from their
+        seeds, which is allowed only before the first step. Returns the transfer's
+        figures (None without transfers)."""
+        self._check_continues(plan, checkpoint)
+        self.abandon_epoch()
+        self.rank = rank
+        if checkpoint is not None:
+            self._shards.clear()
         self._build_epoch(plan, world)
-        if restore is not None:
-            self._load_checkpoint(restore)
-            dist.barrier(group=self.groups.world)
+        stats = None
+        if checkpoint is not None:
+            self._load_checkpoint(checkpoint)
         elif transfers is not None:
-            self.last_transfer = exchange_layers(self, transfers, stepped=self.last_stepped >= 0)
+            stats = exchange_layers(self, transfers, stepped=self.last_stepped >= 0)
+        if checkpoint is not None or transfers is not None:
             dist.barrier(group=self.groups.world)
+        for index in [i for i in self._shards if i not in set(plan.layers_of(rank))]:
+            self.drop_shard(index)
         self._add_fresh_layers()
+        self.iteration, self.synced = plan.first_iteration, False
         self._build_pipeline()
+        self.last_transfer = stats
+        return stats
+
+    def _check_continues(self, plan: Plan, checkpoint: Path | None) -> None:
+        """A plan must start right after this worker's last step; a new engine (no step
+        yet known) takes the plan's word for where the job is, a checkpoint its own."""
+        if checkpoint is None and self.last_stepped is None:
+            self.last_stepped = plan.first_iteration - 1
+        elif checkpoint is None and plan.first_iteration != self.last_stepped + 1:
+            raise RuntimeError(f"the plan of epoch {plan.epoch} starts at iteration "
+                               f"{plan.first_iteration}, but this worker last stepped "
+                               f"{self.last_stepped}")
 
     def _add_fresh_layers(self) -> None:
         """Build from their seeds the plan's layers this worker lacks: only right before
@@ -164,8 +225,8 @@ class Engine:
         self.plan = plan
         self.info = plan.rank_info(self.rank)
         self.pipeline = plan.pipelines[self.info.pipeline]
-        self.groups = EpochGroups.build(plan, self.rank, world, timeout=self.collective_timeout,
-                                        connect_timeout=self.connect_timeout,
+        self.groups = EpochGroups.build(plan, self.rank, world, timeout=self.settings.collective_timeout,
+                                        connect_timeout=self.settings.connect_timeout,
                                         tied_layers=tuple(self._tied))
         new_tp = self.groups.tensor_parallel
         if self.tp is None:
@@ -186,7 +247,7 @@ class Engine:
         """A layer's shard with its optimizer. `pretrained`: its initial state, read from
         `model.init_from` when set; otherwise an empty shell that a checkpoint or a
         replica is about to fill (so the Hugging Face checkpoint is not read for it)."""
-        module = self.model.build_layer(index, self.tp, self.param_dtype, self.device,
+        module = self.model.build_layer(index, self.tp, self.settings.param_dtype, self.device,
                                         pretrained=pretrained)
         if self._has_phase_hooks:
             module.register_forward_hook(self._phase_hook)
@@ -236,46 +297,6 @@ class Engine:
                                "gradients are not synced on this worker")
         self._step(record)
         return True
-
-    def reconfigure(self, plan: Plan, rank: int, world: dist.ProcessGroup | None,
-                    transfers: list[Transfer]) -> TransferStats:
-        """Move to the next epoch's plan in place: new groups, the layers this rank now
-        needs received from their replicas (parameters and optimizer state), then a
-        barrier, then the layers no longer owned dropped and the pipeline rebuilt.
-
-        Layers are dropped only after the barrier: once it completed anywhere, every
-        worker had received its layers, so a failure at any earlier point leaves every
-        layer with the holders it had (`held()` says which).
-        """
-        if plan.first_iteration != self.last_stepped + 1:
-            raise RuntimeError(f"the plan of epoch {plan.epoch} starts at iteration "
-                               f"{plan.first_iteration}, but this worker last stepped "
-                               f"{self.last_stepped}")
-        self.abandon_epoch()
-        self.rank = rank
-        self._build_epoch(plan, world)
-        stats = exchange_layers(self, transfers, stepped=self.last_stepped >= 0)
-        dist.barrier(group=self.groups.world)
-        for index in [i for i in self._shards if i not in set(plan.layers_of(rank))]:
-            self.drop_shard(index)
-        self._add_fresh_layers()
-        self.iteration = plan.first_iteration
-        self.synced = False
-        self._build_pipeline()
-        self.last_transfer = stats
-        return stats
-
-    def restore(self, plan: Plan, rank: int, world: dist.ProcessGroup | None, directory: Path) -> None:
-        """Go back to a checkpoint (some layer lost every replica): new groups, every layer
-        of the new plan loaded from `directory` (parameters and optimizer state), the
-        step count and commit record of the checkpoint's iteration; then a barrier."""
-        self.abandon_epoch()
-        self.rank = rank
-        self._shards.clear()
-        self._build_epoch(plan, world)
-        self._load_checkpoint(directory)
-        dist.barrier(group=self.groups.world)
-        self._build_pipeline()
 
     def _load_checkpoint(self, directory: Path) -> None:
         manifest = read_manifest(directory)
@@ -427,9 +448,9 @@ class Engine:
         return torch.zeros((), dtype=torch.float64, device=self.device)
 
     def _autocast(self):
-        if self.autocast_dtype is None:
+        if self.settings.autocast_dtype is None:
             return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
+        return torch.autocast(self.device.type, dtype=self.settings.autocast_dtype)
 
     def _local_grad(self, p: torch.Tensor) -> torch.Tensor:
         """A parameter's gradient as summed so far: `main_grad` when gradients accumulate
@@ -532,11 +553,11 @@ class Engine:
         return self._tied.get(layer) == name and layer != next(iter(self._tied))
 
     def _clip_and_step(self, grad_norm: float, lr: float) -> None:
-        if self.grad_clip > 0:
+        if self.settings.grad_clip > 0:
             # clip_grad_norm_'s formula, applied with the global norm every rank agreed on.
             params = [p for state in self._shards.values() for p in state.module.parameters()]
-            total = torch.tensor(grad_norm, dtype=self.param_dtype, device=self.device)
-            torch.nn.utils.clip_grads_with_norm_(params, self.grad_clip, total, foreach=True)
+            total = torch.tensor(grad_norm, dtype=self.settings.param_dtype, device=self.device)
+            torch.nn.utils.clip_grads_with_norm_(params, self.settings.grad_clip, total, foreach=True)
         self._phase("step", self.iteration)
         for state in self._shards.values():
             set_learning_rate(state.optimizer, lr)

@@ -139,8 +139,8 @@ def train(cfg: Config, plan, rank: int, device: torch.device, console: Console,
     resume = _checkpoint_to_resume(cfg)
     if resume is not None:
         plan = replace(plan, first_iteration=resume[0] + 1)
-    engine = build_engine(cfg, plan, rank, device, restore=None if resume is None else resume[1],
-                          phase=_fault_injector(rank))
+    engine = build_engine(cfg, device, phase=_fault_injector(rank))
+    engine.enter_epoch(plan, rank, checkpoint=None if resume is None else resume[1])
     log = _MetricsLog(out_dir / METRICS, cfg.train.log_every, append=resume is not None) if rank == 0 else None
     if rank == 0:
         console.print(describe(cfg, plan))

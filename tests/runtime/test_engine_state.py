@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from planaria.runtime.build import build_engine
+from planaria.runtime.build import start_engine
 from planaria.runtime.checkpoints import load_layer, snapshot_layer
 from planaria.runtime.config import load_config, plan_from_config
 from planaria.runtime.data import dataset_for
@@ -35,7 +35,7 @@ def world(tmp_path):
 
 def engine_and_data(overrides=()):
     cfg = load_config(TINY, [*OVERRIDES, *overrides])
-    engine = build_engine(cfg, plan_from_config(cfg, world_size=1), 0, torch.device("cpu"))
+    engine = start_engine(cfg, plan_from_config(cfg, world_size=1), 0, torch.device("cpu"))
     return cfg, engine, dataset_for(cfg)
 
 
@@ -62,7 +62,7 @@ def test_a_shard_moved_out_and_back_in_trains_on_bit_for_bit(world):
     # The pipeline still holds the old module: both move to a next epoch of the same plan,
     # which rebuilds it from the shards held.
     for engine in (moved, kept):
-        engine.reconfigure(replace(engine.plan, epoch=1, first_iteration=1), 0, None, [])
+        engine.enter_epoch(replace(engine.plan, epoch=1, first_iteration=1), 0, transfers=[])
     losses = [[e.train_step(i, data, cfg.data.seed).loss for i in (1, 2)] for e in (moved, kept)]
     assert losses[0] == losses[1]
     assert all(torch.equal(a, b) for a, b in zip(parameters(moved), parameters(kept)))
