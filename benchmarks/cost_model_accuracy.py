@@ -234,7 +234,7 @@ def drive(args, names: list[str]) -> int:
 
 def one_repeat(args, name: str, cfg, plan, r: int, tmp: Path) -> dict:
     """Profile, predict, then train and measure (again if the machine was busy)."""
-    from planaria.runtime.profile import profile_model
+    from planaria.runtime.measured_costs import profile_model
     from planaria.runtime import pipeline_probe
 
     _wait_quiet(args.quiet, args.wait_quiet)

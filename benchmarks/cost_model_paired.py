@@ -60,7 +60,7 @@ def worker(args) -> None:
 
     from planaria.runtime.config import load_config, plan_from_config
     from planaria.runtime.data import build_dataset
-    from planaria.runtime.profile import profile_model
+    from planaria.runtime.measured_costs import profile_model
     from planaria.runtime.build import start_engine
     from planaria.runtime import pipeline_probe
 

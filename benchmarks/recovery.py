@@ -68,7 +68,7 @@ def _commits(out: Path) -> list[CommitEntry]:
 
 
 def run_planaria(job_args: list[str], steps: int, kill_after: int, out: Path) -> dict:
-    from planaria.elastic.local import LocalJob
+    from planaria.elastic.local_job import LocalJob
 
     job = LocalJob(CONFIG, [*job_args, *PLANARIA, f"train.steps={steps}"], nodes=NODES, out_dir=out,
                    log=lambda message: None)

@@ -7,7 +7,7 @@
         --run demo-out/report.json configs/demo.yaml 4
 
 `--calibrate REPORT` (one or more): a chaos report whose recoveries give the cost of
-each fault kind on this machine (`planaria.chaos.simulator.local.fault_costs`: medians
+each fault kind on this machine (`planaria.chaos.simulator.chaos_runs.fault_costs`: medians
 of the recoveries' durations, and a new node's boot until it asks to join).
 `--run REPORT CONFIG NODES [OVERRIDES...]`: a chaos run to predict: its report, the
 config and overrides it ran with, and the nodes it started with.
@@ -26,7 +26,7 @@ import sys
 from pathlib import Path
 
 from planaria.chaos.report import write_json_atomically
-from planaria.chaos.simulator.local import (fault_costs, load, measured_ettr, predict_ettr,
+from planaria.chaos.simulator.chaos_runs import (fault_costs, load, measured_ettr, predict_ettr,
                                             quiet_step_s, reference_step_s)
 
 

@@ -13,7 +13,7 @@ import argparse
 import shutil
 from pathlib import Path
 
-from planaria.elastic.local import LocalJob
+from planaria.elastic.local_job import LocalJob
 
 REPO = Path(__file__).resolve().parents[1]
 

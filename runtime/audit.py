@@ -14,38 +14,18 @@ rank of the majority); a tie cannot be repaired and is only reported.
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
+from planaria.runtime.contract.logs import Mismatch
 from planaria.runtime.transfer import layer_state_tensors, on_device
 
 if TYPE_CHECKING:
     from planaria.runtime.engine import Engine, LayerState
 
 _MODULUS = 65521  # weights by position modulo a prime, so swapped values change the sum
-
-
-@dataclass(frozen=True)
-class Mismatch:
-    """Replicas of one shard that disagree."""
-
-    layer: int
-    tp_rank: int
-    majority: tuple[int, ...]
-    """Ranks holding the most common state (empty on a tie)."""
-    minority: tuple[int, ...]
-    repaired: bool
-
-    def describe(self) -> str:
-        if not self.majority:
-            return (f"layer {self.layer} (tp rank {self.tp_rank}): replicas on ranks "
-                    f"{list(self.minority)} all differ; no majority to repair from")
-        action = "repaired from the majority" if self.repaired else "not repaired (audit.repair=false)"
-        return (f"layer {self.layer} (tp rank {self.tp_rank}): ranks {list(self.minority)} differ from "
-                f"ranks {list(self.majority)}; {action}")
 
 
 def shard_tensors(state: "LayerState") -> list[torch.Tensor]:

@@ -22,7 +22,7 @@ from planaria.runtime.engine import Engine, EngineSettings
 from planaria.runtime.model import LayerModel, torch_dtypes
 from planaria.runtime.optim import optimizer_settings
 from planaria.runtime.planning import plan_job, profile_cache_dir
-from planaria.runtime.profile import profiled_cost_model
+from planaria.runtime.measured_costs import profiled_cost_model
 from planaria.templates.plan import Plan
 
 

@@ -1,7 +1,7 @@
 """`planaria plan`: ask the planner how a configured job would run on N nodes.
 
 Turns a job config and a cost model (analytic here, from a hardware preset; profiled
-by `planaria.runtime.profile.profiled_cost_model`) into the templates and the plan for N
+by `planaria.runtime.measured_costs.profiled_cost_model`) into the templates and the plan for N
 nodes, and reports it as a table a person can read or as JSON for tools.
 
 A node's agent plans with the analytic model and never computes: this module imports no
@@ -37,7 +37,7 @@ class PlanReport:
 
 def cost_model(cfg: Config, *, hardware_name: str, gpus_per_node: int) -> CostModel:
     """The job's analytic cost model, from the hardware preset (what an agent plans with;
-    a computing process may profile instead: `planaria.runtime.profile.profiled_cost_model`)."""
+    a computing process may profile instead: `planaria.runtime.measured_costs.profiled_cost_model`)."""
     hw = hardware(hardware_name, gpus_per_node=gpus_per_node)
     return analytic_cost_model(model_shape(cfg.model), hw, tp=gpus_per_node, micro_batch=cfg.train.micro_batch,
                                dtype=cfg.train.dtype, recompute=cfg.train.recompute)

@@ -96,7 +96,7 @@ def hardware(name: str, *, gpus_per_node: int | None = None) -> Hardware:
     socket's, a lower bound: a gloo message between two worker processes takes about
     ten times the socket's latency, and costs each worker time to post and complete.
     The profiled cost model (`planaria.templates.profiler`, `measure_links=True`, the
-    default of `planaria.runtime.profile.profile_model` on CPU) replaces the links,
+    default of `planaria.runtime.measured_costs.profile_model` on CPU) replaces the links,
     message overhead and commit time with gloo measured between two processes; this
     module cannot, as it does not import torch.
     """
@@ -259,7 +259,7 @@ def layer_activation_bytes(shape: ModelShape, index: int, *, tp: int, micro_batc
       QKV and first MLP matmuls (4), two dropout masks (2). Planaria has no dropout,
       but LLaMA's SwiGLU with RMSNorm saves more than GPT's MLP (gate, up, silu output
       and product, and the normalised tensors), which these 2 roughly stand for; the
-      reference block measures ~1.3x this estimate (see tests/runtime/test_profile.py).
+      reference block measures ~1.3x this estimate (see tests/runtime/test_measured_costs.py).
     - 24·sbh/t, split by tp: Q, K, V (6), attention output (2), MLP intermediates (16).
       Grouped-query attention keeps as much: its K and V are repeated to the query
       heads before attention (runtime/model.py), and those copies are what it saves.

@@ -253,3 +253,14 @@ def test_no_import_cycle():
     for module in sorted(edges):
         if module not in state and (cycle := visit(module)):
             pytest.fail("import cycle: " + " -> ".join(cycle))
+
+
+def test_no_two_modules_share_a_name():
+    # `report` in one package and `report` in another read alike in a traceback, an import
+    # or a review, and one is taken for the other: each module is named by what it owns.
+    by_name: dict[str, list[str]] = {}
+    for module in PATHS:
+        leaf = module.rsplit(".", 1)[-1]
+        if leaf not in ("__init__", "__main__") and PATHS[module].name != "__init__.py":
+            by_name.setdefault(leaf, []).append(module)
+    assert {leaf: found for leaf, found in by_name.items() if len(found) > 1} == {}

@@ -65,7 +65,7 @@ def _plan(args: argparse.Namespace) -> int:
     try:
         cfg = load_config(args.config, args.overrides)
         if args.profile:  # measured on this machine: imports torch
-            from planaria.runtime.profile import profiled_cost_model
+            from planaria.runtime.measured_costs import profiled_cost_model
 
             costs = profiled_cost_model(cfg, hardware_name=args.hardware, gpus_per_node=args.gpus_per_node,
                                         cache_dir=profile_cache_dir(cfg))
@@ -322,7 +322,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--fresh-reference", action="store_true", help="run the reference again")
     demo.set_defaults(func=_demo)
 
-    from planaria.chaos.simulator.cli import add_parser as add_simulate
+    from planaria.chaos.simulator.command import add_parser as add_simulate
     from planaria.runtime.prepare import add_parser as add_data
 
     add_simulate(sub)

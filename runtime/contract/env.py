@@ -1,6 +1,6 @@
 """The environment a Planaria launcher gives its workers: variable names, in one place.
 
-An agent (`planaria.elastic.agent`), the local launcher (`planaria.elastic.local`) and
+An agent (`planaria.elastic.agent`), the local launcher (`planaria.elastic.local_job`) and
 the chaos harness set them; the worker (`planaria.runtime.elastic_worker`, the fault
 injector, the heartbeat, the etcd store) reads them. torchrun's own variables (`RANK`,
 `LOCAL_RANK`, `MASTER_ADDR`, ...) are torchrun's and are not repeated here.

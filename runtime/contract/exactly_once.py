@@ -44,8 +44,11 @@ class CommitRecord(JsonRecord):
     """What the commit all-reduce of one iteration agreed on."""
 
     iteration: int
+    """0-based (a log's `step`)."""
     loss: float
+    """The global batch's mean loss, summed over the pipelines in float64."""
     grad_norm: float
+    """The global gradient norm before clipping: the step clips with it."""
 
 
 @dataclass(frozen=True)

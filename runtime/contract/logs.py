@@ -38,26 +38,30 @@ class StepEntry(JsonRecord):
 
 
 @dataclass(frozen=True)
-class MetricsEntry(StepEntry):
-    """A step of a plain (torchrun) job, in metrics.jsonl."""
+class TrainedStep(StepEntry):
+    """A step that trained: the loss and gradient norm every worker agreed on, and when
+    the line was written (seconds since the epoch)."""
 
     loss: float
     grad_norm: float
+    time: float
+
+
+@dataclass(frozen=True)
+class MetricsEntry(TrainedStep):
+    """A step of a plain (torchrun) job, in metrics.jsonl."""
+
     lr: float
     tokens: int
     step_time_s: float
-    time: float
     val_loss: float | None = None
 
 
 @dataclass(frozen=True)
-class CommitEntry(StepEntry):
+class CommitEntry(TrainedStep):
     """A step an elastic worker committed, or applied by rolling forward."""
 
-    loss: float
-    grad_norm: float
     epoch: int
-    time: float
     rolled_forward: bool = False
     step_time_s: float | None = None
     """None for a rolled-forward step: it was not timed."""
@@ -68,19 +72,36 @@ class EvalEntry(StepEntry):
     """The validation loss after a step."""
 
     val_loss: float
+    """The mean loss of `eval.batches` fixed validation batches, forward only."""
     epoch: int
     time: float
 
 
 @dataclass(frozen=True)
-class AuditEntry(StepEntry):
-    """Replicas of one shard that disagreed at the audit after a step."""
+class Mismatch(JsonRecord):
+    """Replicas of one (layer, tp rank) shard that disagreed at an audit."""
 
     layer: int
     tp_rank: int
     majority: tuple[int, ...]
+    """Ranks holding the most common state (empty on a tie)."""
     minority: tuple[int, ...]
+    """Ranks holding another state (every replica's rank on a tie)."""
     repaired: bool
+    """The minority's state was overwritten from the majority's."""
+
+    def describe(self) -> str:
+        if not self.majority:
+            return (f"layer {self.layer} (tp rank {self.tp_rank}): replicas on ranks "
+                    f"{list(self.minority)} all differ; no majority to repair from")
+        action = "repaired from the majority" if self.repaired else "not repaired (audit.repair=false)"
+        return (f"layer {self.layer} (tp rank {self.tp_rank}): ranks {list(self.minority)} differ from "
+                f"ranks {list(self.majority)}; {action}")
+
+
+@dataclass(frozen=True)
+class AuditEntry(Mismatch, StepEntry):
+    """A mismatch the audit after a step found, in audit-<worker>.jsonl."""
 
 
 def log_path(out_dir: Path, kind: str, worker: str) -> Path:

@@ -186,7 +186,7 @@ def _chaos_report(faults, *, step_s=0.1, gap_s=None, steps=3000, start=1000.0, r
 def test_chaos_run_replayed_through_the_simulator_gives_its_ettr():
     from pathlib import Path
 
-    from planaria.chaos.simulator.local import fault_costs, predict_ettr
+    from planaria.chaos.simulator.chaos_runs import fault_costs, predict_ettr
 
     gaps = {"kill-node": 5.0, "add-node": 8.0, "kill-etcd-member": 2.0}
     faults = [("kill-node", 30.0, 2), ("add-node", 60.0, 6), ("kill-etcd-member", 100.0, 0),
@@ -208,7 +208,7 @@ def test_a_run_faster_than_its_reference_is_predicted_against_its_own_steps():
     (against the run's steps away from faults) are not."""
     from pathlib import Path
 
-    from planaria.chaos.simulator.local import fault_costs, measured_ettr, predict_ettr, quiet_step_s
+    from planaria.chaos.simulator.chaos_runs import fault_costs, measured_ettr, predict_ettr, quiet_step_s
 
     gaps = {"kill-node": 5.0, "add-node": 8.0}
     faults = [("kill-node", 30.0, 2), ("add-node", 100.0, 6), ("kill-node", 200.0, 4)]

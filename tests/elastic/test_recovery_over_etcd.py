@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from planaria.elastic.local import LocalJob
+from planaria.elastic.local_job import LocalJob
 from tests.launch import TINY, reference_run
 from tests.runtime.test_recovery import JOB, check_against_reference
 

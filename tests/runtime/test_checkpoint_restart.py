@@ -38,7 +38,7 @@ def test_elastic_job_run_again_after_losing_every_node_resumes_from_its_checkpoi
     again goes on from the newest checkpoint (of iteration 5), not from scratch, and
     trains exactly like the reference. (Before, it started over, and a later loss of
     every replica restored a checkpoint of the previous run.)"""
-    from planaria.elastic.local import LocalJob
+    from planaria.elastic.local_job import LocalJob
     from tests.launch import TINY
 
     overrides = [*JOB, "train.steps=9", "checkpoint.every=3", "fault_tolerance.f=1"]

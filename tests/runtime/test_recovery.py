@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from planaria.elastic.local import LocalJob
+from planaria.elastic.local_job import LocalJob
 from planaria.runtime.contract.logs import AUDIT, COMMITS, AuditEntry, CommitEntry, read_logs
 from planaria.runtime.elastic_worker import EXIT_TORN_STEP
 from tests.launch import TINY, assert_final_parameters, reference_run

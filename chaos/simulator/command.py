@@ -64,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
     from planaria.chaos.simulator.availability import load_availability
     from planaria.chaos.simulator.calibration import Calibration
     from planaria.chaos.simulator.models import load_job
-    from planaria.chaos.simulator.report import plot, print_table, summary, to_json
+    from planaria.chaos.simulator.simulation_report import plot, print_table, summary, to_json
     from planaria.chaos.simulator.runner import Prices, run_simulation
     from planaria.runtime.config import ConfigError
 

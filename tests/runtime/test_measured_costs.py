@@ -1,4 +1,4 @@
-"""The profiler on Planaria's real layers (planaria.runtime.profile, planaria.templates.profiler)."""
+"""The profiler on Planaria's real layers (planaria.runtime.measured_costs, planaria.templates.profiler)."""
 from __future__ import annotations
 
 import json
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from planaria.runtime.config import load_config
-from planaria.runtime.profile import model_shape, profile_model
+from planaria.runtime.measured_costs import model_shape, profile_model
 from planaria.templates.analytic import analytic_cost_model, hardware, tp_communication_times
 from planaria.templates.partition import pipeline_iteration_time
 from planaria.templates.profiler import measure_gloo_links, profile_layers
@@ -256,7 +256,7 @@ def test_worker_load_computes_beside_the_profile_and_stops_after():
     other workers are; they compute while the body runs and are gone after it."""
     import time
 
-    from planaria.runtime.profile import worker_load
+    from planaria.runtime.measured_costs import worker_load
 
     with worker_load(tiny(), 2, torch.device("cpu")) as pids:
         assert len(pids) == 2
@@ -279,7 +279,7 @@ def test_a_load_process_that_fails_to_start_is_reported_with_its_error(tmp_path)
     import sys
     import tempfile
 
-    from planaria.runtime.profile import _wait_ready
+    from planaria.runtime.measured_costs import _wait_ready
 
     with tempfile.TemporaryFile(mode="w+") as log:
         proc = subprocess.Popen([sys.executable, "-c", "import sys; sys.stderr.write('no such model'); sys.exit(3)"],

@@ -140,7 +140,7 @@ def worker_load(cfg: Config, workers: int, device: torch.device, *, start_timeou
     """While inside: `workers` processes, each repeating a block's forward and backward
     of `cfg` with one thread on the CPU, as the job's other workers would compute.
 
-    Fresh interpreters (`python -m planaria.runtime.profile --load-worker`, so callers
+    Fresh interpreters (`python -m planaria.runtime.measured_costs --load-worker`, so callers
     need no `__main__` guard), warm before the body runs, killed after it. Yields their
     process ids.
     """
@@ -153,7 +153,7 @@ def worker_load(cfg: Config, workers: int, device: torch.device, *, start_timeou
     env = dict(os.environ, OMP_NUM_THREADS="1")
     # stderr to a file: a pipe nobody reads could fill up and stall the load.
     logs = [tempfile.TemporaryFile(mode="w+") for _ in range(workers)]
-    procs = [subprocess.Popen([sys.executable, "-m", "planaria.runtime.profile", "--load-worker", spec],
+    procs = [subprocess.Popen([sys.executable, "-m", "planaria.runtime.measured_costs", "--load-worker", spec],
                               stdout=subprocess.PIPE, stderr=log, text=True, env=env)
              for log in logs]
     try:
@@ -201,4 +201,4 @@ if __name__ == "__main__":
     if len(sys.argv) == 3 and sys.argv[1] == "--load-worker":
         _load_worker(json.loads(sys.argv[2]))
     else:
-        sys.exit("usage: python -m planaria.runtime.profile --load-worker SPEC (used by worker_load)")
+        sys.exit("usage: python -m planaria.runtime.measured_costs --load-worker SPEC (used by worker_load)")
