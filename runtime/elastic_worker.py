@@ -30,7 +30,7 @@ import gc
 import logging
 import sys
 import threading
-from dataclasses import asdict
+from dataclasses import asdict, replace
 import os
 import time
 from datetime import timedelta
@@ -108,6 +108,8 @@ class ElasticWorker:
         self.faults = FaultInjector.from_env(self.name)
         self.corrupt_after = corruption_after_step(self.name)
         self.engine: Engine | None = None
+        self._timing = EpochTiming(record_s=0.0)
+        """This epoch's: when each of its phases ended on this worker."""
         self.out_dir = Path(cfg.output.dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.commits = open(log_path(self.out_dir, COMMITS, self.name), "a", encoding="utf-8")
@@ -140,22 +142,20 @@ class ElasticWorker:
     def _run_epoch(self, epoch: int, record: EpochRecord) -> None:
         plan = record.plan
         rank = plan.rank_of_worker()[self.worker]
-        timing = {"record_s": time.time()}
+        self._timing = EpochTiming(record_s=time.time())
         finished = False
         try:
             dist.init_process_group(self.backend, store=self.coordinator.rendezvous_store(epoch),
                                     rank=rank, world_size=plan.world_size, timeout=timedelta(seconds=self._connect_timeout_s()))
             set_operation_timeout(None, timedelta(seconds=self.cfg.comm.timeout_s))
-            timing["rendezvous_s"] = time.time()
+            self._mark(rendezvous_s=time.time())
             self._enter_epoch(plan, rank, record)
-            timing["transfer_s"] = time.time()
-            if self.engine.last_transfer is not None:
-                t = self.engine.last_transfer
-                timing.update(bytes_received=t.bytes_received, bytes_sent=t.bytes_sent,
-                              transfer_seconds=t.seconds)
+            self._mark(transfer_s=time.time())
+            if (t := self.engine.last_transfer) is not None:
+                self._mark(bytes_received=t.bytes_received, bytes_sent=t.bytes_sent, transfer_seconds=t.seconds)
             self._log(f"epoch {epoch}: rank {rank} of {plan.world_size}, layers "
                       f"{self.engine.held_layers()}, from iteration {plan.first_iteration}")
-            self._train(epoch, plan.first_iteration, timing)
+            self._train(epoch, plan.first_iteration)
             self.checkpointer.flush()
             save_model_shards(self.engine, self.out_dir / "final", data_source=self.cfg.data.source)
             finished = True
@@ -165,13 +165,17 @@ class ElasticWorker:
         except TornStep:
             raise  # past the status below: this worker's state must not be used
         except (RuntimeError, TimeoutError) as err:  # dist errors are RuntimeErrors
-            timing["failed_s"] = time.time()
-            timing["error"] = str(err).splitlines()[0][:300] if str(err) else type(err).__name__
-            self._log(f"epoch {epoch} failed on this worker: {timing['error']}")
+            self._mark(failed_s=time.time(),
+                       error=str(err).splitlines()[0][:300] if str(err) else type(err).__name__)
+            self._log(f"epoch {epoch} failed on this worker: {self._timing.error}")
         finally:
             self._leave_epoch()
-        self.coordinator.publish_timing(epoch, EpochTiming(**timing))
+        self.coordinator.publish_timing(epoch, self._timing)
         self.coordinator.publish_status(epoch, self._status(finished))
+
+    def _mark(self, **phases) -> None:
+        """Note in this epoch's timing that phases ended (EpochTiming's fields)."""
+        self._timing = replace(self._timing, **phases)
 
     def _enter_epoch(self, plan, rank: int, record: EpochRecord) -> None:
         transfers = list(record.transfers)
@@ -189,15 +193,15 @@ class ElasticWorker:
         self.engine.enter_epoch(plan, rank, transfers=transfers,
                                 checkpoint=None if record.restore is None else Path(record.restore))
 
-    def _train(self, epoch: int, first: int, timing: dict) -> None:
+    def _train(self, epoch: int, first: int) -> None:
         watcher = _StopWatcher(self.coordinator, epoch)
         watcher.start()
         try:
-            self._steps(epoch, first, timing, lambda: watcher.requested.is_set())
+            self._steps(epoch, first, lambda: watcher.requested.is_set())
         finally:
             watcher.done.set()
 
-    def _steps(self, epoch: int, first: int, timing: dict, request) -> None:
+    def _steps(self, epoch: int, first: int, request) -> None:
         evaluation = Evaluation(self.val_dataset, self.cfg.data.seed, self.cfg.eval.batches, self.cfg.eval.due,
                                 report=lambda step, val_loss: self._record_eval(step, val_loss, epoch))
         # A failure during the evaluation after step first-1 (committed) lost it: every
@@ -206,8 +210,8 @@ class ElasticWorker:
             evaluation.run(self.engine, first - 1)
 
         def first_step(engine: Engine, ctx) -> None:
-            if "first_step_s" not in timing:
-                timing["first_step_s"] = time.time()
+            if self._timing.first_step_s is None:
+                self._mark(first_step_s=time.time())
                 self.coordinator.mark_trained(epoch)
 
         # The commit is logged before the evaluation: a failure during it never hides a
