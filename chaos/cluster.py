@@ -43,6 +43,8 @@ class LocalCluster:
         self.client = EtcdClient(EtcdSettings(endpoint=self.etcd.endpoint))
         self.prefix = keys.run_prefix(run_id)
         self.agents: dict[int, subprocess.Popen] = {}
+        self.frozen: set[int] = set()
+        """Nodes frozen by `freeze_node`: running, but neither live nor killable."""
         for _ in range(nodes):
             self.add_node()
 
@@ -59,12 +61,23 @@ class LocalCluster:
         return index
 
     def live_nodes(self) -> list[int]:
-        return [i for i, agent in self.agents.items() if agent.poll() is None]
+        """Nodes whose agent runs and is not frozen."""
+        return [i for i, agent in self.agents.items() if agent.poll() is None and i not in self.frozen]
 
     def kill_node(self, index: int) -> None:
         """SIGKILL the node's agent and workers together."""
         try:
             os.killpg(self.agents[index].pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+    def freeze_node(self, index: int) -> None:
+        """SIGSTOP the node's agent and workers together: nothing of it closes or answers,
+        and its lease lapses, which is what the rest of the job sees of a node cut off
+        the network. It stays frozen until the cluster is closed (SIGKILL ends it then)."""
+        self.frozen.add(index)
+        try:
+            os.killpg(self.agents[index].pid, signal.SIGSTOP)
         except ProcessLookupError:
             pass
 

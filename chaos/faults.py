@@ -4,6 +4,8 @@
     kill-node@3:target=2     SIGKILL node 2's agent and workers together (a machine vanishes)
     kill-agent@4             SIGKILL an agent only (its workers die with it)
     hang-worker@5:target=1.0 SIGSTOP worker 0 of node 1 (it neither dies nor answers)
+    freeze-node@4:target=3   SIGSTOP node 3's agent and workers together (its lease lapses,
+                             its sockets stay open and silent: a node cut off the network)
     kill-etcd-member@7       SIGKILL one etcd member (with --etcd-members 3)
     add-node@9               start one more node
     kill-node@3+1.5          1.5 s after step 3 is reached (during the recovery of a
@@ -21,7 +23,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-KINDS = ("kill-worker", "kill-node", "kill-agent", "hang-worker", "kill-etcd-member", "add-node")
+KINDS = ("kill-worker", "kill-node", "kill-agent", "hang-worker", "freeze-node", "kill-etcd-member", "add-node")
 WORKER_KINDS = ("kill-worker", "hang-worker")
 _SPEC = re.compile(r"^(?P<kind>[a-z-]+)@(?P<step>\d+)(?:\+(?P<delay>\d+(?:\.\d*)?)s?)?"
                    r"(?::target=(?P<target>\d+(?:\.\d+)?))?$")

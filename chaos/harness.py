@@ -362,6 +362,9 @@ class _Run:
             elif kind == "kill-agent":
                 cluster.kill_agent(node)
                 target = f"{node}"
+            elif kind == "freeze-node":
+                cluster.freeze_node(node)
+                target = f"{node}"
             else:
                 local = fault.local if fault.local is not None else self.rng.randrange(self.settings.nproc)
                 signum = signal.SIGKILL if kind == "kill-worker" else signal.SIGSTOP

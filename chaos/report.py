@@ -59,6 +59,10 @@ class Recovery:
     """From the epoch's publication to the slowest worker's process groups being up."""
     first_step_s: float | None = None
     """From the slowest worker's end of transfers to its first step committed."""
+    release_s: float | None = None
+    """From the controller's detection to the last survivor leaving the failed epoch (its
+    blocked collectives released, or failed of themselves); 0 when every survivor had
+    left it before (a dead peer's closed sockets); None: no survivor reported a failed epoch."""
 
 
 @dataclass
@@ -200,6 +204,7 @@ def recoveries(faults: list[InjectedFault], events: list[EpochEvent], timings: d
         rendezvous = [t.rendezvous_s - event.published_s for t in worker_timings if t.rendezvous_s is not None]
         first_steps = [t.first_step_s - t.transfer_s for t in worker_timings
                        if t.first_step_s is not None and t.transfer_s is not None]
+        left = [t.failed_s for t in timings.get(epoch - 1, []) if t.failed_s is not None]
         # A fault that struck while this reconfiguration was under way was not what it
         # detected: no detection time, and its plan time counts from the fault.
         under_way = event.detected_s < fault.time
@@ -213,7 +218,8 @@ def recoveries(faults: list[InjectedFault], events: list[EpochEvent], timings: d
             note=(f"{'arrived' if fault.fault.startswith('add-node') else 'struck'} while the "
                   f"reconfiguration to epoch {epoch} was under way; it took this in" if under_way else ""),
             rendezvous_s=max(rendezvous) if rendezvous else None,
-            first_step_s=max(first_steps) if first_steps else None))
+            first_step_s=max(first_steps) if first_steps else None,
+            release_s=max(0.0, max(left) - event.detected_s) if left and not under_way else None))
     return found
 
 
@@ -374,10 +380,11 @@ def recovery_table(recoveries: list[Recovery]):
     from rich.table import Table
 
     table = Table(title="recoveries", title_justify="left")
-    for column in ("fault", "step", "detect", "plan", "transfer", "total", "copies", "moved", "plan shape"):
+    for column in ("fault", "step", "detect", "release", "plan", "transfer", "total", "copies", "moved",
+                   "plan shape"):
         table.add_column(column, justify="left" if column == "fault" else "right", no_wrap=True)
     for r in recoveries:
-        table.add_row(r.fault, str(r.step), _fmt(r.detect_s, " s"), _fmt(r.plan_s, " s"),
+        table.add_row(r.fault, str(r.step), _fmt(r.detect_s, " s"), _fmt(r.release_s, " s"), _fmt(r.plan_s, " s"),
                       _fmt(r.transfer_s, " s"), _fmt(r.total_s, " s"), str(r.transfers),
                       "-" if not r.bytes_moved else f"{r.bytes_moved / 2**20:.2f} MiB",
                       "-" if r.plan_shape is None else str(r.plan_shape))

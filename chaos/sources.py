@@ -14,7 +14,7 @@ from pathlib import Path
 
 from planaria.chaos.faults import FaultSpec, FaultSpecError
 
-NODE_LOSSES = ("kill-worker", "kill-node", "kill-agent", "hang-worker")
+NODE_LOSSES = ("kill-worker", "kill-node", "kill-agent", "hang-worker", "freeze-node")
 """Kinds that take a node out of the job (a worker killed or hung takes its node with it)."""
 
 

@@ -294,6 +294,8 @@ class Agent:
         if self.restarts:  # an injected fault fires in the first incarnation only
             env.pop(worker_env.FAULTS, None)
         env.setdefault("OMP_NUM_THREADS", "1")
+        # NCCL's own error handling must never end a survivor; warned about once, by the worker.
+        worker_env.nccl_recovery(env, self.cfg.comm.timeout_s)
         out = None  # inherit: the worker's lines (prefixed with its name) in the agent's output
         if self.log_dir is not None:
             out = open(self.log_dir / f"{worker_key(worker)}.log", "a", encoding="utf-8")

@@ -181,7 +181,7 @@ class Controller:
                          f"{self.epoch}'s first committed step")
             return "running"
         if gone or failed_report or joiners:
-            reason = ("failure" if gone or failed_report else "join")
+            reason = keys.FAILURE if gone or failed_report else keys.JOIN
             try:
                 self._reconfigure(alive_now, kill, reason)
             except JobFailed as err:
@@ -195,11 +195,12 @@ class Controller:
                      reason: str) -> None:
         detected = time.time()
         members = set(self.plan.rank_of_worker())
-        # Stop everyone at the next iteration boundary (a join: nobody failed), and abandon
-        # the epoch's rendezvous if it is still going on (a peer died before joining it).
+        # A failure: every survivor releases the epoch's collectives at once; a join: all
+        # stop at the next iteration boundary. Either way the epoch's rendezvous is
+        # abandoned if it is still going on (a peer died before joining it).
         self.store.set(keys.epoch_reconfigure(self.epoch), reason)
         time.sleep(self.debounce_s)
-        statuses = self._collect_statuses(members, alive_now, kill)
+        statuses = self._collect_statuses(members, alive_now, kill, released=reason == keys.FAILURE)
         statuses_s = time.time()
         survivors = set(statuses)
         joiners = alive_now() - members - self._killed
@@ -334,12 +335,17 @@ class Controller:
             self.log(f"controller: checkpoint of iteration {k} complete")
 
     def _collect_statuses(self, members: set[Worker], alive_now: Callable[[], set[Worker]],
-                          kill: Callable[[Worker], None]) -> dict[Worker, WorkerStatus]:
+                          kill: Callable[[Worker], None], released: bool) -> dict[Worker, WorkerStatus]:
         """Statuses of the epoch's live workers (one that dies meanwhile is no longer
-        waited for); the ones that stay silent are killed."""
+        waited for); the ones that stay silent are killed. A worker lost while a join
+        stops the epoch turns the join into a failure: the survivors blocked on it are
+        released rather than left to their collective timeout."""
         deadline = ReachableDeadline(self.status_timeout_s)  # an etcd outage is no silence
         while True:
             expected = members & (alive_now() - self._killed)
+            if not released and expected != members:
+                self.store.set(keys.epoch_reconfigure(self.epoch), keys.FAILURE)
+                released = True
             statuses = self._statuses(expected)
             if len(statuses) == len(expected) or deadline.expired():
                 break

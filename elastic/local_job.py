@@ -48,8 +48,13 @@ class LocalJob:
     def __init__(self, config: str | Path, overrides: list[str], *, nodes: int, out_dir: Path,
                  gpus_per_node: int = 1, hardware: str = "h100", faults: str = "", corrupt: str = "",
                  status_timeout_s: float | None = None, log=None, store: str = "tcp",
-                 run_id: str = "local", etcd_members: int = 1):
+                 run_id: str = "local", etcd_members: int = 1, spread_gpus: int = 0):
+        """`spread_gpus`: this machine's GPUs to spread the nodes over, as if each node were
+        a host of its own (its workers see GPUs of their own through
+        CUDA_VISIBLE_DEVICES; NCCL refuses two ranks of a group on one GPU); 0: every
+        worker sees every GPU."""
         self.config = str(config)
+        self.spread_gpus = spread_gpus
         self.overrides = list(overrides) + [f"output.dir={out_dir}"]
         self.cfg = load_config(self.config, self.overrides)
         self.out_dir = Path(out_dir)
@@ -111,6 +116,10 @@ class LocalJob:
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
                    **worker_env.for_worker(self.store_url, worker, **{worker_env.FAULTS: faults,
                                                                        worker_env.CORRUPT: self.corrupt}))
+        if self.spread_gpus:
+            first = self.nodes.index(worker[0]) * self.gpus_per_node
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(
+                str((first + local) % self.spread_gpus) for local in range(self.gpus_per_node))
         log = open(self.out_dir / "logs" / f"{worker_key(worker)}.log", "a", encoding="utf-8")
         self._log_files.append(log)
         self.processes[worker] = subprocess.Popen(

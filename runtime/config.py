@@ -215,10 +215,17 @@ class CommConfig:
     """'auto': nccl when CUDA is present, else gloo."""
     timeout_s: float = 300.0
     """Collective timeout in seconds."""
-    heartbeat_timeout_s: float = 0.0
-    """An elastic worker whose process shows no sign of life (its heartbeat thread is
-    frozen with it: SIGSTOP, a swapping machine) for this long is killed by its agent, so
-    that the job recovers without waiting for its status; 0: timeout_s."""
+    heartbeat_timeout_s: float = 5.0
+    """An elastic worker whose process shows no sign of life (its heartbeat thread, which
+    beats every second whatever the worker computes or waits for, is frozen with it:
+    SIGSTOP, a swapping machine) for this long is killed by its agent, so that the job
+    recovers in seconds rather than at its collective timeout; 0: timeout_s."""
+    release: bool = True
+    """When the control plane declares an epoch failed, every survivor releases the
+    epoch's blocked collectives at once (`planaria.runtime.release`: gloo's connections
+    shut down, NCCL's communicators aborted), so that a peer that stopped answering
+    without closing anything (frozen, cut off) holds nobody up for timeout_s; false:
+    survivors wait for their collectives to fail or time out."""
     connect_timeout_s: float = 30.0
     """Seconds an elastic epoch's process groups get to connect (at most timeout_s): a peer
     that died after the epoch's rendezvous fails the epoch this soon."""

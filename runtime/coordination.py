@@ -97,6 +97,20 @@ class StoreCoordinator:
     def reconfigure_requested(self, epoch: int) -> bool:
         return self.store.check([keys.epoch_reconfigure(epoch)])
 
+    def epoch_over(self, epoch: int) -> str | None:
+        """Why the control plane ended `epoch` (`keys.JOIN`, `keys.FAILURE`), or None."""
+        key = keys.epoch_reconfigure(epoch)
+        return self.store.get(key).decode() if self.store.check([key]) else None
+
+
+def store_ports(url: str) -> set[int]:
+    """The ports of the store's endpoints at `url` ("host:port", "tcp://host:port",
+    "etcd://host:port[,host:port...]/prefix"): connections to them are the control
+    plane's, which a release of an epoch's collectives leaves alone."""
+    rest = url.partition("://")[2] or url
+    hosts = rest.split("/", 1)[0]
+    return {int(port) for _, _, port in (h.rpartition(":") for h in hosts.split(",")) if port.isdigit()}
+
 
 def connect_store(url: str, timeout_s: float = 60.0) -> dist.Store:
     """The job's store at `url`: "host:port" or "tcp://host:port" is a TCPStore; any other

@@ -26,6 +26,7 @@ to 1. Every committed step is appended to OUTPUT_DIR/commits-<node>.<local>.json
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import sys
@@ -35,6 +36,7 @@ import os
 import time
 from datetime import timedelta
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -48,13 +50,15 @@ from planaria.runtime.config import Config
 from planaria.runtime.contract import env
 from planaria.runtime.contract.epochs import EpochRecord, EpochTiming
 from planaria.runtime.contract.logs import AuditEntry, CommitEntry, EvalEntry, append
-from planaria.runtime.coordination import JobEnded, StoreCoordinator, connect_store
+from planaria.runtime.contract import keys
+from planaria.runtime.coordination import JobEnded, StoreCoordinator, connect_store, store_ports
 from planaria.runtime.data import dataset_for
 from planaria.runtime.engine import Engine, StepResult, TornStep
 from planaria.runtime.loop import Call, Evaluation, Every, run_steps
 from planaria.runtime.audit import audit_replicas
 from planaria.runtime.fault_injection import FaultInjector, corruption_after_step, flip_a_bit
 from planaria.runtime.groups import forget_failed_world, set_operation_timeout
+from planaria.runtime.release import epoch_release, group_options
 from planaria.runtime.contract.heartbeat import start_beating
 from planaria.runtime.contract.logs import AUDIT, COMMITS, EVALS, log_path
 
@@ -66,24 +70,39 @@ class _StopRequested(Exception):
     """The commit agreed to stop after this step (the control plane wants a new epoch)."""
 
 
-class _StopWatcher(threading.Thread):
-    """Asks the control plane every `period_s` whether it wants this epoch to stop, off
-    the training step: a step never waits on the store, and a store that is away (etcd
-    down) only means no request is seen until it is back."""
+class _EpochWatcher(threading.Thread):
+    """Asks the control plane every `period_s` whether it ended this epoch, off the
+    training step: a step never waits on the store, and a store that is away (etcd down)
+    only means that no word is seen until it is back.
 
-    def __init__(self, coordinator: StoreCoordinator, epoch: int, period_s: float = 0.2):
-        super().__init__(daemon=True, name=f"stop-watcher-{epoch}")
+    A join (`keys.JOIN`) sets `requested`: the commit of the current iteration carries
+    it, and every worker stops after the same step. A failure (`keys.FAILURE`) releases
+    the epoch's collectives at once (`release`), wherever the main thread is blocked:
+    a peer that stopped answering without closing anything holds nobody up past the
+    controller's decision. Runs from before the epoch's rendezvous to after its groups
+    are torn down, so that transfers and the rendezvous are released as steps are."""
+
+    def __init__(self, coordinator: StoreCoordinator, epoch: int, release, log: Callable[[str], None],
+                 period_s: float = 0.1):
+        super().__init__(daemon=True, name=f"epoch-watcher-{epoch}")
         self.coordinator, self.epoch, self.period_s = coordinator, epoch, period_s
+        self.release, self.log = release, log
         self.requested, self.done = threading.Event(), threading.Event()
 
     def run(self) -> None:
         while not self.done.wait(self.period_s):
             try:
-                if self.coordinator.reconfigure_requested(self.epoch):
-                    self.requested.set()
-                    return
+                reason = self.coordinator.epoch_over(self.epoch)
             except Exception:  # the store is unreachable: keep training, ask again later
                 continue
+            if reason is None:
+                continue
+            self.requested.set()
+            if reason == keys.FAILURE and self.release is not None:
+                done = self.release.release()
+                self.log(f"epoch {self.epoch}: the control plane declared it failed; released "
+                         f"its collectives ({done})")
+            return
 
 
 def elastic_environment() -> tuple[str, str, int] | None:
@@ -96,8 +115,11 @@ class ElasticWorker:
     """One worker's epochs (module docstring)."""
 
     def __init__(self, cfg: Config, coordinator: StoreCoordinator, console: Console,
-                 device: torch.device, backend: str):
+                 device: torch.device, backend: str, keep_ports: frozenset[int] = frozenset()):
+        """`keep_ports`: the control plane's store endpoints, whose connections a release
+        of an epoch's collectives leaves open."""
         self.cfg = cfg
+        self.keep_ports = keep_ports
         self.coordinator = coordinator
         self.worker = coordinator.worker
         self.name = f"{self.worker[0]}.{self.worker[1]}"
@@ -144,9 +166,14 @@ class ElasticWorker:
         rank = plan.rank_of_worker()[self.worker]
         self._timing = EpochTiming(record_s=time.time())
         finished = False
+        # Made before the epoch's first group: it releases what the epoch opens.
+        release = epoch_release(self.backend, self.keep_ports) if self.cfg.comm.release else None
+        self._watcher = _EpochWatcher(self.coordinator, epoch, release, self._log)
+        self._watcher.start()
         try:
             dist.init_process_group(self.backend, store=self.coordinator.rendezvous_store(epoch),
-                                    rank=rank, world_size=plan.world_size, timeout=timedelta(seconds=self._connect_timeout_s()))
+                                    rank=rank, world_size=plan.world_size, timeout=timedelta(seconds=self._connect_timeout_s()),
+                                    pg_options=group_options(self.backend))
             set_operation_timeout(None, timedelta(seconds=self.cfg.comm.timeout_s))
             self._mark(rendezvous_s=time.time())
             self._enter_epoch(plan, rank, record)
@@ -170,6 +197,7 @@ class ElasticWorker:
             self._log(f"epoch {epoch} failed on this worker: {self._timing.error}")
         finally:
             self._leave_epoch()
+            self._watcher.done.set()
         self.coordinator.publish_timing(epoch, self._timing)
         self.coordinator.publish_status(epoch, self._status(finished))
 
@@ -194,12 +222,7 @@ class ElasticWorker:
                                 checkpoint=None if record.restore is None else Path(record.restore))
 
     def _train(self, epoch: int, first: int) -> None:
-        watcher = _StopWatcher(self.coordinator, epoch)
-        watcher.start()
-        try:
-            self._steps(epoch, first, lambda: watcher.requested.is_set())
-        finally:
-            watcher.done.set()
+        self._steps(epoch, first, self._watcher.requested.is_set)
 
     def _steps(self, epoch: int, first: int, request) -> None:
         evaluation = Evaluation(self.val_dataset, self.cfg.data.seed, self.cfg.eval.batches, self.cfg.eval.due,
@@ -249,6 +272,13 @@ class ElasticWorker:
                 pass
         forget_failed_world()
         gc.collect()
+        if self.device.type == "cuda":
+            # After an abort NCCL's kernels have returned: wait for every stream, so that no
+            # work of the old epoch runs on into the next, then give the old groups' and
+            # the interrupted iteration's buffers back to the device.
+            with contextlib.suppress(RuntimeError):
+                torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
 
     # --------------------------------------------------------------- helpers
     def _status(self, finished: bool):
@@ -301,7 +331,7 @@ def run_elastic(cfg: Config, console: Console, device: torch.device, backend: st
     address, node, local_rank = elastic_environment()
     if os.environ.get(env.DIE_WITH_AGENT) == "1":
         _die_with_parent()
-    start_beating()  # for the agent's watch on frozen workers (runtime/heartbeat.py)
+    heartbeat = start_beating()  # for the agent's watch on frozen workers (contract/heartbeat.py)
     if not os.environ.get(env.DEBUG):
         # A failed peer makes torch's schedule runtime log its whole action table as an
         # error; here that is the expected start of a recovery, which the worker reports
@@ -311,4 +341,11 @@ def run_elastic(cfg: Config, console: Console, device: torch.device, backend: st
     logging.basicConfig(format=f"[{node}.{local_rank}] %(message)s", level=logging.WARNING)
     store = connect_store(address, timeout_s=cfg.comm.timeout_s + 60)
     coordinator = StoreCoordinator(store, (node, local_rank))
-    return ElasticWorker(cfg, coordinator, console, device, backend).run()
+    if backend == "nccl":  # read by torch as each NCCL group is made
+        for warning in env.nccl_recovery(os.environ, cfg.comm.timeout_s):
+            console.print(f"[{node}.{local_rank}] warning: {warning}", markup=False)
+    code = ElasticWorker(cfg, coordinator, console, device, backend,
+                         keep_ports=frozenset(store_ports(address))).run()
+    if heartbeat is not None:  # the job is over: leaving takes the interpreter's shutdown
+        heartbeat.stop()
+    return code

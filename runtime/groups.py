@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
+from planaria.runtime.release import group_options
 from planaria.runtime.tensor_parallel import TensorParallel
 from planaria.templates.plan import Plan
 
@@ -68,9 +69,10 @@ class EpochGroups:
                 f"group has {dist.get_world_size(world)}"
             )
         owned: list[dist.ProcessGroup] = []
+        options = group_options(dist.get_backend(world))
 
         def new_group(ranks: tuple[int, ...]) -> dist.ProcessGroup | None:
-            group = dist.new_group(list(ranks), timeout=connect_timeout or timeout)
+            group = dist.new_group(list(ranks), timeout=connect_timeout or timeout, pg_options=options)
             if rank in ranks:
                 owned.append(group)
                 if connect_timeout is not None and timeout is not None:

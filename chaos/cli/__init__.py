@@ -275,7 +275,8 @@ def build_parser() -> argparse.ArgumentParser:
     chaos.add_argument("--nproc-per-node", type=int, default=1, help="workers per node (parallel.tp)")
     chaos.add_argument("--fault-tolerance", type=int, default=None, help="f (fault_tolerance.f)")
     chaos.add_argument("--fault", action="append", default=[], metavar="KIND@STEP[:target=T]",
-                       help="kill-worker, kill-node, kill-agent, hang-worker, kill-etcd-member, add-node; "
+                       help="kill-worker, kill-node, kill-agent, hang-worker, freeze-node, kill-etcd-member, "
+                            "add-node; "
                             "repeat for several (same step: simultaneous)")
     chaos.add_argument("--random", type=float, default=None, metavar="RATE",
                        help="random faults, RATE a minute on average (gaps uniform in 0.5 to 1.5 times "

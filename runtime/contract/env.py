@@ -35,6 +35,44 @@ ETCD_PASSWORD = "PLANARIA_ETCD_PASSWORD"
 the command line, where `ps` shows them)."""
 
 
+NCCL_RECOVERY = {
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2",
+    "TORCH_NCCL_ENABLE_MONITORING": "0",
+}
+"""torch's NCCL settings under which a failed or aborted collective never takes the
+process down, so that a survivor keeps its layers (docs/gpu.md):
+
+- `TORCH_NCCL_ASYNC_ERROR_HANDLING=2` ("clean up only"): a collective that fails or
+  times out aborts its communicators and raises in the worker; torch's default (3)
+  tears the whole process down, and 1 aborts and tears down.
+- `TORCH_NCCL_ENABLE_MONITORING=0`: no heartbeat monitor that kills the process when
+  torch's watchdog thread is stuck (in an abort, say); a frozen worker is the agent's
+  to kill (its own heartbeat), and which worker dies is the control plane's decision.
+
+The elastic worker sets them when its backend is nccl (`nccl_recovery`), the agent for
+every worker it starts; a value the user set is kept, with a warning where it defeats
+recovery."""
+
+
+def nccl_recovery(environ, timeout_s: float) -> list[str]:
+    """Give `environ` (a mapping: os.environ, or a child's environment) the NCCL settings
+    of `NCCL_RECOVERY`, and `TORCH_NCCL_NONBLOCKING_TIMEOUT` (how long a non-blocking
+    communicator may take to connect or abort) of `timeout_s`, where the user set none.
+    Returns a warning for each setting the user gave that lets NCCL take a survivor down."""
+    for name, value in NCCL_RECOVERY.items():
+        environ.setdefault(name, value)
+    environ.setdefault("TORCH_NCCL_NONBLOCKING_TIMEOUT", str(max(1, round(timeout_s))))
+    warnings = []
+    if environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] not in ("0", "2"):
+        warnings.append(f"TORCH_NCCL_ASYNC_ERROR_HANDLING={environ['TORCH_NCCL_ASYNC_ERROR_HANDLING']} "
+                        "makes torch end a worker whose collective fails or times out, and its layers "
+                        "with it; unset it (Planaria uses 2) to recover in place")
+    if environ["TORCH_NCCL_ENABLE_MONITORING"] not in ("0", "false", "False"):
+        warnings.append("TORCH_NCCL_ENABLE_MONITORING is on: torch's monitor may kill a worker whose "
+                        "watchdog is stuck in an abort; unset it (Planaria uses 0) to recover in place")
+    return warnings
+
+
 def elastic_worker(environ) -> tuple[str, str, int] | None:
     """(store address, node, local rank) when `environ` is a worker's started by a
     Planaria control plane, else None; a partial set is an error naming what is missing."""

@@ -24,23 +24,33 @@ ENV = "PLANARIA_HEARTBEAT_FILE"
 EVERY_S = 1.0
 
 
-def start_beating(path: str | Path | None = None) -> threading.Event | None:
-    """Touch `path` (default: from the environment) every second from a daemon thread;
-    the returned event stops it. None when there is no path."""
-    path = path or os.environ.get(ENV)
-    if not path:
-        return None
-    path = Path(path)
-    stop = threading.Event()
+class Heartbeat:
+    """The beating thread of one worker (`start_beating`)."""
 
-    def beat() -> None:
+    def __init__(self, path: Path):
+        self.path = path
+        self._stop = threading.Event()
+        threading.Thread(target=self._beat, daemon=True, name="heartbeat").start()
+
+    def _beat(self) -> None:
         while True:
-            path.touch()
-            if stop.wait(EVERY_S):
+            self.path.touch()
+            if self._stop.wait(EVERY_S):
                 return
 
-    threading.Thread(target=beat, daemon=True, name="heartbeat").start()
-    return stop
+    def stop(self) -> None:
+        """Stop beating and remove the file: the worker is leaving, and the seconds its
+        interpreter takes to shut down (its threads stopped first, the beat with them)
+        are no freeze. Without a file the agent watches nothing (`silent_for` is None)."""
+        self._stop.set()
+        self.path.unlink(missing_ok=True)
+
+
+def start_beating(path: str | Path | None = None) -> Heartbeat | None:
+    """Touch `path` (default: from the environment) every second from a daemon thread
+    until `stop()`. None when there is no path (no agent watches this process)."""
+    path = path or os.environ.get(ENV)
+    return Heartbeat(Path(path)) if path else None
 
 
 def silent_for(path: Path, now: float | None = None) -> float | None:

@@ -7,7 +7,8 @@ prefix in etcd, `/planaria/<run id>/`):
     epoch                           the newest epoch whose record is complete
     epoch/<e>/record                `EpochRecord`, written before `epoch` moves to e
     epoch/<e>/status/<node>.<local> `WorkerStatus`, once the worker left epoch e
-    epoch/<e>/reconfigure           present: stop after the current iteration
+    epoch/<e>/reconfigure           the epoch is over: "join" (stop after the current
+                                    iteration) or "failure" (release every collective now)
     epoch/<e>/trained               present: epoch e committed a step
     epoch/<e>/pg/...                the epoch's process-group rendezvous
     epoch/<e>/timing/<node>.<local> `EpochTiming`
@@ -91,7 +92,15 @@ def epoch_timings(epoch: int) -> str:
 
 
 def epoch_reconfigure(epoch: int) -> str:
+    """The controller's word that `epoch` is over; its value is the reason (below)."""
     return _epoch(epoch) + "reconfigure"
+
+
+JOIN = "join"
+"""Nodes join: every worker stops after the same iteration (the commit carries the request)."""
+FAILURE = "failure"
+"""A worker failed: the epoch's collectives are released at once on every survivor
+(`planaria.runtime.release`), however the failed peer behaves."""
 
 
 def epoch_trained(epoch: int) -> str:

@@ -79,13 +79,32 @@ def assert_nothing_lost(proc, tmp_path, steps: int) -> dict:
     return report
 
 
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_silent_peers_cost_seconds_not_the_collective_timeout(tmp_path, cache):
+    """With default settings (a 300 s collective timeout): a worker SIGSTOPped (its agent
+    sees its heartbeat stop and kills it) and a whole node frozen (its lease lapses, its
+    sockets stay open and silent, and nobody can kill it: the survivors blocked on it are
+    released by the leader's decision). Each is recovered from in seconds, nothing lost."""
+    proc = chaos(["--nodes", "6", "--fault-tolerance", "1", "--fault", "hang-worker@3:target=5.0",
+                  "--fault", "freeze-node@10:target=2", "parallel.min_stages=2"], tmp_path, cache)
+    report = assert_nothing_lost(proc, tmp_path, 30)
+    hang, freeze = report["recoveries"]
+    assert hang["fault"] == "hang-worker@3:target=5.0" and freeze["fault"] == "freeze-node@10:target=2"
+    for recovery in (hang, freeze):
+        assert recovery["total_s"] is not None and recovery["total_s"] <= 10, recovery
+    # The frozen node's peers waited on it until the leader's decision, then left at once.
+    assert freeze["release_s"] is not None and freeze["release_s"] < 1.0, freeze
+    assert "released its collectives" in "".join(p.read_text() for p in (tmp_path / "out" / "run" / "logs").glob("node*.log"))
+
+
 @pytest.mark.slow  # ~90 s; each kind is also in the default suite (tests/elastic, tests/runtime)
 @pytest.mark.multiprocess
 @pytest.mark.timeout(600)
 def test_a_hung_worker_an_agent_and_an_etcd_member(tmp_path, cache):
     """The other kinds, through the harness, on a 3-member etcd: a worker SIGSTOPped (its
-    peers time out after comm.timeout_s; the leader has its agent kill it), an agent
-    SIGKILLed, an etcd member SIGKILLed (no reconfiguration)."""
+    peers time out after comm.timeout_s, before its agent sees its heartbeat stop), an
+    agent SIGKILLed, an etcd member SIGKILLed (no reconfiguration)."""
     proc = chaos(["--nodes", "6", "--fault-tolerance", "1", "--etcd-members", "3",
                   "--fault", "hang-worker@3:target=5.0", "--fault", "kill-agent@8:target=0",
                   "--fault", "kill-etcd-member@12", "parallel.min_stages=2", "comm.timeout_s=4"],

@@ -254,9 +254,10 @@ def test_same_run_id_with_another_config_is_refused(etcd, tmp_path):
 @pytest.mark.timeout(300)
 def test_a_frozen_worker_is_killed_by_its_agent(etcd, tmp_path, reference):
     """node2's worker stops (SIGSTOP) in a backward. Its heartbeat stops with it, so its
-    agent kills it after comm.heartbeat_timeout_s (default: timeout_s), without waiting
-    for the leader; the node leaves and the others go on."""
-    job = Job(etcd, tmp_path, 4, [*OVERRIDES, "comm.timeout_s=4"], run_id="frozen",
+    agent kills it after comm.heartbeat_timeout_s (5 s by default), without waiting for
+    the leader; the node leaves and the others go on. (The collective timeout is made
+    longer than that, so that the heartbeat is what ends the epoch.)"""
+    job = Job(etcd, tmp_path, 4, [*OVERRIDES, "comm.timeout_s=60"], run_id="frozen",
               env={"node2": {"PLANARIA_FAULTS": "node2.0:backward@2!hang"}})
     run_until_only_this_node_left(job, "node2")
     assert "worker node2.0 froze (no heartbeat for" in job.logs()

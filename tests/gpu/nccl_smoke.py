@@ -1,0 +1,74 @@
+"""The single-GPU smoke of tests/gpu/test_nccl_smoke.py, in a process of its own (an
+aborted communicator must not share the test runner's process). Prints one JSON line."""
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from planaria.runtime.build import start_engine
+from planaria.runtime.config import load_config, plan_from_config
+from planaria.runtime.contract import env
+from planaria.runtime.data import dataset_for
+from planaria.runtime.release import CommunicatorAbort, group_options
+
+
+def world(store_dir: str, name: str) -> None:
+    store = dist.FileStore(f"{store_dir}/{name}", 1)
+    dist.init_process_group("nccl", store=store, rank=0, world_size=1, timeout=timedelta(seconds=60),
+                            pg_options=group_options("nccl"))
+
+
+def all_reduce_ok(group=None) -> bool:
+    value = torch.ones(4, device="cuda")
+    dist.all_reduce(value, group=group)
+    torch.cuda.synchronize()
+    return bool(torch.equal(value, torch.ones(4, device="cuda")))
+
+
+def main(config: str) -> None:
+    import os
+
+    env.nccl_recovery(os.environ, timeout_s=60)
+    torch.cuda.set_device(0)
+    found = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        world(tmp, "first")
+        sub = dist.new_group([0], pg_options=group_options("nccl"))
+        found["first_world"] = all_reduce_ok() and all_reduce_ok(sub)
+        started = time.monotonic()
+        found["abort"] = CommunicatorAbort().release()
+        found["abort_s"] = time.monotonic() - started
+        try:
+            all_reduce_ok()
+            found["after_abort"] = "completed"
+        except Exception as err:  # an aborted communicator refuses further work
+            found["after_abort"] = f"refused: {str(err).splitlines()[0][:200]}"
+        try:
+            dist.destroy_process_group()
+        except Exception as err:
+            found["destroy"] = str(err).splitlines()[0][:200]
+        torch.cuda.synchronize()
+        world(tmp, "second")  # a new epoch's groups, in the same process
+        found["rebuilt_world"] = all_reduce_ok()
+        cfg = load_config(config, ["train.dtype=bfloat16", "comm.backend=nccl", "data.source=synthetic",
+                                   "parallel.pp=1", "parallel.dp=1", "train.steps=3"])
+        engine = start_engine(cfg, plan_from_config(cfg, world_size=1), 0, torch.device("cuda", 0))
+        data = dataset_for(cfg)
+        found["losses"] = [engine.train_step(i, data, cfg.data.seed).loss for i in range(3)]
+        found["memory_mib"] = torch.cuda.max_memory_allocated() / 2**20
+        engine.destroy()
+        dist.destroy_process_group()
+    found["device"] = torch.cuda.get_device_name(0)
+    found["torch"] = torch.__version__
+    found["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+    print(json.dumps(found))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
