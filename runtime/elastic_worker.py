@@ -83,7 +83,7 @@ class _EpochWatcher(threading.Thread):
     are torn down, so that transfers and the rendezvous are released as steps are."""
 
     def __init__(self, coordinator: StoreCoordinator, epoch: int, release, log: Callable[[str], None],
-                 period_s: float = 0.1):
+                 period_s: float = 0.2):
         super().__init__(daemon=True, name=f"epoch-watcher-{epoch}")
         self.coordinator, self.epoch, self.period_s = coordinator, epoch, period_s
         self.release, self.log = release, log

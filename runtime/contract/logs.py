@@ -38,43 +38,44 @@ class StepEntry(JsonRecord):
 
 
 @dataclass(frozen=True)
-class TrainedStep(StepEntry):
-    """A step that trained: the loss and gradient norm every worker agreed on, and when
-    the line was written (seconds since the epoch)."""
+class MetricsEntry(StepEntry):
+    """A step of a plain (torchrun) job, in metrics.jsonl."""
 
     loss: float
     grad_norm: float
-    time: float
-
-
-@dataclass(frozen=True)
-class MetricsEntry(TrainedStep):
-    """A step of a plain (torchrun) job, in metrics.jsonl."""
-
     lr: float
     tokens: int
     step_time_s: float
+    time: float
     val_loss: float | None = None
 
 
 @dataclass(frozen=True)
-class CommitEntry(TrainedStep):
-    """A step an elastic worker committed, or applied by rolling forward."""
+class EpochStep(StepEntry):
+    """What every line of an elastic worker's logs says besides the step: the epoch it
+    was written in, and when (seconds since the Unix epoch)."""
 
     epoch: int
+    time: float
+
+
+@dataclass(frozen=True)
+class CommitEntry(EpochStep):
+    """A step an elastic worker committed, or applied by rolling forward."""
+
+    loss: float
+    grad_norm: float
     rolled_forward: bool = False
     step_time_s: float | None = None
     """None for a rolled-forward step: it was not timed."""
 
 
 @dataclass(frozen=True)
-class EvalEntry(StepEntry):
-    """The validation loss after a step."""
+class EvalEntry(EpochStep):
+    """The validation loss after a step: the mean loss of `eval.batches` fixed validation
+    batches, forward only."""
 
     val_loss: float
-    """The mean loss of `eval.batches` fixed validation batches, forward only."""
-    epoch: int
-    time: float
 
 
 @dataclass(frozen=True)

@@ -21,8 +21,8 @@ from hypothesis import strategies as st
 from planaria.runtime.contract.checkpoint_layout import CheckpointManifest
 from planaria.runtime.contract.epochs import EpochEvent, EpochRecord, EpochTiming
 from planaria.runtime.contract.exactly_once import STATES, CommitRecord, WorkerStatus
-from planaria.runtime.contract.logs import (AuditEntry, CommitEntry, EvalEntry, MetricsEntry, Mismatch, StepEntry,
-                                            TrainedStep)
+from planaria.runtime.contract.logs import (AuditEntry, CommitEntry, EpochStep, EvalEntry, MetricsEntry, Mismatch,
+                                            StepEntry)
 from planaria.runtime.contract.membership import Announcement, JobSpec, NodeRegistration
 from planaria.runtime.contract.record import RecordError
 from planaria.templates.layout import plan_from_layout
@@ -124,7 +124,7 @@ def test_every_contract_record_has_a_strategy():
         module = importlib.import_module(f"planaria.runtime.contract.{info.name}")
         found |= {v for v in vars(module).values()
                   if isinstance(v, type) and issubclass(v, JsonRecord)
-                  and v not in (JsonRecord, StepEntry, TrainedStep)}  # bases, never written alone
+                  and v not in (JsonRecord, StepEntry, EpochStep)}  # bases, never written alone
     assert found == set(RECORDS)
 
 
