@@ -29,5 +29,5 @@ def test_what_a_worker_writes_the_report_reads(tmp_path):
 def test_a_damaged_log_line_is_named_by_file_and_line(tmp_path):
     path = log_path(tmp_path, COMMITS, "n0.0")
     path.write_text(commit(0).to_json() + "\n" + '{"step": 1, "loss": 4.9}\n')
-    with pytest.raises(RecordError, match=r"commits-n0\.0\.jsonl:2: CommitEntry\.grad_norm: missing"):
+    with pytest.raises(RecordError, match=r"commits-n0\.0\.jsonl:2: .*CommitEntry\.grad_norm: missing"):
         read_commits(tmp_path)
