@@ -181,6 +181,7 @@ class Engine:
         figures (None without transfers)."""
         self._check_continues(plan, checkpoint)
         self.abandon_epoch()
+        self._drop_gradients()  # of an interrupted iteration: it runs again from scratch
         self.rank = rank
         if checkpoint is not None:
             self._shards.clear()
@@ -420,12 +421,16 @@ class Engine:
         return lr
 
     def _forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> list[torch.Tensor]:
+        self._drop_gradients()
+        return self._run_schedule(self.schedule.step, self.stages, inputs, targets)
+
+    def _drop_gradients(self) -> None:
+        """Free every gradient this worker holds (`grad`, and `main_grad` when summed wide)."""
         for state in self._shards.values():
             state.optimizer.zero_grad(set_to_none=True)
             if self.grad_accum_dtype is not None:
                 for p in state.module.parameters():
                     p.main_grad = None
-        return self._run_schedule(self.schedule.step, self.stages, inputs, targets)
 
     def _run_schedule(self, run: Callable, stages: list, inputs: torch.Tensor,
                       targets: torch.Tensor) -> list[torch.Tensor]:
