@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 from typing import TypeVar
 
+from planaria.chaos.hosts import IFNAME, HostNetwork
 from planaria.elastic.etcd_client import EtcdClient, EtcdSettings
 from planaria.elastic.etcd_server import EmbeddedEtcd, EmbeddedEtcdCluster
 from planaria.runtime.contract import keys
@@ -23,6 +24,8 @@ from planaria.runtime.contract.membership import Announcement
 from planaria.runtime.contract.record import JsonRecord
 
 R = TypeVar("R", bound=JsonRecord)
+ETCD_HOST = 200
+"""With simulated hosts, etcd member i runs on host ETCD_HOST + i (10.N.200+i.2)."""
 
 
 class LocalCluster:
@@ -30,7 +33,10 @@ class LocalCluster:
 
     def __init__(self, config: str | Path, overrides: list[str], *, nodes: int, nproc: int,
                  out_dir: Path, run_id: str, etcd_members: int = 1, lease_ttl_s: int = 3,
-                 env: dict[str, str] | None = None):
+                 env: dict[str, str] | None = None, hosts: bool = False):
+        """`hosts`: each node and each etcd member a host of its own, in a network namespace
+        with its own address (`planaria.chaos.hosts`); everything then talks over those
+        addresses, never loopback. Off: every process on this machine's loopback."""
         self.config, self.overrides = str(config), list(overrides)
         self.nproc, self.run_id, self.lease_ttl_s = nproc, run_id, lease_ttl_s
         self.min_nodes = nodes
@@ -38,8 +44,13 @@ class LocalCluster:
         self.log_dir = self.out_dir / "logs"
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.env = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
-        self.etcd = (EmbeddedEtcdCluster(etcd_members, log_dir=self.log_dir) if etcd_members > 1
-                     else EmbeddedEtcd(log=self.log_dir / "etcd.log")).start()
+        self.network = HostNetwork(0).create() if hosts else None
+        try:
+            self.etcd = self._start_etcd(etcd_members)
+        except BaseException:
+            if self.network is not None:
+                self.network.close()
+            raise
         self.client = EtcdClient(EtcdSettings(endpoint=self.etcd.endpoint))
         self.prefix = keys.run_prefix(run_id)
         self.agents: dict[int, subprocess.Popen] = {}
@@ -48,16 +59,32 @@ class LocalCluster:
         for _ in range(nodes):
             self.add_node()
 
+    def _start_etcd(self, members: int):
+        if self.network is None:
+            return (EmbeddedEtcdCluster(members, log_dir=self.log_dir) if members > 1
+                    else EmbeddedEtcd(log=self.log_dir / "etcd.log")).start()
+        # etcd's hosts are numbered from ETCD_HOST, the nodes' from 0.
+        hosts = [(self.network.address(h), self.network.run_in(h, [])) for h in
+                 (self.network.ensure_host(ETCD_HOST + i) for i in range(members))]
+        if members > 1:
+            return EmbeddedEtcdCluster(members, log_dir=self.log_dir, hosts=hosts).start()
+        return EmbeddedEtcd(log=self.log_dir / "etcd.log", host=hosts[0][0], launch=hosts[0][1]).start()
+
     # ------------------------------------------------------------ nodes
     def add_node(self) -> int:
         index = len(self.agents)
         log = open(self.log_dir / f"agent-node{index}.log", "w", encoding="utf-8")
+        launch, env = [], self.env
+        if self.network is not None:
+            # The node's workers reach their peers through its own interface, as on a host.
+            launch = self.network.run_in(self.network.ensure_host(index), [])
+            env = dict(self.env, GLOO_SOCKET_IFNAME=IFNAME)
         self.agents[index] = subprocess.Popen(
-            [sys.executable, "-m", "planaria.elastic.agent", "--node", f"node{index}",
+            [*launch, sys.executable, "-m", "planaria.elastic.agent", "--node", f"node{index}",
              "--nproc-per-node", str(self.nproc), "--etcd", self.etcd.endpoint, "--run-id", self.run_id,
              "--nnodes", str(self.min_nodes), "--lease-ttl", str(self.lease_ttl_s),
              "--log-dir", str(self.log_dir), self.config, *self.overrides],
-            stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True)
+            stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         return index
 
     def live_nodes(self) -> list[int]:
@@ -133,3 +160,5 @@ class LocalCluster:
         for agent in self.agents.values():
             agent.wait()
         self.etcd.stop()
+        if self.network is not None:
+            self.network.close()

@@ -68,6 +68,8 @@ class ChaosSettings:
     machine's now)."""
     etcd_restart_s: float = 10.0
     """A killed etcd member is started again this long after (as its supervisor would)."""
+    hosts: bool = False
+    """Each node and etcd member a host of its own (`--hosts`, `planaria.chaos.hosts`)."""
 
     def clock_sources(self) -> tuple[RandomFaults | None, TraceReplay | None, int]:
         """(the random process, the trace replay, trace events left out by the node cap),
@@ -253,7 +255,7 @@ class _Run:
         cluster = LocalCluster(self.settings.config, overrides,
                                nodes=self.settings.nodes, nproc=self.settings.nproc, out_dir=self.out_dir,
                                run_id=f"chaos-{uuid.uuid4().hex[:8]}",
-                               etcd_members=self.settings.etcd_members)
+                               etcd_members=self.settings.etcd_members, hosts=self.settings.hosts)
         try:
             try:
                 self.outcome = self._drive(cluster, started)

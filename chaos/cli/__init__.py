@@ -174,7 +174,7 @@ def _chaos(args: argparse.Namespace) -> int:
             random_kinds=None if args.random_kinds is None else random_kinds(args.random_kinds, args.etcd_members),
             trace=None if args.trace is None else Path(args.trace),
             time_scale=1.0 if args.time_scale is None else args.time_scale,
-            fresh_reference=args.fresh_reference)
+            fresh_reference=args.fresh_reference, hosts=args.hosts)
         _interrupt_on_termination()
         report = run_chaos(settings, console)
     except (FaultSpecError, ConfigError, FileNotFoundError) as err:
@@ -206,6 +206,11 @@ def _chaos_options_refused(args: argparse.Namespace) -> str | None:
             return f"{' and '.join(given)} shape(s) the faults of --random RATE, which was not given"
     if args.time_scale is not None and args.trace is None:
         return "--time-scale speeds up a --trace replay, and no --trace was given"
+    if args.hosts:
+        from planaria.chaos.hosts import unavailable
+
+        if (reason := unavailable()) is not None:
+            return f"--hosts: {reason}; run without it (every node on this machine's loopback)"
     return None
 
 
@@ -293,6 +298,9 @@ def build_parser() -> argparse.ArgumentParser:
     chaos.add_argument("--seed", type=int, default=0,
                        help="seeds targets left open and the random process (default 0)")
     chaos.add_argument("--etcd-members", type=int, choices=(1, 3), default=1)
+    chaos.add_argument("--hosts", action="store_true",
+                       help="each node and etcd member a host of its own: a network namespace with its own "
+                            "address on a private subnet, talking over it, never loopback (needs root and `ip`)")
     chaos.add_argument("--out", default="chaos-out", help="report.json, report.png and the run's logs")
     chaos.add_argument("--fresh-reference", action="store_true",
                        help="run the fault-free reference again even if one is cached (for an ETTR "

@@ -13,6 +13,7 @@ import pytest
 
 from planaria.cli import main as chaos_main
 from planaria.chaos.faults import FaultSpec, FaultSpecError, parse_fault, validate
+from planaria.chaos.hosts import remove_stale, unavailable as hosts_unavailable
 from tests.launch import TINY
 
 pytest.importorskip("pyetcd")
@@ -98,6 +99,21 @@ def test_silent_peers_cost_seconds_not_the_collective_timeout(tmp_path, cache):
     # The frozen node's peers waited on it until the leader's decision, then left at once.
     assert freeze["release_s"] is not None and freeze["release_s"] < 1.0, freeze
     assert "released its collectives" in "".join(p.read_text() for p in (tmp_path / "out" / "run" / "logs").glob("node*.log"))
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+@pytest.mark.skipif(hosts_unavailable() is not None, reason=hosts_unavailable() or "")
+def test_nodes_as_hosts_talk_over_their_own_addresses(tmp_path, cache):
+    """--hosts: every node and the etcd member in a network namespace of its own, with
+    only `lo` and its link to the others: the job can train only over those addresses.
+    A node SIGKILLed, nothing lost, and nothing of the network left after the run."""
+    proc = chaos(["--nodes", "4", "--hosts", "--fault", "kill-node@5:target=2", "parallel.min_stages=2",
+                  "train.steps=20"], tmp_path, cache)
+    report = assert_nothing_lost(proc, tmp_path, 20)
+    (kill,) = report["recoveries"]
+    assert kill["total_s"] is not None
+    assert remove_stale() == []  # the harness (gone now) removed its namespaces and links itself
 
 
 @pytest.mark.slow  # ~90 s; each kind is also in the default suite (tests/elastic, tests/runtime)
