@@ -14,7 +14,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
-from typing import TypeVar
+from typing import Callable, TypeVar
 
 from planaria.chaos.hosts import IFNAME, HostNetwork
 from planaria.elastic.etcd_client import EtcdClient, EtcdSettings
@@ -97,6 +97,24 @@ class LocalCluster:
             os.killpg(self.agents[index].pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+    def isolate_node(self, index: int) -> Callable[[], None]:
+        """Cut node `index`'s host off every other host, etcd's included: its packets
+        vanish both ways, nothing is closed. Returns what heals it."""
+        me = self.network.address(index)
+        others = [a for a in self.network.addresses() if a != me]
+        for other in others:
+            self.network.cut(me, other)
+
+        def heal() -> None:
+            for other in others:
+                self.network.heal(me, other)
+        return heal
+
+    def slow_link(self, index: int, rate: str = "1mbit") -> Callable[[], None]:
+        """Limit node `index`'s link to `rate` both ways; returns what lifts the limit."""
+        self.network.slow(index, rate)
+        return lambda: self.network.slow(index, None)
 
     def freeze_node(self, index: int) -> None:
         """SIGSTOP the node's agent and workers together: nothing of it closes or answers,

@@ -6,6 +6,11 @@
     hang-worker@5:target=1.0 SIGSTOP worker 0 of node 1 (it neither dies nor answers)
     freeze-node@4:target=3   SIGSTOP node 3's agent and workers together (its lease lapses,
                              its sockets stay open and silent: a node cut off the network)
+    isolate-node@4:target=3:for=20
+                             with --hosts: node 3's packets to and from every other host
+                             (etcd's included) vanish for 20 s, then the link is healed
+    slow-link@4:target=1:for=30
+                             with --hosts: node 1's link limited to 1 Mbit/s for 30 s
     kill-etcd-member@7       SIGKILL one etcd member (with --etcd-members 3)
     add-node@9               start one more node
     kill-node@3+1.5          1.5 s after step 3 is reached (during the recovery of a
@@ -23,10 +28,13 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-KINDS = ("kill-worker", "kill-node", "kill-agent", "hang-worker", "freeze-node", "kill-etcd-member", "add-node")
+KINDS = ("kill-worker", "kill-node", "kill-agent", "hang-worker", "freeze-node", "kill-etcd-member", "add-node",
+         "isolate-node", "slow-link")
 WORKER_KINDS = ("kill-worker", "hang-worker")
+NETWORK_KINDS = ("isolate-node", "slow-link")
+"""Faults made on the links between simulated hosts: they need `--hosts`, and last `for=` seconds."""
 _SPEC = re.compile(r"^(?P<kind>[a-z-]+)@(?P<step>\d+)(?:\+(?P<delay>\d+(?:\.\d*)?)s?)?"
-                   r"(?::target=(?P<target>\d+(?:\.\d+)?))?$")
+                   r"(?::target=(?P<target>\d+(?:\.\d+)?))?(?::for=(?P<duration>\d+(?:\.\d*)?)s?)?$")
 
 
 class FaultSpecError(ValueError):
@@ -43,18 +51,22 @@ class FaultSpec:
     """The worker's local rank (worker kinds only); None: the harness picks."""
     delay_s: float = 0.0
     """Seconds past the moment step `step` was reached."""
+    duration_s: float | None = None
+    """How long a network fault lasts before it is healed (network kinds only)."""
 
     def __str__(self) -> str:
         target = "" if self.node is None else f":target={self.node}" + (
             "" if self.local is None else f".{self.local}")
-        return f"{self.kind}@{self.step}{f'+{self.delay_s:g}' if self.delay_s else ''}{target}"
+        duration = "" if self.duration_s is None else f":for={self.duration_s:g}"
+        return f"{self.kind}@{self.step}{f'+{self.delay_s:g}' if self.delay_s else ''}{target}{duration}"
 
 
 def parse_fault(text: str) -> FaultSpec:
     match = _SPEC.match(text.strip())
     if not match:
-        raise FaultSpecError(f"bad fault {text!r}: expected KIND@STEP[+SECONDS][:target=NODE[.LOCAL]], "
-                             f"such as kill-node@3, kill-node@3+1.5 or kill-worker@6:target=2.0")
+        raise FaultSpecError(f"bad fault {text!r}: expected KIND@STEP[+SECONDS][:target=NODE[.LOCAL]][:for=SECONDS], "
+                             f"such as kill-node@3, kill-node@3+1.5, kill-worker@6:target=2.0 or "
+                             f"isolate-node@4:target=1:for=20")
     kind = match["kind"]
     if kind not in KINDS:
         raise FaultSpecError(f"unknown fault kind {kind!r} in {text!r}; known kinds: {', '.join(KINDS)}")
@@ -66,15 +78,25 @@ def parse_fault(text: str) -> FaultSpec:
             raise FaultSpecError(f"{text!r}: {kind} takes no worker target")
         if local is not None and kind not in WORKER_KINDS:
             raise FaultSpecError(f"{text!r}: {kind} acts on a whole node; give target={node}")
-    return FaultSpec(kind, int(match["step"]), node, local, float(match["delay"] or 0))
+    duration = None if match["duration"] is None else float(match["duration"])
+    if kind in NETWORK_KINDS and not duration:
+        raise FaultSpecError(f"{text!r}: a network fault lasts a while; say how long with :for=SECONDS "
+                             f"(such as {kind}@{match['step']}:for=20)")
+    if kind not in NETWORK_KINDS and duration is not None:
+        raise FaultSpecError(f"{text!r}: {kind} is not a network fault and takes no :for=")
+    return FaultSpec(kind, int(match["step"]), node, local, float(match["delay"] or 0), duration)
 
 
-def validate(faults: list[FaultSpec], *, steps: int, nodes: int, nproc: int, etcd_members: int) -> None:
+def validate(faults: list[FaultSpec], *, steps: int, nodes: int, nproc: int, etcd_members: int,
+             hosts: bool = False) -> None:
     """Refuse faults the job cannot meet: a step at or beyond `train.steps`, a target that
     does not exist (nodes added by add-node count, in order), an etcd member to kill with
-    a single-member etcd."""
+    a single-member etcd, a network fault without simulated hosts."""
     launched = nodes
     for fault in sorted(faults, key=lambda f: f.step):
+        if fault.kind in NETWORK_KINDS and not hosts:
+            raise FaultSpecError(f"{fault}: a network fault needs nodes with networks of their own; "
+                                 "run with --hosts")
         if fault.step >= steps:
             raise FaultSpecError(f"{fault}: step {fault.step} is beyond the job's train.steps={steps} "
                                  f"(steps are 0 to {steps - 1}); use an earlier step or raise train.steps")

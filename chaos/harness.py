@@ -20,11 +20,12 @@ import time
 import uuid
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Callable
 
 from rich.console import Console
 
 from planaria.chaos.cluster import LocalCluster
-from planaria.chaos.faults import FaultSpec, FaultSpecError, validate
+from planaria.chaos.faults import NETWORK_KINDS, FaultSpec, FaultSpecError, validate
 from planaria.chaos.progress import RunProgress
 from planaria.chaos.plot import plot_report
 from planaria.chaos.report import (InjectedFault, Report, build_report, CommitTail, format_epoch_event,
@@ -93,7 +94,7 @@ class ChaosSettings:
 def run_chaos(settings: ChaosSettings, console: Console) -> Report:
     cfg = load_config(settings.config, settings.overrides)
     validate(settings.faults, steps=cfg.train.steps, nodes=settings.nodes, nproc=settings.nproc,
-             etcd_members=settings.etcd_members)
+             etcd_members=settings.etcd_members, hosts=settings.hosts)
     random_faults, replay, left_out = settings.clock_sources()
     out = Path(settings.out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -227,6 +228,8 @@ class _Run:
         self.pending = sorted(settings.faults if faults is None else faults, key=lambda f: f.step)
         self.random_faults, self.replay = random_faults, replay
         self._etcd_restarts: list[tuple[float, int]] = []
+        self._heals: list[tuple[float, str, Callable[[], None]]] = []
+        """Network faults to heal: (when, the fault, what heals it)."""
         """(when, member): killed etcd members to start again."""
         self.injected: list[InjectedFault] = []
         self.live_nodes: list[tuple[float, int]] = []
@@ -283,6 +286,7 @@ class _Run:
                 for fault in self._due(committed, now, first_step, cluster):
                     self._inject(cluster, fault, committed)
                 self._restart_etcd_members(cluster, now)
+                self._heal_network(now)
                 if now - self._events_polled >= 1.0:
                     self._events_polled = now
                     self._show_new_epochs(cluster)
@@ -342,6 +346,12 @@ class _Run:
             cluster.restart_etcd_member(member)
             self.progress.note(f"  etcd member {member} started again")
 
+    def _heal_network(self, now: float) -> None:
+        for due in [h for h in self._heals if h[0] <= now]:
+            self._heals.remove(due)
+            due[2]()
+            self.progress.note(f"  {due[1]}: healed")
+
     def _inject(self, cluster: LocalCluster, fault: FaultSpec, committed: int) -> None:
         kind = fault.kind
         if kind == "add-node":
@@ -367,6 +377,10 @@ class _Run:
             elif kind == "freeze-node":
                 cluster.freeze_node(node)
                 target = f"{node}"
+            elif kind in NETWORK_KINDS:
+                heal = cluster.isolate_node(node) if kind == "isolate-node" else cluster.slow_link(node)
+                target = f"{node}"
+                self._heals.append((time.time() + fault.duration_s, f"{kind} of node{node}", heal))
             else:
                 local = fault.local if fault.local is not None else self.rng.randrange(self.settings.nproc)
                 signum = signal.SIGKILL if kind == "kill-worker" else signal.SIGSTOP
@@ -374,7 +388,8 @@ class _Run:
                     self.progress.note(f"  [yellow]{fault}: worker node{node}.{local} is not running; skipped[/]")
                     return
                 target = f"{node}.{local}"
-        spec = f"{str(fault).split(':')[0]}:target={target}"
+        spec = f"{str(fault).split(':')[0]}:target={target}" + (
+            "" if fault.duration_s is None else f":for={fault.duration_s:g}")
         self.injected.append(InjectedFault(spec, committed, time.time()))
         self.progress.note(f"  [red]fault[/] {spec} (job at step {committed})")
 

@@ -105,14 +105,15 @@ def remove_stale() -> list[str]:
     return stale
 
 
-def _free_net() -> int:
-    """A second octet N such that 10.N.0.0/16 is routed nowhere in this namespace."""
+def _free_net(skip: int = 0) -> int:
+    """A second octet N such that 10.N.0.0/16 is routed nowhere in this namespace (the
+    `skip`-th such, counting from one that depends on this process)."""
     routes = _ip("route", "show", check=False).stdout + _ip("addr", "show", check=False).stdout
     used = {int(w.split(".")[1]) for w in routes.split() if w.startswith("10.") and w.count(".") >= 3
             and w.split(".")[1].isdigit()}
-    for net in range(100 + os.getpid() % 100, 256):
-        if net not in used:
-            return net
+    free = [net for net in range(100 + os.getpid() % 100, 256) if net not in used]
+    if len(free) > skip:
+        return free[skip]
     raise HostsUnavailable("no free 10.N.0.0/16 for simulated hosts: every one from 10.100 up is routed here")
 
 
@@ -156,17 +157,24 @@ class HostNetwork:
         if reason:
             raise HostsUnavailable(reason)
         remove_stale()
-        if not self.net:
-            self.net = _free_net()
-        try:
-            self._make_namespace(self.router)
-            _ip("netns", "exec", self.router, "sysctl", "-qw", "net.ipv4.ip_forward=1")
-            for host in range(self.count):
-                self.add_host(host)
-            self._link_harness()
-        except BaseException:
-            self.close()
-            raise
+        chosen, attempts = self.net, 5
+        for attempt in range(attempts):
+            # Another run may take the same free /16 between the look and the use: try another.
+            self.net = chosen or _free_net(skip=attempt)
+            try:
+                self._make_namespace(self.router)
+                _ip("netns", "exec", self.router, "sysctl", "-qw", "net.ipv4.ip_forward=1")
+                for host in range(self.count):
+                    self.add_host(host)
+                self._link_harness()
+                return self
+            except HostsUnavailable:
+                self.close()
+                if chosen or attempt == attempts - 1:
+                    raise
+            except BaseException:
+                self.close()
+                raise
         return self
 
     def _make_namespace(self, name: str) -> None:

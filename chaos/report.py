@@ -204,7 +204,10 @@ def recoveries(faults: list[InjectedFault], events: list[EpochEvent], timings: d
         rendezvous = [t.rendezvous_s - event.published_s for t in worker_timings if t.rendezvous_s is not None]
         first_steps = [t.first_step_s - t.transfer_s for t in worker_timings
                        if t.first_step_s is not None and t.transfer_s is not None]
-        left = [t.failed_s for t in timings.get(epoch - 1, []) if t.failed_s is not None]
+        # The survivors: whoever left the failed epoch before the next one was published (a
+        # node cut off and declared failed leaves it only when its network comes back).
+        left = [t.failed_s for t in timings.get(epoch - 1, [])
+                if t.failed_s is not None and t.failed_s <= event.published_s]
         # A fault that struck while this reconfiguration was under way was not what it
         # detected: no detection time, and its plan time counts from the fault.
         under_way = event.detected_s < fault.time

@@ -63,15 +63,16 @@ def parse_node_range(text: str) -> tuple[int, int]:
 def random_kinds(text: str | None, etcd_members: int) -> tuple[str, ...]:
     """The kinds the random process draws from: those named (comma-separated), or every
     kind that makes sense here (an etcd member only with 3 members)."""
-    from planaria.chaos.faults import KINDS
+    from planaria.chaos.faults import KINDS, NETWORK_KINDS
 
+    drawn = [k for k in KINDS if k not in NETWORK_KINDS]  # a network fault needs a duration: given only
     if text is None:
-        return tuple(k for k in KINDS if k != "kill-etcd-member" or etcd_members >= 3)
+        return tuple(k for k in drawn if k != "kill-etcd-member" or etcd_members >= 3)
     kinds = tuple(k.strip() for k in text.split(",") if k.strip())
-    unknown = [k for k in kinds if k not in KINDS]
+    unknown = [k for k in kinds if k not in drawn]
     if unknown or not kinds:
-        raise FaultSpecError(f"--random-kinds {text!r}: unknown kind(s) {unknown}; known kinds: "
-                             f"{', '.join(KINDS)}")
+        raise FaultSpecError(f"--random-kinds {text!r}: unknown kind(s) {unknown}; the kinds drawn at random: "
+                             f"{', '.join(drawn)} (network faults are given with --fault, for now)")
     if "kill-etcd-member" in kinds and etcd_members < 3:
         raise FaultSpecError("--random-kinds names kill-etcd-member but etcd has one member; "
                              "run with --etcd-members 3")

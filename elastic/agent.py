@@ -64,7 +64,7 @@ from collections import Counter
 from pathlib import Path
 
 from planaria.elastic.controller import CheckpointPolicy, Controller, StepDown
-from planaria.elastic.etcd_client import EtcdClient, EtcdSettings, EtcdUnavailable
+from planaria.elastic.etcd_client import EtcdClient, EtcdSettings, EtcdUnavailable, LeaseExpired
 from planaria.elastic.etcd_kv import EtcdKeyValue
 from planaria.runtime.config import ConfigError, load_config, status_timeout_s
 from planaria.runtime.contract import env as worker_env, keys
@@ -147,6 +147,9 @@ class Agent:
                     if self._signal is None:
                         raise
                     continue  # a signal cut short a wait for etcd
+                except LeaseExpired:  # seen by a write before the keep-alive thread saw it
+                    self._lease_lost.set()
+                    continue
                 if outcome is not None:
                     return outcome
                 time.sleep(POLL_S)
@@ -442,8 +445,22 @@ class Agent:
             self.store, build_planner(self.cfg, costs), total_steps=self.cfg.train.steps,
             gpus_per_node=self.nproc, status_timeout_s=status_timeout_s(self.cfg.comm),
             log=lambda message: self.log(message), interrupted=lambda: self._signal is not None,
+            leading=self._still_leading,
             checkpoints=CheckpointPolicy(self.cfg.checkpoint_dir, self.cfg.checkpoint.every,
                                          self.cfg.checkpoint.keep))
+
+    def _still_leading(self) -> bool:
+        """This agent's lease still exists and the leader key is still its own: asked by
+        its controller before acting, since a node cut off for longer than its lease's TTL
+        may have a successor already."""
+        try:
+            alive = self.client.refresh(self.lease)
+        except LeaseExpired:
+            alive = False
+        if not alive:
+            self._lease_lost.set()
+            return False
+        return self.client.get(self.prefix + keys.LEADER)[0] == self.node.encode()
 
     def _alive_now(self) -> set[Worker]:
         return {parse_worker_key(key) for key in self.client.keys_with_prefix(self.prefix + keys.ALIVE)}

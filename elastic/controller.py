@@ -80,8 +80,13 @@ class Controller:
                  gpus_per_node: int = 1, status_timeout_s: float = 30.0, debounce_s: float = 0.3,
                  max_epochs_without_progress: int = 5, log: Callable[[str], None] = print,
                  checkpoints: CheckpointPolicy | None = None,
-                 interrupted: Callable[[], bool] = lambda: False):
+                 interrupted: Callable[[], bool] = lambda: False,
+                 leading: Callable[[], bool] = lambda: True):
         self.store = store
+        self.leading = leading
+        """Asked before this controller acts on what it saw (publishes an epoch, has a
+        worker killed): False when it lost its leadership meanwhile (its node was cut off
+        long enough for its lease to lapse), and it steps down (`StaleLeader`) instead."""
         self.interrupted = interrupted
         """Asked while waiting for statuses: True makes this controller step down at once
         (`Interrupted`) rather than at the end of the wait (the status timeout: minutes)."""
@@ -202,6 +207,7 @@ class Controller:
         time.sleep(self.debounce_s)
         statuses = self._collect_statuses(members, alive_now, kill, released=reason == keys.FAILURE)
         statuses_s = time.time()
+        self._check_leading()
         survivors = set(statuses)
         joiners = alive_now() - members - self._killed
         if not statuses:
@@ -237,8 +243,9 @@ class Controller:
             transfers=len(transfers), restored=None if restore is None else first - 1,
             moved_bytes=choice.moved_bytes, plan_shape=tuple(len(p.stages) for p in plan.pipelines))
         self.events.append(event)
-        # For reports (the chaos harness reads them from the store, wherever the leader ran).
-        self.store.set(keys.epoch_event(plan.epoch), event.to_json())
+        # For reports (the chaos harness reads them from the store, wherever the leader ran);
+        # created only if absent, as the record is: the first account of the epoch stands.
+        self.store.compare_set(keys.epoch_event(plan.epoch), "", event.to_json())
         self.log(f"controller: epoch {plan.epoch} ({reason}; failed {list(event.failed) or '-'}, joined "
                  f"{list(event.joined) or '-'}): pipelines of {list(event.plan_shape)} stages from iteration "
                  f"{first}{f', rolling forward {event.rolled_forward}' if event.rolled_forward is not None else ''}"
@@ -353,12 +360,19 @@ class Controller:
                 raise Interrupted("the leader's node is leaving; the next leader takes the "
                                   f"reconfiguration to epoch {self.epoch + 1} over")
             time.sleep(0.02)
+        if expected - set(statuses):
+            self._check_leading()
         for worker in sorted(expected - set(statuses)):
             self.log(f"controller: worker {worker_key(worker)} did not report within "
                      f"{self.status_timeout_s:.0f} s; killing it")
             kill(worker)
             self._killed.add(worker)
         return statuses
+
+    def _check_leading(self) -> None:
+        if not self.leading():
+            raise StaleLeader(f"this controller lost its leadership during the reconfiguration to epoch "
+                              f"{self.epoch + 1}; it steps down without acting on what it saw")
 
     def _statuses(self, workers: set[Worker]) -> dict[Worker, WorkerStatus]:
         wanted = {w: keys.epoch_status(self.epoch, w) for w in workers}

@@ -38,6 +38,11 @@ channel would stay down for many seconds after etcd is back. Our own retries pac
 attempts, so the channel may try again within a second."""
 
 
+class LeaseExpired(RuntimeError):
+    """A write bound to a lease that etcd no longer has: it expired while this client could
+    not reach etcd (a node cut off the network, then back). The node must register again."""
+
+
 class EtcdUnavailable(RuntimeError):
     """etcd could not be reached for longer than the retry budget."""
 
@@ -180,6 +185,9 @@ class EtcdClient:
                 raise EtcdUnavailable(
                     f"etcd at {self.endpoint} did not answer {what} for {waited:.0f} s "
                     f"({type(err).__name__}); check that it runs and that this host can reach it") from err
+            if "requested lease not found" in str(err):
+                raise LeaseExpired(f"{what}: this client's lease expired (etcd was out of reach for "
+                                   "longer than its TTL)") from err
             raise
 
     def _aborted(self, state) -> bool:

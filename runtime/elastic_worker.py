@@ -218,6 +218,16 @@ class ElasticWorker:
               and self.engine.roll_forward(record.roll_forward)):
             self._record_commit(record.roll_forward, plan.epoch - 1, rolled_forward=True)
             self.checkpointer.after_step(self.engine)
+        stepped = self.engine.last_stepped
+        if record.restore is None and stepped is not None and stepped + 1 != plan.first_iteration:
+            # The job went on without this worker (it was cut off, and declared failed): the
+            # plan counts on none of its layers, which are of an older step. It joins as a
+            # new worker would, and its old state is never used.
+            self._log(f"epoch {plan.epoch}: this worker's layers are of step {stepped}, "
+                      f"the job is at {plan.first_iteration}: it was left out; joining as a new worker")
+            self.engine.destroy()
+            self.engine = build_engine(self.cfg, self.device, phase=self.faults,
+                                       connect_timeout_s=self._connect_timeout_s())
         self.engine.enter_epoch(plan, rank, transfers=transfers,
                                 checkpoint=None if record.restore is None else Path(record.restore))
 

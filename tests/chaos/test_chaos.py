@@ -116,6 +116,26 @@ def test_nodes_as_hosts_talk_over_their_own_addresses(tmp_path, cache):
     assert remove_stale() == []  # the harness (gone now) removed its namespaces and links itself
 
 
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+@pytest.mark.skipif(hosts_unavailable() is not None, reason=hosts_unavailable() or "")
+def test_an_isolated_node_is_left_out_then_comes_back_as_a_new_one(tmp_path, cache):
+    """--hosts: node1's packets vanish for 10 s (connections open, nothing answers, its
+    etcd lease lapses). The others go on without it (released on the leader's decision;
+    a leader cut off steps down rather than act on what it saw); when its link heals,
+    its workers' layers are of an old step: they join as new workers, receiving their
+    layers, and nothing of the old state is used. Nothing lost, losses as without faults."""
+    proc = chaos(["--nodes", "4", "--hosts", "--fault", "isolate-node@5:target=1:for=10",
+                  "parallel.min_stages=2", "train.steps=150"], tmp_path, cache)
+    report = assert_nothing_lost(proc, tmp_path, 150)
+    (isolated,) = report["recoveries"]
+    assert isolated["total_s"] is not None and isolated["total_s"] <= 10, isolated
+    assert isolated["release_s"] is not None and isolated["release_s"] < 1.0, isolated
+    logs = "".join(p.read_text() for p in (tmp_path / "out" / "run" / "logs").glob("*.log"))
+    assert "it was left out; joining as a new worker" in logs
+    assert "joined ['node1.0']" in logs  # back in the job
+
+
 @pytest.mark.slow  # ~90 s; each kind is also in the default suite (tests/elastic, tests/runtime)
 @pytest.mark.multiprocess
 @pytest.mark.timeout(600)
@@ -175,6 +195,23 @@ def test_fault_specs_and_targets():
     with pytest.raises(FaultSpecError, match="no node 4 by step 3"):
         validate([parse_fault("add-node@4"), parse_fault("kill-node@3:target=4")],
                  steps=10, nodes=4, nproc=1, etcd_members=1)
+
+
+def test_network_faults_last_a_while_and_need_hosts():
+    fault = parse_fault("isolate-node@4:target=1:for=20")
+    assert fault == FaultSpec("isolate-node", 4, 1, None, 0.0, 20.0) and str(fault) == "isolate-node@4:target=1:for=20"
+    with pytest.raises(FaultSpecError, match="say how long with :for=SECONDS"):
+        parse_fault("slow-link@4:target=1")
+    with pytest.raises(FaultSpecError, match="kill-node is not a network fault"):
+        parse_fault("kill-node@4:for=3")
+    validate([fault], steps=10, nodes=4, nproc=1, etcd_members=1, hosts=True)
+    with pytest.raises(FaultSpecError, match="run with --hosts"):
+        validate([fault], steps=10, nodes=4, nproc=1, etcd_members=1)
+    from planaria.chaos.sources import random_kinds
+
+    assert "isolate-node" not in random_kinds(None, 1)  # given with --fault only, for now
+    with pytest.raises(FaultSpecError, match="network faults are given with --fault"):
+        random_kinds("isolate-node", 1)
 
 
 @pytest.mark.parametrize("trace_text, extra, message", [

@@ -43,7 +43,7 @@ except TimeoutError:
 except OSError as err:
     print(f"new connection: {err}", flush=True)
 input()  # the test heals it
-conn.settimeout(10)
+conn.settimeout(60)  # TCP's retransmission backs off while the link is cut: up to seconds
 print("after heal", conn.recv(64).decode(), flush=True)
 """
 
