@@ -101,6 +101,7 @@ def test_silent_peers_cost_seconds_not_the_collective_timeout(tmp_path, cache):
     assert "released its collectives" in "".join(p.read_text() for p in (tmp_path / "out" / "run" / "logs").glob("node*.log"))
 
 
+@pytest.mark.slow  # ~2 min; the isolated node's test below runs on hosts in the default suite
 @pytest.mark.multiprocess
 @pytest.mark.timeout(600)
 @pytest.mark.skipif(hosts_unavailable() is not None, reason=hosts_unavailable() or "")
