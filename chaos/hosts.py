@@ -243,11 +243,6 @@ class HostNetwork:
                 _ip("rule", "del", "from", src, "to", dst, "blackhole", namespace=self.router, check=False)
                 self._rules.discard((src, dst))
 
-    def cut_off(self, host: int, others: Iterable[str]) -> None:
-        """Cut host `host` from every address in `others` (an isolated node: all of them)."""
-        for other in others:
-            self.cut(self.address(host), other)
-
     def heal_all(self) -> None:
         for src, dst in list(self._rules):
             self.heal(src, dst)

@@ -212,8 +212,7 @@ class ElasticWorker:
         if self.engine is None:
             # A worker new to the job (its start, or a join) holds nothing: it builds its
             # layers, receives them or loads them, in the same epoch as every other worker.
-            self.engine = build_engine(self.cfg, self.device, phase=self.faults,
-                                       connect_timeout_s=self._connect_timeout_s())
+            self.engine = self._new_engine()
         elif (record.restore is None and record.roll_forward is not None
               and self.engine.roll_forward(record.roll_forward)):
             self._record_commit(record.roll_forward, plan.epoch - 1, rolled_forward=True)
@@ -226,8 +225,7 @@ class ElasticWorker:
             self._log(f"epoch {plan.epoch}: this worker's layers are of step {stepped}, "
                       f"the job is at {plan.first_iteration}: it was left out; joining as a new worker")
             self.engine.destroy()
-            self.engine = build_engine(self.cfg, self.device, phase=self.faults,
-                                       connect_timeout_s=self._connect_timeout_s())
+            self.engine = self._new_engine()
         self.engine.enter_epoch(plan, rank, transfers=transfers,
                                 checkpoint=None if record.restore is None else Path(record.restore))
 
@@ -312,6 +310,10 @@ class ElasticWorker:
         append(self.evals, EvalEntry(step=step, val_loss=val_loss, epoch=epoch, time=time.time()))
         if self.worker[1] == 0:
             self._log(f"step {step + 1}/{self.cfg.train.steps} | validation loss {val_loss:.4f}")
+
+    def _new_engine(self) -> Engine:
+        """An engine holding nothing yet, for this worker's next epoch."""
+        return build_engine(self.cfg, self.device, phase=self.faults, connect_timeout_s=self._connect_timeout_s())
 
     def _connect_timeout_s(self) -> float:
         """An epoch's process groups connect within this: a peer that died after the
