@@ -111,6 +111,25 @@ class LocalCluster:
                 self.network.heal(me, other)
         return heal
 
+    def partition(self, group: list[int]) -> Callable[[], None]:
+        """Cut the nodes of `group` off the other nodes (both ways, packets vanish); every
+        node still reaches etcd. Returns what heals it."""
+        side = {self.network.address(i) for i in group}
+        others = {self.network.address(i) for i in self.agents if i not in group}
+        pairs = [(a, b) for a in sorted(side) for b in sorted(others)]
+        for a, b in pairs:
+            self.network.cut(a, b)
+        return lambda: [self.network.heal(a, b) for a, b in pairs] and None
+
+    def isolate_etcd_member(self, member: int) -> Callable[[], None]:
+        """Cut etcd member `member` off the other members: it still answers the nodes'
+        connections, but as a minority without a leader it can serve nothing."""
+        me = self.network.address(ETCD_HOST + member)
+        others = [self.network.address(ETCD_HOST + m) for m in range(len(self.etcd.members)) if m != member]
+        for other in others:
+            self.network.cut(me, other)
+        return lambda: [self.network.heal(me, other) for other in others] and None
+
     def slow_link(self, index: int, rate: str = "1mbit") -> Callable[[], None]:
         """Limit node `index`'s link to `rate` both ways; returns what lifts the limit."""
         self.network.slow(index, rate)

@@ -11,6 +11,12 @@
                              (etcd's included) vanish for 20 s, then the link is healed
     slow-link@4:target=1:for=30
                              with --hosts: node 1's link limited to 1 Mbit/s for 30 s
+    partition@4:target=4+5:for=20
+                             with --hosts: nodes 4 and 5 and the other nodes cannot reach
+                             each other for 20 s; both sides still reach etcd
+    isolate-etcd-member@6:target=0:for=15
+                             with --hosts and --etcd-members 3: etcd member 0 cut off from
+                             the other members (a minority that still answers connections)
     kill-etcd-member@7       SIGKILL one etcd member (with --etcd-members 3)
     add-node@9               start one more node
     kill-node@3+1.5          1.5 s after step 3 is reached (during the recovery of a
@@ -29,12 +35,13 @@ import re
 from dataclasses import dataclass
 
 KINDS = ("kill-worker", "kill-node", "kill-agent", "hang-worker", "freeze-node", "kill-etcd-member", "add-node",
-         "isolate-node", "slow-link")
+         "isolate-node", "slow-link", "partition", "isolate-etcd-member")
 WORKER_KINDS = ("kill-worker", "hang-worker")
-NETWORK_KINDS = ("isolate-node", "slow-link")
+ETCD_KINDS = ("kill-etcd-member", "isolate-etcd-member")
+NETWORK_KINDS = ("isolate-node", "slow-link", "partition", "isolate-etcd-member")
 """Faults made on the links between simulated hosts: they need `--hosts`, and last `for=` seconds."""
 _SPEC = re.compile(r"^(?P<kind>[a-z-]+)@(?P<step>\d+)(?:\+(?P<delay>\d+(?:\.\d*)?)s?)?"
-                   r"(?::target=(?P<target>\d+(?:\.\d+)?))?(?::for=(?P<duration>\d+(?:\.\d*)?)s?)?$")
+                   r"(?::target=(?P<target>\d+(?:\.\d+|(?:\+\d+)+)?))?(?::for=(?P<duration>\d+(?:\.\d*)?)s?)?$")
 
 
 class FaultSpecError(ValueError):
@@ -53,10 +60,14 @@ class FaultSpec:
     """Seconds past the moment step `step` was reached."""
     duration_s: float | None = None
     """How long a network fault lasts before it is healed (network kinds only)."""
+    group: tuple[int, ...] = ()
+    """A partition's side given as target=A+B+...: these nodes against the others."""
 
     def __str__(self) -> str:
         target = "" if self.node is None else f":target={self.node}" + (
             "" if self.local is None else f".{self.local}")
+        if self.group:
+            target = f":target={'+'.join(map(str, self.group))}"
         duration = "" if self.duration_s is None else f":for={self.duration_s:g}"
         return f"{self.kind}@{self.step}{f'+{self.delay_s:g}' if self.delay_s else ''}{target}{duration}"
 
@@ -71,10 +82,16 @@ def parse_fault(text: str) -> FaultSpec:
     if kind not in KINDS:
         raise FaultSpecError(f"unknown fault kind {kind!r} in {text!r}; known kinds: {', '.join(KINDS)}")
     node = local = None
-    if match["target"]:
+    group: tuple[int, ...] = ()
+    if match["target"] and "+" in match["target"]:
+        if kind != "partition":
+            raise FaultSpecError(f"{text!r}: only a partition takes a group of nodes (target=A+B); "
+                                 f"{kind} takes one")
+        group = tuple(sorted(set(int(n) for n in match["target"].split("+"))))
+    elif match["target"]:
         node_text, _, local_text = match["target"].partition(".")
         node, local = int(node_text), (int(local_text) if local_text else None)
-        if kind in ("kill-etcd-member", "add-node") and local is not None:
+        if kind in (*ETCD_KINDS, "add-node") and local is not None:
             raise FaultSpecError(f"{text!r}: {kind} takes no worker target")
         if local is not None and kind not in WORKER_KINDS:
             raise FaultSpecError(f"{text!r}: {kind} acts on a whole node; give target={node}")
@@ -84,7 +101,10 @@ def parse_fault(text: str) -> FaultSpec:
                              f"(such as {kind}@{match['step']}:for=20)")
     if kind not in NETWORK_KINDS and duration is not None:
         raise FaultSpecError(f"{text!r}: {kind} is not a network fault and takes no :for=")
-    return FaultSpec(kind, int(match["step"]), node, local, float(match["delay"] or 0), duration)
+    if kind == "partition" and node is not None:
+        group = (node,)
+        node = None
+    return FaultSpec(kind, int(match["step"]), node, local, float(match["delay"] or 0), duration, group)
 
 
 def validate(faults: list[FaultSpec], *, steps: int, nodes: int, nproc: int, etcd_members: int,
@@ -103,13 +123,16 @@ def validate(faults: list[FaultSpec], *, steps: int, nodes: int, nproc: int, etc
         if fault.kind == "add-node":
             launched += 1
             continue
-        if fault.kind == "kill-etcd-member":
+        if fault.kind in ETCD_KINDS:
             if etcd_members < 3:
                 raise FaultSpecError(f"{fault}: etcd has {etcd_members} member(s); losing one would "
                                      "lose etcd. Run with --etcd-members 3")
             if fault.node is not None and fault.node >= etcd_members:
                 raise FaultSpecError(f"{fault}: etcd members are 0 to {etcd_members - 1}")
             continue
+        if fault.group and (max(fault.group) >= launched or len(fault.group) >= launched):
+            raise FaultSpecError(f"{fault}: a partition cuts some of the nodes 0 to {launched - 1} by step "
+                                 f"{fault.step} from the others; name a group of them that leaves some out")
         if fault.node is not None and fault.node >= launched:
             raise FaultSpecError(f"{fault}: there is no node {fault.node} by step {fault.step}; nodes "
                                  f"are 0 to {launched - 1} (add-node adds the next index)")

@@ -25,7 +25,7 @@ from typing import Callable
 from rich.console import Console
 
 from planaria.chaos.cluster import LocalCluster
-from planaria.chaos.faults import NETWORK_KINDS, FaultSpec, FaultSpecError, validate
+from planaria.chaos.faults import ETCD_KINDS, NETWORK_KINDS, FaultSpec, FaultSpecError, validate
 from planaria.chaos.progress import RunProgress
 from planaria.chaos.plot import plot_report
 from planaria.chaos.report import (InjectedFault, Report, build_report, CommitTail, format_epoch_event,
@@ -83,7 +83,7 @@ class ChaosSettings:
         if self.random_rate is not None:
             low, high = self.random_nodes or (max(1, self.nodes - 2), self.nodes)
             random_faults = RandomFaults(self.random_rate, self.seed, low=low, high=high,
-                                         kinds=self.random_kinds or random_kinds(None, self.etcd_members))
+                                         kinds=self.random_kinds or random_kinds(None, self.etcd_members, self.hosts))
         if self.trace is not None:
             schedule, left_out = replay_schedule(read_trace(self.trace), self.nodes, self.time_scale,
                                                  name=find_trace(self.trace).name)
@@ -316,7 +316,8 @@ class _Run:
             return due
         elapsed = now - first_step
         if self.random_faults is not None:
-            etcd_all_up = len(cluster.live_etcd_members()) == self.settings.etcd_members
+            etcd_all_up = (len(cluster.live_etcd_members()) == self.settings.etcd_members
+                           and not any(h[1].startswith("isolate-etcd-member") for h in self._heals))
             due += [replace(f, step=committed) for f in
                     self.random_faults.due(elapsed, len(cluster.live_nodes()), etcd_all_up)]
         if self.replay is not None:
@@ -352,16 +353,41 @@ class _Run:
             due[2]()
             self.progress.note(f"  {due[1]}: healed")
 
+    def _partition_side(self, fault: FaultSpec, live: list[int]) -> list[int] | None:
+        """The side a partition cuts off: the fault's group (None if a node of it is gone),
+        or, drawn, up to f live nodes (`fault_tolerance.f` replicas: a side that small
+        never holds the last replica of a layer, so the other side trains on without a
+        checkpoint)."""
+        if fault.group:
+            return list(fault.group) if set(fault.group) <= set(live) and len(live) > len(fault.group) else None
+        if len(live) < 2:
+            return None
+        f = load_config(self.settings.config, self.settings.overrides).fault_tolerance.f
+        size = self.rng.randint(1, max(1, min(f, len(live) // 2)))
+        return sorted(self.rng.sample(live, size))
+
     def _inject(self, cluster: LocalCluster, fault: FaultSpec, committed: int) -> None:
         kind = fault.kind
         if kind == "add-node":
             target = f"{cluster.add_node()}"
-        elif kind == "kill-etcd-member":
+        elif kind in ETCD_KINDS:
             members = cluster.live_etcd_members()
             member = fault.node if fault.node is not None else self.rng.choice(members)
-            cluster.kill_etcd_member(member)
-            self._etcd_restarts.append((time.time() + self.settings.etcd_restart_s, member))
+            if kind == "kill-etcd-member":
+                cluster.kill_etcd_member(member)
+                self._etcd_restarts.append((time.time() + self.settings.etcd_restart_s, member))
+            else:
+                self._heals.append((time.time() + fault.duration_s, f"{kind} of member {member}",
+                                    cluster.isolate_etcd_member(member)))
             target = f"{member}"
+        elif kind == "partition":
+            group = self._partition_side(fault, cluster.live_nodes())
+            if group is None:
+                self.progress.note(f"  [yellow]{fault}: nodes {list(fault.group)} are not all live; skipped[/]")
+                return
+            self._heals.append((time.time() + fault.duration_s, f"partition of nodes {group}",
+                                cluster.partition(group)))
+            target = "+".join(map(str, group))
         else:
             live = cluster.live_nodes()
             if fault.node is not None and fault.node not in live:

@@ -12,10 +12,13 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-from planaria.chaos.faults import FaultSpec, FaultSpecError
+from planaria.chaos.faults import ETCD_KINDS, NETWORK_KINDS, FaultSpec, FaultSpecError
 
 NODE_LOSSES = ("kill-worker", "kill-node", "kill-agent", "hang-worker", "freeze-node")
 """Kinds that take a node out of the job (a worker killed or hung takes its node with it)."""
+NETWORK_DURATION_S = (5.0, 30.0)
+"""A drawn network fault lasts between these (uniform): from shorter than a lease's TTL
+(a blip the job should ride out) to several TTLs (a node or side planned out, then in)."""
 
 
 # --------------------------------------------------------------------- random
@@ -23,8 +26,9 @@ class RandomFaults:
     """Faults at random moments, RATE a minute on average: the gaps are uniform in
     [0.5, 1.5] x 60/RATE seconds (RATE 1.5: every 20 to 60 s). The kind is drawn among
     `kinds`, but the live nodes are kept within [low, high]: at `low` the next fault adds
-    a node, at `high` it removes one (or kills an etcd member). The harness picks targets
-    with its own seeded generator."""
+    a node, at `high` it removes one (or kills an etcd member). A network fault's
+    duration is drawn too (`NETWORK_DURATION_S`). The harness picks targets with its own
+    seeded generator."""
 
     def __init__(self, rate_per_min: float, seed: int, *, low: int, high: int, kinds: tuple[str, ...]):
         if rate_per_min <= 0:
@@ -47,10 +51,14 @@ class RandomFaults:
         choices = [k for k in self.kinds
                    if (k != "add-node" or live_nodes < self.high)
                    and (k not in NODE_LOSSES or live_nodes > self.low)
-                   and (k != "kill-etcd-member" or etcd_all_up)]
+                   and (k not in ETCD_KINDS or etcd_all_up)]
         if live_nodes >= self.high:  # bring it down before anything else is added
             choices = [k for k in choices if k != "add-node"] or choices
-        return [FaultSpec(self.rng.choice(choices), 0)] if choices else []
+        if not choices:
+            return []
+        kind = self.rng.choice(choices)
+        duration = round(self.rng.uniform(*NETWORK_DURATION_S), 1) if kind in NETWORK_KINDS else None
+        return [FaultSpec(kind, 0, duration_s=duration)]
 
 
 def parse_node_range(text: str) -> tuple[int, int]:
@@ -60,22 +68,25 @@ def parse_node_range(text: str) -> tuple[int, int]:
     return int(low), int(high)
 
 
-def random_kinds(text: str | None, etcd_members: int) -> tuple[str, ...]:
+def random_kinds(text: str | None, etcd_members: int, hosts: bool = False) -> tuple[str, ...]:
     """The kinds the random process draws from: those named (comma-separated), or every
-    kind that makes sense here (an etcd member only with 3 members)."""
-    from planaria.chaos.faults import KINDS, NETWORK_KINDS
+    kind that makes sense here (an etcd member's only with 3 members, the network's only
+    with simulated hosts)."""
+    from planaria.chaos.faults import KINDS
 
-    drawn = [k for k in KINDS if k not in NETWORK_KINDS]  # a network fault needs a duration: given only
     if text is None:
-        return tuple(k for k in drawn if k != "kill-etcd-member" or etcd_members >= 3)
+        return tuple(k for k in KINDS if (k not in ETCD_KINDS or etcd_members >= 3)
+                     and (k not in NETWORK_KINDS or hosts))
     kinds = tuple(k.strip() for k in text.split(",") if k.strip())
-    unknown = [k for k in kinds if k not in drawn]
+    unknown = [k for k in kinds if k not in KINDS]
     if unknown or not kinds:
-        raise FaultSpecError(f"--random-kinds {text!r}: unknown kind(s) {unknown}; the kinds drawn at random: "
-                             f"{', '.join(drawn)} (network faults are given with --fault, for now)")
-    if "kill-etcd-member" in kinds and etcd_members < 3:
-        raise FaultSpecError("--random-kinds names kill-etcd-member but etcd has one member; "
-                             "run with --etcd-members 3")
+        raise FaultSpecError(f"--random-kinds {text!r}: unknown kind(s) {unknown}; known kinds: {', '.join(KINDS)}")
+    if any(k in ETCD_KINDS for k in kinds) and etcd_members < 3:
+        raise FaultSpecError(f"--random-kinds names {', '.join(k for k in kinds if k in ETCD_KINDS)} but etcd "
+                             "has one member; run with --etcd-members 3")
+    if any(k in NETWORK_KINDS for k in kinds) and not hosts:
+        raise FaultSpecError(f"--random-kinds names network faults ({', '.join(k for k in kinds if k in NETWORK_KINDS)}), "
+                             "which need nodes with networks of their own; run with --hosts")
     return kinds
 
 

@@ -66,6 +66,7 @@ from pathlib import Path
 from planaria.elastic.controller import CheckpointPolicy, Controller, StepDown
 from planaria.elastic.etcd_client import EtcdClient, EtcdSettings, EtcdUnavailable, LeaseExpired
 from planaria.elastic.etcd_kv import EtcdKeyValue
+from planaria.elastic.peer_probe import PeerProbe, node_address
 from planaria.runtime.config import ConfigError, load_config, status_timeout_s
 from planaria.runtime.contract import env as worker_env, keys
 from planaria.runtime.contract.heartbeat import silent_for
@@ -89,7 +90,8 @@ class Agent:
     def __init__(self, *, node: str, nproc: int, settings: EtcdSettings, run_id: str, min_nodes: int,
                  config: str, overrides: list[str], lease_ttl_s: int = 5, hardware: str = "h100",
                  log_dir: Path | None = None, outage_limit_s: float = math.inf, max_restarts: int = 0,
-                 signals: str = DEFAULT_SIGNALS, shutdown_timeout_s: float = 30.0):
+                 signals: str = DEFAULT_SIGNALS, shutdown_timeout_s: float = 30.0,
+                 local_addr: str | None = None):
         self.node, self.nproc, self.min_nodes = node, nproc, min_nodes
         self.run_id, self.max_restarts, self.restarts = run_id, max_restarts, 0
         self.signals = parse_signals(signals)
@@ -117,6 +119,11 @@ class Agent:
         self.error_dir = Path(log_dir or tempfile.mkdtemp(prefix=f"planaria-{node}-")) / "errors"
         self.agent_id = uuid.uuid4().hex
         """Tells this agent's claim on its node name from another's (`_register`)."""
+        self.local_addr = local_addr
+        self.probe: PeerProbe | None = None
+        """This node's reachability probe of the others (made in `run`)."""
+        self._published_view: list[str] | None = None
+        self._views: tuple[float, dict[str, list[str]]] = (-1.0, {})
 
     def log(self, message: str) -> None:
         print(f"[agent {self.node}] {message}", flush=True)
@@ -127,6 +134,8 @@ class Agent:
         if refused:
             self.log(refused)
             return 2
+        self.probe = PeerProbe(self.node, node_address(self.settings.endpoint, os.environ, self.local_addr),
+                               self._probe_addresses).start()
         try:
             self._register()
         except NodeNameTaken as err:
@@ -155,6 +164,7 @@ class Agent:
                 time.sleep(POLL_S)
         finally:
             self._stop.set()
+            self.probe.stop()
 
     def _tick(self) -> int | None:
         """One look at the node and the job; the agent's exit code once it is over."""
@@ -167,6 +177,7 @@ class Agent:
                 self._stop_workers(signal.SIGKILL)
                 return 1
         self._kill_frozen_workers()
+        self._publish_reachability()
         if self._reap():
             if self.restarts < self.max_restarts and self._signal is None:
                 self._restart()
@@ -243,6 +254,9 @@ class Agent:
                 self.lease = self.client.lease(self.lease_ttl_s)
         for worker in self._running():
             self.client.put(self.prefix + keys.alive(worker), b"1", lease=self.lease)
+        if self.probe is not None:
+            self.client.put(self.prefix + keys.PROBE + self.node, self.probe.address.encode(), lease=self.lease)
+            self._published_view = None  # written again under the new lease
 
     def _keep_alive(self) -> None:
         while not self._stop.wait(self.lease_ttl_s / 3):
@@ -257,6 +271,31 @@ class Agent:
             except Exception as err:  # noqa: BLE001 - a dead keep-alive thread would let the
                 # lease expire and take a healthy node out of the job: say it, try again
                 self.log(f"keeping the lease alive failed ({type(err).__name__}: {err}); trying again")
+
+    # --------------------------------------------------------- reachability
+    def _probe_addresses(self) -> dict[str, str]:
+        return {node: value.decode() for node, value in
+                self.client.items_with_prefix(self.prefix + keys.PROBE).items()}
+
+    def _publish_reachability(self) -> None:
+        """The nodes this one cannot reach, under its lease, when that changed."""
+        view = list(self.probe.unreachable)
+        if view == self._published_view:
+            return
+        self.client.put(self.prefix + keys.UNREACHABLE + self.node, json.dumps(view).encode(), lease=self.lease)
+        if view or self._published_view:
+            self.log(f"cannot reach {view}" if view else "reaches every node again")
+        self._published_view = view
+
+    def _unreachable_views(self) -> dict[str, list[str]]:
+        """{node: the nodes it cannot reach}, as the nodes published them (read at most
+        twice a second: the leader asks at every poll)."""
+        read_at, views = self._views
+        if time.monotonic() - read_at >= 0.5:
+            views = {node: json.loads(value) for node, value in
+                     self.client.items_with_prefix(self.prefix + keys.UNREACHABLE).items()}
+            self._views = (time.monotonic(), views)
+        return views
 
     # -------------------------------------------------------------- workers
     @property
@@ -445,7 +484,7 @@ class Agent:
             self.store, build_planner(self.cfg, costs), total_steps=self.cfg.train.steps,
             gpus_per_node=self.nproc, status_timeout_s=status_timeout_s(self.cfg.comm),
             log=lambda message: self.log(message), interrupted=lambda: self._signal is not None,
-            leading=self._still_leading,
+            leading=self._still_leading, node=self.node, unreachable=self._unreachable_views,
             checkpoints=CheckpointPolicy(self.cfg.checkpoint_dir, self.cfg.checkpoint.every,
                                          self.cfg.checkpoint.keep))
 
@@ -510,6 +549,9 @@ def main(argv: list[str] | None = None) -> int:
                         default=float(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", 30)),
                         help="seconds stopped workers get before SIGKILL (default 30, or "
                              "TORCH_ELASTIC_SHUTDOWN_TIMEOUT)")
+    parser.add_argument("--local-addr", default=None,
+                        help="the address other nodes reach this one at (default: that of "
+                             "GLOO_SOCKET_IFNAME's interface, else this host's route to etcd)")
     parser.add_argument("--log-dir", default=None,
                         help="write each worker's output to DIR/<node>.<local>.log (default: this output)")
     parser.add_argument("config")
@@ -527,7 +569,7 @@ def main(argv: list[str] | None = None) -> int:
                       overrides=args.overrides, lease_ttl_s=args.lease_ttl, hardware=args.hardware,
                       log_dir=args.log_dir, outage_limit_s=args.etcd_outage_limit or math.inf,
                       max_restarts=args.max_restarts, signals=args.signals_to_handle,
-                      shutdown_timeout_s=args.shutdown_timeout)
+                      shutdown_timeout_s=args.shutdown_timeout, local_addr=args.local_addr)
         return agent.run()
     except (EtcdUnavailable, ConfigError, ValueError) as err:
         print(f"planaria agent {args.node}: {err}", file=sys.stderr, flush=True)

@@ -7,14 +7,17 @@ reads and writes the job's store (keys in `planaria.runtime.contract.keys`, reco
 `planaria.runtime.contract`). On a change it runs the reconfiguration:
 
 1. Detect: a worker of the current plan is gone, a worker reported that its epoch
-   failed (a collective error or timeout), or a new worker is alive (it joins: the
-   current epoch is asked to stop at the next iteration boundary).
+   failed (a collective error or timeout), two nodes of the plan report that they
+   cannot reach each other (a partition: `planaria.elastic.reachability`), or a new
+   worker is alive and reaches every node of the plan (it joins: the current epoch is
+   asked to stop at the next iteration boundary).
 2. Wait a short debounce so that simultaneous failures are handled together, then for
    the status of every live worker of the epoch; a worker that does not report within
    `status_timeout_s` is hung: it is killed and counted as failed.
 3. Decide: the exactly-once rule over the statuses (`resolve`), then the planner's
-   plan for the surviving nodes, preferring the one that moves the least layer state,
-   then the transfers from the workers that hold each layer.
+   plan for the largest group of surviving nodes that all reach each other (the
+   others wait until they do), preferring the one that moves the least layer state,
+   then the transfers from the workers of that group that hold each layer.
 4. Publish the record of epoch e+1, then move `epoch` to e+1: workers only ever see a
    complete record.
 
@@ -24,12 +27,15 @@ entered ends the same way, and its statuses say what each worker holds.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
+from planaria.elastic.reachability import cut_pairs, reachable_group, reaches_all
+
 from planaria.runtime.contract import keys
-from planaria.runtime.contract.checkpoint_layout import (complete_checkpoints, missing_shards, prune,
+from planaria.runtime.contract.checkpoint_layout import (complete_checkpoints, epoch_dir, missing_shards, prune,
                                                          read_checkpoint_manifest, step_dir, write_manifest)
 from planaria.runtime.contract.deadline import ReachableDeadline
 from planaria.runtime.contract.epochs import EpochEvent, EpochRecord
@@ -81,8 +87,14 @@ class Controller:
                  max_epochs_without_progress: int = 5, log: Callable[[str], None] = print,
                  checkpoints: CheckpointPolicy | None = None,
                  interrupted: Callable[[], bool] = lambda: False,
-                 leading: Callable[[], bool] = lambda: True):
+                 leading: Callable[[], bool] = lambda: True, node: str | None = None,
+                 unreachable: Callable[[], Mapping[str, Iterable[str]]] = dict):
         self.store = store
+        self.node = node
+        """The leader's own node (it wins a tie between two sides of a partition)."""
+        self.unreachable = unreachable
+        """{node: the nodes it reports it cannot reach} (`planaria.elastic.peer_probe`);
+        the default, nobody, for a job whose nodes share one host."""
         self.leading = leading
         """Asked before this controller acts on what it saw (publishes an epoch, has a
         worker killed): False when it lost its leadership meanwhile (its node was cut off
@@ -106,6 +118,10 @@ class Controller:
         self._stalled = 0
         self._join_deferred = -1  # the epoch whose join wait was logged
         self._killed: set[Worker] = set()
+        self._firsts: dict[int, int] = {}
+        """Each past epoch's first iteration (`_committing_epoch`)."""
+        self._said: dict[str, object] = {}
+        """What was last logged of a condition that lasts (a cut, joiners out of reach)."""
         self._unusable: set[str] = set()
         """Nodes that joined but that no plan could use (the batch has too few microbatches
         for more pipelines, say): they wait, and are tried again at the next failure."""
@@ -175,8 +191,9 @@ class Controller:
         if len(statuses) == len(members) and all(s.finished for s in statuses.values()):
             self._end(keys.JOB_OK)
             return "finished"
-        joiners = set(self._whole_nodes(alive - members)) - self._unusable
-        failed_report = any(not s.finished for s in statuses.values())
+        views = self.unreachable()
+        joiners = self._reachable_joiners(set(self._whole_nodes(alive - members)) - self._unusable, views)
+        failed_report = any(not s.finished for s in statuses.values()) or self._cut(views)
         if joiners and not (gone or failed_report) and not self._epoch_trained():
             # A join waits until the epoch in force has committed a step: under churn,
             # joins that each restart the epoch would otherwise keep it from training.
@@ -194,6 +211,27 @@ class Controller:
                 self._end(f"{keys.JOB_FAILED}{err}")
                 return "failed"
         return "running"
+
+    def _cut(self, views: Mapping[str, Iterable[str]]) -> bool:
+        """True when two nodes of the plan cannot reach each other: the epoch cannot go on
+        (its collectives across the cut hang), and is ended as a failure at once rather
+        than at the collective timeout."""
+        cuts = cut_pairs(self.plan.nodes(), views)
+        if cuts and self._said.get("cut") != (self.epoch, cuts):
+            self._said["cut"] = (self.epoch, cuts)
+            self.log(f"controller: nodes of epoch {self.epoch} cannot reach each other "
+                     f"({', '.join(f'{a} - {b}' for a, b in cuts)}); ending the epoch")
+        return bool(cuts)
+
+    def _reachable_joiners(self, joiners: set[str], views: Mapping[str, Iterable[str]]) -> set[str]:
+        """The joiners that reach every node of the plan; the others wait (said once)."""
+        planned = self.plan.nodes()
+        out_of_reach = sorted(n for n in joiners if not reaches_all(n, planned, views))
+        if out_of_reach and self._said.get("out of reach") != out_of_reach:
+            self.log(f"controller: {out_of_reach} cannot reach every node of the job; they wait "
+                     "until they can")
+        self._said["out of reach"] = out_of_reach
+        return joiners - set(out_of_reach)
 
     # ------------------------------------------------------- reconfigure
     def _reconfigure(self, alive_now: Callable[[], set[Worker]], kill: Callable[[Worker], None],
@@ -223,12 +261,13 @@ class Controller:
         except InconsistentStatuses as err:
             raise JobFailed(str(err)) from None
         first = resolution.first_iteration
-        nodes = self._whole_nodes(survivors | joiners)
+        nodes, cut_off = self._reachable_nodes(self._whole_nodes(survivors | joiners))
         self._check_progress(first, nodes)
         if len(nodes) < self.planner.n0:
             raise JobFailed(f"{len(nodes)} node(s) left, but one replica of the model needs "
                             f"n0={self.planner.n0}; add nodes and restart from the last checkpoint")
-        choice, transfers, restore, first = self._plan_or_leave_out_joiners(nodes, stateful, first)
+        holders = {w: s for w, s in stateful.items() if w[0] in nodes}  # no copy crosses a cut
+        choice, transfers, restore, first = self._plan_or_leave_out_joiners(nodes, holders, first)
         plan = choice.plan
         roll = None if restore is not None else resolution.roll_forward  # a restore loads everything
         planned_s = time.time()
@@ -241,16 +280,43 @@ class Controller:
             joined=tuple(sorted(worker_key(w) for w in joiners if w[0] in plan.nodes())),
             first_iteration=first, rolled_forward=None if roll is None else roll.iteration,
             transfers=len(transfers), restored=None if restore is None else first - 1,
-            moved_bytes=choice.moved_bytes, plan_shape=tuple(len(p.stages) for p in plan.pipelines))
+            moved_bytes=choice.moved_bytes, plan_shape=tuple(len(p.stages) for p in plan.pipelines),
+            cut_off=tuple(cut_off))
         self.events.append(event)
         # For reports (the chaos harness reads them from the store, wherever the leader ran);
         # created only if absent, as the record is: the first account of the epoch stands.
         self.store.compare_set(keys.epoch_event(plan.epoch), "", event.to_json())
         self.log(f"controller: epoch {plan.epoch} ({reason}; failed {list(event.failed) or '-'}, joined "
-                 f"{list(event.joined) or '-'}): pipelines of {list(event.plan_shape)} stages from iteration "
+                 f"{list(event.joined) or '-'}{f'; cut off {list(cut_off)}' if cut_off else ''}): pipelines of {list(event.plan_shape)} stages from iteration "
                  f"{first}{f', rolling forward {event.rolled_forward}' if event.rolled_forward is not None else ''}"
                  f"{f', restored from the checkpoint of {event.restored}' if restore else ''}"
                  f", {len(transfers)} layer transfers")
+
+    def _reachable_nodes(self, nodes: list[str]) -> tuple[list[str], list[str]]:
+        """(the largest group of `nodes` that all reach each other, the rest): the rest
+        stay alive and wait, and join again once they reach the job's nodes."""
+        group = reachable_group(nodes, self._settled_views(nodes), leader=self.node)
+        rest = sorted(set(nodes) - set(group))
+        if rest:
+            self.log(f"controller: {rest} cannot reach {group} (a partition); planning over "
+                     f"{group}, the others wait until they reach it")
+        return group, rest
+
+    def _settled_views(self, nodes: list[str], quiet_s: float = 1.5, limit_s: float = 8.0):
+        """The nodes' reachability once it stopped changing for `quiet_s` (at most
+        `limit_s`). Each node's probes see a cut on their own clock: planned over the
+        first reports alone, a side could keep a node whose own cuts were not reported
+        yet, and the epoch would fail once more."""
+        views = self.unreachable()
+        if not cut_pairs(nodes, views):
+            return views
+        started = changed = time.monotonic()
+        while time.monotonic() - changed < quiet_s and time.monotonic() - started < limit_s:
+            time.sleep(0.25)
+            now = self.unreachable()
+            if cut_pairs(nodes, now) != cut_pairs(nodes, views):
+                views, changed = now, time.monotonic()
+        return views
 
     def _plan_or_leave_out_joiners(self, nodes: list[str], statuses: dict[Worker, WorkerStatus], first: int):
         """`_next_plan` for `nodes`; where the planner has none, the one for the nodes
@@ -300,8 +366,8 @@ class Controller:
         iteration, path = usable[-1]
         self.log(f"controller: layer shards {missing} lost every replica; going back to the "
                  f"checkpoint of iteration {iteration} ({first - 1 - iteration} step(s) of work lost)")
-        for k in range(iteration + 1, first + self.checkpoints.every):  # they will be rewritten
-            self.store.delete_key(keys.checkpoint_shards(k))
+        # Later checkpoints are written again, by the epochs that commit their steps again
+        # (under their own keys and directories: nothing of the lost ones is counted).
         prune(self.checkpoints.directory, self.checkpoints.keep, after=iteration)
         self.completed_checkpoints = [k for k in self.completed_checkpoints if k <= iteration]
         return path, iteration + 1
@@ -317,29 +383,51 @@ class Controller:
         Checkpoints complete in order while an epoch trains. One that a failure left
         incomplete (a worker died before writing its shards) is passed over once the
         epoch in force began after it: no worker will write it any more, and waiting
-        for it would keep every later checkpoint from counting."""
+        for it would keep every later checkpoint from counting.
+
+        Only the shards of the epoch that committed the step count (`_committing_epoch`):
+        reports and files of any other epoch's workers (one cut off and replaced, writing
+        late; one of a timeline the job went back from) are never counted nor named."""
         policy = self.checkpoints
         if policy is None or not policy.every or self.plan is None:
             return
         total = self.plan.num_layers * self.plan.tp
         newest = self.completed_checkpoints[-1] if self.completed_checkpoints else -1
         for k in range(newest + policy.every, self.total_steps, policy.every):
-            key = keys.checkpoint_shards(k)
+            epoch = self._committing_epoch(k)
+            key = keys.checkpoint_shards(k, epoch)
             reported = self.store.check([key]) and self.store.add(key, 0) >= total
             if reported and not step_dir(policy.directory, k).is_dir():  # completed and pruned already
                 self.completed_checkpoints.append(k)
                 continue
             # The files themselves decide, not the count alone: a report retried after its
             # reply was lost counts twice, and a manifest must never name a missing shard.
-            if not reported or missing_shards(step_dir(policy.directory, k), self.plan.num_layers, self.plan.tp):
+            if not reported or missing_shards(epoch_dir(policy.directory, k, epoch), self.plan.num_layers, self.plan.tp):
                 if k < self.plan.first_iteration:
                     continue  # abandoned (or its last shards still being written: asked again)
                 break
-            commit = CommitRecord.from_json(self.store.get(keys.checkpoint_commit(k)))
-            write_manifest(policy.directory, commit, self.plan.num_layers, self.plan.tp)
+            commit = CommitRecord.from_json(self.store.get(keys.checkpoint_commit(k, epoch)))
+            write_manifest(policy.directory, commit, self.plan.num_layers, self.plan.tp, epoch=epoch)
             self.completed_checkpoints.append(k)
             prune(policy.directory, policy.keep)
             self.log(f"controller: checkpoint of iteration {k} complete")
+
+    def _committing_epoch(self, iteration: int) -> int:
+        """The epoch that commits (or committed) step `iteration` in the job's history: the
+        newest one whose plan starts at or before it. Its workers, and only they, write
+        that step's checkpoint."""
+        epoch = self.epoch
+        while epoch > 0 and self._first_iteration(epoch) > iteration:
+            epoch -= 1
+        return epoch
+
+    def _first_iteration(self, epoch: int) -> int:
+        if epoch == self.epoch:
+            return self.plan.first_iteration
+        if epoch not in self._firsts:  # published records never change
+            record = EpochRecord.from_json(self.store.get(keys.epoch_record(epoch)))
+            self._firsts[epoch] = record.plan.first_iteration
+        return self._firsts[epoch]
 
     def _collect_statuses(self, members: set[Worker], alive_now: Callable[[], set[Worker]],
                           kill: Callable[[Worker], None], released: bool) -> dict[Worker, WorkerStatus]:

@@ -315,5 +315,10 @@ class EtcdClient:
         found = self._call(f"list {prefix}", lambda: list(self._client.get_prefix(prefix, keys_only=True)))
         return [meta.key.decode()[len(prefix):] for _, meta in found]
 
+    def items_with_prefix(self, prefix: str) -> dict[str, bytes]:
+        """{key without `prefix`: value} of the keys under `prefix`."""
+        found = self._call(f"read {prefix}", lambda: list(self._client.get_prefix(prefix)))
+        return {meta.key.decode()[len(prefix):]: value for value, meta in found}
+
     def close(self) -> None:
         self._client.close()

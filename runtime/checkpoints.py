@@ -1,15 +1,19 @@
 """Periodic training checkpoints: the fallback when a layer loses every replica (docs/recovery.md).
 
-Layout: CHECKPOINT_DIR/step-<iteration>/layer<L>-tp<T>.pt, one file per (layer, tp rank)
-holding the shard's parameters and AdamW state after that iteration's step, written by
-the shard's owner replica only (the first rank of its replica group), plus a
-`manifest.json` written last, by the control plane, once every shard's file is complete.
-A directory without a manifest is never read.
+Layout: CHECKPOINT_DIR/step-<iteration>/epoch-<e>/layer<L>-tp<T>.pt, one file per (layer,
+tp rank) holding the shard's parameters and AdamW state after that iteration's step,
+written by the shard's owner replica only (the first rank of its replica group) of the
+epoch e that committed the step, plus a `manifest.json` in step-<iteration>/ written
+last, by the control plane, once every shard's file of that epoch is complete. A
+directory without a manifest is never read, and a manifest names one epoch's files: a
+worker that writes after the job went on without it writes beside them
+(`checkpoint_layout.epoch_dir`). A plain job's checkpoint (`save_checkpoint`) keeps its
+files beside its manifest.
 
 Workers write in the background (`AsyncCheckpointer`): at the step, the shard is
 copied to CPU memory (cheap), and a thread writes the files (temporary name, then
 rename) while training goes on. When a worker's files of a checkpoint are on disk, the
-thread adds their count to `checkpoint/<iteration>/shards` in the job's store; the control
+thread adds their count to `checkpoint/<iteration>/<epoch>/shards` in the job's store; the control
 plane writes the manifest when the count reaches the number of shards, and prunes old
 checkpoints (`planaria.runtime.contract.checkpoint_layout`). Loading uses
 `torch.load(weights_only=True)`: tensors only, no arbitrary pickle.
@@ -25,8 +29,8 @@ import torch
 import torch.distributed as dist
 
 from planaria.runtime.saved_model import _atomic_torch_save, read_shard_file
-from planaria.runtime.contract.checkpoint_layout import (prune, shard_filename, step_dir, write_manifest,
-                                               write_model_record)
+from planaria.runtime.contract.checkpoint_layout import (epoch_dir, prune, shard_filename, step_dir,
+                                                         write_manifest, write_model_record)
 from planaria.runtime.contract.exactly_once import CommitRecord
 from planaria.runtime.optim import empty_adam_state
 
@@ -69,7 +73,7 @@ class AsyncCheckpointer:
     worker fails right after."""
 
     def __init__(self, directory: Path, every: int,
-                 report: Callable[[int, int, CommitRecord], None], data_source: str = ""):
+                 report: Callable[[int, int, int, CommitRecord], None], data_source: str = ""):
         self.directory = Path(directory)
         self.data_source = data_source  # recorded with the model config: export finds the tokenizer
         self.every = every
@@ -77,8 +81,8 @@ class AsyncCheckpointer:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint")
         self._pending: list[Future] = []
 
-    def after_step(self, engine: "Engine") -> None:
-        """Call after each committed step."""
+    def after_step(self, engine: "Engine", epoch: int) -> None:
+        """Call after each committed step, with the epoch that committed it."""
         still = []
         for future in self._pending:
             if future.done():
@@ -91,8 +95,12 @@ class AsyncCheckpointer:
             return
         shards = {(layer, engine.tp.rank): snapshot_layer(engine.shard(layer))
                   for layer in engine.owned_shards()}
-        self._pending.append(self._pool.submit(self._write, iteration, shards, engine.last_commit,
+        self._pending.append(self._pool.submit(self._write, iteration, epoch, shards, engine.last_commit,
                                                asdict(engine.model.cfg)))
+
+    def write_now(self, iteration: int, epoch: int, shards, commit: CommitRecord, engine: "Engine") -> None:
+        """Write and report `shards` at once, in this thread (the fencing test's late writer)."""
+        self._write(iteration, epoch, shards, commit, asdict(engine.model.cfg))
 
     def flush(self) -> None:
         """Wait for every write (end of training); a failed write raises here."""
@@ -100,13 +108,14 @@ class AsyncCheckpointer:
             future.result()
         self._pending = []
 
-    def _write(self, iteration: int, shards, commit: CommitRecord, model: dict) -> None:
-        target = step_dir(self.directory, iteration)
+    def _write(self, iteration: int, epoch: int, shards, commit: CommitRecord, model: dict) -> None:
+        target = epoch_dir(self.directory, iteration, epoch)
         target.mkdir(parents=True, exist_ok=True)
         for (layer, tp_rank), tensors in shards.items():
             _atomic_torch_save(tensors, target / shard_filename(layer, tp_rank))
-        write_model_record(target, model, self.data_source)  # every writer, the same content
-        self.report(iteration, len(shards), commit)
+        # Every writer, the same content (the model's config), beside the manifest.
+        write_model_record(step_dir(self.directory, iteration), model, self.data_source)
+        self.report(iteration, epoch, len(shards), commit)
 
 
 def save_checkpoint(engine: "Engine", directory: Path, keep: int, data_source: str = "") -> Path:

@@ -84,10 +84,10 @@ class StoreCoordinator:
     def publish_timing(self, epoch: int, timing: EpochTiming) -> None:
         self.store.set(keys.epoch_timing(epoch, self.worker), timing.to_json())
 
-    def report_checkpoint(self, iteration: int, shards: int, commit: CommitRecord) -> None:
-        """This worker's files of the checkpoint of `iteration` are on disk."""
-        self.store.set(keys.checkpoint_commit(iteration), commit.to_json())
-        self.store.add(keys.checkpoint_shards(iteration), shards)
+    def report_checkpoint(self, iteration: int, epoch: int, shards: int, commit: CommitRecord) -> None:
+        """This worker's files of the checkpoint of `iteration`, committed in `epoch`, are on disk."""
+        self.store.set(keys.checkpoint_commit(iteration, epoch), commit.to_json())
+        self.store.add(keys.checkpoint_shards(iteration, epoch), shards)
 
     def mark_trained(self, epoch: int) -> None:
         """This epoch committed a step: the controller may now absorb joiners (it defers

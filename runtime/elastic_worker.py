@@ -44,7 +44,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from planaria.runtime.saved_model import save_model_shards
-from planaria.runtime.checkpoints import AsyncCheckpointer
+from planaria.runtime.checkpoints import AsyncCheckpointer, snapshot_layer
 from planaria.runtime.build import build_engine
 from planaria.runtime.config import Config
 from planaria.runtime.contract import env
@@ -56,7 +56,7 @@ from planaria.runtime.data import dataset_for
 from planaria.runtime.engine import Engine, StepResult, TornStep
 from planaria.runtime.loop import Call, Evaluation, Every, run_steps
 from planaria.runtime.audit import audit_replicas
-from planaria.runtime.fault_injection import FaultInjector, corruption_after_step, flip_a_bit
+from planaria.runtime.fault_injection import FaultInjector, corruption_after_step, flip_a_bit, writes_late
 from planaria.runtime.groups import forget_failed_world, set_operation_timeout
 from planaria.runtime.release import epoch_release, group_options
 from planaria.runtime.contract.heartbeat import start_beating
@@ -129,6 +129,7 @@ class ElasticWorker:
         self.val_dataset = dataset_for(cfg, "val") if cfg.eval.every else None
         self.faults = FaultInjector.from_env(self.name)
         self.corrupt_after = corruption_after_step(self.name)
+        self.late_writer = writes_late(self.name)
         self.engine: Engine | None = None
         self._timing = EpochTiming(record_s=0.0)
         """This epoch's: when each of its phases ended on this worker."""
@@ -195,11 +196,26 @@ class ElasticWorker:
             self._mark(failed_s=time.time(),
                        error=str(err).splitlines()[0][:300] if str(err) else type(err).__name__)
             self._log(f"epoch {epoch} failed on this worker: {self._timing.error}")
+            if self.late_writer and self.engine is not None and self.engine.last_stepped is not None:
+                self._write_late(epoch)
         finally:
             self._leave_epoch()
             self._watcher.done.set()
         self.coordinator.publish_timing(epoch, self._timing)
         self.coordinator.publish_status(epoch, self._status(finished))
+
+    def _write_late(self, epoch: int) -> None:
+        """The fencing test's late writer (`writes_late`): this worker's layers, of its last
+        step, written and reported as epoch `epoch`'s shards of the next checkpoint."""
+        every = self.cfg.checkpoint.every
+        if not every:
+            return
+        iteration = ((self.engine.last_stepped + 1) // every + 1) * every - 1
+        shards = {(layer, self.engine.tp.rank): snapshot_layer(self.engine.shard(layer))
+                  for layer in self.engine.held_layers()}
+        self.checkpointer.write_now(iteration, epoch, shards, self.engine.last_commit, self.engine)
+        self._log(f"epoch {epoch}: wrote its layers of step {self.engine.last_stepped} as checkpoint "
+                  f"{iteration}'s, late (PLANARIA_LATE_WRITER)")
 
     def _mark(self, **phases) -> None:
         """Note in this epoch's timing that phases ended (EpochTiming's fields)."""
@@ -216,7 +232,7 @@ class ElasticWorker:
         elif (record.restore is None and record.roll_forward is not None
               and self.engine.roll_forward(record.roll_forward)):
             self._record_commit(record.roll_forward, plan.epoch - 1, rolled_forward=True)
-            self.checkpointer.after_step(self.engine)
+            self.checkpointer.after_step(self.engine, plan.epoch - 1)  # the epoch that committed it
         stepped = self.engine.last_stepped
         if record.restore is None and stepped is not None and stepped + 1 != plan.first_iteration:
             # The job went on without this worker (it was cut off, and declared failed): the
@@ -248,7 +264,7 @@ class ElasticWorker:
         # The commit is logged before the evaluation: a failure during it never hides a
         # committed step from the logs.
         components = [Call(first_step), Call(lambda engine, ctx: self._record_commit(ctx.result, epoch)),
-                      Call(lambda engine, ctx: self.checkpointer.after_step(engine)), evaluation,
+                      Call(lambda engine, ctx: self.checkpointer.after_step(engine, epoch)), evaluation,
                       Call(self._corrupt), Every(self.cfg.audit.every, self._audit)]
         if not run_steps(self.engine, self.dataset, self.cfg.data.seed, first, self.cfg.train.steps, components,
                          request=request):

@@ -103,6 +103,13 @@ def corruption_after_step(worker: str) -> int | None:
     return None
 
 
+def writes_late(worker: str) -> bool:
+    """`PLANARIA_LATE_WRITER="node1.0,..."`: when an epoch fails on this worker, it writes
+    its layers as the next checkpoint's and reports them, as a worker that does not know
+    the job went on without it might (for the test of checkpoints' fencing)."""
+    return worker in {p.strip() for p in os.environ.get("PLANARIA_LATE_WRITER", "").split(",")}
+
+
 def flip_a_bit(tensor) -> None:
     """Flip the lowest bit of the first element, in place (as a memory fault would)."""
     import torch

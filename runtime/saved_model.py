@@ -22,7 +22,7 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
-from planaria.runtime.contract.checkpoint_layout import (MANIFEST, atomic_write, atomic_write_bytes, read_manifest,
+from planaria.runtime.contract.checkpoint_layout import (MANIFEST, atomic_write, atomic_write_bytes, read_manifest, shard_dir,
                                                read_model_record, shard_filename, write_model_record)
 from planaria.runtime.config import ConfigError, ModelConfig
 from planaria.runtime.model import LayerModel
@@ -57,7 +57,7 @@ def save_model_shards(engine, directory: Path, data_source: str = "") -> None:
 
 def read_shard_file(directory: Path, layer: int, tp_rank: int) -> dict[str, torch.Tensor]:
     """The tensors of one (layer, tp rank) file of a final save or a checkpoint."""
-    path = Path(directory) / shard_filename(layer, tp_rank)
+    path = shard_dir(directory) / shard_filename(layer, tp_rank)
     try:
         return torch.load(path, weights_only=True, map_location="cpu")
     except FileNotFoundError:

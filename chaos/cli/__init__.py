@@ -171,7 +171,7 @@ def _chaos(args: argparse.Namespace) -> int:
             seed=args.seed, etcd_members=args.etcd_members, out_dir=Path(args.out), timeout_s=args.timeout,
             random_rate=args.random,
             random_nodes=None if args.random_nodes is None else parse_node_range(args.random_nodes),
-            random_kinds=None if args.random_kinds is None else random_kinds(args.random_kinds, args.etcd_members),
+            random_kinds=None if args.random_kinds is None else random_kinds(args.random_kinds, args.etcd_members, args.hosts),
             trace=None if args.trace is None else Path(args.trace),
             time_scale=1.0 if args.time_scale is None else args.time_scale,
             fresh_reference=args.fresh_reference, hosts=args.hosts)

@@ -106,6 +106,28 @@ def step_dir(directory: Path, iteration: int) -> Path:
     return Path(directory) / f"step-{iteration:08d}"
 
 
+def epoch_dir(directory: Path, iteration: int, epoch: int) -> Path:
+    """Where the workers of `epoch` write their shards of the checkpoint of `iteration`.
+
+    The fence of a checkpoint (docs/recovery.md, "Fencing"): a worker writes only under
+    the epoch that committed the step it saves, and the manifest names one epoch. A
+    worker the job went on without (cut off, its lease expired) may still write, late;
+    its files land beside the epoch's, never among them, and nothing reads them."""
+    return step_dir(directory, iteration) / f"epoch-{epoch}"
+
+
+def shard_dir(path: Path) -> Path:
+    """The directory of a save's shard files: a checkpoint's manifest names the epoch
+    whose workers wrote them (`epoch_dir`); a final save or a plain job's checkpoint
+    holds them itself."""
+    path = Path(path)
+    if (path / MANIFEST).is_file():
+        epoch = read_manifest(path).get("epoch")
+        if isinstance(epoch, int):
+            return path / f"epoch-{epoch}"
+    return path
+
+
 def missing_shards(directory: Path, num_layers: int, tp: int) -> list[str]:
     """The shard files of a checkpoint or model directory that are not there (yet)."""
     return [name for name in (shard_filename(layer, t) for layer in range(num_layers) for t in range(tp))
@@ -123,16 +145,26 @@ class CheckpointManifest(JsonRecord):
     grad_norm: float
     num_layers: int
     tp: int
+    epoch: int | None = None
+    """The epoch whose workers wrote the shards (under `epoch_dir`); None: beside the
+    manifest (a plain job's checkpoint)."""
 
     @property
     def commit(self) -> CommitRecord:
         return CommitRecord(self.iteration, self.loss, self.grad_norm)
 
 
-def write_manifest(directory: Path, commit: CommitRecord, num_layers: int, tp: int) -> Path:
+def write_manifest(directory: Path, commit: CommitRecord, num_layers: int, tp: int,
+                   epoch: int | None = None) -> Path:
+    """Complete the checkpoint of `commit.iteration`: its manifest, naming the shards of
+    `epoch` (None: those beside it). Shards other epochs' workers left there are removed."""
     target = step_dir(directory, commit.iteration)
-    manifest = CheckpointManifest(commit.iteration, commit.loss, commit.grad_norm, num_layers, tp)
+    manifest = CheckpointManifest(commit.iteration, commit.loss, commit.grad_norm, num_layers, tp, epoch)
     atomic_write_bytes(target / MANIFEST, json.dumps(manifest.to_dict(), indent=1).encode())
+    if epoch is not None:
+        for other in target.glob("epoch-*"):
+            if other.name != f"epoch-{epoch}":
+                shutil.rmtree(other, ignore_errors=True)
     return target
 
 

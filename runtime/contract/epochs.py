@@ -76,6 +76,8 @@ class EpochEvent(JsonRecord):
     """The planner's estimate of the layer state the transfers move."""
     plan_shape: tuple[int, ...] = ()
     """Stages of each pipeline of the new plan."""
+    cut_off: tuple[str, ...] = ()
+    """Nodes alive but left out because they could not reach the planned ones (a partition)."""
 
 
 @dataclass(frozen=True)

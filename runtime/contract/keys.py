@@ -13,8 +13,9 @@ prefix in etcd, `/planaria/<run id>/`):
     epoch/<e>/pg/...                the epoch's process-group rendezvous
     epoch/<e>/timing/<node>.<local> `EpochTiming`
     epoch/<e>/event                 `EpochEvent`: the controller's account of the change
-    checkpoint/<i>/shards           shard files of the checkpoint of iteration i on disk (a count)
-    checkpoint/<i>/commit           that iteration's `CommitRecord`
+    checkpoint/<i>/<e>/shards       shard files of the checkpoint of iteration i that the
+                                    workers of epoch e (which committed it) have on disk (a count)
+    checkpoint/<i>/<e>/commit       that iteration's `CommitRecord`
     done                            the job is over: "ok", or "failed: <reason>"
 
 The agents' own keys in etcd lie beside these, under the same prefix:
@@ -23,6 +24,8 @@ The agents' own keys in etcd lie beside these, under the same prefix:
     nodes/<node>                    a node's registration (`NodeRegistration`), on its lease
     alive/<node>.<local>            present while the worker's process runs, on its lease
     leader                          the node whose agent leads, on its lease
+    probe/<node>                    host:port its agent answers reachability probes on, on its lease
+    unreachable/<node>              the nodes it cannot reach now (JSON list), on its lease
 """
 from __future__ import annotations
 
@@ -35,6 +38,8 @@ JOB = "config"
 LEADER = "leader"
 NODES = "nodes/"
 ALIVE = "alive/"
+PROBE = "probe/"
+UNREACHABLE = "unreachable/"
 JOB_OK = "ok"
 JOB_FAILED = "failed: "
 """`done`'s value for a failed job starts so, the reason follows."""
@@ -116,9 +121,9 @@ def epoch_rendezvous(epoch: int) -> str:
     return _epoch(epoch) + "pg/"
 
 
-def checkpoint_shards(iteration: int) -> str:
-    return f"checkpoint/{iteration}/shards"
+def checkpoint_shards(iteration: int, epoch: int) -> str:
+    return f"checkpoint/{iteration}/{epoch}/shards"
 
 
-def checkpoint_commit(iteration: int) -> str:
-    return f"checkpoint/{iteration}/commit"
+def checkpoint_commit(iteration: int, epoch: int) -> str:
+    return f"checkpoint/{iteration}/{epoch}/commit"

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -14,6 +15,7 @@ import pytest
 from planaria.cli import main as chaos_main
 from planaria.chaos.faults import FaultSpec, FaultSpecError, parse_fault, validate
 from planaria.chaos.hosts import remove_stale, unavailable as hosts_unavailable
+from planaria.runtime.contract.checkpoint_layout import complete_checkpoints, read_checkpoint_manifest, shard_dir
 from tests.launch import TINY
 
 pytest.importorskip("pyetcd")
@@ -26,8 +28,9 @@ def cache(tmp_path_factory):
     return tmp_path_factory.mktemp("chaos-cache")
 
 
-def chaos(args: list[str], tmp_path, cache, timeout: float = 600) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="1", XDG_CACHE_HOME=str(cache))
+def chaos(args: list[str], tmp_path, cache, timeout: float = 600,
+          env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1", XDG_CACHE_HOME=str(cache), **(env or {}))
     return subprocess.run([sys.executable, "-m", "planaria.cli", "chaos", str(TINY), *args,
                            "--out", str(tmp_path / "out")],
                           capture_output=True, text=True, timeout=timeout, env=env)
@@ -120,21 +123,41 @@ def test_nodes_as_hosts_talk_over_their_own_addresses(tmp_path, cache):
 @pytest.mark.multiprocess
 @pytest.mark.timeout(600)
 @pytest.mark.skipif(hosts_unavailable() is not None, reason=hosts_unavailable() or "")
-def test_an_isolated_node_is_left_out_then_comes_back_as_a_new_one(tmp_path, cache):
+def test_an_isolated_node_is_fenced_then_comes_back_as_a_new_one(tmp_path, cache):
     """--hosts: node1's packets vanish for 10 s (connections open, nothing answers, its
     etcd lease lapses). The others go on without it (released on the leader's decision;
-    a leader cut off steps down rather than act on what it saw); when its link heals,
-    its workers' layers are of an old step: they join as new workers, receiving their
-    layers, and nothing of the old state is used. Nothing lost, losses as without faults."""
+    a leader cut off steps down rather than act on what it saw). Its worker is fenced: it
+    commits nothing after the cut, and when its epoch fails it writes its layers as the
+    next checkpoint's and reports them (PLANARIA_LATE_WRITER), which no manifest ever
+    names. When its link heals, its layers are of an old step: it joins as a new worker,
+    receiving its layers. Nothing lost, losses as without faults."""
     proc = chaos(["--nodes", "4", "--hosts", "--fault", "isolate-node@5:target=1:for=10",
-                  "parallel.min_stages=2", "train.steps=150"], tmp_path, cache)
+                  "parallel.min_stages=2", "train.steps=150", "checkpoint.every=5", "checkpoint.keep=1000"],
+                 tmp_path, cache, env={"PLANARIA_LATE_WRITER": "node1.0"})
     report = assert_nothing_lost(proc, tmp_path, 150)
     (isolated,) = report["recoveries"]
     assert isolated["total_s"] is not None and isolated["total_s"] <= 10, isolated
     assert isolated["release_s"] is not None and isolated["release_s"] < 1.0, isolated
-    logs = "".join(p.read_text() for p in (tmp_path / "out" / "run" / "logs").glob("*.log"))
+    run = tmp_path / "out" / "run"
+    logs = "".join(p.read_text() for p in (run / "logs").glob("*.log"))
     assert "it was left out; joining as a new worker" in logs
     assert "joined ['node1.0']" in logs  # back in the job
+    late = re.search(r"wrote its layers of step (\d+) as checkpoint (\d+)'s, late", logs)
+    assert late, logs[-3000:]
+    late_step, late_checkpoint = int(late[1]), int(late[2])
+    # Commits: nothing of node1.0 between its cut and its return as a new worker.
+    resumed = min(json.loads(line)["step"] for line in (run / "commits-node1.0.jsonl").read_text().splitlines()
+                  if json.loads(line)["epoch"] > 0)
+    mine = [json.loads(line)["step"] for line in (run / "commits-node1.0.jsonl").read_text().splitlines()]
+    assert not [k for k in mine if late_step < k < resumed], mine
+    # Checkpoints: each names the shards of the epoch that committed its step; the late
+    # ones (epoch 0's, of a step after the cut) are named by none.
+    found = complete_checkpoints(run / "checkpoints")
+    assert late_checkpoint in [k for k, _ in found], found
+    for k, path in found:
+        epoch = read_checkpoint_manifest(path).epoch
+        assert epoch is not None and shard_dir(path) == path / f"epoch-{epoch}"
+        assert (epoch == 0) == (k <= late_step), (k, epoch)
 
 
 @pytest.mark.slow  # ~90 s; each kind is also in the default suite (tests/elastic, tests/runtime)

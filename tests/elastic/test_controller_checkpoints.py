@@ -9,24 +9,26 @@ import json
 import torch.distributed as dist
 
 from planaria.elastic.controller import CheckpointPolicy, Controller
-from planaria.runtime.contract.checkpoint_layout import complete_checkpoints, shard_filename, step_dir, write_manifest
+from planaria.runtime.contract.checkpoint_layout import (complete_checkpoints, epoch_dir, read_checkpoint_manifest,
+                                                         shard_dir, shard_filename, step_dir, write_manifest)
 from planaria.runtime.contract.exactly_once import CommitRecord
 from planaria.runtime.config import load_config
 from planaria.runtime.planning import build_planner, cost_model
 from tests.launch import TINY
 
 
-def write_shards(directory, plan, *, leave_out: int = 0) -> None:
-    """The shard files of a checkpoint, as its workers write them (all but `leave_out`)."""
+def write_shards(policy, k: int, plan, *, epoch: int = 0, leave_out: int = 0) -> None:
+    """The shard files of checkpoint `k`, as the workers of `epoch` write them (all but `leave_out`)."""
+    directory = epoch_dir(policy.directory, k, epoch)
     directory.mkdir(parents=True, exist_ok=True)
     names = [shard_filename(layer, t) for layer in range(plan.num_layers) for t in range(plan.tp)]
     for name in names[:len(names) - leave_out]:
         (directory / name).write_bytes(b"shard")
 
 
-def complete_in_store(store, k: int, shards: int) -> None:
-    store.add(f"checkpoint/{k}/shards", shards)
-    store.set(f"checkpoint/{k}/commit", json.dumps({"iteration": k, "loss": 1.0, "grad_norm": 1.0}))
+def complete_in_store(store, k: int, shards: int, epoch: int = 0) -> None:
+    store.add(f"checkpoint/{k}/{epoch}/shards", shards)
+    store.set(f"checkpoint/{k}/{epoch}/commit", json.dumps({"iteration": k, "loss": 1.0, "grad_norm": 1.0}))
 
 
 def started_job(tmp_path):
@@ -50,7 +52,7 @@ def test_a_new_leader_skips_checkpoints_an_earlier_one_completed_and_pruned(tmp_
     plan = first.start([(f"node{i}", 0) for i in range(4)])
     shards = plan.num_layers * plan.tp
     for k in (9, 19, 29):  # the workers wrote every shard of three checkpoints
-        write_shards(step_dir(policy.directory, k), plan)
+        write_shards(policy, k, plan)
         complete_in_store(store, k, shards)
     first._complete_checkpoints()
     assert [i for i, _ in complete_checkpoints(policy.directory)] == [19, 29]  # 9 was pruned
@@ -59,7 +61,7 @@ def test_a_new_leader_skips_checkpoints_an_earlier_one_completed_and_pruned(tmp_
     assert second.resume()
     second._complete_checkpoints()  # 9's directory is gone: nothing to write there
     assert not step_dir(policy.directory, 9).exists()
-    write_shards(step_dir(policy.directory, 39), plan)
+    write_shards(policy, 39, plan)
     complete_in_store(store, 39, shards)
     second._complete_checkpoints()
     assert [i for i, _ in complete_checkpoints(policy.directory)] == [29, 39]
@@ -71,15 +73,16 @@ def test_a_checkpoint_a_failure_left_incomplete_does_not_hold_back_later_ones(tm
     counts (it once waited for 9 forever: no manifest was written again in that run)."""
     store, policy, controller, plan = started_job(tmp_path)
     shards = plan.num_layers * plan.tp
-    write_shards(step_dir(policy.directory, 9), plan, leave_out=1)
-    store.add("checkpoint/9/shards", shards - 1)  # one shard never came
+    write_shards(policy, 9, plan, leave_out=1)
+    store.add("checkpoint/9/0/shards", shards - 1)  # one shard never came
     controller._complete_checkpoints()
     assert complete_checkpoints(policy.directory) == []  # epoch 0 may still write it
 
     controller.plan = dataclasses.replace(plan, epoch=1, first_iteration=10)  # as after the failure
+    controller.epoch = 1
     for k in (19, 29):
-        write_shards(step_dir(policy.directory, k), plan)
-        complete_in_store(store, k, shards)
+        write_shards(policy, k, plan, epoch=1)
+        complete_in_store(store, k, shards, epoch=1)
         controller._complete_checkpoints()
         assert complete_checkpoints(policy.directory)[-1][0] == k
     assert controller.completed_checkpoints == [19, 29]
@@ -89,11 +92,11 @@ def test_a_shard_counted_twice_does_not_complete_a_checkpoint_whose_file_is_miss
     """A worker's report, retried after its reply was lost, counted its shards twice: the
     count says complete while one file is not there. No manifest until it is."""
     store, policy, controller, plan = started_job(tmp_path)
-    write_shards(step_dir(policy.directory, 9), plan, leave_out=1)
+    write_shards(policy, 9, plan, leave_out=1)
     complete_in_store(store, 9, plan.num_layers * plan.tp)
     controller._complete_checkpoints()
     assert complete_checkpoints(policy.directory) == []
-    write_shards(step_dir(policy.directory, 9), plan)
+    write_shards(policy, 9, plan)
     controller._complete_checkpoints()
     assert [k for k, _ in complete_checkpoints(policy.directory)] == [9]
 
@@ -105,9 +108,36 @@ def test_a_job_started_over_another_models_checkpoints_ends_with_a_message(tmp_p
     planner = build_planner(cfg, cost_model(cfg, hardware_name="h100", gpus_per_node=1))
     policy = CheckpointPolicy(tmp_path / "ckpt", every=10, keep=2)
     plan = planner.instantiate(4, node_ids=[f"node{i}" for i in range(4)]).plan
-    write_shards(step_dir(policy.directory, 9), plan)
+    write_shards(policy, 9, plan)
     write_manifest(policy.directory, CommitRecord(9, 1.0, 1.0), plan.num_layers + 3, plan.tp)
     controller = Controller(dist.HashStore(), planner, total_steps=100, checkpoints=policy, log=lambda m: None)
     controller.start([(f"node{i}", 0) for i in range(4)])
     assert controller.outcome.startswith("failed: the checkpoint") and "its own checkpoint.dir" in controller.outcome
     assert controller.poll(lambda: set(), kill=lambda w: None) == "failed"
+
+
+def test_shards_of_an_epoch_the_job_went_on_without_are_never_counted_nor_named(tmp_path):
+    """Fencing: epoch 0's workers are replaced at iteration 5 (a node cut off, its lease
+    expired). One of them, not knowing it, writes every shard of checkpoint 9 and reports
+    them: nothing completes. Epoch 1's workers write theirs: the manifest names epoch 1,
+    reading the checkpoint reads epoch 1's files, and the late writer's are removed."""
+    store, policy, controller, plan = started_job(tmp_path)
+    shards = plan.num_layers * plan.tp
+    controller.plan, controller.epoch = dataclasses.replace(plan, epoch=1, first_iteration=5), 1
+    write_shards(policy, 9, plan, epoch=0)  # the late writer: whole, and reported
+    complete_in_store(store, 9, shards, epoch=0)
+    controller._complete_checkpoints()
+    assert complete_checkpoints(policy.directory) == []
+
+    write_shards(policy, 9, plan, epoch=1, leave_out=1)
+    complete_in_store(store, 9, shards - 1, epoch=1)
+    controller._complete_checkpoints()
+    assert complete_checkpoints(policy.directory) == []  # epoch 0's file does not stand in for the missing one
+
+    write_shards(policy, 9, plan, epoch=1)
+    complete_in_store(store, 9, 1, epoch=1)
+    controller._complete_checkpoints()
+    ((k, path),) = complete_checkpoints(policy.directory)
+    assert k == 9 and read_checkpoint_manifest(path).epoch == 1
+    assert shard_dir(path) == epoch_dir(policy.directory, 9, 1)
+    assert not epoch_dir(policy.directory, 9, 0).exists()

@@ -1,0 +1,145 @@
+"""Each agent's probe of the other nodes over the network its workers use: which nodes
+this one cannot reach now (docs/recovery.md, "Partitions").
+
+A partition that leaves both sides reaching etcd shows nowhere in etcd: every lease
+is kept alive, every worker is alive, and the workers' collectives across the cut just
+stop answering. The agent therefore listens on its node's address (the one its
+workers' process groups use: `node_address`) and, every `period_s`, opens a TCP
+connection to every other node's listener (`probe/<node>` in the job's store). A node
+none of whose connections succeeded for `unreachable_after_s`, over at least three
+tries, is unreachable; one success makes it reachable again. The agent publishes the
+set under its lease (`unreachable/<node>`) and the leader plans over nodes that all
+reach each other (`planaria.elastic.reachability`).
+
+Why a connection and not a packet: it crosses the same routes and filters as the
+workers' own TCP connections, and a cut that drops packets silently (no reset, no
+refusal) shows as a connection that times out. Why a window of seconds and several
+tries: a slow or congested link (a straggler) loses a SYN now and then, and must not
+be taken for a cut; a probe that fails three times over 6 s is not congestion.
+
+Written here because no library probes TCP reachability for a peer set; it is a
+socket listener and a thread pool of connects.
+"""
+from __future__ import annotations
+
+import fcntl
+import socket
+import struct
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
+
+PERIOD_S = 1.0
+CONNECT_TIMEOUT_S = 2.0
+UNREACHABLE_AFTER_S = 6.0
+MIN_MISSES = 3
+_SIOCGIFADDR = 0x8915
+
+
+def interface_address(name: str) -> str:
+    """The IPv4 address of network interface `name` (Linux), such as GLOO_SOCKET_IFNAME's."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            packed = fcntl.ioctl(s.fileno(), _SIOCGIFADDR, struct.pack("256s", name[:15].encode()))
+        except OSError as err:
+            raise ValueError(f"network interface {name!r} has no IPv4 address ({err}); check "
+                             "GLOO_SOCKET_IFNAME, or give the node's address with --local-addr") from None
+    return socket.inet_ntoa(packed[20:24])
+
+
+def node_address(etcd_endpoint: str, environ: dict[str, str], given: str | None = None) -> str:
+    """The address the other nodes reach this one at: `given` (--local-addr), else that
+    of gloo's interface (GLOO_SOCKET_IFNAME, the first one if several), else the address
+    this host uses to reach etcd (a multi-homed host's route to the cluster)."""
+    if given:
+        return given
+    interfaces = environ.get("GLOO_SOCKET_IFNAME", "")
+    if interfaces:
+        return interface_address(interfaces.split(",")[0])
+    host, _, port = etcd_endpoint.split(",")[0].rpartition(":")
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((host, int(port)))  # UDP: chooses the route, sends nothing
+        return s.getsockname()[0]
+
+
+class PeerProbe:
+    """A node's listener and its probes of the others (module docstring).
+
+    `peers()` returns {node: "host:port"} of the other nodes' listeners (this one's
+    included or not); `unreachable` is the current answer, a sorted list."""
+
+    def __init__(self, node: str, host: str, peers: Callable[[], dict[str, str]], *,
+                 period_s: float = PERIOD_S, timeout_s: float = CONNECT_TIMEOUT_S,
+                 unreachable_after_s: float = UNREACHABLE_AFTER_S):
+        self.node, self.peers = node, peers
+        self.period_s, self.timeout_s, self.unreachable_after_s = period_s, timeout_s, unreachable_after_s
+        self._listener = socket.create_server((host, 0), backlog=128)
+        self.address = f"{host}:{self._listener.getsockname()[1]}"
+        self.unreachable: list[str] = []
+        self._last_ok: dict[str, float] = {}
+        self._misses: dict[str, int] = {}
+        self._addresses: dict[str, str] = {}
+        self._stop = threading.Event()
+        self._pool = ThreadPoolExecutor(max_workers=32, thread_name_prefix="probe")
+        self._threads = [threading.Thread(target=self._accept, daemon=True, name="probe-listener"),
+                         threading.Thread(target=self._probe_loop, daemon=True, name="probe")]
+
+    def start(self) -> "PeerProbe":
+        for thread in self._threads:
+            thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        try:
+            self._listener.close()
+        except OSError:
+            pass
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def _accept(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return  # closed by stop()
+            conn.close()  # a connection that was made is the whole answer
+
+    def _probe_loop(self) -> None:
+        while not self._stop.wait(self.period_s):
+            try:
+                peers = {n: a for n, a in self.peers().items() if n != self.node}
+            except Exception:  # noqa: BLE001 - the store is away: probe the peers known so far
+                peers = self._addresses
+            self._forget_gone(peers)
+            self.probe_once(peers)
+
+    def _forget_gone(self, peers: dict[str, str]) -> None:
+        self._addresses = peers
+        for gone in set(self._last_ok) - set(peers):
+            self._last_ok.pop(gone, None)
+            self._misses.pop(gone, None)
+
+    def probe_once(self, peers: dict[str, str]) -> list[str]:
+        """Probe every peer once (concurrently) and update `unreachable`."""
+        now = time.monotonic()
+        results = dict(zip(peers, self._pool.map(self._connects, peers.values())))
+        for peer, ok in results.items():
+            self._last_ok.setdefault(peer, now)  # a new peer is given a whole window
+            if ok:
+                self._last_ok[peer], self._misses[peer] = time.monotonic(), 0
+            else:
+                self._misses[peer] = self._misses.get(peer, 0) + 1
+        now = time.monotonic()
+        self.unreachable = sorted(p for p in peers if self._misses.get(p, 0) >= MIN_MISSES
+                                  and now - self._last_ok[p] >= self.unreachable_after_s)
+        return self.unreachable
+
+    def _connects(self, address: str) -> bool:
+        host, _, port = address.rpartition(":")
+        try:
+            with socket.create_connection((host, int(port)), timeout=self.timeout_s):
+                return True
+        except OSError:
+            return False
