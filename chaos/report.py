@@ -11,18 +11,19 @@ be read from the job itself.
 from __future__ import annotations
 
 import bisect
+import statistics
 import json
 import os
 import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from planaria.chaos.faults import parse_fault
+from planaria.chaos.faults import ETCD_KINDS, parse_fault
 from planaria.runtime.contract.epochs import EpochEvent, EpochTiming
 from planaria.runtime.contract.logs import COMMITS, EVALS, CommitEntry, EvalEntry, log_paths, read_logs
 
 
-@dataclass
+@dataclass(frozen=True)
 class InjectedFault:
     """A fault as the harness injected it."""
 
@@ -63,6 +64,10 @@ class Recovery:
     """From the controller's detection to the last survivor leaving the failed epoch (its
     blocked collectives released, or failed of themselves); 0 when every survivor had
     left it before (a dead peer's closed sockets); None: no survivor reported a failed epoch."""
+    step_time_ratio: float | None = None
+    """A fault that lasts (a network fault's :for=): the median step time while it lasted
+    over the median away from every fault (a slow link's straggler shows here); None:
+    no step, or no fault-free step to compare with."""
 
 
 @dataclass
@@ -181,11 +186,18 @@ def recoveries(faults: list[InjectedFault], events: list[EpochEvent], timings: d
         epoch may itself have failed before its first step: a fault during a recovery)."""
         return next((t for t, e in stepped if t > fault_time and e >= epoch), None)
     found = []
+    first_commits: dict[int, float] = {}
+    for entries in logs.values():
+        for e in entries:
+            first_commits[e.step] = min(first_commits.get(e.step, e.time), e.time)
+    ratios = _step_time_ratios(faults, sorted(first_commits.values()))
     for fault in faults:
         event = _handling_event(fault, events)
-        if fault.fault.startswith("kill-etcd-member"):
-            found.append(Recovery(fault.fault, fault.step, None, None, None, None, 0, None,
-                                  note="etcd member: no reconfiguration needed"))
+        kind = parse_fault(fault.fault).kind
+        if kind in UNSEEN_KINDS:
+            note = "etcd member: no reconfiguration needed" if kind in ETCD_KINDS else "no reconfiguration needed"
+            found.append(Recovery(fault.fault, fault.step, None, None, None, None, 0, None, note=note,
+                                  step_time_ratio=ratios.get(fault)))
             continue
         if event is None:
             note = ("the job ended before the node joined" if fault.fault.startswith("add-node")
@@ -222,7 +234,31 @@ def recoveries(faults: list[InjectedFault], events: list[EpochEvent], timings: d
                   f"reconfiguration to epoch {epoch} was under way; it took this in" if under_way else ""),
             rendezvous_s=max(rendezvous) if rendezvous else None,
             first_step_s=max(first_steps) if first_steps else None,
-            release_s=max(0.0, max(left) - event.detected_s) if left and not under_way else None))
+            release_s=max(0.0, max(left) - event.detected_s) if left and not under_way else None,
+            step_time_ratio=ratios.get(fault)))
+    return found
+
+
+UNSEEN_KINDS = ("kill-etcd-member", "isolate-etcd-member", "slow-link")
+"""Faults the job must ride out without a reconfiguration: a later one is another
+fault's, and is not credited to them."""
+
+
+def _step_time_ratios(faults: list[InjectedFault], commit_times: list[float]) -> dict[InjectedFault, float]:
+    """For each fault that lasts: the median time of the steps that ended while it lasted
+    over the median of the steps away from every fault (`commit_times`: each step's first
+    commit, in order)."""
+    spans = {f: parse_fault(f.fault).duration_s for f in faults}
+    marks = sorted([f.time for f in faults] + [f.time + d for f, d in spans.items() if d])
+    steps = list(zip(commit_times, commit_times[1:]))
+    calm = [b - a for a, b in steps if _clear_of(marks, a, b, QUIET_S)]
+    if not calm:
+        return {}
+    found = {}
+    for fault, duration in spans.items():
+        during = [b - a for a, b in steps if duration and fault.time < b <= fault.time + duration]
+        if during:
+            found[fault] = statistics.median(during) / statistics.median(calm)
     return found
 
 
@@ -384,13 +420,14 @@ def recovery_table(recoveries: list[Recovery]):
 
     table = Table(title="recoveries", title_justify="left")
     for column in ("fault", "step", "detect", "release", "plan", "transfer", "total", "copies", "moved",
-                   "plan shape"):
+                   "plan shape", "step time"):
         table.add_column(column, justify="left" if column == "fault" else "right", no_wrap=True)
     for r in recoveries:
         table.add_row(r.fault, str(r.step), _fmt(r.detect_s, " s"), _fmt(r.release_s, " s"), _fmt(r.plan_s, " s"),
                       _fmt(r.transfer_s, " s"), _fmt(r.total_s, " s"), str(r.transfers),
                       "-" if not r.bytes_moved else f"{r.bytes_moved / 2**20:.2f} MiB",
-                      "-" if r.plan_shape is None else str(r.plan_shape))
+                      "-" if r.plan_shape is None else str(r.plan_shape),
+                      "-" if r.step_time_ratio is None else f"x{r.step_time_ratio:.2f}")
 
     return table
 

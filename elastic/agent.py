@@ -50,6 +50,7 @@ period to renew (`_settled`), so that a returning etcd causes no reconfiguration
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -96,6 +97,10 @@ class Agent:
         self.run_id, self.max_restarts, self.restarts = run_id, max_restarts, 0
         self.signals = parse_signals(signals)
         self.shutdown_timeout_s = shutdown_timeout_s
+        # A request that hangs (an etcd member cut off from the others still accepts
+        # connections, but serves nothing) must give up, and fail over to another member,
+        # well within the lease's TTL: a third of it, as often as the lease is renewed.
+        settings = dataclasses.replace(settings, timeout_s=min(settings.timeout_s, max(1.0, lease_ttl_s / 3)))
         self.settings = settings
         self.client = EtcdClient(settings, on_outage=self.log)
         self.outage_limit_s = outage_limit_s

@@ -94,6 +94,13 @@ class EtcdSettings:
         return cls(endpoint=endpoint, **given, **others)
 
 
+_SERVER_TIMEOUTS = ("context deadline exceeded", "etcdserver: request timed out", "etcdserver: no leader",
+                    "etcdserver: leader changed")
+"""What a member that cannot serve says with another status than UNAVAILABLE: a member cut
+off from the others (a minority) answers a linearizable read with UNKNOWN "context
+deadline exceeded" once its own wait for the leader runs out. Another member may answer."""
+
+
 def _transient(err: BaseException) -> bool:
     import grpc
     import pyetcd.exceptions as errors
@@ -102,7 +109,10 @@ def _transient(err: BaseException) -> bool:
                         errors.NoServerAvailableError)):
         return True
     if isinstance(err, grpc.RpcError):
-        return err.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+        if err.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+            return True
+        details = err.details() if hasattr(err, "details") else ""
+        return any(text in (details or "") for text in _SERVER_TIMEOUTS)
     return False
 
 
@@ -195,6 +205,12 @@ class EtcdClient:
 
     def _failed(self, what: str, state) -> None:
         err = state.outcome.exception()
+        if len(self._client.endpoints) > 1 and not isinstance(err, _no_server_error()):
+            # pyetcd fails over only on UNAVAILABLE and DEADLINE_EXCEEDED: a member that
+            # answers, but cannot serve (a minority), would be asked again and again.
+            current = self._client.endpoint_in_use
+            if current is not None and not current.is_failed():
+                current.fail()
         if isinstance(err, _no_server_error()):
             # Every member is marked failed (pyetcd then skips them for `time_retry`):
             # with none left, trying them all again is the only way to see one come back.

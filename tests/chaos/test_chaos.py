@@ -83,6 +83,11 @@ def assert_nothing_lost(proc, tmp_path, steps: int) -> dict:
     return report
 
 
+HOSTS_4 = ["--nodes", "4", "--hosts", "parallel.min_stages=2", "train.steps=150", "checkpoint.every=5",
+           "checkpoint.keep=1000"]
+"""The 4-node runs on hosts share these (and so their reference run)."""
+
+
 @pytest.mark.multiprocess
 @pytest.mark.timeout(600)
 def test_silent_peers_cost_seconds_not_the_collective_timeout(tmp_path, cache):
@@ -131,9 +136,8 @@ def test_an_isolated_node_is_fenced_then_comes_back_as_a_new_one(tmp_path, cache
     next checkpoint's and reports them (PLANARIA_LATE_WRITER), which no manifest ever
     names. When its link heals, its layers are of an old step: it joins as a new worker,
     receiving its layers. Nothing lost, losses as without faults."""
-    proc = chaos(["--nodes", "4", "--hosts", "--fault", "isolate-node@5:target=1:for=10",
-                  "parallel.min_stages=2", "train.steps=150", "checkpoint.every=5", "checkpoint.keep=1000"],
-                 tmp_path, cache, env={"PLANARIA_LATE_WRITER": "node1.0"})
+    proc = chaos([*HOSTS_4, "--fault", "isolate-node@5:target=1:for=10"], tmp_path, cache,
+                 env={"PLANARIA_LATE_WRITER": "node1.0"})
     report = assert_nothing_lost(proc, tmp_path, 150)
     (isolated,) = report["recoveries"]
     assert isolated["total_s"] is not None and isolated["total_s"] <= 10, isolated
@@ -158,6 +162,60 @@ def test_an_isolated_node_is_fenced_then_comes_back_as_a_new_one(tmp_path, cache
         epoch = read_checkpoint_manifest(path).epoch
         assert epoch is not None and shard_dir(path) == path / f"epoch-{epoch}"
         assert (epoch == 0) == (k <= late_step), (k, epoch)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+@pytest.mark.skipif(hosts_unavailable() is not None, reason=hosts_unavailable() or "")
+def test_a_partition_trains_on_its_larger_side_then_on_every_node_again(tmp_path, cache):
+    """--hosts: nodes 4 and 5 cannot reach the other four for 12 s (four lease TTLs), and
+    both sides still reach etcd: no lease lapses, no worker dies. The agents' probes see
+    the cut; the leader ends the epoch, plans over the four (which hold a replica of every
+    layer: no checkpoint), keeps the two waiting while they cannot reach them, and plans
+    them in once the cut heals. One failure, one join; nothing lost, losses as without
+    faults."""
+    proc = chaos(["--nodes", "6", "--hosts", "--fault-tolerance", "1", "--fault", "partition@5:target=4+5:for=12",
+                  "parallel.min_stages=2", "train.steps=120"], tmp_path, cache)
+    report = assert_nothing_lost(proc, tmp_path, 120)
+    (cut,) = report["recoveries"]
+    assert cut["fault"] == "partition@5:target=4+5:for=12" and cut["plan_shape"] == [2, 2], cut
+    logs = "".join(p.read_text() for p in (tmp_path / "out" / "run" / "logs").glob("agent-*.log"))
+    assert "cut off ['node4', 'node5']" in logs
+    assert "joined ['node4.0', 'node5.0']" in logs  # every node trains again
+    epochs = re.findall(r"controller: epoch (\d+) \((\w+);", logs)
+    assert [reason for _, reason in epochs] == ["failure", "join"], epochs  # no loop of failing epochs
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+@pytest.mark.skipif(hosts_unavailable() is not None, reason=hosts_unavailable() or "")
+def test_a_slow_link_slows_the_job_and_is_not_taken_for_a_failure(tmp_path, cache):
+    """--hosts: node1's link limited to 1 Mbit/s for 10 s. Every step waits for it (its
+    activations and gradients cross it), so the steps that end meanwhile are many times
+    slower, but nothing is declared failed: no probe sees a cut, no epoch ends."""
+    proc = chaos([*HOSTS_4, "--fault", "slow-link@5:target=1:for=10"], tmp_path, cache)
+    report = assert_nothing_lost(proc, tmp_path, 150)
+    (slow,) = report["recoveries"]
+    assert slow["note"] == "no reconfiguration needed" and slow["step_time_ratio"] > 3, slow
+    logs = "".join(p.read_text() for p in (tmp_path / "out" / "run" / "logs").glob("agent-*.log"))
+    assert "controller: epoch" not in logs and "cannot reach" not in logs, logs[-3000:]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+@pytest.mark.skipif(hosts_unavailable() is not None, reason=hosts_unavailable() or "")
+def test_an_etcd_member_cut_off_from_the_others_changes_nothing(tmp_path, cache):
+    """--hosts, 3 etcd members: member 0, the one every agent talks to first, is cut off
+    from the other two for 10 s. It still accepts connections but, a minority, serves
+    nothing: the agents fail over to the others within a third of their lease's TTL, no
+    lease lapses, and the job trains on without a reconfiguration."""
+    proc = chaos([*HOSTS_4, "--etcd-members", "3", "--fault", "isolate-etcd-member@5:target=0:for=10"],
+                 tmp_path, cache)
+    report = assert_nothing_lost(proc, tmp_path, 150)
+    (cut,) = report["recoveries"]
+    assert cut["note"] == "etcd member: no reconfiguration needed", cut
+    logs = "".join(p.read_text() for p in (tmp_path / "out" / "run" / "logs").glob("agent-*.log"))
+    assert "controller: epoch" not in logs and "registering again" not in logs, logs[-3000:]
 
 
 @pytest.mark.slow  # ~90 s; each kind is also in the default suite (tests/elastic, tests/runtime)
@@ -231,11 +289,30 @@ def test_network_faults_last_a_while_and_need_hosts():
     validate([fault], steps=10, nodes=4, nproc=1, etcd_members=1, hosts=True)
     with pytest.raises(FaultSpecError, match="run with --hosts"):
         validate([fault], steps=10, nodes=4, nproc=1, etcd_members=1)
-    from planaria.chaos.sources import random_kinds
+    from planaria.chaos.sources import RandomFaults, random_kinds
 
-    assert "isolate-node" not in random_kinds(None, 1)  # given with --fault only, for now
-    with pytest.raises(FaultSpecError, match="network faults are given with --fault"):
+    assert "isolate-node" not in random_kinds(None, 1)  # without --hosts
+    with pytest.raises(FaultSpecError, match="need nodes with networks of their own; run with --hosts"):
         random_kinds("isolate-node", 1)
+    drawn = random_kinds(None, 3, hosts=True)
+    assert {"isolate-node", "slow-link", "partition", "isolate-etcd-member"} <= set(drawn)
+    source = RandomFaults(60, seed=3, low=4, high=6, kinds=("partition",))
+    (fault,) = source.due(10.0, 5, True)
+    assert fault.kind == "partition" and 5 <= fault.duration_s <= 30  # a drawn network fault lasts
+
+
+def test_a_partition_names_a_group_of_nodes():
+    fault = parse_fault("partition@4:target=4+5:for=12")
+    assert fault.group == (4, 5) and fault.node is None and str(fault) == "partition@4:target=4+5:for=12"
+    validate([fault], steps=10, nodes=6, nproc=1, etcd_members=1, hosts=True)
+    with pytest.raises(FaultSpecError, match="only a partition takes a group"):
+        parse_fault("isolate-node@4:target=1+2:for=5")
+    with pytest.raises(FaultSpecError, match="name a group of them that leaves some out"):
+        validate([parse_fault("partition@4:target=0+1+2+3:for=5")], steps=10, nodes=4, nproc=1,
+                 etcd_members=1, hosts=True)
+    with pytest.raises(FaultSpecError, match="--etcd-members 3"):
+        validate([parse_fault("isolate-etcd-member@4:target=0:for=5")], steps=10, nodes=4, nproc=1,
+                 etcd_members=1, hosts=True)
 
 
 @pytest.mark.parametrize("trace_text, extra, message", [
