@@ -406,7 +406,8 @@ def format_epoch_event(event: EpochEvent) -> str:
     """One line for a reconfiguration the leader published (`keys.epoch_event`)."""
     who = "; ".join(part for part in (
         f"failed {', '.join(event.failed)}" if event.failed else "",
-        f"joined {', '.join(event.joined)}" if event.joined else "") if part)
+        f"joined {', '.join(event.joined)}" if event.joined else "",
+        f"cut off {', '.join(event.cut_off)}" if event.cut_off else "") if part)
     count = event.transfers
     copies = f"{count} layer cop{'y' if count == 1 else 'ies'} ({event.moved_bytes / 2**20:.2f} MiB)"
     source = copies if event.restored is None else f"back to the checkpoint of step {event.restored}"

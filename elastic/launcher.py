@@ -136,6 +136,8 @@ def agent_flags(args, tls: dict[str, str], lease_ttl: int, run_id: str) -> list[
         flags += ["--shutdown-timeout", str(args.shutdown_timeout)]
     if args.log_dir:
         flags += ["--log-dir", os.path.join(args.log_dir, run_id)]
+    if getattr(args, "local_addr", None):  # torchrun's: the address other nodes reach this one at
+        flags += ["--local-addr", args.local_addr]
     for name, flag in (("ca_cert", "--etcd-ca-cert"), ("cert_cert", "--etcd-cert"),
                        ("cert_key", "--etcd-key"), ("user", "--etcd-user")):
         if name in tls:
