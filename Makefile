@@ -1,6 +1,7 @@
 # The commands of the README, each doing its own set-up on a fresh machine:
 #   make demo    # 4 local nodes train; two are killed, one comes back; nothing is lost (a few minutes)
 #   make soak    # 30 minutes of random faults on 4-6 nodes (docs/chaos.md); make replay: the p3 trace
+#   make soak-net  # the soak on simulated hosts, network faults mixed in (root and iproute2)
 #   make train   # train configs/tiny.yaml in 2 processes, plan chosen by the planner (torchrun, CPU or GPU)
 #   make test    # the test suite (15 to 30 minutes on 2 CPU cores, as busy as the machine is)
 #   make test-slow  # the longer runs kept out of it (a few minutes)
@@ -9,7 +10,7 @@ NPROC ?= 2
 CONFIG ?= configs/tiny.yaml
 ARGS ?=
 
-.PHONY: setup demo soak replay train test test-only test-slow bench
+.PHONY: setup demo soak soak-net replay train test test-only test-slow bench
 
 setup:
 	@bash .ci/setup
@@ -21,6 +22,11 @@ demo: setup
 soak: setup
 	$(PYTHON) -m planaria.cli chaos configs/soak.yaml --nodes 6 --etcd-members 3 \
 		--random 1.5 --random-nodes 4-6 --seed 1 --fresh-reference --timeout 5400 --out soak-out $(ARGS)
+
+soak-net: setup
+	$(PYTHON) -m planaria.cli chaos configs/soak.yaml --nodes 6 --etcd-members 3 --hosts \
+		--random 1.5 --random-nodes 4-6 --seed 2 --fresh-reference --timeout 5400 --out soak-net-out \
+		train.steps=4500 $(ARGS)
 
 replay: setup
 	$(PYTHON) -m planaria.cli chaos configs/tiny.yaml --nodes 6 --fault-tolerance 1 \

@@ -363,7 +363,7 @@ class _Run:
         if len(live) < 2:
             return None
         f = load_config(self.settings.config, self.settings.overrides).fault_tolerance.f
-        size = self.rng.randint(1, max(1, min(f, len(live) // 2)))
+        size = self.rng.randint(1, max(1, min(f, (len(live) - 1) // 2)))  # the smaller side
         return sorted(self.rng.sample(live, size))
 
     def _inject(self, cluster: LocalCluster, fault: FaultSpec, committed: int) -> None:

@@ -31,6 +31,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -126,7 +127,9 @@ class HostNetwork:
     tag: str = field(default_factory=lambda: f"{os.getpid():x}")
     _made: list[str] = field(default_factory=list, repr=False)
     _hosts: set[int] = field(default_factory=set, repr=False)
-    _rules: set[tuple[str, str]] = field(default_factory=set, repr=False)
+    _rules: Counter = field(default_factory=Counter, repr=False)
+    """(src, dst) -> how many faults hold that cut: overlapping faults heal one by one."""
+    _slowed: Counter = field(default_factory=Counter, repr=False)
 
     # ------------------------------------------------------------ names and addresses
     @property
@@ -222,6 +225,7 @@ class HostNetwork:
         self._made.clear()
         self._hosts.clear()
         self._rules.clear()
+        self._slowed.clear()
 
     def __enter__(self) -> "HostNetwork":
         return self.create()
@@ -231,24 +235,30 @@ class HostNetwork:
 
     # ------------------------------------------------------------------- faults
     def cut(self, a: str, b: str) -> None:
-        """Drop every packet between addresses `a` and `b`, silently, both ways."""
+        """Drop every packet between addresses `a` and `b`, silently, both ways (until as
+        many `heal`s as `cut`s: two faults that overlap each hold the cut)."""
         for src, dst in ((a, b), (b, a)):
-            if (src, dst) not in self._rules:
+            if not self._rules[(src, dst)]:
                 _ip("rule", "add", "from", src, "to", dst, "blackhole", namespace=self.router)
-                self._rules.add((src, dst))
+            self._rules[(src, dst)] += 1
 
     def heal(self, a: str, b: str) -> None:
         for src, dst in ((a, b), (b, a)):
-            if (src, dst) in self._rules:
+            if self._rules[(src, dst)] == 1:
                 _ip("rule", "del", "from", src, "to", dst, "blackhole", namespace=self.router, check=False)
-                self._rules.discard((src, dst))
+            self._rules[(src, dst)] = max(0, self._rules[(src, dst)] - 1)
 
     def heal_all(self) -> None:
-        for src, dst in list(self._rules):
+        for src, dst in [pair for pair, held in self._rules.items() if held]:
+            self._rules[(src, dst)] = 1
             self.heal(src, dst)
 
     def slow(self, host: int, rate: str | None) -> None:
-        """Limit host `host`'s link to `rate` ("10mbit") both ways; None lifts the limit."""
+        """Limit host `host`'s link to `rate` ("10mbit") both ways; None lifts the limit
+        (once every fault that slowed it has lifted it)."""
+        self._slowed[host] += 1 if rate is not None else -1
+        if rate is None and self._slowed[host] > 0:
+            return
         for namespace, device in ((self.namespace(host), IFNAME), (self.router, f"{PREFIX}{self.tag}r{host}")):
             if rate is None:
                 _ip_tc(namespace, "qdisc", "del", "dev", device, "root", check=False)

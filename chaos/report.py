@@ -10,7 +10,6 @@ be read from the job itself.
 """
 from __future__ import annotations
 
-import bisect
 import statistics
 import json
 import os
@@ -249,9 +248,8 @@ def _step_time_ratios(faults: list[InjectedFault], commit_times: list[float]) ->
     over the median of the steps away from every fault (`commit_times`: each step's first
     commit, in order)."""
     spans = {f: parse_fault(f.fault).duration_s for f in faults}
-    marks = sorted([f.time for f in faults] + [f.time + d for f, d in spans.items() if d])
     steps = list(zip(commit_times, commit_times[1:]))
-    calm = [b - a for a, b in steps if _clear_of(marks, a, b, QUIET_S)]
+    calm = [b - a for a, b in steps if _clear_of(fault_spans(faults), a, b, QUIET_S)]
     if not calm:
         return {}
     found = {}
@@ -300,7 +298,7 @@ def build_report(*, out_dir: Path, steps: int, outcome: str, faults: list[Inject
                  if e.step in ref_val]
     start = times[0][0] if times else 0.0
     last = times[-1][0] - start if times else 0.0
-    own = own_step_s([t for t, _ in times], [f.time for f in faults]) if times else None
+    own = own_step_s([t for t, _ in times], fault_spans(faults)) if times else None
     ettr = ettr_against(len(losses), last, reference["step_s"]) if times and reference.get("step_s") else None
     ettr_own = ettr_against(len(losses), last, own) if own else None
     return Report(
@@ -322,20 +320,26 @@ QUIET_S = 20.0
 """Steps that begin this long after a fault or later are past its recovery's effects."""
 
 
-def own_step_s(commit_times: list[float], fault_times: list[float], quiet_s: float = QUIET_S) -> float | None:
+def fault_spans(faults: list[InjectedFault]) -> list[tuple[float, float]]:
+    """(start, end) of each fault: a network fault lasts its `:for=`, the others an instant."""
+    return [(f.time, f.time + (parse_fault(f.fault).duration_s or 0.0)) for f in faults]
+
+
+def own_step_s(commit_times: list[float], faults: list[float | tuple[float, float]],
+               quiet_s: float = QUIET_S) -> float | None:
     """A run's own fault-free step time: the mean time between commits over the steps that
-    begin at least `quiet_s` after the latest fault and end before the next one
-    (checkpoint pauses included, as in the reference's step time). None when no step is
-    that far from every fault."""
-    faults = sorted(fault_times)
+    begin at least `quiet_s` after every fault before them has ended (`faults`: moments,
+    or (start, end) spans) and end before the next one begins (checkpoint pauses
+    included, as in the reference's step time). None when no step is that far from
+    every fault."""
+    spans = [f if isinstance(f, tuple) else (f, f) for f in faults]
     quiet = [end - begin for begin, end in zip(commit_times, commit_times[1:])
-             if _clear_of(faults, begin, end, quiet_s)]
+             if _clear_of(spans, begin, end, quiet_s)]
     return sum(quiet) / len(quiet) if quiet else None
 
 
-def _clear_of(faults: list[float], begin: float, end: float, quiet_s: float) -> bool:
-    i = bisect.bisect(faults, end)
-    return (i == 0 or begin - faults[i - 1] >= quiet_s) and (i == len(faults) or faults[i] > end)
+def _clear_of(spans: list[tuple[float, float]], begin: float, end: float, quiet_s: float) -> bool:
+    return all(end < start or begin >= stop + quiet_s for start, stop in spans)
 
 
 def ettr_against(steps: int, last_commit_s: float, step_s: float) -> float:

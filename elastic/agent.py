@@ -129,6 +129,8 @@ class Agent:
         """This node's reachability probe of the others (made in `run`)."""
         self._published_view: list[str] | None = None
         self._views: tuple[float, dict[str, list[str]]] = (-1.0, {})
+        self._peers_read = -1.0
+        self._said_never: list[str] = []
 
     def log(self, message: str) -> None:
         print(f"[agent {self.node}] {message}", flush=True)
@@ -139,8 +141,7 @@ class Agent:
         if refused:
             self.log(refused)
             return 2
-        self.probe = PeerProbe(self.node, node_address(self.settings.endpoint, os.environ, self.local_addr),
-                               self._probe_addresses).start()
+        self.probe = PeerProbe(self.node, node_address(self.settings.endpoint, os.environ, self.local_addr)).start()
         try:
             self._register()
         except NodeNameTaken as err:
@@ -283,7 +284,17 @@ class Agent:
                 self.client.items_with_prefix(self.prefix + keys.PROBE).items()}
 
     def _publish_reachability(self) -> None:
-        """The nodes this one cannot reach, under its lease, when that changed."""
+        """Hand the probe the other nodes' listeners (every 2 s), and publish the nodes
+        this one cannot reach, under its lease, when that changed."""
+        if time.monotonic() - self._peers_read >= 2.0:
+            self._peers_read = time.monotonic()
+            self.probe.set_peers(self._probe_addresses())
+        never = list(self.probe.never_reached)
+        if never and never != self._said_never:
+            self.log(f"never reached {never} at their addresses (this node's is {self.probe.address}); "
+                     "if no node can, the nodes' --local-addr or GLOO_SOCKET_IFNAME names a network "
+                     "they do not share")
+        self._said_never = never
         view = list(self.probe.unreachable)
         if view == self._published_view:
             return

@@ -262,12 +262,22 @@ class Controller:
             raise JobFailed(str(err)) from None
         first = resolution.first_iteration
         nodes, cut_off = self._reachable_nodes(self._whole_nodes(survivors | joiners))
+        if cut_off and len(nodes) < self.planner.n0:
+            self._wait_out_partition(cut_off, f"the largest group of nodes that all reach each other, "
+                                              f"{nodes}, is too small for one replica of the model")
+            return
         self._check_progress(first, nodes)
         if len(nodes) < self.planner.n0:
             raise JobFailed(f"{len(nodes)} node(s) left, but one replica of the model needs "
                             f"n0={self.planner.n0}; add nodes and restart from the last checkpoint")
         holders = {w: s for w, s in stateful.items() if w[0] in nodes}  # no copy crosses a cut
-        choice, transfers, restore, first = self._plan_or_leave_out_joiners(nodes, holders, first)
+        try:
+            choice, transfers, restore, first = self._plan_or_leave_out_joiners(nodes, holders, first)
+        except JobFailed as err:
+            if not cut_off:
+                raise
+            self._wait_out_partition(cut_off, f"{nodes} cannot train on their own ({err})")
+            return
         plan = choice.plan
         roll = None if restore is not None else resolution.roll_forward  # a restore loads everything
         planned_s = time.time()
@@ -297,21 +307,34 @@ class Controller:
         stay alive and wait, and join again once they reach the job's nodes."""
         group = reachable_group(nodes, self._settled_views(nodes), leader=self.node)
         rest = sorted(set(nodes) - set(group))
-        if rest:
+        if rest and self._said.get("partition") != (group, rest):
+            self._said["partition"] = (group, rest)
             self.log(f"controller: {rest} cannot reach {group} (a partition); planning over "
                      f"{group}, the others wait until they reach it")
         return group, rest
 
-    def _settled_views(self, nodes: list[str], quiet_s: float = 1.5, limit_s: float = 8.0):
-        """The nodes' reachability once it stopped changing for `quiet_s` (at most
-        `limit_s`). Each node's probes see a cut on their own clock: planned over the
-        first reports alone, a side could keep a node whose own cuts were not reported
-        yet, and the epoch would fail once more."""
+    def _wait_out_partition(self, cut_off: list[str], why: str) -> None:
+        """Publish nothing: every node is alive, only the network splits them, and the
+        epoch is tried again at the next poll (the failed epoch's statuses stand), with
+        the reachability of then. A job is never failed for a partition: it heals."""
+        if self._said.get("waiting") != (tuple(cut_off), why):
+            self._said["waiting"] = (tuple(cut_off), why)
+            self.log(f"controller: {why}; waiting for the partition to heal ({cut_off} alive, out of reach)")
+
+    def _settled_views(self, nodes: list[str], quiet_s: float = 4.0, limit_s: float = 12.0):
+        """The nodes' reachability once every cut is reported from both ends (a moment
+        later), or once nothing changed for `quiet_s` (longer than a probe round: a node
+        cut off etcd as well cannot report), at most `limit_s`. Each node's probes see a
+        cut on their own clock: planned over the first reports alone, a side could keep
+        a node whose own cuts were not reported yet, and the epoch would fail once more."""
         views = self.unreachable()
         if not cut_pairs(nodes, views):
             return views
         started = changed = time.monotonic()
-        while time.monotonic() - changed < quiet_s and time.monotonic() - started < limit_s:
+        while time.monotonic() - started < limit_s:
+            quiet = time.monotonic() - changed
+            if quiet >= quiet_s or (quiet >= 0.5 and _both_ends_report(cut_pairs(nodes, views), views)):
+                break
             time.sleep(0.25)
             now = self.unreachable()
             if cut_pairs(nodes, now) != cut_pairs(nodes, views):
@@ -425,8 +448,10 @@ class Controller:
         if epoch == self.epoch:
             return self.plan.first_iteration
         if epoch not in self._firsts:  # published records never change
-            record = EpochRecord.from_json(self.store.get(keys.epoch_record(epoch)))
-            self._firsts[epoch] = record.plan.first_iteration
+            key = keys.epoch_record(epoch)
+            if not self.store.check([key]):  # (never: records are not deleted) the walk stops here
+                return -1
+            self._firsts[epoch] = EpochRecord.from_json(self.store.get(key)).plan.first_iteration
         return self._firsts[epoch]
 
     def _collect_statuses(self, members: set[Worker], alive_now: Callable[[], set[Worker]],
@@ -516,3 +541,8 @@ class Controller:
     def _end(self, outcome: str) -> None:
         self.outcome = outcome
         self.store.set(keys.DONE, outcome)
+
+
+def _both_ends_report(cuts: list[tuple[str, str]], views: Mapping[str, Iterable[str]]) -> bool:
+    """True when each node of every cut pair reports the other (a cut seen whole)."""
+    return all(b in views.get(a, ()) and a in views.get(b, ()) for a, b in cuts)

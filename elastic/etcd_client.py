@@ -211,6 +211,9 @@ class EtcdClient:
             current = self._client.endpoint_in_use
             if current is not None and not current.is_failed():
                 current.fail()
+                # pyetcd keeps its stubs (bound to the failed member's channel) until the
+                # member in use changes: dropped here, the next try picks the next member.
+                self._client._clear_old_stubs()
         if isinstance(err, _no_server_error()):
             # Every member is marked failed (pyetcd then skips them for `time_retry`):
             # with none left, trying them all again is the only way to see one come back.

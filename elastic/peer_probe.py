@@ -5,9 +5,10 @@ A partition that leaves both sides reaching etcd shows nowhere in etcd: every le
 is kept alive, every worker is alive, and the workers' collectives across the cut just
 stop answering. The agent therefore listens on its node's address (the one its
 workers' process groups use: `node_address`) and, every `period_s`, opens a TCP
-connection to every other node's listener (`probe/<node>` in the job's store). A node
-none of whose connections succeeded for `unreachable_after_s`, over at least three
-tries, is unreachable; one success makes it reachable again. The agent publishes the
+connection to every other node's listener (`probe/<node>` in the job's store, which the
+agent reads and hands over). A node reached before, none of whose connections
+succeeded since for `unreachable_after_s`, over at least three tries, is unreachable;
+one success makes it reachable again. The agent publishes the
 set under its lease (`unreachable/<node>`) and the leader plans over nodes that all
 reach each other (`planaria.elastic.reachability`).
 
@@ -27,8 +28,7 @@ import socket
 import struct
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
-from typing import Callable
+from concurrent.futures import CancelledError, ThreadPoolExecutor
 
 PERIOD_S = 1.0
 CONNECT_TIMEOUT_S = 2.0
@@ -50,11 +50,12 @@ def interface_address(name: str) -> str:
 
 def node_address(etcd_endpoint: str, environ: dict[str, str], given: str | None = None) -> str:
     """The address the other nodes reach this one at: `given` (--local-addr), else that
-    of gloo's interface (GLOO_SOCKET_IFNAME, the first one if several), else the address
+    of gloo's interface (GLOO_SOCKET_IFNAME, else NCCL_SOCKET_IFNAME; the first one if
+    several), else the address
     this host uses to reach etcd (a multi-homed host's route to the cluster)."""
     if given:
         return given
-    interfaces = environ.get("GLOO_SOCKET_IFNAME", "")
+    interfaces = environ.get("GLOO_SOCKET_IFNAME") or environ.get("NCCL_SOCKET_IFNAME") or ""
     if interfaces:
         return interface_address(interfaces.split(",")[0])
     host, _, port = etcd_endpoint.split(",")[0].rpartition(":")
@@ -66,17 +67,22 @@ def node_address(etcd_endpoint: str, environ: dict[str, str], given: str | None 
 class PeerProbe:
     """A node's listener and its probes of the others (module docstring).
 
-    `peers()` returns {node: "host:port"} of the other nodes' listeners (this one's
-    included or not); `unreachable` is the current answer, a sorted list."""
+    `set_peers({node: "host:port"})` tells it the other nodes' listeners (the agent's
+    loop does, from the store: the probe itself never waits on etcd); `unreachable` is
+    the current answer, a sorted list. A peer that was never reached is not reported
+    (an address that no node can reach is a configuration error, not a partition: the
+    agent says so, `never_reached`)."""
 
-    def __init__(self, node: str, host: str, peers: Callable[[], dict[str, str]], *,
-                 period_s: float = PERIOD_S, timeout_s: float = CONNECT_TIMEOUT_S,
+    def __init__(self, node: str, host: str, *, period_s: float = PERIOD_S, timeout_s: float = CONNECT_TIMEOUT_S,
                  unreachable_after_s: float = UNREACHABLE_AFTER_S):
-        self.node, self.peers = node, peers
+        self.node = node
         self.period_s, self.timeout_s, self.unreachable_after_s = period_s, timeout_s, unreachable_after_s
         self._listener = socket.create_server((host, 0), backlog=128)
         self.address = f"{host}:{self._listener.getsockname()[1]}"
         self.unreachable: list[str] = []
+        self.never_reached: list[str] = []
+        """Peers tried for longer than the window without a single success."""
+        self._first_tried: dict[str, float] = {}
         self._last_ok: dict[str, float] = {}
         self._misses: dict[str, int] = {}
         self._addresses: dict[str, str] = {}
@@ -106,34 +112,36 @@ class PeerProbe:
                 return  # closed by stop()
             conn.close()  # a connection that was made is the whole answer
 
+    def set_peers(self, peers: dict[str, str]) -> None:
+        """The other nodes' listeners now; a node no longer among them is forgotten."""
+        self._addresses = {n: a for n, a in peers.items() if n != self.node}
+
     def _probe_loop(self) -> None:
         while not self._stop.wait(self.period_s):
+            peers = self._addresses
+            for gone in set(self._first_tried) - set(peers):
+                for known in (self._first_tried, self._last_ok, self._misses):
+                    known.pop(gone, None)
             try:
-                peers = {n: a for n, a in self.peers().items() if n != self.node}
-            except Exception:  # noqa: BLE001 - the store is away: probe the peers known so far
-                peers = self._addresses
-            self._forget_gone(peers)
-            self.probe_once(peers)
-
-    def _forget_gone(self, peers: dict[str, str]) -> None:
-        self._addresses = peers
-        for gone in set(self._last_ok) - set(peers):
-            self._last_ok.pop(gone, None)
-            self._misses.pop(gone, None)
+                self.probe_once(peers)
+            except (RuntimeError, CancelledError):  # the pool was shut down: stop() was called
+                return
 
     def probe_once(self, peers: dict[str, str]) -> list[str]:
         """Probe every peer once (concurrently) and update `unreachable`."""
         now = time.monotonic()
         results = dict(zip(peers, self._pool.map(self._connects, peers.values())))
         for peer, ok in results.items():
-            self._last_ok.setdefault(peer, now)  # a new peer is given a whole window
+            self._first_tried.setdefault(peer, now)
             if ok:
                 self._last_ok[peer], self._misses[peer] = time.monotonic(), 0
             else:
                 self._misses[peer] = self._misses.get(peer, 0) + 1
         now = time.monotonic()
-        self.unreachable = sorted(p for p in peers if self._misses.get(p, 0) >= MIN_MISSES
+        self.unreachable = sorted(p for p in peers if p in self._last_ok and self._misses.get(p, 0) >= MIN_MISSES
                                   and now - self._last_ok[p] >= self.unreachable_after_s)
+        self.never_reached = sorted(p for p in peers if p not in self._last_ok
+                                    and now - self._first_tried[p] >= self.unreachable_after_s)
         return self.unreachable
 
     def _connects(self, address: str) -> bool:

@@ -8,7 +8,7 @@ and an epoch needs a clique of it: every stage exchanges activations with its
 neighbours and gradients with its replicas, and any pair may be asked to copy layers.
 The controller plans over the largest clique; ties go to the group holding the
 leader (its agent can keep leading it), then to the group whose sorted names come
-first, so every leader would choose the same. The other nodes wait as nodes that no
+first (a choice that does not depend on the order of the reports). The other nodes wait as nodes that no
 plan uses do, and are planned in once they reach every node of the job again.
 
 A maximum clique is NP-hard in general; the graphs here are a job's nodes with a few

@@ -131,6 +131,9 @@ class ElasticWorker:
         self.corrupt_after = corruption_after_step(self.name)
         self.late_writer = writes_late(self.name)
         self.engine: Engine | None = None
+        self._trained_in: int | None = None
+        """The last epoch this worker trained in: the one that committed a step it rolls
+        forward (a later epoch may have failed before anyone trained in it)."""
         self._timing = EpochTiming(record_s=0.0)
         """This epoch's: when each of its phases ended on this worker."""
         self.out_dir = Path(cfg.output.dir)
@@ -183,6 +186,7 @@ class ElasticWorker:
                 self._mark(bytes_received=t.bytes_received, bytes_sent=t.bytes_sent, transfer_seconds=t.seconds)
             self._log(f"epoch {epoch}: rank {rank} of {plan.world_size}, layers "
                       f"{self.engine.held_layers()}, from iteration {plan.first_iteration}")
+            self._trained_in = epoch
             self._train(epoch, plan.first_iteration)
             self.checkpointer.flush()
             save_model_shards(self.engine, self.out_dir / "final", data_source=self.cfg.data.source)
@@ -231,8 +235,9 @@ class ElasticWorker:
             self.engine = self._new_engine()
         elif (record.restore is None and record.roll_forward is not None
               and self.engine.roll_forward(record.roll_forward)):
-            self._record_commit(record.roll_forward, plan.epoch - 1, rolled_forward=True)
-            self.checkpointer.after_step(self.engine, plan.epoch - 1)  # the epoch that committed it
+            committed_in = plan.epoch - 1 if self._trained_in is None else self._trained_in
+            self._record_commit(record.roll_forward, committed_in, rolled_forward=True)
+            self.checkpointer.after_step(self.engine, committed_in)
         stepped = self.engine.last_stepped
         if record.restore is None and stepped is not None and stepped + 1 != plan.first_iteration:
             # The job went on without this worker (it was cut off, and declared failed): the

@@ -5,10 +5,16 @@ from __future__ import annotations
 import socket
 import time
 
+import torch.distributed as dist
 from hypothesis import given, settings, strategies as st
 
+from planaria.elastic.controller import Controller
 from planaria.elastic.peer_probe import PeerProbe, node_address
 from planaria.elastic.reachability import cut_pairs, reachable_group, reaches_all
+from planaria.runtime.config import load_config
+from planaria.runtime.planning import build_planner, cost_model
+from tests.elastic.test_controller_joins import report_statuses
+from tests.launch import TINY
 
 NODES = [f"node{i}" for i in range(6)]
 
@@ -50,9 +56,10 @@ def test_the_group_is_a_largest_set_that_all_reach_each_other(case):
 
 def test_the_probe_finds_a_peer_that_stopped_answering_and_sees_it_back():
     """A live listener is reachable; one whose port stops accepting (closed) turns
-    unreachable only after the window and three misses, and reachable at one success."""
-    peer = PeerProbe("peer", "127.0.0.1", dict)
-    probe = PeerProbe("me", "127.0.0.1", dict, unreachable_after_s=0.3)
+    unreachable only after the window and three misses, and reachable at one success.
+    A peer never reached is not reported (a configuration error, named apart)."""
+    peer = PeerProbe("peer", "127.0.0.1")
+    probe = PeerProbe("me", "127.0.0.1", unreachable_after_s=0.3)
     try:
         peers = {"peer": peer.address}
         assert probe.probe_once(peers) == []
@@ -67,6 +74,11 @@ def test_the_probe_finds_a_peer_that_stopped_answering_and_sees_it_back():
             assert probe.probe_once(peers) == []
         finally:
             back.close()
+        never = {"ghost": f"127.0.0.1:{port}"}  # closed from the start
+        for _ in range(3):
+            assert probe.probe_once(never) == []
+        time.sleep(0.35)
+        assert probe.probe_once(never) == [] and probe.never_reached == ["ghost"]
     finally:
         probe.stop()
         peer.stop()
@@ -76,3 +88,61 @@ def test_a_nodes_address_is_the_one_given_else_its_route_to_etcd():
     assert node_address("10.0.0.1:2379", {}, given="10.9.9.9") == "10.9.9.9"
     assert node_address("127.0.0.1:2379", {}) == "127.0.0.1"
     assert node_address("127.0.0.1:2379", {"GLOO_SOCKET_IFNAME": "lo"}) == "127.0.0.1"
+
+
+def partitioned_job(views: dict[str, list[str]], *, n: int = 6, f: int = 1, leader: str | None = None):
+    """A controller over `n` one-worker nodes (pipelines of two stages), whose reachability
+    reports are `views` (changed by the test), at epoch 0 with every worker's status in."""
+    cfg = load_config(TINY, [f"fault_tolerance.f={f}", "parallel.min_stages=2"])
+    planner = build_planner(cfg, cost_model(cfg, hardware_name="h100", gpus_per_node=1))
+    store, logs = dist.HashStore(), []
+    controller = Controller(store, planner, total_steps=100, debounce_s=0, log=logs.append,
+                            node=leader, unreachable=lambda: views)
+    workers = [(f"node{i}", 0) for i in range(n)]
+    plan = controller.start(workers)
+    return controller, store, logs, workers, plan
+
+
+def test_a_cut_ends_the_epoch_and_the_larger_side_trains_until_the_other_reaches_it():
+    """Nodes 4 and 5 are cut off the others (both sides alive, reporting through the
+    store): the leader plans over node0-3, which hold every layer (copies, no
+    checkpoint); node4 and node5 wait while the cut lasts and join once it heals."""
+    cut = {"node4": ["node0", "node1", "node2", "node3"], "node5": ["node0", "node1", "node2", "node3"],
+           **{f"node{i}": ["node4", "node5"] for i in range(4)}}
+    views = dict(cut)
+    controller, store, logs, workers, plan = partitioned_job(views)
+    alive = set(workers)
+    # (The statuses the workers publish once released, the cut-off ones' included: here
+    # before the poll, which would otherwise wait for them.)
+    report_statuses(store, plan, 3, workers)
+    assert controller.poll(lambda: alive, kill=lambda w: None) == "running"
+    assert store.get("epoch/0/reconfigure") == b"failure"  # released, not left to the collective timeout
+    assert controller.epoch == 1 and sorted(controller.plan.nodes()) == ["node0", "node1", "node2", "node3"]
+    (event,) = controller.events
+    assert event.cut_off == ("node4", "node5") and event.restored is None and event.failed == ()
+    store.set("epoch/1/trained", "1")
+    assert controller.poll(lambda: alive, kill=lambda w: None) == "running"
+    assert controller.epoch == 1  # out of reach: they wait, the epoch goes on
+    assert any("cannot reach every node of the job; they wait" in line for line in logs)
+
+    views.clear()  # healed
+    report_statuses(store, controller.plan, 9, [w for w in workers if w[0] in controller.plan.nodes()])
+    assert controller.poll(lambda: alive, kill=lambda w: None) == "running"
+    assert controller.epoch == 2 and sorted(controller.plan.nodes()) == [n for n, _ in workers]
+    assert controller.events[-1].joined == ("node4.0", "node5.0")
+
+
+def test_no_group_that_can_train_waits_for_the_cut_to_heal_instead_of_failing_the_job():
+    """Every node cut from every other: no group holds a replica of the model. The leader
+    publishes nothing and says so once; when the cut heals it plans them all."""
+    views = {f"node{i}": [f"node{j}" for j in range(4) if j != i] for i in range(4)}
+    controller, store, logs, workers, plan = partitioned_job(views, n=4)
+    alive = set(workers)
+    report_statuses(store, plan, 3, workers)
+    for _ in range(3):
+        assert controller.poll(lambda: alive, kill=lambda w: None) == "running"
+    assert controller.epoch == 0 and controller.outcome is None
+    assert sum("waiting for the partition to heal" in line for line in logs) == 1
+    views.clear()
+    assert controller.poll(lambda: alive, kill=lambda w: None) == "running"
+    assert controller.epoch == 1 and sorted(controller.plan.nodes()) == [n for n, _ in workers]
