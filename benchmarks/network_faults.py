@@ -9,8 +9,8 @@ step 5:
 
   kill-node            node1 SIGKILLed whole (the baseline: a machine that vanishes);
   isolate-node         node1's packets vanish for 12 s, etcd's included: its lease lapses;
-  partition            nodes 4 and 5 and the other four cannot reach each other for 12 s
-                       (four lease TTLs), both sides reaching etcd;
+  partition            nodes 4 and 5 and the other four cannot reach each other for 20 s
+                       (several lease TTLs), both sides reaching etcd;
   slow-link            node1's link at 1 Mbit/s for 10 s;
   isolate-etcd-member  etcd member 0 cut off from the other two for 10 s.
 
@@ -39,7 +39,7 @@ CLUSTER = ["--nodes", "6", "--hosts", "--etcd-members", "3", "--fault-tolerance"
 FAULTS = {
     "kill-node": "kill-node@5:target=1",
     "isolate-node": "isolate-node@5:target=1:for=12",
-    "partition": "partition@5:target=4+5:for=12",
+    "partition": "partition@5:target=4+5:for=20",
     "slow-link": "slow-link@5:target=1:for=10",
     "isolate-etcd-member": "isolate-etcd-member@5:target=0:for=10",
 }

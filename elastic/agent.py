@@ -305,13 +305,14 @@ class Agent:
 
     def _unreachable_views(self) -> dict[str, list[str]]:
         """{node: the nodes it cannot reach}, as the nodes published them (read at most
-        twice a second: the leader asks at every poll)."""
+        twice a second: the leader asks at every poll), this node's own as its probe
+        sees it now (the leader's agent publishes nothing while its controller waits)."""
         read_at, views = self._views
         if time.monotonic() - read_at >= 0.5:
             views = {node: json.loads(value) for node, value in
                      self.client.items_with_prefix(self.prefix + keys.UNREACHABLE).items()}
             self._views = (time.monotonic(), views)
-        return views
+        return {**views, self.node: list(self.probe.unreachable)}
 
     # -------------------------------------------------------------- workers
     @property
