@@ -64,8 +64,8 @@ class Recovery:
     blocked collectives released, or failed of themselves); 0 when every survivor had
     left it before (a dead peer's closed sockets); None: no survivor reported a failed epoch."""
     step_time_ratio: float | None = None
-    """A fault that lasts (a network fault's :for=): the median step time while it lasted
-    over the median away from every fault (a slow link's straggler shows here); None:
+    """A fault that lasts (a network fault's :for=): the median time of the steps that ran
+    while it lasted over the median away from every fault (a slow link's straggler shows here); None:
     no step, or no fault-free step to compare with."""
 
 
@@ -244,8 +244,9 @@ fault's, and is not credited to them."""
 
 
 def _step_time_ratios(faults: list[InjectedFault], commit_times: list[float]) -> dict[InjectedFault, float]:
-    """For each fault that lasts: the median time of the steps that ended while it lasted
-    over the median of the steps away from every fault (`commit_times`: each step's first
+    """For each fault that lasts: the median time of the steps that ran while it lasted
+    (in part: a step slowed by a 10 s fault may take longer than 10 s) over the median of
+    the steps away from every fault (`commit_times`: each step's first
     commit, in order)."""
     spans = {f: parse_fault(f.fault).duration_s for f in faults}
     steps = list(zip(commit_times, commit_times[1:]))
@@ -254,7 +255,7 @@ def _step_time_ratios(faults: list[InjectedFault], commit_times: list[float]) ->
         return {}
     found = {}
     for fault, duration in spans.items():
-        during = [b - a for a, b in steps if duration and fault.time < b <= fault.time + duration]
+        during = [b - a for a, b in steps if duration and b > fault.time and a < fault.time + duration]
         if during:
             found[fault] = statistics.median(during) / statistics.median(calm)
     return found
