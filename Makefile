@@ -3,8 +3,8 @@
 #   make soak    # 30 minutes of random faults on 4-6 nodes (docs/chaos.md); make replay: the p3 trace
 #   make soak-net  # the soak on simulated hosts, network faults mixed in (root and iproute2)
 #   make train   # train configs/tiny.yaml in 2 processes, plan chosen by the planner (torchrun, CPU or GPU)
-#   make test    # the test suite (15 to 30 minutes on 2 CPU cores, as busy as the machine is)
-#   make test-slow  # the longer runs kept out of it (a few minutes)
+#   make test    # the test suite (about 15 minutes on 2 CPU cores, as busy as the machine is)
+#   make test-slow  # the longer scenarios kept out of it (about 30 minutes)
 PYTHON ?= python3
 NPROC ?= 2
 CONFIG ?= configs/tiny.yaml
@@ -24,9 +24,9 @@ soak: setup
 		--random 1.5 --random-nodes 4-6 --seed 1 --fresh-reference --timeout 5400 --out soak-out $(ARGS)
 
 soak-net: setup
-	$(PYTHON) -m planaria.cli chaos configs/soak.yaml --nodes 6 --etcd-members 3 --hosts \
+	$(PYTHON) -m planaria.cli chaos configs/tiny.yaml --nodes 6 --etcd-members 3 --hosts --fault-tolerance 1 \
 		--random 1.5 --random-nodes 4-6 --seed 2 --fresh-reference --timeout 5400 --out soak-net-out \
-		train.steps=4500 $(ARGS)
+		parallel.min_stages=2 comm.timeout_s=10 checkpoint.every=100 train.steps=4500 train.log_every=500 $(ARGS)
 
 replay: setup
 	$(PYTHON) -m planaria.cli chaos configs/tiny.yaml --nodes 6 --fault-tolerance 1 \

@@ -54,6 +54,7 @@ def refused(tmp_path, cache, capsys, monkeypatch):
     return run
 
 
+@pytest.mark.slow  # the default suite's time (~15 min on 2 cores): `make test-slow`
 @pytest.mark.multiprocess
 @pytest.mark.timeout(600)
 def test_the_issues_command_loses_nothing_in_float32(tmp_path, cache):
@@ -88,6 +89,7 @@ HOSTS_4 = ["--nodes", "4", "--hosts", "parallel.min_stages=2", "train.steps=150"
 """The 4-node runs on hosts share these (and so their reference run)."""
 
 
+@pytest.mark.slow  # the default suite's time (~15 min on 2 cores): `make test-slow`
 @pytest.mark.multiprocess
 @pytest.mark.timeout(600)
 def test_silent_peers_cost_seconds_not_the_collective_timeout(tmp_path, cache):
@@ -165,6 +167,35 @@ def test_an_isolated_node_is_fenced_then_comes_back_as_a_new_one(tmp_path, cache
 
 
 @pytest.mark.multiprocess
+@pytest.mark.timeout(900)
+@pytest.mark.skipif(hosts_unavailable() is not None, reason=hosts_unavailable() or "")
+def test_a_slow_link_an_etcd_minority_and_a_partition_in_one_run(tmp_path, cache):
+    """--hosts, 6 nodes, 3 etcd members, f=1, one run of the network faults the isolated
+    node's test leaves: node1's link at 1 Mbit/s for 8 s (slower steps, no
+    reconfiguration); etcd member 0, the one every agent talks to first, cut off from the
+    other two for 8 s (the agents fail over, no lease lapses, nothing changes); then nodes
+    4 and 5 cut off from the other four for 20 s, both sides still reaching etcd (the
+    leader ends the epoch, plans over the four, which hold every layer, keeps the two
+    waiting, and plans them in once healed). One failure and one join in all; nothing
+    lost, losses as without faults. (Each fault alone, at length: the slow tests below.)"""
+    proc = chaos(["--nodes", "6", "--hosts", "--etcd-members", "3", "--fault-tolerance", "1",
+                  "--fault", "slow-link@5:target=1:for=8", "--fault", "isolate-etcd-member@15:target=0:for=8",
+                  "--fault", "partition@15+12:target=4+5:for=20", "parallel.min_stages=2", "train.steps=250"],
+                 tmp_path, cache, timeout=840)
+    report = assert_nothing_lost(proc, tmp_path, 250)
+    slow, etcd, cut = report["recoveries"]
+    assert slow["note"] == "no reconfiguration needed" and slow["step_time_ratio"] > 3, slow
+    assert etcd["note"] == "etcd member: no reconfiguration needed", etcd
+    assert cut["fault"].startswith("partition") and cut["plan_shape"] == [2, 2], cut
+    logs = "".join(p.read_text() for p in (tmp_path / "out" / "run" / "logs").glob("agent-*.log"))
+    assert "cut off ['node4', 'node5']" in logs and "joined ['node4.0', 'node5.0']" in logs
+    assert "registering again" not in logs  # no lease lapsed
+    epochs = re.findall(r"controller: epoch (\d+) \((\w+);", logs)
+    assert [reason for _, reason in epochs] == ["failure", "join"], epochs  # no loop of failing epochs
+
+
+@pytest.mark.slow  # the default suite's time (~15 min on 2 cores): `make test-slow`
+@pytest.mark.multiprocess
 @pytest.mark.timeout(600)
 @pytest.mark.skipif(hosts_unavailable() is not None, reason=hosts_unavailable() or "")
 def test_a_partition_trains_on_its_larger_side_then_on_every_node_again(tmp_path, cache):
@@ -186,6 +217,7 @@ def test_a_partition_trains_on_its_larger_side_then_on_every_node_again(tmp_path
     assert [reason for _, reason in epochs] == ["failure", "join"], epochs  # no loop of failing epochs
 
 
+@pytest.mark.slow  # the default suite's time (~15 min on 2 cores): `make test-slow`
 @pytest.mark.multiprocess
 @pytest.mark.timeout(600)
 @pytest.mark.skipif(hosts_unavailable() is not None, reason=hosts_unavailable() or "")
@@ -201,6 +233,7 @@ def test_a_slow_link_slows_the_job_and_is_not_taken_for_a_failure(tmp_path, cach
     assert "controller: epoch" not in logs and "cannot reach" not in logs, logs[-3000:]
 
 
+@pytest.mark.slow  # the default suite's time (~15 min on 2 cores): `make test-slow`
 @pytest.mark.multiprocess
 @pytest.mark.timeout(600)
 @pytest.mark.skipif(hosts_unavailable() is not None, reason=hosts_unavailable() or "")
@@ -237,6 +270,7 @@ def test_a_hung_worker_an_agent_and_an_etcd_member(tmp_path, cache):
     assert hang["epoch"] < agent["epoch"]  # two reconfigurations, one each
 
 
+@pytest.mark.slow  # the default suite's time (~15 min on 2 cores): `make test-slow`
 @pytest.mark.multiprocess
 @pytest.mark.timeout(600)
 def test_simultaneous_faults_and_a_fault_during_the_recovery(tmp_path, cache):

@@ -17,6 +17,7 @@ from tests.launch import TINY
 pytest.importorskip("pyetcd")
 
 
+@pytest.mark.slow  # the default suite's time (~15 min on 2 cores): `make test-slow`
 @pytest.mark.multiprocess
 @pytest.mark.timeout(600)
 def test_chaos_on_prepared_shards_with_validation_loss(tmp_path):

@@ -131,6 +131,7 @@ def signal_a_follower_agent(etcd, tmp_path, run_id: str, signum: int) -> tuple[s
     return victim, codes, job
 
 
+@pytest.mark.slow  # the default suite's time (~15 min on 2 cores): `make test-slow`
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 def test_agent_killed_takes_its_worker_along(etcd, tmp_path, reference):
@@ -140,6 +141,7 @@ def test_agent_killed_takes_its_worker_along(etcd, tmp_path, reference):
     check_against_reference(tmp_path, reference, job)
 
 
+@pytest.mark.slow  # the default suite's time (~15 min on 2 cores): `make test-slow`
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 def test_node_added_is_absorbed(etcd, tmp_path):
@@ -165,6 +167,7 @@ def test_node_added_is_absorbed(etcd, tmp_path):
     check_against_reference(tmp_path, reference, job, steps=120)
 
 
+@pytest.mark.slow  # the default suite's time (~15 min on 2 cores): `make test-slow`
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 def test_two_workers_per_node_one_dies_and_its_agent_takes_the_node_out(etcd, tmp_path, reference):
@@ -181,6 +184,7 @@ def test_two_workers_per_node_one_dies_and_its_agent_takes_the_node_out(etcd, tm
     check_against_reference(tmp_path, reference, job)
 
 
+@pytest.mark.slow  # the default suite's time (~15 min on 2 cores): `make test-slow`
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 def test_max_restarts_a_node_whose_worker_died_rejoins_as_new_capacity(etcd, tmp_path):
@@ -201,6 +205,7 @@ def test_max_restarts_a_node_whose_worker_died_rejoins_as_new_capacity(etcd, tmp
     check_against_reference(tmp_path, reference, job, steps=60)
 
 
+@pytest.mark.slow  # the default suite's time (~15 min on 2 cores): `make test-slow`
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 def test_sigterm_to_an_agent_takes_its_node_out_and_the_job_goes_on(etcd, tmp_path, reference):

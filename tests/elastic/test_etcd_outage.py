@@ -50,6 +50,7 @@ def reconfigurations(job: Job) -> list[str]:
     return [line for line in job.logs(tail=10**7).splitlines() if "controller: epoch" in line]
 
 
+@pytest.mark.slow  # the default suite's time (~15 min on 2 cores): `make test-slow`
 @pytest.mark.multiprocess
 @pytest.mark.timeout(420)
 def test_job_rides_out_etcd_outages_with_and_without_a_failure(tmp_path):

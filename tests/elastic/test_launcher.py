@@ -107,6 +107,7 @@ def test_tls_files_that_do_not_exist_are_refused_before_anything_starts(tmp_path
     assert f"etcd TLS file ca_cert='{missing}' does not exist" in proc.stderr and "Traceback" not in proc.stderr
 
 
+@pytest.mark.slow  # the default suite's time (~15 min on 2 cores): `make test-slow`
 @pytest.mark.multiprocess
 @pytest.mark.timeout(200)
 def test_sigterm_to_planaria_run_stops_the_job_on_this_machine(tmp_path):
@@ -165,6 +166,7 @@ dist.destroy_process_group()
 """
 
 
+@pytest.mark.slow  # the default suite's time (~15 min on 2 cores): `make test-slow`
 @pytest.mark.multiprocess
 @pytest.mark.timeout(240)
 def test_frozen_peer_restarts_the_world_through_its_lease_not_a_collective_timeout(etcd, tmp_path):

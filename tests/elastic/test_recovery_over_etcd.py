@@ -26,6 +26,7 @@ def test_rank_killed_recovers_in_place_over_etcd(tmp_path):
     assert event.failed == ("node3.0",) and event.first_iteration == 2
 
 
+@pytest.mark.slow  # the default suite's time (~15 min on 2 cores): `make test-slow`
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 def test_losing_one_of_three_etcd_members_changes_nothing(tmp_path):

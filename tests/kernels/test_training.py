@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from planaria.kernels import dispatch
-from tests.launch import read_metrics, torchrun_train
+from tests.launch import cases_with_slow, read_metrics, torchrun_train
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(600)]
 if dispatch.triton is None:
@@ -31,7 +31,7 @@ if torch.cuda.is_available():
     CASES["gpu-fused-head"] = (1, ["parallel.pp=1", "model.fused_head_loss=true"], {}, "kernels: Triton")
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", cases_with_slow(CASES, {"tp2-fused-head"}))
 def test_tiny_trains_the_same_with_the_kernels_as_with_the_references(case, tmp_path):
     nproc, overrides, env, said_for_triton = CASES[case]
     if env is CPU_INTERPRETER and dispatch.interpreter_problem() is not None:

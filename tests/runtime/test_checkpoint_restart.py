@@ -31,6 +31,7 @@ def test_torchrun_restart_resumes_from_the_newest_checkpoint(tmp_path):
     assert len(reference.losses) == STEPS
 
 
+@pytest.mark.slow  # the default suite's time (~15 min on 2 cores): `make test-slow`
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 def test_elastic_job_run_again_after_losing_every_node_resumes_from_its_checkpoint(tmp_path):

@@ -14,7 +14,7 @@ from planaria.runtime.data import build_dataset
 from planaria.runtime.model import LayerModel
 from planaria.runtime.reference import train_reference
 from planaria.runtime.optim import optimizer_settings
-from tests.launch import TINY, assert_final_parameters, read_metrics, torchrun_train
+from tests.launch import TINY, assert_final_parameters, cases_with_slow, read_metrics, torchrun_train
 
 STEPS = 6
 JOB = [
@@ -62,7 +62,7 @@ def profile_cache(tmp_path_factory):
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", cases_with_slow(CASES, {"tp2", "tp2-pp2", "planner-4-nodes-min-stages-2"}))
 def test_parallel_plan_matches_single_process(case, reference, tmp_path, profile_cache):
     nproc, overrides = CASES[case]
     if case.startswith("planner"):
@@ -93,6 +93,7 @@ def test_single_process_engine_matches_reference(reference, tmp_path):
     assert losses == pytest.approx(reference.losses, abs=1e-9)
 
 
+@pytest.mark.slow  # the default suite's time (~15 min on 2 cores): `make test-slow`
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 def test_bfloat16_autocast_follows_float32(tmp_path):

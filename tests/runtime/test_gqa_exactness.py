@@ -46,7 +46,7 @@ def references():
 
 # pp=2 alone is covered by tp2 x pp2, and MQA in two pipelines by the single-pipeline MQA case
 # and the heterogeneous one: kept for `make test-slow`, out of the default suite's time.
-SLOW_CASES = {"gqa-pp2", "mqa-tp2-two-pipelines"}
+SLOW_CASES = {"gqa-pp2", "mqa-tp2-two-pipelines", "gqa-tp4-replicated", "gqa-tp2-pp2-zb1f1b"}
 
 
 @pytest.mark.multiprocess

@@ -136,6 +136,7 @@ def _read_all(directory: Path) -> dict[str, torch.Tensor]:
         return {name: ckpt.read(name) for name in ckpt._files}
 
 
+@pytest.mark.slow  # the default suite's time (~15 min on 2 cores): `make test-slow`
 @pytest.mark.multiprocess
 @pytest.mark.timeout(600)
 def test_round_trip_under_pp2_tp2(tmp_path):
@@ -184,6 +185,7 @@ def test_round_trip_under_pp2_tp2(tmp_path):
     transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "checkpoint-hf")
 
 
+@pytest.mark.slow  # the default suite's time (~15 min on 2 cores): `make test-slow`
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 def test_init_from_under_a_heterogeneous_plan_trains_as_one_process(tmp_path):

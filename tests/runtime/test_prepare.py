@@ -342,7 +342,8 @@ def _untrained_val_loss(cfg, batches: int) -> float:
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("which, vocab", [("bpe_corpus", 4096), ("big_corpus", LLAMA3_VOCAB)])
+@pytest.mark.parametrize("which, vocab", [("bpe_corpus", 4096),
+                                          pytest.param("big_corpus", LLAMA3_VOCAB, marks=pytest.mark.slow)])
 def test_training_on_a_prepared_corpus_lowers_the_validation_loss(which, vocab, request, tmp_path):
     """`python -m planaria.train` on the shards, evaluating on the held-out documents."""
     corpus = request.getfixturevalue(which)

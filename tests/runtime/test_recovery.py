@@ -15,7 +15,7 @@ import pytest
 from planaria.elastic.local_job import LocalJob
 from planaria.runtime.contract.logs import AUDIT, COMMITS, AuditEntry, CommitEntry, read_logs
 from planaria.runtime.elastic_worker import EXIT_TORN_STEP
-from tests.launch import TINY, assert_final_parameters, reference_run
+from tests.launch import TINY, assert_final_parameters, cases_with_slow, reference_run
 
 STEPS = 6
 JOB = [
@@ -75,7 +75,7 @@ PHASES = {
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("phase", list(PHASES))
+@pytest.mark.parametrize("phase", cases_with_slow(PHASES, {"forward", "backward", "gradient sync", "just after the commit"}))
 def test_rank_killed_in_every_phase_recovers_in_place(phase, reference, tmp_path):
     job, result = run_job(tmp_path, nodes=4, faults=PHASES[phase])
     logs = check_against_reference(tmp_path, reference, job)
@@ -104,6 +104,7 @@ def test_commit_lost_on_one_worker_is_rolled_forward(reference, tmp_path):
     assert [e.step for e in rolled] == [3]
 
 
+@pytest.mark.slow  # the default suite's time (~15 min on 2 cores): `make test-slow`
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 def test_optimizer_step_failing_part_way_leaves_the_job(reference, tmp_path):
@@ -129,6 +130,7 @@ def test_failure_during_reconfiguration(reference, tmp_path):
     assert [e.failed for e in result.controller.events] == [("node3.0",), ("node2.0",)]
 
 
+@pytest.mark.slow  # the default suite's time (~15 min on 2 cores): `make test-slow`
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 def test_two_simultaneous_failures_with_three_replicas(reference, tmp_path):
@@ -143,6 +145,7 @@ def test_two_simultaneous_failures_with_three_replicas(reference, tmp_path):
     assert result.controller.events[-1].plan_shape == (2, 2)
 
 
+@pytest.mark.slow  # the default suite's time (~15 min on 2 cores): `make test-slow`
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 def test_pipeline_left_too_small_borrows_a_node(reference, tmp_path):
@@ -155,6 +158,7 @@ def test_pipeline_left_too_small_borrows_a_node(reference, tmp_path):
     assert event.failed == ("node4.0",) and event.plan_shape == (2, 2)
 
 
+@pytest.mark.slow  # the default suite's time (~15 min on 2 cores): `make test-slow`
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 def test_node_joining_mid_run_receives_its_layers(reference, tmp_path):
@@ -182,6 +186,7 @@ def test_node_joining_mid_run_receives_its_layers(reference, tmp_path):
     assert joiner and joiner[0] == event.first_iteration >= 2 and joiner[-1] == STEPS - 1
 
 
+@pytest.mark.slow  # the default suite's time (~15 min on 2 cores): `make test-slow`
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 def test_more_failures_than_replicas_resumes_from_the_last_checkpoint(reference, tmp_path):
@@ -201,6 +206,7 @@ def test_more_failures_than_replicas_resumes_from_the_last_checkpoint(reference,
     assert_final_parameters(tmp_path / "final", reference)
 
 
+@pytest.mark.slow  # the default suite's time (~15 min on 2 cores): `make test-slow`
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 def test_more_failures_than_replicas_without_checkpoint_fails_clearly(tmp_path):
@@ -215,6 +221,7 @@ def audits(tmp_path) -> list[dict]:
     return [entry for entries in read_logs(tmp_path, AUDIT, AuditEntry).values() for entry in entries]
 
 
+@pytest.mark.slow  # the default suite's time (~15 min on 2 cores): `make test-slow`
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 def test_replica_audit_repairs_silent_corruption_from_the_majority(reference, tmp_path):
@@ -247,6 +254,7 @@ def test_replica_audit_reports_a_tie_loudly(tmp_path):
     assert not first.repaired
 
 
+@pytest.mark.slow  # the default suite's time (~15 min on 2 cores): `make test-slow`
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 def test_hung_worker_is_detected_within_the_timeout(reference, tmp_path):
@@ -266,6 +274,7 @@ def test_hung_worker_is_detected_within_the_timeout(reference, tmp_path):
     assert event.statuses_s - hung_at < timeout_s + status_timeout_s + 5
 
 
+@pytest.mark.slow  # the default suite's time (~15 min on 2 cores): `make test-slow`
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 def test_tensor_parallel_shards_move_shard_by_shard(reference, tmp_path):

@@ -88,7 +88,7 @@ def reference():
 
 # Kept for `make test-slow`, out of the default suite's time: tp=2 alone is covered by
 # tp2 x pp2, and a rank holding both copies by the heterogeneous plan's 1-stage pipeline.
-SLOW_CASES = {"single-process", "tp2"}
+SLOW_CASES = {"single-process", "tp2", "tp2-pp2-fused-head-loss"}
 
 
 @pytest.mark.multiprocess
@@ -109,6 +109,7 @@ def test_tied_plan_matches_single_process(case, reference, tmp_path):
     assert manifest["tied"] == [[0, "embed.weight"], [5, "output.weight"]]
 
 
+@pytest.mark.slow  # the default suite's time (~15 min on 2 cores): `make test-slow`
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 def test_worker_holding_a_head_killed_recovers_exactly(tmp_path):
@@ -126,6 +127,7 @@ def test_worker_holding_a_head_killed_recovers_exactly(tmp_path):
     assert_copies_identical(load_full_model(tmp_path / "final"))
 
 
+@pytest.mark.slow  # the default suite's time (~15 min on 2 cores): `make test-slow`
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 def test_torchrun_restart_from_a_checkpoint_keeps_the_copies_tied(tmp_path):
