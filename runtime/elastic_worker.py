@@ -170,6 +170,16 @@ class ElasticWorker:
         rank = plan.rank_of_worker()[self.worker]
         self._timing = EpochTiming(record_s=time.time())
         finished = False
+        if self._left_out(record):
+            # The job went on without this worker (it was cut off, and declared failed): the
+            # plan counts on none of its layers, which are of an older step. It joins as a
+            # new worker would, and its old state is never used, nor reported: dropped
+            # before anything of the epoch can fail, so that its status says it holds
+            # nothing (a stale one would contradict the steps committed without it).
+            self._log(f"epoch {epoch}: this worker's layers are of step {self.engine.last_stepped}, "
+                      f"the job is at {plan.first_iteration}: it was left out; joining as a new worker")
+            self.engine.destroy()
+            self.engine = None
         # Made before the epoch's first group: it releases what the epoch opens.
         release = epoch_release(self.backend, self.keep_ports) if self.cfg.comm.release else None
         self._watcher = _EpochWatcher(self.coordinator, epoch, release, self._log)
@@ -221,6 +231,15 @@ class ElasticWorker:
         self._log(f"epoch {epoch}: wrote its layers of step {self.engine.last_stepped} as checkpoint "
                   f"{iteration}'s, late (PLANARIA_LATE_WRITER)")
 
+    def _left_out(self, record: EpochRecord) -> bool:
+        """True when this worker's layers are of a step the job has left behind: neither
+        the plan's previous step nor one behind it that the record rolls forward."""
+        stepped = None if self.engine is None else self.engine.last_stepped
+        if stepped is None or record.restore is not None:
+            return False
+        rolled = record.roll_forward is not None and record.roll_forward.iteration == stepped + 1
+        return stepped + 1 + int(rolled) != record.plan.first_iteration
+
     def _mark(self, **phases) -> None:
         """Note in this epoch's timing that phases ended (EpochTiming's fields)."""
         self._timing = replace(self._timing, **phases)
@@ -238,15 +257,6 @@ class ElasticWorker:
             committed_in = plan.epoch - 1 if self._trained_in is None else self._trained_in
             self._record_commit(record.roll_forward, committed_in, rolled_forward=True)
             self.checkpointer.after_step(self.engine, committed_in)
-        stepped = self.engine.last_stepped
-        if record.restore is None and stepped is not None and stepped + 1 != plan.first_iteration:
-            # The job went on without this worker (it was cut off, and declared failed): the
-            # plan counts on none of its layers, which are of an older step. It joins as a
-            # new worker would, and its old state is never used.
-            self._log(f"epoch {plan.epoch}: this worker's layers are of step {stepped}, "
-                      f"the job is at {plan.first_iteration}: it was left out; joining as a new worker")
-            self.engine.destroy()
-            self.engine = self._new_engine()
         self.engine.enter_epoch(plan, rank, transfers=transfers,
                                 checkpoint=None if record.restore is None else Path(record.restore))
 
