@@ -25,12 +25,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from chaos_verdict import checked_chaos_run
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "configs" / "tiny.yaml"
@@ -48,13 +48,7 @@ FAULTS = {
 def one_run(kind: str, out: Path, cache: Path) -> dict:
     args = [sys.executable, "-m", "planaria.cli", "chaos", str(CONFIG), *CLUSTER, "--fault", FAULTS[kind],
             "--out", str(out), "--timeout", "900"]
-    env = dict(os.environ, OMP_NUM_THREADS="1", XDG_CACHE_HOME=str(cache))
-    proc = subprocess.run(args, capture_output=True, text=True, env=env)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{kind} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    report = json.loads((out / "report.json").read_text())
-    if report["committed_steps_lost"] or report["max_loss_diff"] > 1e-6 or not report["completed"]:
-        raise RuntimeError(f"{kind}: the run lost something: {report}")
+    report = checked_chaos_run(args, out, cache, kind)
     (recovery,) = report["recoveries"]
     agents = "".join(p.read_text() for p in (out / "run" / "logs").glob("agent-*.log"))
     return {"detect_s": recovery["detect_s"], "release_s": recovery["release_s"], "total_s": recovery["total_s"],
@@ -81,8 +75,8 @@ def main() -> int:
                 print(f"{kind} #{repeat + 1}: {runs[kind][-1]}", flush=True)
     base = median(r["total_s"] for r in runs["kill-node"])
     fmt = lambda v, unit="": "-" if v is None else f"{v:.2f}{unit}"  # noqa: E731
-    print(f"\n| fault | detect | release | total | total / kill-node | step time while it lasts "
-          f"| reconfigurations | checkpoint loads |\n|---|---|---|---|---|---|---|---|")
+    print("\n| fault | detect | release | total | total / kill-node | step time while it lasts "
+          "| reconfigurations | checkpoint loads |\n|---|---|---|---|---|---|---|---|")
     summary = {}
     for kind, found in runs.items():
         row = {key: median(r[key] for r in found) for key in ("detect_s", "release_s", "total_s", "step_time_ratio")}

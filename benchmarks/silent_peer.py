@@ -33,13 +33,12 @@ the first 5 steps left out) is taken, and the ratio of the medians reported.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from chaos_verdict import checked_chaos_run
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "configs" / "tiny.yaml"
@@ -52,14 +51,7 @@ def one_run(fault: str, mode: str, timeout_s: float, out: Path, cache: Path) -> 
     args = [sys.executable, "-m", "planaria.cli", "chaos", str(CONFIG), "--nodes", "4", "--fault", FAULTS[fault],
             *JOB, f"comm.timeout_s={timeout_s:g}", *MODES[mode], "--out", str(out),
             "--timeout", str(int(3 * timeout_s + 300))]
-    env = dict(os.environ, OMP_NUM_THREADS="1", XDG_CACHE_HOME=str(cache))
-    proc = subprocess.run(args, capture_output=True, text=True, env=env)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{fault} ({mode}) failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    report = json.loads((out / "report.json").read_text())
-    if report["committed_steps_lost"] or report["max_loss_diff"] > 1e-6 or not report["completed"]:
-        raise RuntimeError(f"{fault} ({mode}) lost something: {report}")
-    (recovery,) = report["recoveries"]
+    (recovery,) = checked_chaos_run(args, out, cache, f"{fault} ({mode})")["recoveries"]
     return {"detect_s": recovery["detect_s"], "release_s": recovery["release_s"], "total_s": recovery["total_s"]}
 
 
