@@ -77,7 +77,12 @@ class PeerProbe:
                  unreachable_after_s: float = UNREACHABLE_AFTER_S):
         self.node = node
         self.period_s, self.timeout_s, self.unreachable_after_s = period_s, timeout_s, unreachable_after_s
-        self._listener = socket.create_server((host, 0), backlog=128)
+        try:
+            self._listener = socket.create_server((host, 0), backlog=128)
+        except OSError as err:
+            raise ValueError(f"cannot listen for the other nodes' probes on {host} ({err.strerror or err}); "
+                             "give an address of this machine with --local-addr, or the interface of the "
+                             "network the nodes share with GLOO_SOCKET_IFNAME") from None
         self.address = f"{host}:{self._listener.getsockname()[1]}"
         self.unreachable: list[str] = []
         self.never_reached: list[str] = []
