@@ -39,8 +39,8 @@ from planaria.runtime.contract.checkpoint_layout import (complete_checkpoints, e
                                                          read_checkpoint_manifest, step_dir, write_manifest)
 from planaria.runtime.contract.deadline import ReachableDeadline
 from planaria.runtime.contract.epochs import EpochEvent, EpochRecord
-from planaria.runtime.contract.exactly_once import (CommitRecord, InconsistentStatuses, Resolution, WorkerStatus,
-                                                    resolve)
+from planaria.runtime.contract.exactly_once import (CommitRecord, InconsistentStatuses, Resolution, SnapshotHeld,
+                                                    WorkerStatus, resolve)
 from planaria.runtime.contract.keys import worker_key
 from planaria.templates.plan import Plan, Worker, missing_from, transfers_from
 from planaria.templates.planner import Planner
@@ -270,19 +270,22 @@ class Controller:
         if len(nodes) < self.planner.n0:
             raise JobFailed(f"{len(nodes)} node(s) left, but one replica of the model needs "
                             f"n0={self.planner.n0}; add nodes and restart from the last checkpoint")
-        holders = {w: s for w, s in stateful.items() if w[0] in nodes}  # no copy crosses a cut
+        # Sources of layer state: what the workers of the group hold, live or in their
+        # peer snapshots (a stateless worker may keep snapshots); no copy crosses a cut.
+        holders = {w: s for w, s in statuses.items() if w[0] in nodes}
         try:
-            choice, transfers, restore, first = self._plan_or_leave_out_joiners(nodes, holders, first)
+            choice, transfers, restore, snapshot, first = self._plan_or_leave_out_joiners(nodes, holders, first)
         except JobFailed as err:
             if not cut_off:
                 raise
             self._wait_out_partition(cut_off, f"{nodes} cannot train on their own ({err})")
             return
         plan = choice.plan
-        roll = None if restore is not None else resolution.roll_forward  # a restore loads everything
+        restoring = restore is not None or snapshot is not None
+        roll = None if restoring else resolution.roll_forward  # a restore loads everything
         planned_s = time.time()
         self._publish(EpochRecord(plan, roll_forward=roll, transfers=tuple(transfers),
-                                  restore=None if restore is None else str(restore)))
+                                  restore=None if restore is None else str(restore), snapshot=snapshot))
         event = EpochEvent(
             epoch=plan.epoch, reason=reason, detected_s=detected, statuses_s=statuses_s,
             planned_s=planned_s, published_s=time.time(),
@@ -290,6 +293,7 @@ class Controller:
             joined=tuple(sorted(worker_key(w) for w in joiners if w[0] in plan.nodes())),
             first_iteration=first, rolled_forward=None if roll is None else roll.iteration,
             transfers=len(transfers), restored=None if restore is None else first - 1,
+            snapshot=None if snapshot is None else snapshot.step, rerun=resolution.first_iteration - first,
             moved_bytes=choice.moved_bytes, plan_shape=tuple(len(p.stages) for p in plan.pipelines),
             cut_off=tuple(cut_off))
         self.events.append(event)
@@ -300,6 +304,7 @@ class Controller:
                  f"{list(event.joined) or '-'}{f'; cut off {list(cut_off)}' if cut_off else ''}): pipelines of {list(event.plan_shape)} stages from iteration "
                  f"{first}{f', rolling forward {event.rolled_forward}' if event.rolled_forward is not None else ''}"
                  f"{f', restored from the checkpoint of {event.restored}' if restore else ''}"
+                 f"{f', restored from the peer snapshots of {event.snapshot}' if snapshot else ''}"
                  f", {len(transfers)} layer transfers")
 
     def _reachable_nodes(self, nodes: list[str]) -> tuple[list[str], list[str]]:
@@ -359,40 +364,79 @@ class Controller:
             return self._plan_or_leave_out_joiners([n for n in nodes if n not in newcomers], statuses, first)
 
     def _next_plan(self, nodes: list[str], statuses: dict[Worker, WorkerStatus], first: int):
-        """(plan choice, transfers, checkpoint to restore or None, first iteration): the
-        planner's plan for `nodes`, fed from what the survivors hold, or from the newest
-        checkpoint when some shard has no holder left."""
-        choice = self.planner.instantiate(len(nodes), node_ids=nodes, current=self.plan,
-                                          epoch=self.epoch + 1, first_iteration=first)
+        """(plan choice, transfers, checkpoint to restore or None, peer snapshot to restore
+        or None, first iteration): the planner's plan for `nodes`, fed from what the
+        survivors hold; when some shard has no holder left, from the newest step whose
+        every shard some survivor keeps in its peer snapshots, or else from the newest
+        checkpoint (whichever is newer: replicas first, peers' memory second, disk last)."""
+        choice = self._instantiate(nodes, first)
         if first == 0:  # before the first step every layer is its seeded initial state
-            return choice, [], None, first
+            return choice, [], None, None, first
         held: dict[tuple[int, int], set[Worker]] = {}
         for worker, status in statuses.items():
             for shard in status.holds:
                 held.setdefault(tuple(shard), set()).add(worker)
         missing = missing_from(held, choice.plan)
         if not missing:
-            return choice, transfers_from(held, choice.plan), None, first
+            return choice, transfers_from(held, choice.plan), None, None, first
+        found = self._newest_snapshot(statuses, first, choice.plan)
+        on_disk = [i for i, _ in self._checkpoint_list() if i < first]
+        if found is not None and (not on_disk or found[0].step >= on_disk[-1]):
+            snapshot, kept = found
+            self.log(f"controller: layer shards {missing} lost every replica; going back to the peer "
+                     f"snapshots of iteration {snapshot.step} ({first - 1 - snapshot.step} step(s) trained again)")
+            self._forget_after(snapshot.step)
+            choice = self._instantiate(nodes, snapshot.step + 1)
+            return choice, transfers_from(kept, choice.plan), None, snapshot, snapshot.step + 1
         restore, first = self._checkpoint_before(first, missing)
-        choice = self.planner.instantiate(len(nodes), node_ids=nodes, current=self.plan,
-                                          epoch=self.epoch + 1, first_iteration=first)
-        return choice, [], restore, first
+        return self._instantiate(nodes, first), [], restore, None, first
+
+    def _instantiate(self, nodes: list[str], first: int):
+        return self.planner.instantiate(len(nodes), node_ids=nodes, current=self.plan,
+                                        epoch=self.epoch + 1, first_iteration=first)
+
+    def _newest_snapshot(self, statuses: dict[Worker, WorkerStatus], first: int, plan: Plan):
+        """(the step's `SnapshotHeld`, shard -> the workers that keep it) of the newest
+        step before `first` whose every shard some worker of `plan` keeps, or None.
+
+        Only snapshots of the job's own history count: of a step as committed by the
+        epoch that committed it (`_committing_epoch`). One kept by a worker from a
+        timeline the job went back from (it was cut off meanwhile) is never used."""
+        kept: dict[tuple[int, int], dict[tuple[int, int], set[Worker]]] = {}
+        commits: dict[tuple[int, int], CommitRecord] = {}
+        for worker, status in statuses.items():
+            for held in status.snapshots:
+                if held.step < first and held.epoch == self._committing_epoch(held.step):
+                    key = (held.step, held.epoch)
+                    commits[key] = held.commit
+                    for shard in held.shards:
+                        kept.setdefault(key, {}).setdefault(tuple(shard), set()).add(worker)
+        for key in sorted(kept, reverse=True):
+            if not missing_from(kept[key], plan):
+                return SnapshotHeld(commit=commits[key], epoch=key[1]), kept[key]
+        return None
+
+    def _forget_after(self, iteration: int) -> None:
+        """The job goes back to `iteration`: checkpoints of later steps are written again
+        by the epochs that commit those steps again (under their own keys and directories:
+        nothing of the earlier ones is counted)."""
+        if self.checkpoints is not None and self.checkpoints.every:
+            prune(self.checkpoints.directory, self.checkpoints.keep, after=iteration)
+        self.completed_checkpoints = [k for k in self.completed_checkpoints if k <= iteration]
 
     def _checkpoint_before(self, first: int, missing) -> tuple[Path, int]:
         """The newest complete checkpoint before `first` and the iteration after it; the
         work since is lost. JobFailed when there is none."""
         usable = [(i, path) for i, path in self._checkpoint_list() if i < first]
         if not usable:
-            raise JobFailed(f"no surviving worker holds layer shards {missing} (layer, tp rank) and "
-                            "there is no complete checkpoint to go back to: more failures than "
-                            "replicas; set checkpoint.every, or raise fault_tolerance.f")
+            raise JobFailed(f"no surviving worker holds layer shards {missing} (layer, tp rank), none keeps "
+                            "them all in a peer snapshot, and there is no complete checkpoint to go back "
+                            "to: more failures than replicas and snapshot copies; set checkpoint.every, "
+                            "or raise checkpoint.memory_copies or fault_tolerance.f")
         iteration, path = usable[-1]
-        self.log(f"controller: layer shards {missing} lost every replica; going back to the "
-                 f"checkpoint of iteration {iteration} ({first - 1 - iteration} step(s) of work lost)")
-        # Later checkpoints are written again, by the epochs that commit their steps again
-        # (under their own keys and directories: nothing of the lost ones is counted).
-        prune(self.checkpoints.directory, self.checkpoints.keep, after=iteration)
-        self.completed_checkpoints = [k for k in self.completed_checkpoints if k <= iteration]
+        self.log(f"controller: layer shards {missing} lost every replica and peer snapshot; going back "
+                 f"to the checkpoint of iteration {iteration} ({first - 1 - iteration} step(s) of work lost)")
+        self._forget_after(iteration)
         return path, iteration + 1
 
     def _checkpoint_list(self) -> list[tuple[int, Path]]:

@@ -281,6 +281,15 @@ class CheckpointConfig:
     """Where checkpoints go; empty: `output.dir`/checkpoints. Must be shared by all nodes."""
     keep: int = 2
     """Complete checkpoints kept; older ones are deleted once a newer one is complete."""
+    memory_every: int = 1
+    """Keep a peer snapshot of every layer's state after every this many steps, in host
+    memory: the worker's own copy and `memory_copies` on other nodes (docs/recovery.md,
+    "Peer snapshots"); when some layer loses every replica, the job goes back to it
+    rather than to the disk checkpoint. 0: never (elastic jobs only)."""
+    memory_copies: int = 2
+    """Nodes, other than the layer's own, that keep each shard's peer snapshot: a layer
+    with replicas on R nodes loses its state to memory only when R + memory_copies nodes
+    fail together (fewer when the job has fewer nodes)."""
 
 
 @dataclass(frozen=True)
@@ -481,6 +490,9 @@ def check_config(cfg: Config) -> Config:
                           f"(grad_clip 0: off); got {t.warmup_steps}, {t.weight_decay}, {t.grad_clip}")
     if cfg.audit.every < 0:
         raise ConfigError(f"audit.every must be 0 (off) or more, got {cfg.audit.every}")
+    if cfg.checkpoint.memory_every < 0 or cfg.checkpoint.memory_copies < 0:
+        raise ConfigError(f"checkpoint.memory_every and checkpoint.memory_copies must be 0 (off) or more; got "
+                          f"memory_every={cfg.checkpoint.memory_every}, memory_copies={cfg.checkpoint.memory_copies}")
     if cfg.checkpoint.every < 0 or cfg.checkpoint.keep < 1:
         raise ConfigError(f"checkpoint.every must be 0 (off) or more and checkpoint.keep at least 1; "
                           f"got every={cfg.checkpoint.every}, keep={cfg.checkpoint.keep}")

@@ -45,6 +45,8 @@ from rich.markup import escape
 
 from planaria.runtime.saved_model import save_model_shards
 from planaria.runtime.checkpoints import AsyncCheckpointer, snapshot_layer
+from planaria.runtime.peer_snapshots import PeerSnapshots
+from planaria.runtime.transfer import SnapshotSource
 from planaria.runtime.build import build_engine
 from planaria.runtime.config import Config
 from planaria.runtime.contract import env
@@ -142,6 +144,9 @@ class ElasticWorker:
         self.evals = open(log_path(self.out_dir, EVALS, self.name), "a", encoding="utf-8") if cfg.eval.every else None
         self.checkpointer = AsyncCheckpointer(cfg.checkpoint_dir, cfg.checkpoint.every,
                                               coordinator.report_checkpoint, data_source=cfg.data.source)
+        self.snapshots = PeerSnapshots(cfg.checkpoint.memory_every, cfg.checkpoint.memory_copies,
+                                       timeout_s=cfg.comm.timeout_s, connect_timeout_s=self._connect_timeout_s(),
+                                       log=self._log)
 
     # ------------------------------------------------------------------ loop
     def run(self) -> int:
@@ -191,6 +196,7 @@ class ElasticWorker:
             set_operation_timeout(None, timedelta(seconds=self.cfg.comm.timeout_s))
             self._mark(rendezvous_s=time.time())
             self._enter_epoch(plan, rank, record)
+            self.snapshots.begin_epoch(self.engine, epoch)
             self._mark(transfer_s=time.time())
             if (t := self.engine.last_transfer) is not None:
                 self._mark(bytes_received=t.bytes_received, bytes_sent=t.bytes_sent, transfer_seconds=t.seconds)
@@ -235,8 +241,8 @@ class ElasticWorker:
         """True when this worker's layers are of a step the job has left behind: neither
         the plan's previous step nor one behind it that the record rolls forward."""
         stepped = None if self.engine is None else self.engine.last_stepped
-        if stepped is None or record.restore is not None:
-            return False
+        if stepped is None or record.restore is not None or record.snapshot is not None:
+            return False  # a restore replaces every layer
         rolled = record.roll_forward is not None and record.roll_forward.iteration == stepped + 1
         return stepped + 1 + int(rolled) != record.plan.first_iteration
 
@@ -257,7 +263,11 @@ class ElasticWorker:
             committed_in = plan.epoch - 1 if self._trained_in is None else self._trained_in
             self._record_commit(record.roll_forward, committed_in, rolled_forward=True)
             self.checkpointer.after_step(self.engine, committed_in)
-        self.engine.enter_epoch(plan, rank, transfers=transfers,
+        snapshot = None
+        if record.snapshot is not None:
+            self._log(f"epoch {plan.epoch}: restoring from the peer snapshots of step {record.snapshot.step}")
+            snapshot = SnapshotSource(record.snapshot.commit, self.snapshots.shards_of(record.snapshot))
+        self.engine.enter_epoch(plan, rank, transfers=transfers, snapshot=snapshot,
                                 checkpoint=None if record.restore is None else Path(record.restore))
 
     def _train(self, epoch: int, first: int) -> None:
@@ -279,10 +289,11 @@ class ElasticWorker:
         # The commit is logged before the evaluation: a failure during it never hides a
         # committed step from the logs.
         components = [Call(first_step), Call(lambda engine, ctx: self._record_commit(ctx.result, epoch)),
-                      Call(lambda engine, ctx: self.checkpointer.after_step(engine, epoch)), evaluation,
+                      Call(lambda engine, ctx: self.checkpointer.after_step(engine, epoch)),
+                      Call(lambda engine, ctx: self.snapshots.after_step(engine, ctx.last)), evaluation,
                       Call(self._corrupt), Every(self.cfg.audit.every, self._audit)]
         if not run_steps(self.engine, self.dataset, self.cfg.data.seed, first, self.cfg.train.steps, components,
-                         request=request):
+                         request=request, before_commit=self.snapshots.wait):
             raise _StopRequested()
 
     def _corrupt(self, engine: Engine, ctx) -> None:
@@ -304,6 +315,7 @@ class ElasticWorker:
         fail at once instead of at their timeout."""
         if self.engine is not None:
             self.engine.abandon_epoch()
+        self.snapshots.end_epoch()  # its exchange ends before its group goes with the world
         if dist.is_initialized():
             try:
                 dist.destroy_process_group()
@@ -324,8 +336,10 @@ class ElasticWorker:
         from planaria.runtime.contract.exactly_once import INCOMPLETE, WorkerStatus
 
         if self.engine is None:
-            return WorkerStatus(worker=self.worker, last_stepped=-1, state=INCOMPLETE, finished=finished)
-        return self.engine.status(self.worker, finished=finished)
+            status = WorkerStatus(worker=self.worker, last_stepped=-1, state=INCOMPLETE, finished=finished)
+        else:
+            status = self.engine.status(self.worker, finished=finished)
+        return replace(status, snapshots=self.snapshots.held())
 
     def _record_commit(self, result, epoch: int, rolled_forward: bool = False) -> None:
         append(self.commits, CommitEntry(

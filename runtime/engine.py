@@ -41,7 +41,7 @@ from planaria.runtime.model import LayerModel
 from planaria.runtime.optim import OptimizerSettings, build_optimizer, learning_rate, set_learning_rate
 from planaria.runtime.pipeline import PlanSchedule, build_stages
 from planaria.runtime.tensor_parallel import sum_over_head_replicas
-from planaria.runtime.transfer import TransferStats, exchange_layers
+from planaria.runtime.transfer import SnapshotSource, TransferStats, exchange_layers, restore_from_snapshots
 from planaria.templates.plan import Plan, Transfer
 
 
@@ -161,7 +161,8 @@ class Engine:
 
     def enter_epoch(self, plan: Plan, rank: int, world: dist.ProcessGroup | None = None, *,
                     transfers: list[Transfer] | None = None,
-                    checkpoint: Path | None = None) -> TransferStats | None:
+                    checkpoint: Path | None = None,
+                    snapshot: SnapshotSource | None = None) -> TransferStats | None:
         """Move to `plan` as `rank` of `world` (None: the default group), from wherever
         this engine is (new, or at the end of an epoch that finished or failed): the
         epoch's groups built; then its layers, which come from one of three places:
@@ -171,6 +172,9 @@ class Engine:
         - `transfers`: the layers this rank lacks received from their holders
           (parameters and optimizer state), collective with every other worker's
           `enter_epoch` of the same plan;
+        - `snapshot` (with `transfers`): every layer of the plan as it was at the peer
+          snapshot's step, from this worker's own kept copies or sent by the transfers'
+          sources from theirs (`restore_from_snapshots`); the live layers are dropped;
         - otherwise none: only a new job's layers, built from their seeds.
 
         After a checkpoint or transfers, a barrier; only then are the layers the plan no
@@ -179,19 +183,25 @@ class Engine:
         holders it had (`held()` says which). Layers still missing are built from their
         seeds, which is allowed only before the first step. Returns the transfer's
         figures (None without transfers)."""
-        self._check_continues(plan, checkpoint)
+        restoring = checkpoint is not None or snapshot is not None
+        if not restoring:
+            self._check_continues(plan)
         self.abandon_epoch()
         self._drop_gradients()  # of an interrupted iteration: it runs again from scratch
         self.rank = rank
-        if checkpoint is not None:
+        if restoring:
+            # Holding nothing until the restore is in: a failure meanwhile reports no
+            # layers (never a mix of the old step's and the restored one's).
             self._shards.clear()
         self._build_epoch(plan, world)
         stats = None
         if checkpoint is not None:
             self._load_checkpoint(checkpoint)
+        elif snapshot is not None:
+            stats = self._restore_snapshot(snapshot, transfers or [])
         elif transfers is not None:
             stats = exchange_layers(self, transfers, stepped=self.last_stepped >= 0)
-        if checkpoint is not None or transfers is not None:
+        if restoring or transfers is not None:
             dist.barrier(group=self.groups.world)
         for index in [i for i in self._shards if i not in set(plan.layers_of(rank))]:
             self.drop_shard(index)
@@ -201,12 +211,12 @@ class Engine:
         self.last_transfer = stats
         return stats
 
-    def _check_continues(self, plan: Plan, checkpoint: Path | None) -> None:
+    def _check_continues(self, plan: Plan) -> None:
         """A plan must start right after this worker's last step; a new engine (no step
-        yet known) takes the plan's word for where the job is, a checkpoint its own."""
-        if checkpoint is None and self.last_stepped is None:
+        yet known) takes the plan's word for where the job is (a restore, its own)."""
+        if self.last_stepped is None:
             self.last_stepped = plan.first_iteration - 1
-        elif checkpoint is None and plan.first_iteration != self.last_stepped + 1:
+        elif plan.first_iteration != self.last_stepped + 1:
             raise RuntimeError(f"the plan of epoch {plan.epoch} starts at iteration "
                                f"{plan.first_iteration}, but this worker last stepped "
                                f"{self.last_stepped}")
@@ -312,6 +322,16 @@ class Engine:
         self.last_stepped, self.iteration, self.synced = iteration, iteration + 1, False
         self.last_commit = CommitRecord(iteration, manifest["loss"], manifest["grad_norm"])
 
+    def _restore_snapshot(self, source: SnapshotSource, transfers: list[Transfer]) -> TransferStats:
+        step = source.commit.iteration
+        if self.plan.first_iteration != step + 1:
+            raise RuntimeError(f"the plan of epoch {self.plan.epoch} starts at iteration "
+                               f"{self.plan.first_iteration}; the snapshot is of {step}")
+        stats = restore_from_snapshots(self, transfers, source)
+        self.last_stepped, self.iteration, self.synced = step, step + 1, False
+        self.last_commit = source.commit
+        return stats
+
     def held(self) -> tuple[tuple[int, int], ...]:
         """(layer, tp rank) shards whose state at `last_stepped` this worker holds."""
         return tuple((index, self.tp.rank) for index in sorted(self._shards))
@@ -355,10 +375,13 @@ class Engine:
 
     # ------------------------------------------------------------- iteration
     def train_step(self, iteration: int, dataset, data_seed: int,
-                   request: Callable[[], bool] | None = None) -> StepResult:
+                   request: Callable[[], bool] | None = None,
+                   before_commit: Callable[[], None] | None = None) -> StepResult:
         """One iteration. `request`, when given, is asked before the commit whether this
         worker wants the job to stop after this iteration; the commit all-reduce carries
-        the answer, so every worker learns the same (`StepResult.stop_requested`)."""
+        the answer, so every worker learns the same (`StepResult.stop_requested`).
+        `before_commit`: called right before the commit (the peer snapshots' exchange of
+        an earlier step must be whole before this one can commit)."""
         if iteration != self.last_stepped + 1:
             raise RuntimeError(f"iteration {iteration} cannot run: this worker last stepped "
                                f"{self.last_stepped}")
@@ -372,6 +395,8 @@ class Engine:
         self._phase("sync", iteration)
         self._sync_gradients()
         self.synced = True
+        if before_commit is not None:
+            before_commit()
         self._phase("commit", iteration)
         loss, grad_norm, stop = self._commit(losses, bool(request and request()))
         record = CommitRecord(iteration, loss, grad_norm)

@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Mapping
 
 import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from planaria.runtime.contract.exactly_once import CommitRecord
 from planaria.runtime.optim import empty_adam_state
 from planaria.templates.plan import Transfer
 
@@ -90,23 +91,9 @@ def exchange_layers(engine: "Engine", transfers: list[Transfer], *, stepped: boo
                 _empty_optimizer_state(state)
             received[t.layer] = state
             incoming.setdefault(rank_of[t.src], []).extend(layer_state_tensors(state, stepped))
-    ops, unpack = [], []
-    for peer, tensors in sorted(outgoing.items()):
-        for tag, (_, group) in enumerate(_by_dtype(tensors)):
-            ops.append(dist.P2POp(dist.isend, _flatten_dense_tensors(on_device(group, engine.device)),
-                                  peer, group=engine.groups.world, tag=tag))
-    for peer, tensors in sorted(incoming.items()):
-        for tag, (dtype, group) in enumerate(_by_dtype(tensors)):
-            buffer = torch.empty(sum(t.numel() for t in group), dtype=dtype, device=engine.device)
-            ops.append(dist.P2POp(dist.irecv, buffer, peer, group=engine.groups.world, tag=tag))
-            unpack.append((buffer, group))
-    works = dist.batch_isend_irecv(ops) if ops else []
-    engine.phase("transfer", plan.first_iteration)
-    for work in works:
-        work.wait()
-    for buffer, group in unpack:
-        for target, value in zip(group, _unflatten_dense_tensors(buffer, group)):
-            target.copy_(value)  # back to the CPU for a step count (see `on_device`)
+    sends = {peer: [_flatten_dense_tensors(on_device(group, engine.device)) for _, group in by_dtype(tensors)]
+             for peer, tensors in outgoing.items()}
+    _send_and_receive(engine, sends, incoming)
     engine.install_shards(received)
     nbytes = lambda groups: sum(t.numel() * t.element_size() for ts in groups.values() for t in ts)  # noqa: E731
     return TransferStats(layers_sent=sum(t.src == me for t in transfers), layers_received=len(received),
@@ -114,7 +101,96 @@ def exchange_layers(engine: "Engine", transfers: list[Transfer], *, stepped: boo
                          seconds=time.perf_counter() - started)
 
 
-def _by_dtype(tensors: list[torch.Tensor]) -> list[tuple[torch.dtype, list[torch.Tensor]]]:
+@dataclass(frozen=True)
+class SnapshotSource:
+    """What a worker restores from when the job goes back to a peer snapshot: the step's
+    commit record and the shards this worker keeps of it (`planaria.runtime.peer_snapshots`)."""
+
+    commit: CommitRecord
+    shards: Mapping[tuple[int, int], tuple[torch.Tensor, ...]]
+    """(layer, tp rank) -> the shard flat per dtype (`peer_snapshots.flatten_shard`)."""
+
+
+def restore_from_snapshots(engine: "Engine", transfers: list[Transfer], source: SnapshotSource) -> TransferStats:
+    """Give this worker the plan's layers as they were at the snapshot's step: the shards
+    it keeps itself are loaded in place, the others received from the transfers'
+    sources, which send their kept copies (not their live layers: those may be newer);
+    collective over the transfers' workers, like `exchange_layers`. Installs the shards
+    received and kept; the caller drops every other layer first."""
+    started = time.perf_counter()
+    plan, me, tp_rank = engine.plan, engine.plan.worker(engine.rank), engine.tp.rank
+    rank_of = plan.rank_of_worker()
+    sends: dict[int, list[tuple[torch.Tensor, ...]]] = {}
+    incoming: dict[int, list[torch.Tensor]] = {}
+    shells: dict[int, "LayerState"] = {}
+    for t in sorted(transfers, key=lambda t: (t.layer, t.tp_rank, t.src, t.dst)):
+        if t.src == me:
+            sends.setdefault(rank_of[t.dst], []).append(_kept(source, (t.layer, t.tp_rank), me))
+        elif t.dst == me:
+            shells[t.layer] = _stepped_shell(engine, t.layer)
+            incoming.setdefault(rank_of[t.src], []).extend(layer_state_tensors(shells[t.layer], True))
+    # One message per dtype and peer, as `exchange_layers` sends: each dtype's flat pieces
+    # of the peer's shards, in the transfer order, are what flattening their tensors makes.
+    merged = {peer: [torch.cat(pieces) for pieces in zip(*flats)] for peer, flats in sends.items()}
+    _send_and_receive(engine, merged, incoming)
+    received = len(shells)
+    for layer in plan.layers_of(engine.rank):
+        if layer not in shells:
+            shells[layer] = _stepped_shell(engine, layer)
+            load_flat(shells[layer], _kept(source, (layer, tp_rank), me))
+    engine.install_shards(shells)
+    nbytes = lambda flats: sum(t.numel() * t.element_size() for f in flats for t in f)  # noqa: E731
+    return TransferStats(layers_sent=sum(t.src == me for t in transfers), layers_received=received,
+                         bytes_sent=sum(nbytes(f) for f in sends.values()),
+                         bytes_received=sum(t.numel() * t.element_size() for ts in incoming.values() for t in ts),
+                         seconds=time.perf_counter() - started)
+
+
+def load_flat(state: "LayerState", flat: tuple[torch.Tensor, ...]) -> None:
+    """Copy a shard kept flat (`peer_snapshots.flatten_shard`) into a stepped shell."""
+    for (_, group), buffer in zip(by_dtype(layer_state_tensors(state, True)), flat, strict=True):
+        for target, value in zip(group, _unflatten_dense_tensors(buffer, group)):
+            target.copy_(value)
+
+
+def _kept(source: SnapshotSource, shard: tuple[int, int], me) -> tuple[torch.Tensor, ...]:
+    try:
+        return source.shards[shard]
+    except KeyError:
+        raise RuntimeError(f"worker {me} keeps no snapshot of shard {shard} of step "
+                           f"{source.commit.iteration}, but the plan counts on it") from None
+
+
+def _stepped_shell(engine: "Engine", layer: int) -> "LayerState":
+    state = engine.empty_shard(layer)
+    _empty_optimizer_state(state)
+    return state
+
+
+def _send_and_receive(engine: "Engine", sends: dict[int, list[torch.Tensor]],
+                      incoming: dict[int, list[torch.Tensor]]) -> None:
+    """Send each peer its flat tensors (one per dtype, tag = the dtype's place) and fill
+    `incoming` (each peer's tensors, grouped by dtype the same way), all pairs at once."""
+    ops, unpack = [], []
+    for peer, flats in sorted(sends.items()):
+        for tag, flat in enumerate(flats):
+            ops.append(dist.P2POp(dist.isend, on_device([flat], engine.device)[0], peer,
+                                  group=engine.groups.world, tag=tag))
+    for peer, tensors in sorted(incoming.items()):
+        for tag, (dtype, group) in enumerate(by_dtype(tensors)):
+            buffer = torch.empty(sum(t.numel() for t in group), dtype=dtype, device=engine.device)
+            ops.append(dist.P2POp(dist.irecv, buffer, peer, group=engine.groups.world, tag=tag))
+            unpack.append((buffer, group))
+    works = dist.batch_isend_irecv(ops) if ops else []
+    engine.phase("transfer", engine.plan.first_iteration)
+    for work in works:
+        work.wait()
+    for buffer, group in unpack:
+        for target, value in zip(group, _unflatten_dense_tensors(buffer, group)):
+            target.copy_(value)  # back to the CPU for a step count (see `on_device`)
+
+
+def by_dtype(tensors: list[torch.Tensor]) -> list[tuple[torch.dtype, list[torch.Tensor]]]:
     """Tensors grouped by dtype (flattening needs one dtype), in order of first appearance;
     both sides list the same tensors in the same order, so the groups and tags agree."""
     groups: dict[torch.dtype, list[torch.Tensor]] = {}

@@ -15,7 +15,7 @@ from typing import Annotated, Literal
 
 from pydantic import PlainSerializer, PlainValidator
 
-from planaria.runtime.contract.exactly_once import CommitRecord
+from planaria.runtime.contract.exactly_once import CommitRecord, SnapshotHeld
 from planaria.runtime.contract.record import JsonRecord, RecordError
 from planaria.templates.plan import Plan, Transfer
 
@@ -43,7 +43,12 @@ class EpochRecord(JsonRecord):
     """Layer shards to copy from holders to the workers that lack them."""
     restore: str | None = None
     """A checkpoint directory every worker loads its layers from (some layer lost every
-    replica); the plan then starts right after the checkpoint's iteration."""
+    replica and every peer snapshot); the plan then starts right after the checkpoint's
+    iteration."""
+    snapshot: SnapshotHeld | None = None
+    """Some layer lost every replica: every worker drops its layers and takes the plan's
+    from the peer snapshots of this step (its own, or sent by `transfers`' sources); the
+    plan then starts right after it."""
 
 
 Reason = Literal["failure", "join"]
@@ -71,13 +76,26 @@ class EpochEvent(JsonRecord):
     transfers: int = 0
     """Layer shards copied between workers."""
     restored: int | None = None
-    """The checkpoint's iteration, when the job went back to one."""
+    """The checkpoint's iteration, when the job went back to one (read from disk)."""
+    snapshot: int | None = None
+    """The step restored from peer snapshots (host memory), when some layer lost every
+    replica and the job went back to it instead of to the disk checkpoint."""
     moved_bytes: int = 0
     """The planner's estimate of the layer state the transfers move."""
     plan_shape: tuple[int, ...] = ()
     """Stages of each pipeline of the new plan."""
     cut_off: tuple[str, ...] = ()
     """Nodes alive but left out because they could not reach the planned ones (a partition)."""
+    rerun: int = 0
+    """Committed steps the job trains again (it went back to a snapshot or a checkpoint)."""
+
+    @property
+    def source(self) -> str:
+        """Where the next plan's layer state came from: "replicas" (the survivors' own and
+        copies between them), "memory" (peer snapshots) or "disk" (the checkpoint)."""
+        if self.restored is not None:
+            return "disk"
+        return "memory" if self.snapshot is not None else "replicas"
 
 
 @dataclass(frozen=True)

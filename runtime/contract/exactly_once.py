@@ -10,7 +10,9 @@ survivor holds fully synced gradients for `k`. After a failure each survivor rep
 - `commit`: the commit record (loss, gradient norm) of `last_stepped`, so that a
   worker whose own commit all-reduce failed can apply the same step (None for a
   worker that joined after that step: it received the state, not the step);
-- `holds`: the (layer, tp rank) shards whose state it holds at `last_stepped`.
+- `holds`: the (layer, tp rank) shards whose state it holds at `last_stepped`;
+- `snapshots`: the peer snapshots it keeps in host memory (`SnapshotHeld`): which
+  shards, of which committed step, complete (one still arriving is not reported).
 
 In the design's words, a worker with `last_stepped == k` "stepped" `k`. The rule
 (`resolve`): let `K` be the largest `last_stepped`. Workers at `K - 1` must be
@@ -52,6 +54,25 @@ class CommitRecord(JsonRecord):
 
 
 @dataclass(frozen=True)
+class SnapshotHeld(JsonRecord):
+    """Layer shards of one committed step kept in a worker's host memory (a peer
+    snapshot: `planaria.runtime.peer_snapshots`), or, in an epoch record, the step every
+    worker restores from (`shards` empty there)."""
+
+    commit: CommitRecord
+    """The commit record of the step (its `iteration` is the step)."""
+    epoch: int
+    """The epoch that committed the step: only snapshots of the job's own history count
+    (one of a timeline the job went back from never does; see the controller)."""
+    shards: tuple[tuple[int, int], ...] = field(default=())
+    """(layer, tp rank) shards held whole."""
+
+    @property
+    def step(self) -> int:
+        return self.commit.iteration
+
+
+@dataclass(frozen=True)
 class WorkerStatus(JsonRecord):
     """A worker's report after its epoch ended (module docstring)."""
 
@@ -63,6 +84,8 @@ class WorkerStatus(JsonRecord):
     holds: tuple[tuple[int, int], ...] = field(default=())
     finished: bool = False
     """It stepped the job's last iteration and is waiting for the job to end."""
+    snapshots: tuple[SnapshotHeld, ...] = field(default=())
+    """The peer snapshots it keeps (its own shards' and other nodes'), complete ones only."""
 
     def __post_init__(self) -> None:
         if self.state not in STATES:

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from planaria.runtime.contract.checkpoint_layout import CheckpointManifest
 from planaria.runtime.contract.epochs import EpochEvent, EpochRecord, EpochTiming
-from planaria.runtime.contract.exactly_once import STATES, CommitRecord, WorkerStatus
+from planaria.runtime.contract.exactly_once import STATES, CommitRecord, SnapshotHeld, WorkerStatus
 from planaria.runtime.contract.logs import (AuditEntry, CommitEntry, EpochStep, EvalEntry, MetricsEntry, Mismatch,
                                             StepEntry)
 from planaria.runtime.contract.membership import Announcement, JobSpec, NodeRegistration
@@ -42,6 +42,8 @@ maybe = lambda strategy: st.none() | strategy  # noqa: E731
 small_tuples = lambda strategy: st.lists(strategy, max_size=4).map(tuple)  # noqa: E731
 
 commits = st.builds(CommitRecord, iteration=steps, loss=anything_float, grad_norm=anything_float)
+shards = small_tuples(st.tuples(st.integers(0, 99), st.integers(0, 7)))
+snapshots_held = st.builds(SnapshotHeld, commit=commits, epoch=st.integers(0, 10**6), shards=shards)
 
 
 @st.composite
@@ -50,8 +52,8 @@ def worker_statuses(draw):
     commit = draw(maybe(st.builds(CommitRecord, iteration=st.just(last), loss=anything_float,
                                   grad_norm=anything_float)))
     return WorkerStatus(worker=draw(workers), last_stepped=last, state=draw(st.sampled_from(STATES)),
-                        commit=commit, holds=draw(small_tuples(st.tuples(st.integers(0, 99), st.integers(0, 7)))),
-                        finished=draw(st.booleans()))
+                        commit=commit, holds=draw(shards), finished=draw(st.booleans()),
+                        snapshots=draw(small_tuples(snapshots_held)))
 
 
 @st.composite
@@ -60,11 +62,12 @@ def epoch_records(draw):
     transfers = draw(small_tuples(st.builds(Transfer, layer=st.integers(0, 99), tp_rank=st.integers(0, 7),
                                             src=workers, dst=workers)))
     return EpochRecord(plan, roll_forward=draw(maybe(commits)), transfers=transfers,
-                       restore=draw(maybe(names)))
+                       restore=draw(maybe(names)), snapshot=draw(maybe(snapshots_held)))
 
 
 RECORDS = {
     CommitRecord: commits,
+    SnapshotHeld: snapshots_held,
     WorkerStatus: worker_statuses(),
     EpochRecord: epoch_records(),
     EpochEvent: st.builds(
@@ -72,7 +75,8 @@ RECORDS = {
         detected_s=seconds, statuses_s=seconds, planned_s=seconds, published_s=seconds,
         failed=small_tuples(names), joined=small_tuples(names), first_iteration=steps,
         rolled_forward=maybe(steps), transfers=counts, restored=maybe(steps), moved_bytes=counts,
-        plan_shape=small_tuples(st.integers(1, 64))),
+        plan_shape=small_tuples(st.integers(1, 64)), cut_off=small_tuples(names), snapshot=maybe(steps),
+        rerun=counts),
     EpochTiming: st.builds(
         EpochTiming, record_s=seconds, rendezvous_s=maybe(seconds), transfer_s=maybe(seconds),
         first_step_s=maybe(seconds), failed_s=maybe(seconds), error=maybe(names), bytes_received=counts,

@@ -193,7 +193,7 @@ def test_more_failures_than_replicas_resumes_from_the_last_checkpoint(reference,
     """Both replicas of layers 3-5 (node1 and node3) die in iteration 4. The job goes back
     to its newest complete checkpoint, of iteration 2 (checkpoint.every=3), and re-runs
     exactly the steps committed since: iteration 3, no more."""
-    job, result = run_job(tmp_path, nodes=4, extra=["checkpoint.every=3"],
+    job, result = run_job(tmp_path, nodes=4, extra=["checkpoint.every=3", "checkpoint.memory_every=0"],
                           faults="node1.0:forward@4#2,node3.0:forward@4#2")
     logs = commits(tmp_path)
     (event,) = result.controller.events
@@ -206,11 +206,53 @@ def test_more_failures_than_replicas_resumes_from_the_last_checkpoint(reference,
     assert_final_parameters(tmp_path / "final", reference)
 
 
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_every_replica_of_a_stage_lost_is_restored_from_peer_memory(reference, tmp_path):
+    """f+1 nodes at once: node1 and node3, which hold every replica of layers 3-5, are
+    SIGKILLed together once step 3 is committed. With peer snapshots on (the default:
+    every step, kept on two other nodes: here node0 and node2) the job goes back to the
+    newest step whose snapshot node0 and node2 keep whole (the last committed one, or
+    the one before it had the kills cut its exchange short), never to the disk: every
+    checkpoint file is made unreadable as soon as it is written (checkpoints are of steps
+    2 and 5, never newer than the snapshot, so a restore from one would be a wrong choice
+    as well as a failed read). The steps after the snapshot's are trained once more, with
+    the reference's losses."""
+    poisoned: set = set()
+    killed: list[int] = []
+
+    def actions(job, elapsed):
+        for path in (tmp_path / "checkpoints").glob("step-*/epoch-*/*.pt"):
+            if path not in poisoned:
+                path.write_bytes(b"unreadable: a restore must not need the disk")
+                poisoned.add(path)
+        done = [e.step for e in commits(tmp_path).get("node0.0", [])]
+        if not killed and done and done[-1] >= 3:
+            killed.append(done[-1])
+            job.kill(("node1", 0))
+            job.kill(("node3", 0))
+
+    job, result = run_job(tmp_path, nodes=4, extra=["checkpoint.every=3"], actions=actions)
+    (event,) = result.controller.events
+    assert sorted(event.failed) == ["node1.0", "node3.0"]
+    assert event.source == "memory" and event.restored is None, job.logs()
+    newest = event.snapshot + event.rerun  # the last step committed before the kills
+    assert event.rerun <= 1 and newest >= killed[0] and event.first_iteration == event.snapshot + 1
+    assert poisoned, "the checkpoint of step 2 was written (there was a disk to fall back to)"
+    logs = commits(tmp_path)
+    for worker in ("node0.0", "node2.0"):
+        iterations = [e.step for e in logs[worker]]
+        assert iterations == [*range(newest + 1), *range(event.snapshot + 1, STEPS)], iterations
+        for e in logs[worker]:
+            assert abs(e.loss - reference.losses[e.step]) < 1e-9, (worker, e)
+    assert_final_parameters(tmp_path / "final", reference)
+
+
 @pytest.mark.slow  # the default suite's time (~15 min on 2 cores): `make test-slow`
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 def test_more_failures_than_replicas_without_checkpoint_fails_clearly(tmp_path):
-    job = LocalJob(TINY, [*JOB, "fault_tolerance.f=1"], nodes=4, out_dir=tmp_path,
+    job = LocalJob(TINY, [*JOB, "fault_tolerance.f=1", "checkpoint.memory_every=0"], nodes=4, out_dir=tmp_path,
                    faults="node1.0:forward@2#2,node3.0:forward@2#2", log=lambda message: None)
     result = job.run(200)
     assert result.outcome.startswith("failed: no surviving worker holds layer shards")

@@ -1,0 +1,241 @@
+"""Peer snapshots: committed layer state kept in the host memory of other nodes (docs/recovery.md).
+
+Replicas cover f failures at once; more, and some layer can lose every replica. Then,
+rather than the disk checkpoint, the job goes back to a recent step whose state peers
+keep in their memory (Gemini, SOSP 2023, over Oobleck's replicas). Every
+`checkpoint.memory_every` steps, right after the step:
+
+1. each worker copies the shards it holds to its own host memory (`flatten_shard`:
+   parameters and AdamW state, one flat tensor per dtype), at once, on the training
+   thread: it is what the worker restores from should its layers have to go back;
+2. a background thread sends the shards this worker owns (first of their replica
+   group) to the workers `planaria.templates.snapshots.snapshot_placement` names on
+   other nodes, and receives the ones placed on it, over a gloo group of the epoch's
+   own (host memory moves over TCP even in an NCCL job; the training groups are never
+   touched from that thread);
+3. before the commit of any later step, the worker waits for that exchange (`wait`).
+
+So when a commit c completes anywhere, every worker of the epoch had finished its
+exchanges of the rounds before c: those rounds are whole on every holder, and a worker
+keeps only the newest of them and anything newer (two rounds at most). A round still
+arriving when a failure strikes is never reported (its received shards count only once
+all have arrived), so a restore never reads a half-written copy; the round before it
+is whole everywhere.
+
+Workers report what they keep in their status (`SnapshotHeld`); the controller picks
+the newest step whose every shard some survivor keeps, and workers restore from it
+(`planaria.runtime.transfer.restore_from_snapshots`).
+"""
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import TYPE_CHECKING, Callable
+
+import torch
+import torch.distributed as dist
+
+from planaria.runtime.contract.exactly_once import CommitRecord, SnapshotHeld
+from planaria.runtime.transfer import by_dtype, layer_state_tensors
+from planaria.templates.snapshots import Shard, owners, snapshot_placement
+
+if TYPE_CHECKING:
+    from planaria.runtime.engine import Engine
+
+FlatShard = tuple[torch.Tensor, ...]
+"""A shard's parameters and AdamW state (`layer_state_tensors` order), one flat CPU
+tensor per dtype in order of first appearance."""
+
+_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+_HEADER = 2 * len(_DTYPES)
+"""A message's header: (dtype code, number of elements) per flat tensor, -1 padded."""
+
+
+def flatten_shard(engine: "Engine", layer: int) -> FlatShard:
+    """A CPU copy of the shard of `layer` this worker holds, flat per dtype."""
+    tensors = layer_state_tensors(engine.shard(layer), stepped=True)
+    # torch.cat always copies (a one-tensor `_flatten_dense_tensors` would be a view of
+    # the live parameter, which the next step changes).
+    return tuple(torch.cat([t.detach().reshape(-1).to("cpu") for t in group]) for _, group in by_dtype(tensors))
+
+
+def shard_nbytes(flat: FlatShard) -> int:
+    return sum(t.numel() * t.element_size() for t in flat)
+
+
+@dataclass
+class SnapshotRound:
+    """One step's snapshot as this worker keeps it."""
+
+    commit: CommitRecord
+    epoch: int
+    shards: dict[Shard, FlatShard] = field(default_factory=dict)
+    """Its own shards from the start; the received ones added all at once, when whole."""
+
+    @property
+    def step(self) -> int:
+        return self.commit.iteration
+
+    def held(self) -> SnapshotHeld:
+        return SnapshotHeld(commit=self.commit, epoch=self.epoch, shards=tuple(sorted(self.shards)))
+
+
+class PeerSnapshots:
+    """A worker's side of peer snapshots (module docstring)."""
+
+    def __init__(self, every: int, copies: int, *, timeout_s: float, connect_timeout_s: float,
+                 log: Callable[[str], None] = lambda message: None):
+        self.every, self.copies = every, copies
+        self.timeout_s, self.connect_timeout_s = timeout_s, connect_timeout_s
+        self.log = log
+        self.rounds: dict[int, SnapshotRound] = {}
+        self._lock = threading.Lock()  # rounds: read by the status, filled by the exchange
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="peer-snapshots")
+        self._inflight: Future | None = None
+        self._inflight_step = -1
+        self._group: dist.ProcessGroup | None = None
+        self._epoch, self._first = -1, 0
+        self._outgoing: dict[int, list[Shard]] = {}
+        """Holder rank -> the shards this worker owns that it sends there, in order."""
+        self._incoming: dict[int, list[Shard]] = {}
+        """Owner rank -> the shards placed on this worker that it receives from there."""
+        self.bytes_sent = self.bytes_received = 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.every > 0
+
+    # ------------------------------------------------------------- epochs
+    def begin_epoch(self, engine: "Engine", epoch: int) -> None:
+        """After the epoch's layers are in place (collective: every worker of the epoch
+        makes the snapshot group). Rounds of steps the plan runs again (it went back to
+        an older step) are of a timeline the job left: dropped."""
+        plan = engine.plan
+        with self._lock:
+            self.rounds = {s: r for s, r in self.rounds.items() if s < plan.first_iteration}
+        self._epoch, self._first, self._group = epoch, plan.first_iteration, None
+        self._outgoing, self._incoming = {}, {}
+        if not self.enabled or len(plan.nodes()) < 2:
+            return  # one node: its own copies only (nowhere else to keep them)
+        self._group = dist.new_group(backend="gloo", timeout=timedelta(seconds=self.connect_timeout_s))
+        from planaria.runtime.groups import set_operation_timeout
+
+        set_operation_timeout(self._group, timedelta(seconds=self.timeout_s))
+        rank_of = plan.rank_of_worker()
+        me = plan.worker(engine.rank)
+        owner_of = owners(plan)
+        for shard, holders in sorted(snapshot_placement(plan, self.copies).items()):
+            for holder in holders:
+                if owner_of[shard] == me:
+                    self._outgoing.setdefault(rank_of[holder], []).append(shard)
+                if holder == me:
+                    self._incoming.setdefault(rank_of[owner_of[shard]], []).append(shard)
+
+    def end_epoch(self) -> None:
+        """Before the epoch's groups go: the exchange in flight ends (whole, or failed on a
+        peer gone or released: its round then keeps only this worker's own shards)."""
+        if self._inflight is not None:
+            try:
+                self._inflight.result()
+            except Exception as err:  # the epoch failed; its status says why
+                self.log(f"peer snapshot of step {self._inflight_step} not sent whole: "
+                         f"{str(err).splitlines()[0][:200] if str(err) else type(err).__name__}")
+            self._inflight = None
+        self._group = None  # destroyed with the epoch's world
+
+    # -------------------------------------------------------------- steps
+    def wait(self) -> None:
+        """Before a commit: the exchange of the last round is done (or raises: a peer of
+        it failed, and so does this epoch)."""
+        if self._inflight is not None:
+            future, self._inflight = self._inflight, None
+            future.result()
+
+    def after_step(self, engine: "Engine", last: bool) -> None:
+        """After each committed step of this epoch (the step's commit record is the
+        engine's): forget rounds no restore can need, then take one if it is due."""
+        step = engine.last_stepped
+        self._forget_before(step)
+        if not self.enabled or (step + 1) % self.every or last:
+            return
+        own = {(layer, engine.tp.rank): flatten_shard(engine, layer) for layer in engine.held_layers()}
+        current = SnapshotRound(engine.last_commit, self._epoch, own)
+        with self._lock:
+            self.rounds[step] = current
+        if self._group is not None and (self._outgoing or self._incoming):
+            self._inflight_step = step
+            self._inflight = self._pool.submit(self._exchange, self._group, current,
+                                               self._outgoing, self._incoming)
+
+    def _forget_before(self, step: int) -> None:
+        """Rounds of this epoch before `step` are whole on every holder (the commit of
+        `step` waited for them everywhere): keep the newest of them, and what is newer."""
+        whole = [s for s, r in self.rounds.items() if r.epoch == self._epoch and self._first <= s < step]
+        if whole:
+            newest = max(whole)
+            with self._lock:
+                self.rounds = {s: r for s, r in self.rounds.items() if s >= newest}
+
+    # ------------------------------------------------------------ reports
+    def held(self) -> tuple[SnapshotHeld, ...]:
+        """What this worker keeps, for its status."""
+        with self._lock:
+            return tuple(r.held() for _, r in sorted(self.rounds.items()))
+
+    def shards_of(self, held: SnapshotHeld) -> dict[Shard, FlatShard]:
+        """The shards this worker keeps of the round `held` names (step and epoch)."""
+        with self._lock:
+            found = self.rounds.get(held.step)
+            if found is None or found.epoch != held.epoch:
+                return {}
+            return dict(found.shards)
+
+    def host_bytes(self) -> int:
+        with self._lock:
+            return sum(shard_nbytes(f) for r in self.rounds.values() for f in r.shards.values())
+
+    # ----------------------------------------------------------- exchange
+    def _exchange(self, group, current: SnapshotRound, outgoing: dict[int, list[Shard]],
+                  incoming: dict[int, list[Shard]]) -> None:
+        """Send this worker's owned shards to their holders and receive the ones placed
+        here: headers first (each message's dtypes and sizes), then the data. The round
+        takes the received shards only once every one has arrived."""
+        sends = [(peer, i, current.shards[shard]) for peer, shards in outgoing.items()
+                 for i, shard in enumerate(shards)]
+        headers = {(peer, i): torch.empty(_HEADER, dtype=torch.int64) for peer, shards in incoming.items()
+                   for i in range(len(shards))}
+        # Tags: message i of a pair carries its header as 8i, its flat tensors as 8i+1+j.
+        ops = [dist.P2POp(dist.isend, _header(flat), peer, group=group, tag=8 * i) for peer, i, flat in sends]
+        ops += [dist.P2POp(dist.irecv, h, peer, group=group, tag=8 * i) for (peer, i), h in headers.items()]
+        _wait_all(ops)
+        buffers = {key: _buffers(h) for key, h in headers.items()}
+        ops = [dist.P2POp(dist.isend, t, peer, group=group, tag=8 * i + 1 + j)
+               for peer, i, flat in sends for j, t in enumerate(flat)]
+        ops += [dist.P2POp(dist.irecv, t, peer, group=group, tag=8 * i + 1 + j)
+                for (peer, i), flat in buffers.items() for j, t in enumerate(flat)]
+        _wait_all(ops)
+        received = {incoming[peer][i]: flat for (peer, i), flat in buffers.items()}
+        with self._lock:
+            current.shards.update(received)
+        self.bytes_sent += sum(shard_nbytes(flat) for _, _, flat in sends)
+        self.bytes_received += sum(shard_nbytes(flat) for flat in received.values())
+
+
+def _wait_all(ops: list) -> None:
+    for work in (dist.batch_isend_irecv(ops) if ops else []):
+        work.wait()
+
+
+def _header(flat: FlatShard) -> torch.Tensor:
+    header = torch.full((_HEADER,), -1, dtype=torch.int64)
+    for j, t in enumerate(flat):
+        header[2 * j], header[2 * j + 1] = _DTYPES.index(t.dtype), t.numel()
+    return header
+
+
+def _buffers(header: torch.Tensor) -> FlatShard:
+    values = header.tolist()
+    return tuple(torch.empty(values[j + 1], dtype=_DTYPES[values[j]])
+                 for j in range(0, len(values), 2) if values[j] >= 0)
