@@ -54,6 +54,11 @@ class Recovery:
     """Stages of each pipeline in that epoch."""
     transfers: int = 0
     """Layer shards copied between workers to enter it."""
+    source: str = ""
+    """Where that epoch's layer state came from: "replicas", "memory" (peer snapshots) or
+    "disk" (the checkpoint); empty when no reconfiguration followed."""
+    rerun: int = 0
+    """Committed steps trained again because the job went back (to a snapshot or checkpoint)."""
     note: str = ""
     rendezvous_s: float | None = None
     """From the epoch's publication to the slowest worker's process groups being up."""
@@ -78,9 +83,13 @@ class Report:
     max_loss_diff: float | None
     committed_steps_lost: int
     checkpoint_loads: int
+    """Reconfigurations that read the disk checkpoint (some layer lost every replica and
+    every peer snapshot)."""
     ettr: float | None
     wall_s: float
     recoveries: list[Recovery] = field(default_factory=list)
+    memory_restores: int = 0
+    """Reconfigurations that went back to a peer snapshot (some layer lost every replica)."""
     reference_step_s: float | None = None
     """The fault-free run's time a step on this machine (the ETTR's yardstick)."""
     own_step_s: float | None = None
@@ -228,7 +237,7 @@ def recoveries(faults: list[InjectedFault], events: list[EpochEvent], timings: d
             transfer_s=max(transfers) if transfers else None,
             total_s=None if resumed is None else resumed - fault.time,
             bytes_moved=moved, epoch=epoch, plan_shape=list(event.plan_shape),
-            transfers=event.transfers,
+            transfers=event.transfers, source=event.source, rerun=event.rerun,
             note=(f"{'arrived' if fault.fault.startswith('add-node') else 'struck'} while the "
                   f"reconfiguration to epoch {epoch} was under way; it took this in" if under_way else ""),
             rendezvous_s=max(rendezvous) if rendezvous else None,
@@ -306,7 +315,8 @@ def build_report(*, out_dir: Path, steps: int, outcome: str, faults: list[Inject
         completed=outcome == "ok" and len(losses) == steps, outcome=outcome, steps=steps,
         steps_committed=len(losses), max_loss_diff=max(diffs) if diffs else None,
         committed_steps_lost=lost,
-        checkpoint_loads=sum(1 for ev in events if ev.restored is not None),
+        checkpoint_loads=sum(1 for ev in events if ev.source == "disk"),
+        memory_restores=sum(1 for ev in events if ev.source == "memory"),
         ettr=ettr, wall_s=wall_s, recoveries=recoveries(faults, events, timings, logs),
         reference_step_s=reference.get("step_s"), own_step_s=own, ettr_own_steps=ettr_own,
         losses=losses, reference_losses=ref_losses,
@@ -415,7 +425,9 @@ def format_epoch_event(event: EpochEvent) -> str:
         f"cut off {', '.join(event.cut_off)}" if event.cut_off else "") if part)
     count = event.transfers
     copies = f"{count} layer cop{'y' if count == 1 else 'ies'} ({event.moved_bytes / 2**20:.2f} MiB)"
-    source = copies if event.restored is None else f"back to the checkpoint of step {event.restored}"
+    source = {"replicas": copies,
+              "memory": f"back to the peer snapshots of step {event.snapshot} ({event.rerun} step(s) again), {copies}",
+              "disk": f"back to the checkpoint of step {event.restored} ({event.rerun} step(s) again)"}[event.source]
     return (f"  [cyan]epoch {event.epoch}[/]: {event.reason} ({who or '-'}) -> pipelines of "
             f"{list(event.plan_shape)} stages from step {event.first_iteration}, {source}, "
             f"published {event.published_s - event.detected_s:.2f} s after detection")
@@ -425,12 +437,13 @@ def recovery_table(recoveries: list[Recovery]):
     from rich.table import Table
 
     table = Table(title="recoveries", title_justify="left")
-    for column in ("fault", "step", "detect", "release", "plan", "transfer", "total", "copies", "moved",
+    for column in ("fault", "step", "detect", "release", "plan", "transfer", "total", "source", "copies", "moved",
                    "plan shape", "step time"):
         table.add_column(column, justify="left" if column == "fault" else "right", no_wrap=True)
     for r in recoveries:
         table.add_row(r.fault, str(r.step), _fmt(r.detect_s, " s"), _fmt(r.release_s, " s"), _fmt(r.plan_s, " s"),
-                      _fmt(r.transfer_s, " s"), _fmt(r.total_s, " s"), str(r.transfers),
+                      _fmt(r.transfer_s, " s"), _fmt(r.total_s, " s"),
+                      (f"{r.source} (-{r.rerun})" if r.rerun else r.source) or "-", str(r.transfers),
                       "-" if not r.bytes_moved else f"{r.bytes_moved / 2**20:.2f} MiB",
                       "-" if r.plan_shape is None else str(r.plan_shape),
                       "-" if r.step_time_ratio is None else f"x{r.step_time_ratio:.2f}")
@@ -452,6 +465,7 @@ def verdict_table(report: Report):
     rows = [("completed", "yes" if report.completed else f"no ({report.outcome})"),
             ("steps committed", f"{report.steps_committed} of {report.steps}"),
             ("committed steps lost", str(report.committed_steps_lost)),
+            ("restores from peer memory", str(report.memory_restores)),
             ("checkpoint loads", str(report.checkpoint_loads)),
             ("max loss diff vs reference", diff),
             *([("max validation loss diff vs reference", f"{report.max_val_loss_diff:.2e}")]
