@@ -23,6 +23,7 @@ from planaria.templates.analytic import analytic_cost_model, hardware
 from planaria.templates.costs import CostModel, ModelShape
 from planaria.templates.partition import pipeline_iteration_time
 from planaria.templates.planner import Planner, PlanChoice, PlannerSettings
+from planaria.templates.snapshots import snapshot_host_bytes
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,20 @@ class PlanReport:
     tokens_per_s: float
     mfu: float
     peak_memory_bytes: int
+    snapshot_host_bytes: int = 0
+    """The most host memory a node's workers keep for peer snapshots (`checkpoint.memory_*`);
+    0 when they are off."""
+
+    def check_host_memory(self) -> None:
+        """ValueError, with the figures, when peer snapshots need more host memory on a
+        node than the hardware has (unknown hardware: not checked)."""
+        hw = self.planner.costs.hardware
+        if hw.host_memory_bytes and self.snapshot_host_bytes > hw.host_memory_bytes:
+            raise ValueError(
+                f"peer snapshots need {self.snapshot_host_bytes / 2**30:.1f} GiB of host memory on a node, "
+                f"a {hw.name} node has {hw.host_memory_bytes / 2**30:.1f} GiB: lower checkpoint.memory_copies, "
+                "or set checkpoint.memory_every=0 (the disk checkpoint is then the only source beyond "
+                "the replicas)")
 
 
 def cost_model(cfg: Config, *, hardware_name: str, gpus_per_node: int) -> CostModel:
@@ -56,7 +71,11 @@ def plan_job(cfg: Config, costs: CostModel, *, nodes: int, fault_tolerance: int)
     mfu = flops / (choice.iteration_time_s * devices * costs.hardware.peak_flops)
     peak = max(max(planner.template(len(p.stages)).partition.peak_memory_bytes)
                for p in choice.plan.pipelines)
-    return PlanReport(planner, choice, planning_time, tokens / choice.iteration_time_s, mfu, peak)
+    snapshots = 0
+    if cfg.checkpoint.memory_every:
+        snapshots = max(snapshot_host_bytes(choice.plan, cfg.checkpoint.memory_copies,
+                                            lambda layer: costs.layers[layer].state_bytes).values())
+    return PlanReport(planner, choice, planning_time, tokens / choice.iteration_time_s, mfu, peak, snapshots)
 
 
 def build_planner(cfg: Config, costs: CostModel, *, fault_tolerance: int | None = None) -> Planner:
@@ -96,6 +115,7 @@ def report_json(report: PlanReport) -> str:
         "plan": choice.plan.to_dict(),
         "estimate": {"iteration_time_s": choice.iteration_time_s, "tokens_per_s": report.tokens_per_s,
                      "mfu": report.mfu, "peak_memory_bytes": report.peak_memory_bytes,
+                     "snapshot_host_bytes": report.snapshot_host_bytes,
                      "replicas": choice.replicas, "degraded": choice.degraded},
     }, indent=1)
 
@@ -128,3 +148,7 @@ def print_report(report: PlanReport, console: Console) -> None:
     console.print(f"iteration {choice.iteration_time_s:.4g} s | {report.tokens_per_s:,.0f} tokens/s | "
                   f"MFU {report.mfu:.1%} | peak memory per device {report.peak_memory_bytes / 2**30:.2f} GiB "
                   f"of {hw.device_memory_bytes / 2**30:.1f} | planned in {report.planning_time_s:.3f} s")
+    if report.snapshot_host_bytes:
+        room = f" of {hw.host_memory_bytes / 2**30:.1f}" if hw.host_memory_bytes else ""
+        console.print(f"peer snapshots: {report.snapshot_host_bytes / 2**30:.2f} GiB of host memory per node "
+                      f"at most{room} (two rounds of its own layers and the copies it keeps for others)")

@@ -85,6 +85,10 @@ _GPU_PRESETS = {
 }
 _GPUS_PER_NODE = {"a100": 8, "h100": 8, "h200": 8,  # DGX/HGX nodes (vendor spec)
                   "v100": 1, "t4": 1}  # p3.2xlarge, g4dn.xlarge: the traces' instances
+# Host memory per GPU of those nodes (vendor spec): DGX A100 640GB and DGX H100 2 TB for 8
+# GPUs, HGX H200 servers as commonly built (2 TB); p3.2xlarge 61 GiB, g4dn.xlarge 16 GiB.
+_HOST_MEMORY_PER_GPU = {"a100": 2 * 10**12 // 8, "h100": 2 * 10**12 // 8, "h200": 2 * 10**12 // 8,
+                        "v100": 61 * 2**30, "t4": 16 * 2**30}
 
 
 def hardware(name: str, *, gpus_per_node: int | None = None) -> Hardware:
@@ -106,7 +110,9 @@ def hardware(name: str, *, gpus_per_node: int | None = None) -> Hardware:
         raise ValueError(f"gpus_per_node must be at least 1, got {gpus_per_node}")
     if name == "cpu":
         return _cpu_hardware(gpus_per_node or 1)
-    return Hardware(name=name, gpus_per_node=gpus_per_node or _GPUS_PER_NODE[name], **_GPU_PRESETS[name])
+    gpus = gpus_per_node or _GPUS_PER_NODE[name]
+    return Hardware(name=name, gpus_per_node=gpus, host_memory_bytes=gpus * _HOST_MEMORY_PER_GPU[name],
+                    **_GPU_PRESETS[name])
 
 
 @functools.lru_cache(maxsize=None)
@@ -116,7 +122,7 @@ def _cpu_hardware(gpus_per_node: int) -> Hardware:
     # The peak is what this CPU reaches on large float32 matmuls, so the layers reach
     # about all of it (smaller matmuls and elementwise ops reach less: efficiency 1.0
     # is an upper bound on speed, which the profiler corrects).
-    return Hardware(name="cpu", device_memory_bytes=physical // gpus_per_node,
+    return Hardware(name="cpu", device_memory_bytes=physical // gpus_per_node, host_memory_bytes=physical,
                     peak_flops=measure_cpu_flops(), gpus_per_node=gpus_per_node,
                     intra_node_bandwidth=bandwidth, inter_node_bandwidth=bandwidth,
                     matmul_efficiency=1.0, link_latency_s=latency)

@@ -141,6 +141,8 @@ class Hardware:
     """Fraction of peak that training layers reach; MFU of a well-run job."""
     link_latency_s: float = 1e-5
     """Fixed cost of one message: from the send being posted to the data arriving."""
+    host_memory_bytes: int = 0
+    """The node's host (CPU) memory, where peer snapshots are kept (0: unknown, not checked)."""
     message_overhead_s: float = 0.0
     """Time a worker is kept busy by each point-to-point message it sends or receives
     (posting it and completing it), on top of the latency, which the receiver can hide

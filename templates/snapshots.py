@@ -73,3 +73,27 @@ def owners(plan: Plan) -> dict[Shard, Worker]:
     """(layer, tp rank) -> the worker that sends the shard's snapshot: the first rank of
     its replica group (the one that speaks for the shard in checkpoints, too)."""
     return {shard: plan.worker(ranks[0]) for shard, ranks in plan.replica_groups().items()}
+
+
+SNAPSHOT_SHARE = 3 / 4
+"""Of a layer's state (master weight, gradient, two Adam moments, all as wide as the
+master weight: `LayerCost.state_bytes`), a snapshot keeps the weight and the moments."""
+
+ROUNDS_KEPT = 2
+"""Rounds a worker keeps at once: the newest one whole everywhere, and the one after it
+(`planaria.runtime.peer_snapshots`)."""
+
+
+def snapshot_host_bytes(plan: Plan, copies: int, state_bytes: Callable[[int], int]) -> dict[str, int]:
+    """Host memory each node's workers keep for peer snapshots: `ROUNDS_KEPT` rounds of
+    their own shards and of the copies placed on them. `state_bytes(layer)`: one
+    worker's state of the layer (its tp shard), as the cost model counts it."""
+    snapshot = lambda layer: int(state_bytes(layer) * SNAPSHOT_SHARE)  # noqa: E731
+    per_node = {node: 0 for node in plan.nodes()}
+    for pipeline in plan.pipelines:
+        for stage in pipeline.stages:
+            per_node[stage.node] += len(stage.ranks) * sum(snapshot(layer) for layer in stage.layers())
+    for (layer, _), holders in snapshot_placement(plan, copies, snapshot).items():
+        for node, _ in holders:
+            per_node[node] += snapshot(layer)
+    return {node: ROUNDS_KEPT * total for node, total in per_node.items()}

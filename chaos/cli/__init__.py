@@ -74,6 +74,7 @@ def _plan(args: argparse.Namespace) -> int:
         report = plan_job(cfg, costs, nodes=args.nodes,
                           fault_tolerance=(args.fault_tolerance if args.fault_tolerance is not None
                                            else cfg.fault_tolerance.f))
+        report.check_host_memory()
     except (ConfigError, ValueError) as err:
         print(f"planaria plan: {err}", file=sys.stderr)
         return 2

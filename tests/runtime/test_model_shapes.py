@@ -124,3 +124,24 @@ def test_tp_pieces_are_what_shard_says_and_unshard_inverts(kv_heads, tp):
 def test_the_small_gqa_config_is_grouped_query():
     cfg = load_config(CONFIGS / "tiny-gqa.yaml", ["parallel.tp=4", "parallel.pp=1"])  # tp 4 > 2 kv heads
     assert (cfg.model.n_heads, cfg.model.kv_heads, cfg.model.ffn_dim) == (4, 2, 256)
+
+
+def test_plan_prints_and_checks_the_host_memory_of_peer_snapshots(capsys):
+    """`planaria plan` prints the host memory peer snapshots take on a node, and refuses a
+    job whose nodes have less, with both figures and what to change."""
+    import dataclasses
+
+    from planaria.runtime.planning import cost_model, plan_job
+
+    assert main(["plan", str(CONFIGS / "llama3-8b.yaml"), "--nodes", "16", "--hardware", "h100"]) == 0
+    assert "GiB of host memory per node" in capsys.readouterr().out
+    cfg = load_config(CONFIGS / "llama3-8b.yaml")
+    costs = cost_model(cfg, hardware_name="h100", gpus_per_node=1)
+    report = plan_job(cfg, costs, nodes=16, fault_tolerance=1)
+    assert 0 < report.snapshot_host_bytes < costs.hardware.host_memory_bytes
+    small = dataclasses.replace(costs, hardware=dataclasses.replace(costs.hardware, host_memory_bytes=2**30))
+    with pytest.raises(ValueError, match=r"peer snapshots need \d+\.\d GiB of host memory on a node, "
+                                         r"a h100 node has 1\.0 GiB: lower checkpoint.memory_copies"):
+        plan_job(cfg, small, nodes=16, fault_tolerance=1).check_host_memory()
+    off = load_config(CONFIGS / "llama3-8b.yaml", ["checkpoint.memory_every=0"])
+    assert plan_job(off, small, nodes=16, fault_tolerance=1).snapshot_host_bytes == 0

@@ -73,3 +73,17 @@ def test_a_six_node_job_keeps_each_layer_through_four_failures():
     for failed in itertools.combinations(plan.nodes(), 4):
         assert lost_with(plan, 2, failed) == []
     assert lost_with(plan, 1, ["node0", "node2", "node4", "node1"]) == [0]  # one copy: not always
+
+
+def test_host_memory_counts_two_rounds_of_own_layers_and_kept_copies():
+    """Layer l's state is 16(l+1) bytes, its snapshot 12(l+1) (weight and two moments of
+    the four). By the placement (least loaded first, ties in node order), node0 keeps
+    copies of layers 2 and 3 (36 + 48 bytes) beside its own layers 0 and 1 (12 + 24)."""
+    from planaria.templates.layout import plan_from_layout
+    from planaria.templates.snapshots import snapshot_host_bytes
+
+    plan = plan_from_layout(layout=[[1, 2]] * 3, n_blocks=3, tp=1, schedule="1f1b", virtual_stages=1,
+                            global_batch=6, micro_batch=1)
+    placement = snapshot_placement(plan, 2, lambda layer: 12 * (layer + 1))
+    assert [layer for (layer, _), holders in sorted(placement.items()) if ("node0", 0) in holders] == [2, 3]
+    assert snapshot_host_bytes(plan, 2, lambda layer: 16 * (layer + 1))["node0"] == 2 * (12 + 24 + 36 + 48)
