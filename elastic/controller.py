@@ -11,9 +11,11 @@ reads and writes the job's store (keys in `planaria.runtime.contract.keys`, reco
    cannot reach each other (a partition: `planaria.elastic.reachability`), or a new
    worker is alive and reaches every node of the plan (it joins: the current epoch is
    asked to stop at the next iteration boundary).
-2. Wait a short debounce so that simultaneous failures are handled together, then for
-   the status of every live worker of the epoch; a worker that does not report within
-   `status_timeout_s` is hung: it is killed and counted as failed.
+2. Wait for the status of every live worker of the epoch; a worker that does not
+   report within `status_timeout_s` is hung: it is killed and counted as failed.
+   Simultaneous failures are handled together without a fixed debounce: a worker that
+   dies before it reports is no longer waited for, and one that dies after it reported
+   is dropped when the statuses are in (so the plan never counts on it).
 3. Decide: the exactly-once rule over the statuses (`resolve`), then the planner's
    plan for the largest group of surviving nodes that all reach each other (the
    others wait until they do), preferring the one that moves the least layer state,
@@ -83,7 +85,7 @@ class Controller:
     """Epoch decisions over a job's store (module docstring)."""
 
     def __init__(self, store: dist.Store, planner: Planner, *, total_steps: int,
-                 gpus_per_node: int = 1, status_timeout_s: float = 30.0, debounce_s: float = 0.3,
+                 gpus_per_node: int = 1, status_timeout_s: float = 30.0, debounce_s: float = 0.0,
                  max_epochs_without_progress: int = 5, log: Callable[[str], None] = print,
                  checkpoints: CheckpointPolicy | None = None,
                  interrupted: Callable[[], bool] = lambda: False,
@@ -107,6 +109,7 @@ class Controller:
         self.gpus_per_node = gpus_per_node
         self.status_timeout_s = status_timeout_s
         self.debounce_s = debounce_s
+        """A pause before the statuses are asked for (0: none; see the module docstring)."""
         self.max_stalled = max_epochs_without_progress
         self.log = log
         self.epoch = -1
@@ -242,8 +245,13 @@ class Controller:
         # stop at the next iteration boundary. Either way the epoch's rendezvous is
         # abandoned if it is still going on (a peer died before joining it).
         self.store.set(keys.epoch_reconfigure(self.epoch), reason)
-        time.sleep(self.debounce_s)
+        if self.debounce_s:
+            time.sleep(self.debounce_s)
         statuses = self._collect_statuses(members, alive_now, kill, released=reason == keys.FAILURE)
+        # One that died after it reported (a second failure a moment after the first) is
+        # failed too: its status is of no use to a plan that would count on it.
+        still = alive_now() - self._killed
+        statuses = {w: s for w, s in statuses.items() if w in still}
         statuses_s = time.time()
         self._check_leading()
         survivors = set(statuses)
