@@ -519,7 +519,12 @@ class Agent:
         return self.client.get(self.prefix + keys.LEADER)[0] == self.node.encode()
 
     def _alive_now(self) -> set[Worker]:
-        return {parse_worker_key(key) for key in self.client.keys_with_prefix(self.prefix + keys.ALIVE)}
+        """Workers under `alive/`, less those of nodes whose agent this node's probe found
+        gone (a refused connection: seen a second after the node died, its lease expires
+        seconds later; `planaria.elastic.peer_probe` says why this is safe)."""
+        gone = set(self.probe.gone) if self.probe is not None else set()
+        return {w for w in map(parse_worker_key, self.client.keys_with_prefix(self.prefix + keys.ALIVE))
+                if w[0] not in gone}
 
     def _kill(self, worker: Worker) -> None:
         self.store.set(f"kill/{worker_key(worker)}", "1")

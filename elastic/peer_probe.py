@@ -18,6 +18,16 @@ refusal) shows as a connection that times out. Why a window of seconds and sever
 tries: a slow or congested link (a straggler) loses a SYN now and then, and must not
 be taken for a cut; a probe that fails three times over 6 s is not congestion.
 
+A refused connection is another answer: the peer's host is up and nothing listens on
+its agent's port any more. Its agent is gone, and its workers with it (they die with
+their agent: PR_SET_PDEATHSIG), so a node reached before whose latest probe was refused
+is `gone`, and the leader counts its workers dead at once, a second after the node
+died, rather than when its etcd lease expires (5 s). This is as safe as that expiry:
+the leader still waits for every other worker's status, each published after that
+worker left the failed epoch, so a node counted dead by mistake (a firewall that
+answers with resets) cannot commit a step alone; it is planned without, and joins
+again once it is reached.
+
 Written here because no library probes TCP reachability for a peer set; it is a
 socket listener and a thread pool of connects.
 """
@@ -87,6 +97,8 @@ class PeerProbe:
         self.unreachable: list[str] = []
         self.never_reached: list[str] = []
         """Peers tried for longer than the window without a single success."""
+        self.gone: list[str] = []
+        """Peers reached before whose latest probe was refused: their agent is gone."""
         self._first_tried: dict[str, float] = {}
         self._last_ok: dict[str, float] = {}
         self._misses: dict[str, int] = {}
@@ -136,12 +148,13 @@ class PeerProbe:
         """Probe every peer once (concurrently) and update `unreachable`."""
         now = time.monotonic()
         results = dict(zip(peers, self._pool.map(self._connects, peers.values())))
-        for peer, ok in results.items():
+        for peer, answer in results.items():
             self._first_tried.setdefault(peer, now)
-            if ok:
+            if answer == "ok":
                 self._last_ok[peer], self._misses[peer] = time.monotonic(), 0
             else:
                 self._misses[peer] = self._misses.get(peer, 0) + 1
+        self.gone = sorted(p for p, answer in results.items() if answer == "refused" and p in self._last_ok)
         now = time.monotonic()
         self.unreachable = sorted(p for p in peers if p in self._last_ok and self._misses.get(p, 0) >= MIN_MISSES
                                   and now - self._last_ok[p] >= self.unreachable_after_s)
@@ -149,10 +162,13 @@ class PeerProbe:
                                     and now - self._first_tried[p] >= self.unreachable_after_s)
         return self.unreachable
 
-    def _connects(self, address: str) -> bool:
+    def _connects(self, address: str) -> str:
+        """"ok", "refused" (the host answered: nothing listens there) or "failed"."""
         host, _, port = address.rpartition(":")
         try:
             with socket.create_connection((host, int(port)), timeout=self.timeout_s):
-                return True
+                return "ok"
+        except ConnectionRefusedError:
+            return "refused"
         except OSError:
-            return False
+            return "failed"

@@ -57,7 +57,8 @@ def test_the_group_is_a_largest_set_that_all_reach_each_other(case):
 def test_the_probe_finds_a_peer_that_stopped_answering_and_sees_it_back():
     """A live listener is reachable; one whose port stops accepting (closed) turns
     unreachable only after the window and three misses, and reachable at one success.
-    A peer never reached is not reported (a configuration error, named apart)."""
+    Its refusals say at once that its agent is gone (`gone`: its workers are counted
+    dead). A peer never reached is not reported (a configuration error, named apart)."""
     peer = PeerProbe("peer", "127.0.0.1")
     probe = PeerProbe("me", "127.0.0.1", unreachable_after_s=0.3)
     try:
@@ -66,19 +67,20 @@ def test_the_probe_finds_a_peer_that_stopped_answering_and_sees_it_back():
         port = int(peer.address.rpartition(":")[2])
         peer.stop()
         assert probe.probe_once(peers) == []  # one miss is not a cut
+        assert probe.gone == ["peer"]  # but a refusal is an answer: nothing listens there
         probe.probe_once(peers)
         time.sleep(0.35)
         assert probe.probe_once(peers) == ["peer"]
         back = socket.create_server(("127.0.0.1", port))
         try:
-            assert probe.probe_once(peers) == []
+            assert probe.probe_once(peers) == [] and probe.gone == []
         finally:
             back.close()
         never = {"ghost": f"127.0.0.1:{port}"}  # closed from the start
         for _ in range(3):
             assert probe.probe_once(never) == []
         time.sleep(0.35)
-        assert probe.probe_once(never) == [] and probe.never_reached == ["ghost"]
+        assert probe.probe_once(never) == [] and probe.never_reached == ["ghost"] and probe.gone == []
     finally:
         probe.stop()
         peer.stop()
