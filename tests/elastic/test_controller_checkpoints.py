@@ -141,3 +141,48 @@ def test_shards_of_an_epoch_the_job_went_on_without_are_never_counted_nor_named(
     assert k == 9 and read_checkpoint_manifest(path).epoch == 1
     assert shard_dir(path) == epoch_dir(policy.directory, 9, 1)
     assert not epoch_dir(policy.directory, 9, 0).exists()
+
+
+def test_a_lost_layer_comes_from_the_newest_whole_peer_snapshot_of_the_jobs_own_history(tmp_path):
+    """Both nodes of the second stages die after step 9. The survivors keep peer
+    snapshots: step 8 whole (their own first stages and copies of the second ones), step
+    9 with a shard missing (its exchange was cut), and a step 9 of a timeline the job
+    left (an epoch that never committed it). The controller goes back to step 8, with
+    transfers from the keepers; a disk checkpoint newer than every whole snapshot wins."""
+    from planaria.runtime.contract.exactly_once import SnapshotHeld, WorkerStatus
+
+    cfg = load_config(TINY, ["fault_tolerance.f=1", "parallel.min_stages=2"])
+    planner = build_planner(cfg, cost_model(cfg, hardware_name="h100", gpus_per_node=1))
+    store = dist.HashStore()
+    policy = CheckpointPolicy(tmp_path / "ckpt", every=10, keep=2)
+    controller = Controller(store, planner, total_steps=100, checkpoints=policy, log=lambda m: None)
+    plan = controller.start([(f"node{i}", 0) for i in range(4)])
+    assert all(len(p.stages) == 2 for p in plan.pipelines) and len(plan.pipelines) == 2
+    survivors = sorted(p.stages[0].node for p in plan.pipelines)
+    rank = plan.rank_of_worker()
+    every_shard = tuple((layer, 0) for layer in range(plan.num_layers))
+
+    def held(step: int, shards, epoch: int = 0) -> SnapshotHeld:
+        return SnapshotHeld(commit=CommitRecord(step, 1.0 + step, 0.5), epoch=epoch, shards=tuple(shards))
+
+    statuses = {}
+    for i, node in enumerate(survivors):
+        own = tuple((layer, 0) for layer in plan.layers_of(rank[(node, 0)]))
+        snapshots = (held(8, every_shard if i == 0 else own),  # whole: the first keeps copies of the rest
+                     held(9, own),  # the exchange of 9 was cut: only their own shards
+                     held(9, every_shard, epoch=3))  # another timeline's: never counts
+        statuses[(node, 0)] = WorkerStatus(worker=(node, 0), last_stepped=9, state="incomplete",
+                                           commit=CommitRecord(9, 10.0, 0.5), holds=own, snapshots=snapshots)
+    choice, transfers, restore, snapshot, first = controller._next_plan(survivors, statuses, 10)
+    assert restore is None and snapshot.step == 8 and snapshot.commit.loss == 9.0 and first == 9
+    assert choice.plan.first_iteration == 9 and transfers
+    keeps = {w: {tuple(s) for h in st.snapshots if h.step == 8 and h.epoch == 0 for s in h.shards}
+             for w, st in statuses.items()}
+    for t in transfers:  # every copy comes from a worker that keeps that shard of step 8
+        assert (t.layer, t.tp_rank) in keeps[t.src] and (t.layer, t.tp_rank) not in keeps[t.dst]
+
+    write_shards(policy, 9, plan)  # a checkpoint of step 9, newer than the snapshot: it wins
+    complete_in_store(store, 9, plan.num_layers * plan.tp)
+    controller._complete_checkpoints()
+    choice, transfers, restore, snapshot, first = controller._next_plan(survivors, statuses, 10)
+    assert snapshot is None and restore == step_dir(policy.directory, 9) and first == 10 and transfers == []
