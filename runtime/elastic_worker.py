@@ -290,10 +290,11 @@ class ElasticWorker:
         # committed step from the logs.
         components = [Call(first_step), Call(lambda engine, ctx: self._record_commit(ctx.result, epoch)),
                       Call(lambda engine, ctx: self.checkpointer.after_step(engine, epoch)),
-                      Call(lambda engine, ctx: self.snapshots.after_step(engine, ctx.last)), evaluation,
+                      Call(lambda engine, ctx: self.snapshots.after_step(engine, ctx.result.busy, ctx.last)),
+                      evaluation,
                       Call(self._corrupt), Every(self.cfg.audit.every, self._audit)]
         if not run_steps(self.engine, self.dataset, self.cfg.data.seed, first, self.cfg.train.steps, components,
-                         request=request, before_commit=self.snapshots.wait):
+                         request=request, busy=self.snapshots.busy):
             raise _StopRequested()
 
     def _corrupt(self, engine: Engine, ctx) -> None:

@@ -97,6 +97,9 @@ class StepResult:
     tokens: int
     step_time_s: float
     stop_requested: bool = False
+    busy: int = 0
+    """Workers that said `busy` before this step's commit (their peer snapshot exchange
+    was still going on): the same on every worker."""
 
 
 @dataclass(frozen=True)
@@ -376,12 +379,13 @@ class Engine:
     # ------------------------------------------------------------- iteration
     def train_step(self, iteration: int, dataset, data_seed: int,
                    request: Callable[[], bool] | None = None,
-                   before_commit: Callable[[], None] | None = None) -> StepResult:
+                   busy: Callable[[], bool] | None = None) -> StepResult:
         """One iteration. `request`, when given, is asked before the commit whether this
         worker wants the job to stop after this iteration; the commit all-reduce carries
         the answer, so every worker learns the same (`StepResult.stop_requested`).
-        `before_commit`: called right before the commit (the peer snapshots' exchange of
-        an earlier step must be whole before this one can commit)."""
+        `busy`, likewise: whether background work of this worker that all must agree on
+        (the peer snapshots' exchange) is still going on; the commit counts them
+        (`StepResult.busy`), at no cost beyond one more number in its all-reduce."""
         if iteration != self.last_stepped + 1:
             raise RuntimeError(f"iteration {iteration} cannot run: this worker last stepped "
                                f"{self.last_stepped}")
@@ -395,16 +399,15 @@ class Engine:
         self._phase("sync", iteration)
         self._sync_gradients()
         self.synced = True
-        if before_commit is not None:
-            before_commit()
         self._phase("commit", iteration)
-        loss, grad_norm, stop = self._commit(losses, bool(request and request()))
+        loss, grad_norm, stop, busy_workers = self._commit(losses, bool(request and request()),
+                                                           bool(busy and busy()))
         record = CommitRecord(iteration, loss, grad_norm)
         self._phase("committed", iteration)
         lr = self._step(record)
         tokens = plan.global_batch * inputs.shape[1]
         return StepResult(iteration, loss, grad_norm, lr, tokens, time.perf_counter() - start,
-                          stop_requested=stop)
+                          stop_requested=stop, busy=busy_workers)
 
     def evaluate(self, dataset, data_seed: int, batches: int) -> float:
         """The mean loss of `batches` global batches of `dataset` (its iterations 0 ..
@@ -555,9 +558,10 @@ class Engine:
         for grad in copies[1:]:
             grad.copy_(total)
 
-    def _commit(self, losses: list[torch.Tensor], stop: bool = False) -> tuple[float, float, bool]:
-        """World all-reduce of [squared grad norm, loss, stop requests]; every rank gets
-        the same values.
+    def _commit(self, losses: list[torch.Tensor], stop: bool = False,
+                busy: bool = False) -> tuple[float, float, bool, int]:
+        """World all-reduce of [squared grad norm, loss, stop requests, busy workers];
+        every rank gets the same values.
 
         Each layer's norm is counted once (its replica group's first rank), and of its
         tp pieces each distinct one once (`LayerModel.counts_in_norm`: tensors replicated
@@ -573,10 +577,10 @@ class Engine:
         if counted:
             squared = torch.nn.utils.get_total_norm(counted, foreach=True).double().pow(2)
         loss = self._local_loss(losses)
-        requests = torch.tensor(float(stop), dtype=torch.float64, device=self.device)
-        vector = torch.stack([squared, loss, requests])
+        flags = torch.tensor([float(stop), float(busy)], dtype=torch.float64, device=self.device)
+        vector = torch.cat([torch.stack([squared, loss]), flags])
         dist.all_reduce(vector, group=self.groups.world)
-        return float(vector[1]), math.sqrt(float(vector[0])), bool(vector[2] > 0)
+        return float(vector[1]), math.sqrt(float(vector[0])), bool(vector[2] > 0), int(vector[3])
 
     def _is_tied_copy(self, layer: int, name: str) -> bool:
         """A tied weight's copy other than its first: its gradient is the first's."""

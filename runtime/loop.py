@@ -47,13 +47,13 @@ class StepComponent(Protocol):
 
 def run_steps(engine: Engine, dataset, data_seed: int, first: int, steps: int,
               components: Sequence[StepComponent], request: Callable[[], bool] | None = None,
-              before_commit: Callable[[], None] | None = None) -> bool:
+              busy: Callable[[], bool] | None = None) -> bool:
     """Train steps `first .. steps-1`, calling every component after each. Returns False
     when the commit of a step before the last agreed to stop (`request`: the control
-    plane wants a new epoch), True when the last step ran. `before_commit`: see
+    plane wants a new epoch), True when the last step ran. `busy`: see
     `Engine.train_step`."""
     for iteration in range(first, steps):
-        result = engine.train_step(iteration, dataset, data_seed, request=request, before_commit=before_commit)
+        result = engine.train_step(iteration, dataset, data_seed, request=request, busy=busy)
         ctx = StepContext(result, steps)
         for component in components:
             component.after_step(engine, ctx)

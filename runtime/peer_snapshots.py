@@ -13,14 +13,20 @@ keep in their memory (Gemini, SOSP 2023, over Oobleck's replicas). Every
    other nodes, and receives the ones placed on it, over a gloo group of the epoch's
    own (host memory moves over TCP even in an NCCL job; the training groups are never
    touched from that thread);
-3. before the commit of any later step, the worker waits for that exchange (`wait`).
+3. the commit of every later step carries, from every worker, whether its exchange is
+   still going on (`busy`: one more number in the commit's all-reduce, so all workers
+   learn the same count). When none is, a round is taken at that step if one is due,
+   and every round before it is known whole on every keeper; when some is, no round
+   is taken at that step, anywhere: training never waits for an exchange, and a link
+   too slow for one round a step stretches the interval instead (`skipped` counts it).
 
-So when a commit c completes anywhere, every worker of the epoch had finished its
-exchanges of the rounds before c: those rounds are whole on every holder, and a worker
-keeps only the newest of them and anything newer (two rounds at most). A round still
-arriving when a failure strikes is never reported (its received shards count only once
-all have arrived), so a restore never reads a half-written copy; the round before it
-is whole everywhere.
+So a worker keeps the newest round known whole everywhere and anything newer (two
+rounds at most, one of them in flight). A round still arriving when a failure strikes
+is never reported (its received shards count only once all have arrived), so a restore
+never reads a half-written copy; the round before it is whole everywhere. An exchange
+that fails (a peer gone: the epoch fails too; or a timeout on a slow link) leaves the
+worker `busy` until the epoch ends: no round is taken in it any more, and training
+goes on.
 
 Workers report what they keep in their status (`SnapshotHeld`); the controller picks
 the newest step whose every shard some survivor keeps, and workers restore from it
@@ -97,6 +103,9 @@ class PeerSnapshots:
         self._inflight_step = -1
         self._group: dist.ProcessGroup | None = None
         self._epoch, self._first = -1, 0
+        self._broken = False
+        self.skipped = 0
+        """Rounds that were due but not taken: some worker's exchange was still going on."""
         self._outgoing: dict[int, list[Shard]] = {}
         """Holder rank -> the shards this worker owns that it sends there, in order."""
         self._incoming: dict[int, list[Shard]] = {}
@@ -116,7 +125,7 @@ class PeerSnapshots:
         with self._lock:
             self.rounds = {s: r for s, r in self.rounds.items() if s < plan.first_iteration}
         self._epoch, self._first, self._group = epoch, plan.first_iteration, None
-        self._outgoing, self._incoming = {}, {}
+        self._outgoing, self._incoming, self._broken = {}, {}, False
         if not self.enabled or len(plan.nodes()) < 2:
             return  # one node: its own copies only (nowhere else to keep them)
         self._group = dist.new_group(backend="gloo", timeout=timedelta(seconds=self.connect_timeout_s))
@@ -146,19 +155,33 @@ class PeerSnapshots:
         self._group = None  # destroyed with the epoch's world
 
     # -------------------------------------------------------------- steps
-    def wait(self) -> None:
-        """Before a commit: the exchange of the last round is done (or raises: a peer of
-        it failed, and so does this epoch)."""
-        if self._inflight is not None:
+    def busy(self) -> bool:
+        """Asked before each commit: is this worker's exchange still going on (or did it
+        fail in this epoch)? Never waits."""
+        if self._inflight is not None and self._inflight.done():
             future, self._inflight = self._inflight, None
-            future.result()
+            try:
+                future.result()
+            except Exception as err:  # noqa: BLE001 - no more rounds this epoch; training goes on
+                self._broken = True
+                self.log(f"peer snapshot of step {self._inflight_step} not sent whole "
+                         f"({str(err).splitlines()[0][:200] if str(err) else type(err).__name__}); "
+                         "no more peer snapshots until the next epoch")
+        return self._inflight is not None or self._broken
 
-    def after_step(self, engine: "Engine", last: bool) -> None:
+    def after_step(self, engine: "Engine", busy: int, last: bool) -> None:
         """After each committed step of this epoch (the step's commit record is the
-        engine's): forget rounds no restore can need, then take one if it is due."""
+        engine's; `busy`: the workers whose exchange its commit found going on)."""
         step = engine.last_stepped
+        due = self.enabled and (step + 1) % self.every == 0 and not last
+        if busy:
+            self.skipped += due
+            if due and self.skipped == 1:
+                self.log(f"peer snapshot of step {step} skipped: {busy} worker(s) still sending the last "
+                         "one (a link too slow for the interval stretches it)")
+            return
         self._forget_before(step)
-        if not self.enabled or (step + 1) % self.every or last:
+        if not due:
             return
         own = {(layer, engine.tp.rank): flatten_shard(engine, layer) for layer in engine.held_layers()}
         current = SnapshotRound(engine.last_commit, self._epoch, own)
@@ -170,8 +193,8 @@ class PeerSnapshots:
                                                self._outgoing, self._incoming)
 
     def _forget_before(self, step: int) -> None:
-        """Rounds of this epoch before `step` are whole on every holder (the commit of
-        `step` waited for them everywhere): keep the newest of them, and what is newer."""
+        """Rounds of this epoch before `step` are whole on every keeper (no exchange was
+        going on anywhere at the commit of `step`): keep the newest of them, and what is newer."""
         whole = [s for s, r in self.rounds.items() if r.epoch == self._epoch and self._first <= s < step]
         if whole:
             newest = max(whole)
