@@ -1,0 +1,153 @@
+"""A worker's peer snapshots over the steps (planaria.runtime.peer_snapshots), its exchange
+held back or failing at will: what a restore may use, what is kept, and that a step never
+waits for an exchange.
+
+The exchange itself (gloo, between processes) is exercised by the recovery tests
+(tests/runtime/test_recovery.py); here it is replaced by a function the test releases,
+so that every interleaving of steps and exchanges can be set up exactly.
+"""
+from __future__ import annotations
+
+import dataclasses
+import threading
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from planaria.runtime import peer_snapshots
+from planaria.runtime.contract.exactly_once import CommitRecord
+from planaria.runtime.peer_snapshots import PeerSnapshots
+from planaria.templates.layout import plan_from_layout
+
+PLAN = plan_from_layout(layout=[[1, 2]] * 2, n_blocks=3, tp=1, schedule="1f1b", virtual_stages=1,
+                        global_batch=4, micro_batch=1)
+ME = ("node0", 0)  # first stage of pipeline 0: layers 0-1; copies of layers 2-4 land here
+
+
+class Engine(SimpleNamespace):
+    def held_layers(self):
+        return [0, 1]
+
+
+@pytest.fixture
+def snapshots(monkeypatch):
+    """PeerSnapshots of node0 with an exchange that waits for the test's word."""
+    gates: list[threading.Event] = []
+    outcome = {"fail": False}
+
+    def exchange(self, group, current, outgoing, incoming):
+        gate = threading.Event()
+        gates.append(gate)
+        gate.wait(10)
+        if outcome["fail"]:
+            raise RuntimeError("Connection closed by peer")
+        with self._lock:
+            current.shards.update({shard: (torch.zeros(1),) for shards in incoming.values() for shard in shards})
+
+    monkeypatch.setattr(PeerSnapshots, "_exchange", exchange)
+    monkeypatch.setattr(peer_snapshots, "flatten_shard", lambda engine, layer: (torch.full((1,), layer),))
+    monkeypatch.setattr(peer_snapshots.dist, "new_group", lambda **kwargs: "group")
+    monkeypatch.setattr("planaria.runtime.groups.set_operation_timeout", lambda group, timeout: None)
+    logs: list[str] = []
+    s = PeerSnapshots(1, 2, timeout_s=10, connect_timeout_s=10, log=logs.append)
+    engine = Engine(plan=PLAN, rank=PLAN.rank_of_worker()[ME], tp=SimpleNamespace(rank=0),
+                    last_stepped=-1, last_commit=None)
+    s.begin_epoch(engine, 0)
+    return SimpleNamespace(s=s, engine=engine, gates=gates, outcome=outcome, logs=logs)
+
+
+def step(t, iteration: int, busy: int | None = None) -> None:
+    """Commit `iteration`: its all-reduce counts this worker's `busy()` (and `busy` others)."""
+    mine = t.s.busy()
+    t.engine.last_stepped = iteration
+    t.engine.last_commit = CommitRecord(iteration, float(iteration), 1.0)
+    t.s.after_step(t.engine, int(mine) + (busy or 0), last=False)
+
+
+def kept(t) -> dict[int, list[int]]:
+    return {h.step: sorted(layer for layer, _ in h.shards) for h in t.s.held()}
+
+
+def release(t, index: int) -> None:
+    """Let exchange `index` (counted from the epoch's first) go on, once it has begun."""
+    for _ in range(500):
+        if len(t.gates) > index:
+            t.gates[index].set()
+            return
+        threading.Event().wait(0.01)
+    raise AssertionError(f"exchange {index} never began")
+
+
+def wait_idle(t) -> None:
+    for _ in range(200):
+        if not t.s.busy():
+            return
+        threading.Event().wait(0.01)
+    raise AssertionError("the exchange did not end")
+
+
+def test_a_round_counts_its_copies_only_once_all_arrived_and_two_rounds_are_kept(snapshots):
+    t = snapshots
+    step(t, 0)
+    assert kept(t) == {0: [0, 1]}  # own shards at once; the copies still in flight
+    release(t, 0)
+    wait_idle(t)
+    assert kept(t) == {0: [0, 1, 2, 3, 4]}
+    step(t, 1)  # nobody busy at its commit: round 0 whole everywhere, round 1 taken
+    release(t, 1)
+    wait_idle(t)
+    step(t, 2)
+    assert sorted(kept(t)) == [1, 2]  # round 0 forgotten: 1 is whole everywhere
+
+
+def test_a_step_never_waits_for_an_exchange_rounds_are_skipped_instead(snapshots):
+    t = snapshots
+    step(t, 0)
+    step(t, 1)  # this worker is still sending round 0: its commit says so, no round 1
+    step(t, 2, busy=1)  # another one still is: no round 2 either, on any worker
+    assert sorted(kept(t)) == [0] and t.s.skipped == 2
+    release(t, 0)
+    wait_idle(t)
+    step(t, 3)
+    assert sorted(kept(t)) == [0, 3]
+    release(t, 1)  # round 3's: the second exchange of the epoch, no other began
+    wait_idle(t)
+    assert len(t.gates) == 2
+
+
+def test_a_failed_exchange_ends_the_rounds_of_the_epoch_not_the_epoch(snapshots):
+    t = snapshots
+    step(t, 0)
+    release(t, 0)
+    wait_idle(t)
+    step(t, 1)
+    t.outcome["fail"] = True
+    release(t, 1)
+    for iteration in (2, 3, 4):
+        step(t, iteration)  # no exception: training goes on
+    for _ in range(200):  # until the failure is seen (asked, as before each commit)
+        if t.s.busy() and any("not sent whole" in line for line in t.logs):
+            break
+        threading.Event().wait(0.01)
+    step(t, 5)
+    assert kept(t) == {0: [0, 1, 2, 3, 4], 1: [0, 1]}  # round 1 keeps only its own shards
+    assert t.s.busy() and len(t.gates) == 2  # still "busy": no round is taken any more
+    assert any("not sent whole" in line for line in t.logs), t.logs
+    t.s.end_epoch()
+    t.s.begin_epoch(t.engine, 1)  # a new epoch takes rounds again
+    assert not t.s.busy()
+
+
+def test_rounds_the_next_plan_trains_again_are_dropped(snapshots):
+    t = snapshots
+    for iteration in range(3):
+        step(t, iteration)
+        release(t, iteration)
+        wait_idle(t)
+    assert sorted(kept(t)) == [1, 2]
+    t.s.end_epoch()
+    back = dataclasses.replace(PLAN, epoch=1, first_iteration=2)
+    t.engine.plan = back
+    t.s.begin_epoch(t.engine, 1)  # the job went back to step 1: round 2 is of a timeline it left
+    assert sorted(kept(t)) == [1]
