@@ -59,12 +59,18 @@ _HEADER = 2 * len(_DTYPES)
 """A message's header: (dtype code, number of elements) per flat tensor, -1 padded."""
 
 
-def flatten_shard(engine: "Engine", layer: int) -> FlatShard:
-    """A CPU copy of the shard of `layer` this worker holds, flat per dtype."""
+def flatten_shard(engine: "Engine", layer: int, into: FlatShard | None = None) -> FlatShard:
+    """A CPU copy of the shard of `layer` this worker holds, flat per dtype; written into
+    `into` (a forgotten round's copy of the same shard) when given, which spares the
+    allocation and the first touch of fresh pages at every step."""
     tensors = layer_state_tensors(engine.shard(layer), stepped=True)
+    groups = [[t.detach().reshape(-1).to("cpu") for t in group] for _, group in by_dtype(tensors)]
+    if into is not None and [t.dtype for t in into] == [g[0].dtype for g in groups] \
+            and [t.numel() for t in into] == [sum(p.numel() for p in g) for g in groups]:
+        return tuple(torch.cat(g, out=out) for g, out in zip(groups, into))
     # torch.cat always copies (a one-tensor `_flatten_dense_tensors` would be a view of
     # the live parameter, which the next step changes).
-    return tuple(torch.cat([t.detach().reshape(-1).to("cpu") for t in group]) for _, group in by_dtype(tensors))
+    return tuple(torch.cat(g) for g in groups)
 
 
 def shard_nbytes(flat: FlatShard) -> int:
@@ -101,6 +107,8 @@ class PeerSnapshots:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="peer-snapshots")
         self._inflight: Future | None = None
         self._inflight_step = -1
+        self._spare: dict[Shard, FlatShard] = {}
+        """Copies of forgotten rounds, written over by the next round's (one per shard)."""
         self._group: dist.ProcessGroup | None = None
         self._epoch, self._first = -1, 0
         self._broken = False
@@ -183,7 +191,8 @@ class PeerSnapshots:
         self._forget_before(step)
         if not due:
             return
-        own = {(layer, engine.tp.rank): flatten_shard(engine, layer) for layer in engine.held_layers()}
+        own = {(layer, engine.tp.rank): flatten_shard(engine, layer, self._spare.pop((layer, engine.tp.rank), None))
+               for layer in engine.held_layers()}
         current = SnapshotRound(engine.last_commit, self._epoch, own)
         with self._lock:
             self.rounds[step] = current
@@ -199,7 +208,13 @@ class PeerSnapshots:
         if whole:
             newest = max(whole)
             with self._lock:
+                forgotten = [r for s, r in self.rounds.items() if s < newest]
                 self.rounds = {s: r for s, r in self.rounds.items() if s >= newest}
+            # Their copies are no longer read by anyone (no restore is under way in an
+            # epoch that trains, and the exchange in flight uses the newest round's): the
+            # next round writes into them.
+            for old in forgotten:
+                self._spare.update(old.shards)
 
     # ------------------------------------------------------------ reports
     def held(self) -> tuple[SnapshotHeld, ...]:
@@ -233,7 +248,7 @@ class PeerSnapshots:
         ops = [dist.P2POp(dist.isend, _header(flat), peer, group=group, tag=8 * i) for peer, i, flat in sends]
         ops += [dist.P2POp(dist.irecv, h, peer, group=group, tag=8 * i) for (peer, i), h in headers.items()]
         _wait_all(ops)
-        buffers = {key: _buffers(h) for key, h in headers.items()}
+        buffers = {key: _buffers(h, self._spare.pop(incoming[key[0]][key[1]], None)) for key, h in headers.items()}
         ops = [dist.P2POp(dist.isend, t, peer, group=group, tag=8 * i + 1 + j)
                for peer, i, flat in sends for j, t in enumerate(flat)]
         ops += [dist.P2POp(dist.irecv, t, peer, group=group, tag=8 * i + 1 + j)
@@ -258,7 +273,11 @@ def _header(flat: FlatShard) -> torch.Tensor:
     return header
 
 
-def _buffers(header: torch.Tensor) -> FlatShard:
+def _buffers(header: torch.Tensor, spare: FlatShard | None = None) -> FlatShard:
+    """Receive buffers for the message `header` describes: `spare` (a forgotten copy of
+    the same shard) when its dtypes and sizes match."""
     values = header.tolist()
-    return tuple(torch.empty(values[j + 1], dtype=_DTYPES[values[j]])
-                 for j in range(0, len(values), 2) if values[j] >= 0)
+    wanted = [(_DTYPES[values[j]], values[j + 1]) for j in range(0, len(values), 2) if values[j] >= 0]
+    if spare is not None and [(t.dtype, t.numel()) for t in spare] == wanted:
+        return spare
+    return tuple(torch.empty(numel, dtype=dtype) for dtype, numel in wanted)

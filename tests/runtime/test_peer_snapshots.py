@@ -46,7 +46,7 @@ def snapshots(monkeypatch):
             current.shards.update({shard: (torch.zeros(1),) for shards in incoming.values() for shard in shards})
 
     monkeypatch.setattr(PeerSnapshots, "_exchange", exchange)
-    monkeypatch.setattr(peer_snapshots, "flatten_shard", lambda engine, layer: (torch.full((1,), layer),))
+    monkeypatch.setattr(peer_snapshots, "flatten_shard", lambda engine, layer, into=None: (torch.full((1,), layer),))
     monkeypatch.setattr(peer_snapshots.dist, "new_group", lambda **kwargs: "group")
     monkeypatch.setattr("planaria.runtime.groups.set_operation_timeout", lambda group, timeout: None)
     logs: list[str] = []
@@ -151,3 +151,24 @@ def test_rounds_the_next_plan_trains_again_are_dropped(snapshots):
     t.engine.plan = back
     t.s.begin_epoch(t.engine, 1)  # the job went back to step 1: round 2 is of a timeline it left
     assert sorted(kept(t)) == [1]
+
+
+def test_a_copy_is_the_shards_bits_apart_from_it_and_reuses_a_forgotten_ones_memory():
+    """`flatten_shard` copies (a later step leaves the copy as it was), written into a
+    forgotten copy's tensors when given one, and `load_flat` puts it back bit for bit."""
+    from planaria.runtime.transfer import layer_state_tensors, load_flat
+    from tests.runtime.test_optimizer_state import stepped_layer
+
+    state = stepped_layer("cpu", seed=0)
+    engine = SimpleNamespace(shard=lambda layer: state)
+    before = [t.clone() for t in layer_state_tensors(state, True)]
+    copy = peer_snapshots.flatten_shard(engine, 0)
+    with torch.no_grad():
+        for p in state.module.parameters():
+            p.add_(1.0)
+    other = stepped_layer("cpu", seed=1)
+    load_flat(other, copy)
+    assert all(torch.equal(a, b) for a, b in zip(before, layer_state_tensors(other, True)))
+    again = peer_snapshots.flatten_shard(engine, 0, into=copy)
+    assert all(a.data_ptr() == b.data_ptr() for a, b in zip(again, copy))
+    assert all(torch.equal(a, b) for a, b in zip(again, peer_snapshots.flatten_shard(engine, 0)))
