@@ -12,7 +12,10 @@ as `planaria.elastic`'s launchers and the tests' harness start workers. Per epoc
    then `Engine.enter_epoch`, with the record's transfers or checkpoint (a worker
    joining a running job receives its layers like any other);
 4. train from the plan's first iteration; the commit all-reduce also carries "the
-   control plane asked to stop here" (a node joins), so all stop after the same step;
+   control plane asked to stop here" (a node joins), so all stop after the same step,
+   and whether the peer snapshots' exchange is still going on; after each step, a peer
+   snapshot when one is due (`planaria.runtime.peer_snapshots`: a record may restore
+   from them in step 3 when a layer lost every replica);
 5. at the end, save the final parameters and report "finished", then wait: the job is
    over only when the control plane says so (a late failure may still need this
    worker's layers).

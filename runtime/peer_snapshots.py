@@ -44,6 +44,7 @@ import torch
 import torch.distributed as dist
 
 from planaria.runtime.contract.exactly_once import CommitRecord, SnapshotHeld
+from planaria.runtime.groups import set_operation_timeout
 from planaria.runtime.transfer import by_dtype, layer_state_tensors
 from planaria.templates.snapshots import Shard, owners, snapshot_placement
 
@@ -137,8 +138,6 @@ class PeerSnapshots:
         if not self.enabled or len(plan.nodes()) < 2:
             return  # one node: its own copies only (nowhere else to keep them)
         self._group = dist.new_group(backend="gloo", timeout=timedelta(seconds=self.connect_timeout_s))
-        from planaria.runtime.groups import set_operation_timeout
-
         set_operation_timeout(self._group, timedelta(seconds=self.timeout_s))
         rank_of = plan.rank_of_worker()
         me = plan.worker(engine.rank)

@@ -48,7 +48,7 @@ def snapshots(monkeypatch):
     monkeypatch.setattr(PeerSnapshots, "_exchange", exchange)
     monkeypatch.setattr(peer_snapshots, "flatten_shard", lambda engine, layer, into=None: (torch.full((1,), layer),))
     monkeypatch.setattr(peer_snapshots.dist, "new_group", lambda **kwargs: "group")
-    monkeypatch.setattr("planaria.runtime.groups.set_operation_timeout", lambda group, timeout: None)
+    monkeypatch.setattr(peer_snapshots, "set_operation_timeout", lambda group, timeout: None)
     logs: list[str] = []
     s = PeerSnapshots(1, 2, timeout_s=10, connect_timeout_s=10, log=logs.append)
     engine = Engine(plan=PLAN, rank=PLAN.rank_of_worker()[ME], tp=SimpleNamespace(rank=0),
