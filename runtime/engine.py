@@ -578,7 +578,7 @@ class Engine:
             squared = torch.nn.utils.get_total_norm(counted, foreach=True).double().pow(2)
         loss = self._local_loss(losses)
         flags = torch.tensor([float(stop), float(busy)], dtype=torch.float64, device=self.device)
-        vector = torch.cat([torch.stack([squared, loss]), flags])
+        vector = torch.cat([squared.view(1), loss.view(1), flags])
         dist.all_reduce(vector, group=self.groups.world)
         return float(vector[1]), math.sqrt(float(vector[0])), bool(vector[2] > 0), int(vector[3])
 

@@ -74,10 +74,6 @@ def flatten_shard(engine: "Engine", layer: int, into: FlatShard | None = None) -
     return tuple(torch.cat(g) for g in groups)
 
 
-def shard_nbytes(flat: FlatShard) -> int:
-    return sum(t.numel() * t.element_size() for t in flat)
-
-
 @dataclass
 class SnapshotRound:
     """One step's snapshot as this worker keeps it."""
@@ -119,7 +115,6 @@ class PeerSnapshots:
         """Holder rank -> the shards this worker owns that it sends there, in order."""
         self._incoming: dict[int, list[Shard]] = {}
         """Owner rank -> the shards placed on this worker that it receives from there."""
-        self.bytes_sent = self.bytes_received = 0
 
     @property
     def enabled(self) -> bool:
@@ -229,10 +224,6 @@ class PeerSnapshots:
                 return {}
             return dict(found.shards)
 
-    def host_bytes(self) -> int:
-        with self._lock:
-            return sum(shard_nbytes(f) for r in self.rounds.values() for f in r.shards.values())
-
     # ----------------------------------------------------------- exchange
     def _exchange(self, group, current: SnapshotRound, outgoing: dict[int, list[Shard]],
                   incoming: dict[int, list[Shard]]) -> None:
@@ -256,8 +247,6 @@ class PeerSnapshots:
         received = {incoming[peer][i]: flat for (peer, i), flat in buffers.items()}
         with self._lock:
             current.shards.update(received)
-        self.bytes_sent += sum(shard_nbytes(flat) for _, _, flat in sends)
-        self.bytes_received += sum(shard_nbytes(flat) for flat in received.values())
 
 
 def _wait_all(ops: list) -> None:
