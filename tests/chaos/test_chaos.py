@@ -84,20 +84,24 @@ def assert_nothing_lost(proc, tmp_path, steps: int) -> dict:
     return report
 
 
-def assert_cut_off_then_back(tmp_path) -> str:
-    """The partition of nodes 4 and 5: one failure that planned them out, one join that
-    took them back (every node trains again), no other epoch (no loop of failing
-    epochs); the agents' logs, for more checks."""
+def assert_cut_off_then_back(tmp_path, nodes: list[str]) -> str:
+    """The partition of `nodes`: one failure that planned them out, one join that took
+    them back (every node trains again), no other epoch (no loop of failing epochs); the
+    agents' logs, for more checks."""
     logs = "".join(p.read_text() for p in (tmp_path / "out" / "run" / "logs").glob("agent-*.log"))
-    assert "cut off ['node4', 'node5']" in logs and "joined ['node4.0', 'node5.0']" in logs
+    assert f"cut off {nodes}" in logs and f"joined {[f'{n}.0' for n in nodes]}" in logs
     epochs = re.findall(r"controller: epoch (\d+) \((\w+);", logs)
     assert [reason for _, reason in epochs] == ["failure", "join"], epochs
     return logs
 
 
-HOSTS_4 = ["--nodes", "4", "--hosts", "parallel.min_stages=2", "train.steps=150", "checkpoint.every=5",
+STEPS_4 = 150
+HOSTS_4 = ["--nodes", "4", "--hosts", "parallel.min_stages=2", f"train.steps={STEPS_4}", "checkpoint.every=5",
            "checkpoint.keep=1000"]
-"""The 4-node runs on hosts share these (and so their reference run)."""
+"""The 4-node runs on hosts of one fault share these (and so their reference run)."""
+NET_STEPS = 320
+"""The run of every network fault kind: enough steps for its faults, started at steps, to
+heal and the cut-off nodes to train again on a machine several times faster than 2 cores."""
 
 
 @pytest.mark.slow  # the default suite's time (~15 min on 2 cores): `make test-slow`
@@ -122,7 +126,7 @@ def test_silent_peers_cost_seconds_not_the_collective_timeout(tmp_path, cache):
     assert "released its collectives" in "".join(p.read_text() for p in (tmp_path / "out" / "run" / "logs").glob("node*.log"))
 
 
-@pytest.mark.slow  # ~2 min; the isolated node's test below runs on hosts in the default suite
+@pytest.mark.slow  # ~2 min; every network fault kind runs on hosts in the default suite (below)
 @pytest.mark.multiprocess
 @pytest.mark.timeout(600)
 @pytest.mark.skipif(hosts_unavailable() is not None, reason=hosts_unavailable() or "")
@@ -141,34 +145,60 @@ def test_nodes_as_hosts_talk_over_their_own_addresses(tmp_path, cache):
 @pytest.mark.multiprocess
 @pytest.mark.timeout(600)
 @pytest.mark.skipif(hosts_unavailable() is not None, reason=hosts_unavailable() or "")
-def test_an_isolated_node_is_fenced_then_comes_back_as_a_new_one(tmp_path, cache):
-    """--hosts: node1's packets vanish for 10 s (connections open, nothing answers, its
-    etcd lease lapses). The others go on without it (released on the leader's decision;
-    a leader cut off steps down rather than act on what it saw). Its worker is fenced: it
-    commits nothing after the cut, and when its epoch fails it writes its layers as the
-    next checkpoint's and reports them (PLANARIA_LATE_WRITER), which no manifest ever
-    names. When its link heals, its layers are of an old step: it joins as a new worker,
-    receiving its layers. Nothing lost, losses as without faults."""
-    proc = chaos([*HOSTS_4, "--fault", "isolate-node@5:target=1:for=10"], tmp_path, cache,
-                 env={"PLANARIA_LATE_WRITER": "node1.0"})
-    report = assert_nothing_lost(proc, tmp_path, 150)
-    (isolated,) = report["recoveries"]
+def test_every_network_fault_kind_in_one_run(tmp_path, cache):
+    """--hosts, 4 nodes, 3 etcd members, one run of every network fault kind in turn:
+
+    - node1's packets vanish for 8 s (connections open, nothing answers, its etcd lease
+      lapses). The others go on without it (released on the leader's decision). Its
+      worker is fenced: it commits nothing after the cut, and when its epoch fails it
+      writes its layers as the next checkpoint's and reports them
+      (PLANARIA_LATE_WRITER), which no manifest ever names. Healed, its layers are of an
+      old step: it joins as a new worker, receiving its layers.
+    - node2's link at 1 Mbit/s for 5 s: slower steps, no reconfiguration.
+    - etcd member 0, the one every agent talks to first, cut off from the other two for
+      5 s: the agents fail over, no lease lapses, nothing changes.
+    - node3 cut off from the other three for 12 s (four lease TTLs; the leader waits
+      for the cut to be seen from both sides, a few seconds, before it plans), both
+      sides still reaching etcd: the leader ends the epoch, plans over the three, which
+      hold every layer, keeps node3 waiting, and plans it in once healed.
+
+    Faults start at steps (not seconds) so that they come in this order on a machine of
+    any speed. Nothing lost, losses as without faults. (Each fault alone, at length, and
+    on 6 nodes: the slow tests below.)"""
+    proc = chaos(["--nodes", "4", "--hosts", "--etcd-members", "3", "parallel.min_stages=2",
+                  f"train.steps={NET_STEPS}", "checkpoint.every=5", "checkpoint.keep=1000",
+                  "--fault", "isolate-node@5:target=1:for=8", "--fault", "slow-link@90:target=2:for=5",
+                  "--fault", "isolate-etcd-member@130:target=0:for=5", "--fault", "partition@170:target=3:for=12"],
+                 tmp_path, cache, env={"PLANARIA_LATE_WRITER": "node1.0"})
+    report = assert_nothing_lost(proc, tmp_path, NET_STEPS)
+    isolated, slow, etcd, cut = report["recoveries"]
     assert isolated["total_s"] is not None and isolated["total_s"] <= 10, isolated
     assert isolated["release_s"] is not None and isolated["release_s"] < 1.0, isolated
+    assert slow["note"] == "no reconfiguration needed" and slow["step_time_ratio"] > 3, slow
+    assert etcd["note"] == "etcd member: no reconfiguration needed", etcd
+    assert cut["fault"].startswith("partition") and cut["plan_shape"] == [3], cut
     run = tmp_path / "out" / "run"
+    agents = "".join(p.read_text() for p in (run / "logs").glob("agent-*.log"))
+    assert "cut off ['node3']" in agents and "joined ['node3.0']" in agents, agents[-3000:]
+    epochs = re.findall(r"controller: epoch (\d+) \((\w+);", agents)
+    assert [reason for _, reason in epochs] == ["failure", "join", "failure", "join"], epochs
+    assert agents.count("registering again") == 1, agents  # node1's, isolated; no other lease lapsed
+    assert_fenced(run, "node1.0")
+
+
+def assert_fenced(run, worker: str) -> None:
+    """`worker`, cut off and back, joined as a new worker; it committed nothing between
+    the cut and its return; the checkpoint it wrote late (PLANARIA_LATE_WRITER) is named
+    by no manifest: each names the shards of the epoch that committed its step."""
     logs = "".join(p.read_text() for p in (run / "logs").glob("*.log"))
     assert "it was left out; joining as a new worker" in logs
-    assert "joined ['node1.0']" in logs  # back in the job
+    assert f"joined ['{worker}']" in logs  # back in the job
     late = re.search(r"wrote its layers of step (\d+) as checkpoint (\d+)'s, late", logs)
     assert late, logs[-3000:]
     late_step, late_checkpoint = int(late[1]), int(late[2])
-    # Commits: nothing of node1.0 between its cut and its return as a new worker.
-    resumed = min(json.loads(line)["step"] for line in (run / "commits-node1.0.jsonl").read_text().splitlines()
-                  if json.loads(line)["epoch"] > 0)
-    mine = [json.loads(line)["step"] for line in (run / "commits-node1.0.jsonl").read_text().splitlines()]
-    assert not [k for k in mine if late_step < k < resumed], mine
-    # Checkpoints: each names the shards of the epoch that committed its step; the late
-    # ones (epoch 0's, of a step after the cut) are named by none.
+    commits = [json.loads(line) for line in (run / f"commits-{worker}.jsonl").read_text().splitlines()]
+    resumed = min(c["step"] for c in commits if c["epoch"] > 0)
+    assert not [c["step"] for c in commits if late_step < c["step"] < resumed], commits
     found = complete_checkpoints(run / "checkpoints")
     assert late_checkpoint in [k for k, _ in found], found
     for k, path in found:
@@ -177,18 +207,32 @@ def test_an_isolated_node_is_fenced_then_comes_back_as_a_new_one(tmp_path, cache
         assert (epoch == 0) == (k <= late_step), (k, epoch)
 
 
+@pytest.mark.slow  # ~1.5 min; every network fault kind is in the one run above, in the default suite
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+@pytest.mark.skipif(hosts_unavailable() is not None, reason=hosts_unavailable() or "")
+def test_an_isolated_node_is_fenced_then_comes_back_as_a_new_one(tmp_path, cache):
+    """--hosts: node1's packets vanish for 10 s, alone (the run above has the same
+    fault among others): fenced, then back as a new worker; nothing lost."""
+    proc = chaos([*HOSTS_4, "--fault", "isolate-node@5:target=1:for=10"], tmp_path, cache,
+                 env={"PLANARIA_LATE_WRITER": "node1.0"})
+    report = assert_nothing_lost(proc, tmp_path, STEPS_4)
+    (isolated,) = report["recoveries"]
+    assert isolated["total_s"] is not None and isolated["total_s"] <= 10, isolated
+    assert isolated["release_s"] is not None and isolated["release_s"] < 1.0, isolated
+    assert_fenced(tmp_path / "out" / "run", "node1.0")
+
+
+@pytest.mark.slow  # ~3 min; every network fault kind is in one run in the default suite
 @pytest.mark.multiprocess
 @pytest.mark.timeout(900)
 @pytest.mark.skipif(hosts_unavailable() is not None, reason=hosts_unavailable() or "")
-def test_a_slow_link_an_etcd_minority_and_a_partition_in_one_run(tmp_path, cache):
-    """--hosts, 6 nodes, 3 etcd members, f=1, one run of the network faults the isolated
-    node's test leaves: node1's link at 1 Mbit/s for 8 s (slower steps, no
-    reconfiguration); etcd member 0, the one every agent talks to first, cut off from the
-    other two for 8 s (the agents fail over, no lease lapses, nothing changes); then nodes
-    4 and 5 cut off from the other four for 12 s (four lease TTLs), both sides still reaching etcd (the
-    leader ends the epoch, plans over the four, which hold every layer, keeps the two
-    waiting, and plans them in once healed). One failure and one join in all; nothing
-    lost, losses as without faults. (Each fault alone, at length: the slow tests below.)"""
+def test_a_slow_link_an_etcd_minority_and_a_partition_on_six_nodes(tmp_path, cache):
+    """--hosts, 6 nodes, 3 etcd members, f=1: node1's link at 1 Mbit/s for 8 s (slower
+    steps, no reconfiguration); etcd member 0 cut off from the other two for 8 s (the
+    agents fail over, no lease lapses, nothing changes); then nodes 4 and 5 cut off from
+    the other four for 12 s (four lease TTLs), both sides still reaching etcd (the leader
+    plans over the four, which hold every layer, and plans the two in once healed)."""
     proc = chaos(["--nodes", "6", "--hosts", "--etcd-members", "3", "--fault-tolerance", "1",
                   "--fault", "slow-link@5:target=1:for=8", "--fault", "isolate-etcd-member@15:target=0:for=8",
                   "--fault", "partition@15+9:target=4+5:for=12", "parallel.min_stages=2", "train.steps=200"],
@@ -198,7 +242,7 @@ def test_a_slow_link_an_etcd_minority_and_a_partition_in_one_run(tmp_path, cache
     assert slow["note"] == "no reconfiguration needed" and slow["step_time_ratio"] > 3, slow
     assert etcd["note"] == "etcd member: no reconfiguration needed", etcd
     assert cut["fault"].startswith("partition") and cut["plan_shape"] == [2, 2], cut
-    logs = assert_cut_off_then_back(tmp_path)
+    logs = assert_cut_off_then_back(tmp_path, ["node4", "node5"])
     assert "registering again" not in logs  # no lease lapsed
 
 
@@ -218,7 +262,7 @@ def test_a_partition_trains_on_its_larger_side_then_on_every_node_again(tmp_path
     report = assert_nothing_lost(proc, tmp_path, 120)
     (cut,) = report["recoveries"]
     assert cut["fault"] == "partition@5:target=4+5:for=20" and cut["plan_shape"] == [2, 2], cut
-    assert_cut_off_then_back(tmp_path)
+    assert_cut_off_then_back(tmp_path, ["node4", "node5"])
 
 
 @pytest.mark.slow  # the default suite's time (~15 min on 2 cores): `make test-slow`
@@ -230,7 +274,7 @@ def test_a_slow_link_slows_the_job_and_is_not_taken_for_a_failure(tmp_path, cach
     activations and gradients cross it), so the steps that end meanwhile are many times
     slower, but nothing is declared failed: no probe sees a cut, no epoch ends."""
     proc = chaos([*HOSTS_4, "--fault", "slow-link@5:target=1:for=10"], tmp_path, cache)
-    report = assert_nothing_lost(proc, tmp_path, 150)
+    report = assert_nothing_lost(proc, tmp_path, STEPS_4)
     (slow,) = report["recoveries"]
     assert slow["note"] == "no reconfiguration needed" and slow["step_time_ratio"] > 3, slow
     logs = "".join(p.read_text() for p in (tmp_path / "out" / "run" / "logs").glob("agent-*.log"))
@@ -248,7 +292,7 @@ def test_an_etcd_member_cut_off_from_the_others_changes_nothing(tmp_path, cache)
     lease lapses, and the job trains on without a reconfiguration."""
     proc = chaos([*HOSTS_4, "--etcd-members", "3", "--fault", "isolate-etcd-member@5:target=0:for=10"],
                  tmp_path, cache)
-    report = assert_nothing_lost(proc, tmp_path, 150)
+    report = assert_nothing_lost(proc, tmp_path, STEPS_4)
     (cut,) = report["recoveries"]
     assert cut["note"] == "etcd member: no reconfiguration needed", cut
     logs = "".join(p.read_text() for p in (tmp_path / "out" / "run" / "logs").glob("agent-*.log"))
