@@ -12,7 +12,10 @@ keep in their memory (Gemini, SOSP 2023, over Oobleck's replicas). Every
    group) to the workers `planaria.templates.snapshots.snapshot_placement` names on
    other nodes, and receives the ones placed on it, over a gloo group of the epoch's
    own (host memory moves over TCP even in an NCCL job; the training groups are never
-   touched from that thread);
+   touched from that thread). That thread, and the gloo threads of the group it makes,
+   run at idle priority (`SCHED_IDLE`): they take only CPU time training leaves (its
+   waits on peers, the pipeline's bubbles), so on a host whose cores training keeps
+   busy the exchange slows down, not the step;
 3. the commit of every later step carries, from every worker, whether its exchange is
    still going on (`busy`: one more number in the commit's all-reduce, so all workers
    learn the same count). When none is, a round is taken at that step if one is due,
@@ -34,6 +37,7 @@ the newest step whose every shard some survivor keeps, and workers restore from 
 """
 from __future__ import annotations
 
+import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -101,7 +105,8 @@ class PeerSnapshots:
         self.log = log
         self.rounds: dict[int, SnapshotRound] = {}
         self._lock = threading.Lock()  # rounds: read by the status, filled by the exchange
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="peer-snapshots")
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="peer-snapshots",
+                                        initializer=_idle_priority)
         self._inflight: Future | None = None
         self._inflight_step = -1
         self._spare: dict[Shard, FlatShard] = {}
@@ -132,7 +137,11 @@ class PeerSnapshots:
         self._outgoing, self._incoming, self._broken = {}, {}, False
         if not self.enabled or len(plan.nodes()) < 2:
             return  # one node: its own copies only (nowhere else to keep them)
-        self._group = dist.new_group(backend="gloo", timeout=timedelta(seconds=self.connect_timeout_s))
+        # Made on the exchange thread (the training thread waits: every worker makes its
+        # groups in the same order), so that gloo's threads for it start there and
+        # inherit its idle priority.
+        self._group = self._pool.submit(dist.new_group, backend="gloo",
+                                        timeout=timedelta(seconds=self.connect_timeout_s)).result()
         set_operation_timeout(self._group, timedelta(seconds=self.timeout_s))
         rank_of = plan.rank_of_worker()
         me = plan.worker(engine.rank)
@@ -247,6 +256,16 @@ class PeerSnapshots:
         received = {incoming[peer][i]: flat for (peer, i), flat in buffers.items()}
         with self._lock:
             current.shards.update(received)
+
+
+def _idle_priority() -> None:
+    """The calling thread (and the threads it starts) runs only when a CPU is otherwise
+    idle: Linux's `SCHED_IDLE`, which applies to the calling thread alone. Elsewhere it
+    runs as it is (their calls of this kind would lower the whole process)."""
+    try:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    except (AttributeError, OSError):
+        pass
 
 
 def _wait_all(ops: list) -> None:
