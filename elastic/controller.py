@@ -138,11 +138,17 @@ class Controller:
         on from the newest (as a plain torchrun job does): the same command run again
         after the whole job was lost resumes instead of starting over. A checkpoint of
         another model ends the job with a message instead."""
+        nodes = self._whole_nodes(set(workers))
         if plan is None:
-            nodes = self._whole_nodes(set(workers))
-            choice = self.planner.instantiate(len(nodes), node_ids=nodes)
-            self._leave_idle(choice, nodes)
-            plan = choice.plan
+            plan = self.planner.instantiate(len(nodes), node_ids=nodes).plan
+        # Nodes the plan leaves out (no set of pipelines uses them all) wait, as idle nodes
+        # of later epochs do, rather than join at once.
+        idle = sorted(set(nodes) - set(plan.nodes()))
+        if idle:
+            self._unusable |= set(idle)
+            self._said["idle"] = idle
+            self.log(f"controller: epoch 0 uses {len(plan.nodes())} of {len(nodes)} nodes; {idle} "
+                     "wait until a node fails")
         found = self._checkpoint_list()
         if not found:
             self._publish(EpochRecord(plan))

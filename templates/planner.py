@@ -12,11 +12,13 @@ stage, so the gradient all-reduce across pipelines, whose size is the largest st
 is smaller (GPT-3 6.7B on 200 A100 nodes: 2.90 s -> 2.35 s per iteration). That is all
 a deeper pipeline offers over two shallower ones on the same nodes, which have less
 bubble and add a replica; so a deeper size is built only when its largest stage holds
-strictly fewer gradient bytes than that of every shallower template. The bound: the
+strictly fewer gradient bytes than that of every shallower template, and the sync it
+saves can exceed the fill and drain it adds (`_deeper_sizes`). The bound 4·n0−1: the
 cost of planning grows with the number of sizes (each is partitioned once, and each
-is a class of the instantiation search below), and each doubling of the depth at most
-halves the sync that remains, so the gain of going past 4·n0 is at most a third of
-the gain up to it; 4·n0−1 keeps planning a 175B job on 1,024 nodes under a second.
+is a size class of the instantiation search below), and the sync of an s-stage
+pipeline falls as 1/s, so past 4·n0 at most the sync of a 4·n0-stage pipeline (a
+quarter of an n0-stage one's) is left to save, less the bubble it adds. With it,
+instantiating a 175B plan for any N up to 1,024 takes well under a second.
 Larger templates are also built on demand when the batch has too few microbatches to
 feed pipelines of n0 nodes.
 
