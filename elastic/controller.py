@@ -126,8 +126,9 @@ class Controller:
         self._said: dict[str, object] = {}
         """What was last logged of a condition that lasts (a cut, joiners out of reach)."""
         self._unusable: set[str] = set()
-        """Nodes that joined but that no plan could use (the batch has too few microbatches
-        for more pipelines, say): they wait, and are tried again at the next failure."""
+        """Nodes alive that no plan could use (the batch has too few microbatches for more
+        pipelines, a deeper template does not fit in memory): they wait, and are tried
+        again at the next failure."""
 
     # ------------------------------------------------------------- start
     def start(self, workers: list[Worker], plan: Plan | None = None) -> Plan:
@@ -137,9 +138,17 @@ class Controller:
         on from the newest (as a plain torchrun job does): the same command run again
         after the whole job was lost resumes instead of starting over. A checkpoint of
         another model ends the job with a message instead."""
+        nodes = self._whole_nodes(set(workers))
         if plan is None:
-            nodes = self._whole_nodes(set(workers))
             plan = self.planner.instantiate(len(nodes), node_ids=nodes).plan
+        # Nodes the plan leaves out (no set of pipelines uses them all) wait, as idle nodes
+        # of later epochs do, rather than join at once.
+        idle = sorted(set(nodes) - set(plan.nodes()))
+        if idle:
+            self._unusable |= set(idle)
+            self._said["idle"] = idle
+            self.log(f"controller: epoch 0 uses {len(plan.nodes())} of {len(nodes)} nodes; {idle} "
+                     "wait until a node fails")
         found = self._checkpoint_list()
         if not found:
             self._publish(EpochRecord(plan))
@@ -355,12 +364,14 @@ class Controller:
         return views
 
     def _plan_or_leave_out_joiners(self, nodes: list[str], statuses: dict[Worker, WorkerStatus], first: int):
-        """`_next_plan` for `nodes`; where the planner has none, the one for the nodes
-        already in the job, the new ones left waiting (`_unusable`). A job is failed only
-        when the nodes it had cannot go on, never because one more arrived."""
+        """`_next_plan` for `nodes`. Where no set of pipelines uses them all, the planner's
+        plan leaves some idle (new nodes first), and they wait (`_leave_idle`); where it
+        has no plan at all, the one for the nodes already in the job, the new ones left
+        waiting the same way. A job is failed only when the nodes it had cannot go on,
+        never because one more arrived."""
         try:
             found = self._next_plan(nodes, statuses, first)
-            self._unusable -= set(nodes)
+            self._leave_idle(found[0], nodes)
             return found
         except ValueError as err:
             newcomers = [n for n in nodes if n not in self.plan.nodes()]
@@ -370,6 +381,18 @@ class Controller:
                      "until a node fails")
             self._unusable |= set(newcomers)
             return self._plan_or_leave_out_joiners([n for n in nodes if n not in newcomers], statuses, first)
+
+    def _leave_idle(self, choice, nodes: list[str]) -> None:
+        """The nodes of `nodes` that `choice` leaves idle wait (`_unusable`): alive, not
+        in the plan, their workers waiting for an epoch that names them (as they do for
+        any epoch without them), and planned again at the next failure. Said once per
+        set of idle nodes."""
+        idle = set(choice.idle_nodes)
+        self._unusable = (self._unusable - set(nodes)) | idle
+        if idle and self._said.get("idle") != sorted(idle):
+            self.log(f"controller: no plan uses {len(nodes)} nodes ({choice.idle_reason}); "
+                     f"{sorted(idle)} wait until a node fails")
+        self._said["idle"] = sorted(idle)
 
     def _next_plan(self, nodes: list[str], statuses: dict[Worker, WorkerStatus], first: int):
         """(plan choice, transfers, checkpoint to restore or None, peer snapshot to restore
@@ -551,7 +574,7 @@ class Controller:
         are deferred until an epoch commits a step, so churn cannot keep it from training)."""
         if first_iteration > self.plan.first_iteration:
             self._stalled = 0
-        elif set(nodes) == {s.node for p in self.plan.pipelines for s in p.stages}:
+        elif set(nodes) - self._unusable == {s.node for p in self.plan.pipelines for s in p.stages}:
             self._stalled += 1
         if self._stalled >= self.max_stalled:
             raise JobFailed(f"{self._stalled} reconfigurations in a row on the same nodes without a "

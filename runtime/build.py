@@ -95,6 +95,11 @@ def plan_for_world(cfg: Config, world_size: int, rank: int, device: torch.device
                                         concurrent_workers=int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
             report = plan_job(cfg, costs, nodes=world_size // cfg.parallel.tp,
                               fault_tolerance=cfg.fault_tolerance.f)
+            if report.choice.idle_nodes:  # a torchrun world has no way to keep ranks waiting
+                raise ValueError(f"no plan uses all {world_size // cfg.parallel.tp} nodes of this world "
+                                 f"({report.choice.idle_reason}); launch "
+                                 f"{len(report.choice.plan.nodes())} nodes, or run under planaria-run, "
+                                 "whose idle nodes wait")
             summary = (f"planner: n0={report.planner.n0}, {report.choice.replicas} replica(s), "
                        f"estimated {report.choice.iteration_time_s * 1000:.1f} ms per step "
                        f"(planned in {report.planning_time_s:.2f} s)")

@@ -117,6 +117,8 @@ def report_json(report: PlanReport) -> str:
                      "mfu": report.mfu, "peak_memory_bytes": report.peak_memory_bytes,
                      "snapshot_host_bytes": report.snapshot_host_bytes,
                      "replicas": choice.replicas, "degraded": choice.degraded},
+        "idle_nodes": list(choice.idle_nodes),
+        "idle_reason": choice.idle_reason,
     }, indent=1)
 
 
@@ -127,6 +129,12 @@ def print_report(report: PlanReport, console: Console) -> None:
                   f"{hw.name} nodes x {plan.tp} workers | n0 = {planner.n0} | "
                   f"f = {planner.settings.fault_tolerance} | schedule {plan.schedule}"
                   f" (v={plan.virtual_stages}) | cost model: {planner.costs.source}")
+    if choice.idle_nodes:
+        console.print(f"[yellow]warning:[/] {len(choice.idle_nodes)} of the "
+                      f"{plan.world_size // plan.tp + len(choice.idle_nodes)} nodes are idle, no plan "
+                      f"uses them all: {', '.join(choice.idle_nodes)}. Why: {choice.idle_reason}. "
+                      "A running job keeps them waiting and plans them in at the next failure; "
+                      "MFU below counts them.")
     if choice.degraded:
         console.print(f"[yellow]warning:[/] {plan.world_size // plan.tp} nodes are fewer than "
                       f"(f+1)·n0 = {(planner.settings.fault_tolerance + 1) * planner.n0}: only "

@@ -36,11 +36,15 @@ def layers_held(current: Plan | None, node_ids: Sequence[str]) -> dict[str, Stag
 
 def place_nodes(stages: Sequence[StageLayers], node_ids: Sequence[str], current: Plan | None,
                 layer_bytes: Callable[[int], int]) -> list[str]:
-    """A node id for each of `stages` (the new plan's stages, flattened in plan order)."""
-    if len(stages) != len(node_ids):
+    """A node id for each of `stages` (the new plan's stages, flattened in plan order).
+
+    With more nodes than stages (a plan that cannot use them all), the ones left over
+    are the last given (without `current`) or those holding the least of what the
+    stages need, new nodes (holding nothing) before others."""
+    if len(stages) > len(node_ids):
         raise ValueError(f"{len(stages)} stages need as many nodes, got {len(node_ids)}")
     if current is None:
-        return list(node_ids)  # nothing to keep: nodes in the order given
+        return list(node_ids[:len(stages)])  # nothing to keep: nodes in the order given
     held = layers_held(current, node_ids)
     # Free nodes grouped by the layers they hold, each group in node order (popped from
     # the end). Nodes holding the same layers are interchangeable, so the search below
@@ -69,7 +73,9 @@ def place_nodes(stages: Sequence[StageLayers], node_ids: Sequence[str], current:
     for index in order:
         if placed[index] is None:
             stage = stages[index]
-            best = min(groups, key=lambda h: (cost(stage - h), position[groups[h][-1]]))
+            # Ties go to a node that holds layers over a new one: with more nodes than
+            # stages, the new ones are then those left over, as joiners no plan uses are.
+            best = min(groups, key=lambda h: (cost(stage - h), not h, position[groups[h][-1]]))
             placed[index] = take(best)
     return placed  # type: ignore[return-value]
 

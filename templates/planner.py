@@ -4,36 +4,67 @@ A template is a pipeline shape for `n` nodes: the layers cut into `n` stages (on
 each, its `G` workers splitting the stage by tensor parallelism) by the cost-optimal
 partition. `n0` is the fewest nodes that hold one replica within device memory.
 
-Which sizes. Templates of the consecutive sizes `n0 .. 2·n0−1` cover every node count:
-any N ≥ n0 is q·n0 + r with 0 ≤ r < n0, that is q−1 pipelines of n0 nodes and one of
-n0 + r. So every N ≥ (f+1)·n0 has a plan with at least f+1 pipelines, hence f+1
-replicas of every layer. A pipeline of 2·n0 nodes or more is never needed for
-coverage: it can be split into two pipelines of the set, which adds a replica. Larger
-templates are built on demand only when the batch has too few microbatches to feed
-that many pipelines. Below (f+1)·n0 nodes the job keeps training with fewer replicas,
-and the plan says so.
+Which sizes. Templates of the consecutive sizes `n0 .. 2·n0−1` cover node counts: any
+N ≥ n0 is q·n0 + r with 0 ≤ r < n0, that is q−1 pipelines of n0 nodes and one of
+n0 + r. Deeper templates, of `2·n0 .. depth·n0−1` nodes (`PlannerSettings.depth`, 4 by
+default), are there to be fast: a pipeline of more stages holds fewer layers per
+stage, so the gradient all-reduce across pipelines, whose size is the largest stage's,
+is smaller (GPT-3 6.7B on 200 A100 nodes: 2.90 s -> 2.35 s per iteration). That is all
+a deeper pipeline offers over two shallower ones on the same nodes, which have less
+bubble and add a replica; so a deeper size is built only when its largest stage holds
+strictly fewer gradient bytes than that of every shallower template, and the sync it
+saves can exceed the fill and drain it adds (`_deeper_sizes`). The bound 4·n0−1: the
+cost of planning grows with the number of sizes (each is partitioned once, and each
+is a size class of the instantiation search below), and the sync of an s-stage
+pipeline falls as 1/s, so past 4·n0 at most the sync of a 4·n0-stage pipeline (a
+quarter of an n0-stage one's) is left to save, less the bubble it adds. With it,
+instantiating a 175B plan for any N up to 1,024 takes well under a second.
+Larger templates are also built on demand when the batch has too few microbatches to
+feed pipelines of n0 nodes.
+
+Which N get a plan on all their nodes. Every N ≥ n0 when every size n0..2n0−1 fits in
+memory, the batch has a microbatch for every pipeline (N ≤ microbatches × the largest
+template) and, for the interleaved schedule, the batch splits into the rounds each
+pipeline accepts. Every N ≥ (f+1)·n0 then has at least f+1 pipelines, hence f+1
+replicas of every layer. Otherwise, when no set of pipelines uses all N nodes (a
+deeper template does not fit: 1F1B's first stage holds more microbatches in flight
+the deeper the pipeline, and n0 may be the only size that fits), the plan uses as many
+of them as any plan can, the fastest such, and names the others (`PlanChoice.idle_nodes`):
+they wait, and are planned in at the next change. When n0 nodes fit, fewer than n0
+nodes are idle (⌊N/n0⌋ pipelines of n0 always pack) unless the batch is what runs out,
+so a job of N ≥ (f+1)·n0 nodes still keeps f+1 replicas. Below (f+1)·n0 nodes the job
+keeps training with fewer replicas, and the plan says so (`degraded`).
 
 Instantiation (`instantiate`) picks, for N nodes, the multiset of templates and the
 integer microbatch split minimising the iteration time: pipeline p with m microbatches
 takes T_p(m) (linear in m, from its partition), the iteration takes the slowest
 pipeline plus the gradient sync across pipelines. For a target time T each template
-size can run a known number of microbatches; a knapsack over node counts finds whether
-sizes summing to N (at least f+1 of them) can run the whole batch within T, and a
-binary search finds the smallest such T. The split for the chosen multiset is then made
+size can run a known number of microbatches; a knapsack over node counts
+(`planaria.templates.packing`) finds whether sizes summing to N (at least f+1 of them)
+can run the whole batch within T, and a binary search finds the smallest such T. The
+sync depends on the largest stage in use, so the search runs once per smallest size
+allowed, and the best total wins. The split for the chosen multiset is then made
 exactly: each microbatch goes to the pipeline that would finish it first (optimal for
 linear per-pipeline times).
 """
 from __future__ import annotations
 
+import bisect
 import heapq
 import time
 from dataclasses import dataclass, field, replace
 
 from planaria.templates.costs import CostModel
+from planaria.templates.packing import most_microbatches, pack, pack_short_batch
 from planaria.templates.partition import InfeasiblePartition, StagePartition, partition_layers
 from planaria.templates.placement import moved_bytes, place_nodes
 from planaria.templates.plan import PipelinePlan, Plan, StagePlan
 from planaria.templates.schedules import check_schedule_shape
+
+
+class NoPlanForAllNodes(ValueError):
+    """No set of pipelines uses every one of the nodes; the message says why and what
+    would use them all. `Planner.instantiate` then plans over fewer."""
 
 
 @dataclass(frozen=True)
@@ -76,6 +107,9 @@ class PlannerSettings:
     virtual_stages: int = 1
     min_stages: int = 1
     """Every template has at least this many stages (parallel.min_stages)."""
+    depth: int = 4
+    """Templates have up to depth·n0 − 1 stages (module docstring); 2 keeps only the
+    sizes needed to cover every node count."""
 
     def __post_init__(self) -> None:
         if self.fault_tolerance < 0:
@@ -87,6 +121,9 @@ class PlannerSettings:
                              f"train.micro_batch={self.micro_batch}")
         if self.min_stages < 1:
             raise ValueError(f"parallel.min_stages must be at least 1, got {self.min_stages}")
+        if self.depth < 2:
+            raise ValueError(f"template depth must be at least 2 (sizes n0..2·n0−1 cover every node "
+                             f"count), got {self.depth}")
 
     @property
     def total_microbatches(self) -> int:
@@ -101,13 +138,54 @@ class Planner:
     settings: PlannerSettings
     templates: dict[int, Template] = field(default_factory=dict)
     n0: int = 0
+    standing_sizes: list[int] = field(default_factory=list)
+    """The template sizes instantiation chooses among when the batch feeds pipelines of
+    n0 nodes: n0..2n0−1 where they fit, and the deeper sizes that can win."""
     _deadlines: dict[tuple[int, ...], list[float]] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         self.n0 = self._smallest_feasible_size()
         most = self.costs.num_layers // self.settings.virtual_stages  # a stage needs a layer
-        for size in range(self.n0, min(2 * self.n0, most + 1)):
-            self._feasible(size)  # build the templates up front; sizes that do not fit are skipped
+        covering = [size for size in range(self.n0, min(2 * self.n0, most + 1)) if self._feasible(size)]
+        self.standing_sizes = covering + self._deeper_sizes(covering, most)
+
+    def _deeper_sizes(self, covering: list[int], most: int) -> list[int]:
+        """Sizes 2·n0 .. depth·n0−1 that can win (module docstring), shallowest first.
+
+        A deeper template t is kept when its largest stage holds strictly fewer gradient
+        bytes than the best kept so far, a, and the sync it saves at most (the ring
+        all-reduce of that difference, 2·Δbytes / bandwidth, its limit for many
+        pipelines) exceeds the time it adds to every pipeline of its size beyond the
+        microbatches themselves (fill and drain, sends, the optimizer step): for pipelines
+        of one size over the same nodes that is the whole difference, since the
+        microbatches' own time is the batch's work spread over the same nodes either way.
+        """
+        best = min(covering, key=lambda size: (self._gradient_bytes(size), size))
+        deeper = []
+        for size in range(2 * self.n0, min(self.settings.depth * self.n0 - 1, most) + 1):
+            if not self._feasible(size):
+                continue  # deeper pipelines hold more microbatches in flight on stage 0
+            saved = 2 * (self._gradient_bytes(best) - self._gradient_bytes(size)) \
+                / self.costs.hardware.inter_node_bandwidth
+            if saved > 0 and saved > self._fill_time(size) - self._fill_time(best):
+                deeper.append(size)
+                best = size
+            else:
+                del self.templates[size]  # never chosen: not offered, nor reported
+        return deeper
+
+    def _gradient_bytes(self, size: int) -> float:
+        """Gradient bytes of the template's largest model stage: what the sync across
+        pipelines all-reduces (fp32 gradients: 4 of the 16 bytes of state per parameter)."""
+        return max(self.costs.state_bytes(start, stop)
+                   for start, stop in self.template(size).partition.model_stages) / 4
+
+    def _fill_time(self, size: int) -> float:
+        """A pipeline's time beyond its microbatches' own, m × its slowest stage: the same
+        for every m its schedule runs at full length (the whole batch, here)."""
+        template = self.template(size)
+        m = self._reference_microbatches(size)
+        return template.iteration_time(m) - m * max(template.partition.stage_times)
 
     # ------------------------------------------------------------- templates
     def _reference_microbatches(self, num_nodes: int) -> int:
@@ -180,12 +258,17 @@ class Planner:
                     tolerance: float = 0.03) -> "PlanChoice":
         """The fastest plan using all `num_nodes` nodes; f+1 pipelines whenever N allows.
 
+        When no set of pipelines uses them all, the fastest plan over as many of them as
+        any plan can use, with the others named in `PlanChoice.idle_nodes` and the reason
+        in `PlanChoice.idle_reason` (module docstring: which N this happens for).
+
         With `current` (the running plan), the choice is the plan that moves the least
         layer state among those within `tolerance` of the fastest estimated iteration:
         the fastest multiset of templates, and the current pipelines' own shapes after
         the change (shrunk by lost nodes, merged where they fell below n0, grown by new
         nodes). Either way, nodes are placed to keep the layers they hold
-        (`planaria.templates.placement`), and the choice reports the bytes moved.
+        (`planaria.templates.placement`), and the choice reports the bytes moved; the
+        idle ones are those whose layers the plan needs least (new nodes first).
         """
         started = time.perf_counter()
         if num_nodes < self.n0:
@@ -197,9 +280,9 @@ class Planner:
         node_ids = node_ids or [f"node{i}" for i in range(num_nodes)]
         if len(node_ids) != num_nodes or len(set(node_ids)) != num_nodes:
             raise ValueError(f"need {num_nodes} distinct node ids, got {node_ids}")
-        best_sizes, _ = self._best_multiset(num_nodes)
+        best_sizes, idle_reason = self._best_over_most_nodes(num_nodes)
         candidates = [self._evaluate(best_sizes, node_ids, current, epoch, first_iteration)]
-        kept_shape = self._kept_shape(current, node_ids) if current is not None else None
+        kept_shape = self._kept_shape(current, node_ids) if current is not None and not idle_reason else None
         if kept_shape is not None and sorted(kept_shape) != sorted(best_sizes):
             try:
                 candidates.append(self._evaluate(kept_shape, node_ids, current, epoch, first_iteration))
@@ -208,17 +291,41 @@ class Planner:
         fastest = min(c.iteration_time_s for c in candidates)
         within = [c for c in candidates if c.iteration_time_s <= fastest * (1 + tolerance)]
         choice = min(within, key=lambda c: (c.moved_bytes, c.iteration_time_s))
-        return replace(choice, planning_time_s=time.perf_counter() - started)
+        return replace(choice, planning_time_s=time.perf_counter() - started, idle_reason=idle_reason)
+
+    def _best_over_most_nodes(self, num_nodes: int) -> tuple[list[int], str]:
+        """(the fastest multiset of sizes over the most of `num_nodes` nodes that any set
+        of pipelines uses, why not all of them: "" when it uses them all).
+
+        Fewest idle nodes first, then speed: node counts are tried from N down. A count
+        that no set of pipelines fills fails at its loosest deadline, one knapsack per
+        size class, so a failed try costs little. When n0 fits, fewer than n0 tries fail
+        (⌊N/n0⌋ pipelines of n0 nodes always pack) unless the batch runs out first, and
+        then the count starts at the most nodes the batch can feed."""
+        try:
+            return self._best_multiset(num_nodes)[0], ""
+        except NoPlanForAllNodes as err:
+            reason = str(err)
+        most = self.settings.total_microbatches * max(self._sizes_for(num_nodes), default=self.n0)
+        for usable in range(min(num_nodes - 1, most), self.n0 - 1, -1):
+            try:
+                return self._best_multiset(usable)[0], reason
+            except NoPlanForAllNodes:
+                continue
+        raise ValueError(f"no set of pipelines uses {self.n0} to {num_nodes} nodes: {reason}")
 
     def _evaluate(self, sizes, node_ids, current, epoch, first_iteration) -> "PlanChoice":
+        """The plan of `sizes` over as many of `node_ids` as they take (the rest idle)."""
         counts = self._split(sizes)
         plan = self._build_plan(sizes, counts, node_ids, current, epoch, first_iteration)
         times = [self.template(s).iteration_time(m) for s, m in zip(sizes, counts)]
         moved = moved_bytes(current, plan, self._layer_bytes) if current is not None else 0
+        used = set(plan.nodes())
         return PlanChoice(plan=plan, iteration_time_s=max(times) + self._sync_time(sizes),
                           pipeline_times_s=tuple(times), replicas=len(sizes),
                           degraded=len(sizes) < self.settings.fault_tolerance + 1,
-                          planning_time_s=0.0, moved_bytes=moved)
+                          planning_time_s=0.0, moved_bytes=moved,
+                          idle_nodes=tuple(node for node in node_ids if node not in used))
 
     def _kept_shape(self, current: Plan, node_ids: list[str]) -> list[int] | None:
         """The current pipelines' sizes after the change, if that is a valid multiset here.
@@ -277,12 +384,15 @@ class Planner:
         extra = range(3) if interleaved else range(1)
         best: tuple[float, list[int], float] | None = None
         unsplittable: ValueError | None = None
+        floor = dict.fromkeys(extra, 0.0)  # fewer sizes never pack by an earlier deadline
         for smallest, more in ((s, k) for s in sizes for k in extra):
             if want + more > min(total, num_nodes // smallest):
                 continue
-            found = self._fastest_packing(num_nodes, [s for s in sizes if s >= smallest], want + more)
+            found = self._fastest_packing(num_nodes, [s for s in sizes if s >= smallest], want + more,
+                                          at_least=floor[more], among=sizes)
             if found is not None:
                 packing, deadline = found
+                floor[more] = deadline
                 if interleaved:
                     try:
                         counts = self._split(packing)
@@ -294,55 +404,60 @@ class Planner:
                 if best is None or estimate < best[0]:
                     best = (estimate, packing, deadline)
         if best is None and unsplittable is not None:
-            raise unsplittable  # the schedule's rounds are what no set of pipelines satisfied
+            # the schedule's rounds are what no set of pipelines satisfied
+            raise NoPlanForAllNodes(str(unsplittable))
         if best is None:
             most = total * max(sizes, default=0)
             if num_nodes > most:  # every pipeline needs a microbatch
-                raise ValueError(
+                raise NoPlanForAllNodes(
                     f"{num_nodes} nodes are more than this job can use: {total} microbatches make "
                     f"at most {total} pipelines of at most {max(sizes)} stages ({most} nodes); "
                     "raise train.global_batch (or lower train.micro_batch) to use more nodes")
-            raise ValueError(
+            raise NoPlanForAllNodes(
                 f"no set of pipelines uses all {num_nodes} nodes: the template sizes that fit in "
-                f"memory are {sizes}; add or remove a node, or lower the memory per stage "
-                "(tensor parallelism, recomputation, a smaller micro batch)")
+                f"memory are {sizes}; lower the memory per stage (tensor parallelism, "
+                "recomputation, a smaller micro batch) to use them all")
         return best[1], best[2]
 
-    def _fastest_packing(self, num_nodes: int, sizes: list[int],
-                         want: int) -> tuple[list[int], float] | None:
-        """Sizes (from `sizes`) minimising the slowest pipeline, and that pipeline's time."""
+    def _fastest_packing(self, num_nodes: int, sizes: list[int], want: int, at_least: float = 0.0,
+                         among: list[int] | None = None) -> tuple[list[int], float] | None:
+        """Sizes (from `sizes`) minimising the slowest pipeline, and that pipeline's time.
+
+        `at_least`: a time no packing of these sizes beats (a search over more sizes
+        found it), where the binary search may start. `among`: sizes whose finishing
+        times are the candidates (a superset of `sizes`: one sorted list serves every
+        size class of a search)."""
         total = self.settings.total_microbatches
         # The best deadline is the finishing time of some pipeline: T_s(m) for a size s
-        # and a count m. Binary search over those candidates is exact.
-        key = tuple(sizes)
+        # and a count m. Binary search over those candidates (or more) is exact.
+        key = tuple(among or sizes)
         if key not in self._deadlines:
             self._deadlines[key] = sorted({self.template(s).iteration_time(m)
-                                           for s in sizes for m in range(1, total + 1)})
+                                           for s in key for m in range(1, total + 1)})
         candidates = self._deadlines[key]
-        lo, hi = 0, len(candidates) - 1
-        best = self._pack(num_nodes, candidates[hi], want, sizes)
-        if best is None:
+        lo, hi = bisect.bisect_left(candidates, at_least), len(candidates) - 1
+        if not self._packs(num_nodes, candidates[hi], want, sizes):
             return None
+        lo = min(lo, hi)
         while lo < hi:
             mid = (lo + hi) // 2
-            packed = self._pack(num_nodes, candidates[mid], want, sizes)
-            if packed is None:
-                lo = mid + 1
+            if self._packs(num_nodes, candidates[mid], want, sizes):
+                hi = mid
             else:
-                hi, best = mid, packed
-        return best, candidates[hi]
+                lo = mid + 1
+        return self._pack(num_nodes, candidates[hi], want, sizes), candidates[hi]
 
     def _sizes_for(self, num_nodes: int) -> list[int]:
-        """Template sizes to consider: n0..2n0−1, or any size when the batch is short.
+        """Template sizes to consider: the standing sizes, or any size when the batch is short.
 
         When there are fewer microbatches than pipelines of size n0 could use, the count
         of pipelines is bounded by the batch instead, and pipelines of any size may be
         needed. Sizes that do not fit in memory or exceed the layers are left out.
         """
-        total = self.settings.total_microbatches
+        if num_nodes // self.n0 <= self.settings.total_microbatches:
+            return [s for s in self.standing_sizes if s <= num_nodes]
         most = self.costs.num_layers // self.settings.virtual_stages
-        upper = 2 * self.n0 - 1 if num_nodes // self.n0 <= total else num_nodes
-        return [s for s in range(self.n0, min(upper, num_nodes, most) + 1) if self._feasible(s)]
+        return [s for s in range(self.n0, min(num_nodes, most) + 1) if self._feasible(s)]
 
     def _feasible(self, size: int) -> bool:
         try:
@@ -353,41 +468,29 @@ class Planner:
 
     def _pack(self, num_nodes: int, deadline: float, min_pipelines: int,
               sizes: list[int]) -> list[int] | None:
-        """Sizes summing to num_nodes, ≥ min_pipelines of them, that run the whole batch by `deadline`.
-
-        Unbounded knapsack over node counts: best[n][k] = most microbatches that sizes
-        summing to n finish by the deadline, where k counts the pipelines. The count is
-        exact up to the number of microbatches when the batch bounds it (each pipeline
-        needs one), and otherwise capped at min_pipelines, which is all that matters.
-        """
+        """Sizes summing to num_nodes, ≥ min_pipelines of them, that run the whole batch by
+        `deadline` (`planaria.templates.packing`); None when there are none."""
         total = self.settings.total_microbatches
-        if not sizes:
+        items = self._capacities(deadline, sizes)
+        if not items:
             return None
-        capacity = {s: self.template(s).max_microbatches(deadline, total) for s in sizes}
-        bounded = num_nodes // min(sizes) > total
-        cap = total if bounded else max(1, min_pipelines)
-        best = [[-1] * (cap + 1) for _ in range(num_nodes + 1)]
-        choice: list[list[tuple[int, int] | None]] = [[None] * (cap + 1) for _ in range(num_nodes + 1)]
-        best[0][0] = 0
-        for n in range(1, num_nodes + 1):
-            for size in sizes:
-                if size > n or capacity[size] == 0:
-                    continue
-                for k, value in enumerate(best[n - size]):
-                    if value < 0 or (bounded and k == cap):
-                        continue
-                    k2 = min(k + 1, cap)
-                    if value + capacity[size] > best[n][k2]:
-                        best[n][k2], choice[n][k2] = value + capacity[size], (size, k)
-        finals = [k for k in range(max(1, min_pipelines), cap + 1) if best[num_nodes][k] >= total]
-        if not finals:
-            return None
-        result, n, k = [], num_nodes, finals[0]
-        while n:
-            size, k = choice[n][k]
-            result.append(size)
-            n -= size
-        return sorted(result, reverse=True)
+        if num_nodes // min(sizes) > total:  # the batch bounds the pipeline count
+            return pack_short_batch(num_nodes, items, min_pipelines, total)
+        return pack(num_nodes, items, min_pipelines, total)
+
+    def _packs(self, num_nodes: int, deadline: float, min_pipelines: int, sizes: list[int]) -> bool:
+        """Whether `_pack` finds sizes (the binary search's test: no sizes retraced)."""
+        total = self.settings.total_microbatches
+        if num_nodes // min(sizes) > total:
+            return self._pack(num_nodes, deadline, min_pipelines, sizes) is not None
+        items = self._capacities(deadline, sizes)
+        return bool(items) and most_microbatches(num_nodes, items, min_pipelines) >= total
+
+    def _capacities(self, deadline: float, sizes: list[int]) -> list[tuple[int, int]]:
+        """(size, microbatches it finishes by `deadline`) for the sizes that finish any."""
+        total = self.settings.total_microbatches
+        items = [(s, self.template(s).max_microbatches(deadline, total)) for s in sizes]
+        return [(s, c) for s, c in items if c > 0]
 
     def _split(self, sizes: list[int]) -> list[int]:
         """Exact integer split: each microbatch to the pipeline that finishes it first."""
@@ -460,13 +563,8 @@ class Planner:
         k = len(sizes)
         if k == 1:
             return 0.0
-        hw = self.costs.hardware
-        worst = 0.0
-        for s in set(sizes):
-            for start, stop in self.template(s).partition.model_stages:
-                grad_bytes = self.costs.state_bytes(start, stop) / 4  # fp32 grads: 4 of 16 B/param
-                worst = max(worst, grad_bytes)
-        return 2 * (k - 1) / k * worst / hw.inter_node_bandwidth
+        grad_bytes = max(self._gradient_bytes(s) for s in set(sizes))
+        return 2 * (k - 1) / k * grad_bytes / self.costs.hardware.inter_node_bandwidth
 
     def _build_plan(self, sizes, counts, node_ids, current, epoch, first_iteration) -> Plan:
         gpus = self.costs.tp
@@ -500,7 +598,14 @@ class PlanChoice:
     pipeline_times_s: tuple[float, ...]
     replicas: int
     degraded: bool
-    """True when N < (f+1)·n0: fewer than f+1 replicas of some layer."""
+    """True when fewer than f+1 pipelines run (fewer than (f+1)·n0 nodes are used):
+    fewer than f+1 replicas of some layer."""
     planning_time_s: float
     moved_bytes: int = 0
     """Layer state the move from the current plan sends (0 without a current plan)."""
+    idle_nodes: tuple[str, ...] = ()
+    """Nodes given that the plan leaves out, because no set of pipelines uses them all
+    (`Planner.instantiate`); they wait for the next change of membership."""
+    idle_reason: str = ""
+    """Why some nodes are idle, and what would use them ("" when none is)."""
+

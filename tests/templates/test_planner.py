@@ -1,6 +1,8 @@
-"""The planner (planaria.templates.planner): templates of sizes n0..2n0-1 and their
-instantiation into a valid Plan for N nodes, against brute force on small instances,
-with property tests over random layer costs, memory limits, f and N.
+"""The planner (planaria.templates.planner): templates of sizes n0..2n0-1 and the deeper
+ones that can win, and their instantiation into a valid Plan for N nodes (over fewer
+nodes, with the others named, when no set of pipelines uses them all), against brute
+force on small instances, with property tests over random layer costs, memory limits,
+f and N.
 
 The regression tests at the end reproduce bugs these tests once found.
 """
@@ -8,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from itertools import combinations
 
 import pytest
@@ -33,11 +36,11 @@ PROPERTY = settings(max_examples=60, deadline=None, derandomize=True,
 # --- helpers -------------------------------------------------------------------------
 
 
-def cost_model(layers, memory, gpus_per_node=1):
+def cost_model(layers, memory, gpus_per_node=1, inter_node_bandwidth=1e9):
     """A CostModel of the given LayerCosts on a made-up node of `gpus_per_node` devices."""
     hw = Hardware(name="test", device_memory_bytes=memory, peak_flops=1e12,
                   gpus_per_node=gpus_per_node, intra_node_bandwidth=1e10,
-                  inter_node_bandwidth=1e9)
+                  inter_node_bandwidth=inter_node_bandwidth)
     shape = ModelShape(n_layers=len(layers) - 2, d_model=8, n_heads=1, vocab_size=8, seq_len=8)
     return CostModel(shape, hw, gpus_per_node, 1, tuple(layers))
 
@@ -48,10 +51,10 @@ def uniform(num_layers, memory, state, act, seconds=1.0):
     return cost_model([layer] * num_layers, memory)
 
 
-def min_peak(costs, stages, microbatches):
+def min_peak(costs, stages, microbatches, schedule="1f1b"):
     """Smallest peak memory any partition into `stages` stages reaches (exact for v = 1)."""
     try:
-        partition_layers(costs, stages, num_microbatches=microbatches, memory_bytes=0)
+        partition_layers(costs, stages, num_microbatches=microbatches, memory_bytes=0, schedule=schedule)
     except InfeasiblePartition as err:
         return err.shortfall_bytes
     return 0
@@ -142,13 +145,20 @@ def test_every_node_count_gets_a_valid_plan(instance, data):
                                              micro_batch=micro))
     n0 = planner.n0
     assert 1 <= n0 <= 4
-    assert sorted(planner.templates) == list(range(n0, 2 * n0))
+    # n0..2n0-1, then deeper sizes, each with a smaller largest stage than all before it
+    deeper = planner.standing_sizes[n0:]
+    assert planner.standing_sizes[:n0] == list(range(n0, 2 * n0))
+    assert sorted(planner.templates) == planner.standing_sizes
+    assert all(2 * n0 <= s <= 4 * n0 - 1 for s in deeper)
+    grads = [min(planner._gradient_bytes(s) for s in range(n0, 2 * n0))]
+    grads += [planner._gradient_bytes(s) for s in deeper]
+    assert all(a > b for a, b in zip(grads, grads[1:]))
     full = (f + 1) * n0
     for num_nodes in range(n0, full + 13):
         ids = [f"host-{num_nodes}-{i}" for i in range(num_nodes)]
         choice = planner.instantiate(num_nodes, ids)
         check_plan(planner, choice, num_nodes, ids)
-        assert all(n0 <= len(p.stages) <= 2 * n0 - 1 for p in choice.plan.pipelines)
+        assert all(len(p.stages) in planner.standing_sizes for p in choice.plan.pipelines)
         if num_nodes >= full:
             assert not choice.degraded
             assert len(choice.plan.pipelines) >= f + 1
@@ -159,12 +169,98 @@ def test_every_node_count_gets_a_valid_plan(instance, data):
         planner.instantiate(n0 - 1) if n0 > 1 else planner.instantiate(0)
 
 
+@st.composite
+def memory_limited(draw):
+    """(costs, f, total microbatches): random layers, the first one's activations heavy
+    at times, and a device memory anywhere from the least a partition needs to twice
+    that. 1F1B's first stage holds one microbatch in flight per stage, so a heavy first
+    layer can leave deeper templates unfit where n0's fits: then some node counts have
+    no plan on all their nodes (N = 8 with n0 = 3, say). The inter-node bandwidth makes
+    the gradient sync negligible, comparable to the compute, or dominant, so that deeper
+    templates are built too."""
+    num_layers = draw(st.integers(4, 10))
+    layers = []
+    for i in range(num_layers):
+        forward = draw(st.floats(0.1, 2.0))
+        state = draw(st.integers(1_000, 10_000))
+        heavy = i == 0 and draw(st.booleans())
+        layers.append(LayerCost(
+            forward_s=forward, backward_s=2 * forward, state_bytes=state,
+            activation_bytes=draw(st.integers(state // 2, 2 * state) if heavy else st.integers(0, state // 8)),
+            output_bytes=draw(st.integers(0, 10**6))))
+    bandwidth = draw(st.sampled_from([1e9, 1e4, 1e3]))
+    costs = cost_model(layers, 1, draw(st.integers(1, 2)), inter_node_bandwidth=bandwidth)
+    f = draw(st.integers(0, 2))
+    total = draw(st.integers(max(f + 1, 4), 24))
+    schedule = draw(st.sampled_from(["1f1b", "gpipe"]))
+    least = min(min_peak(costs, s, total, schedule) for s in range(1, num_layers + 1))
+    memory = draw(st.integers(least, 2 * least))
+    hw = dataclasses.replace(costs.hardware, device_memory_bytes=memory)
+    return dataclasses.replace(costs, hardware=hw), f, total, schedule
+
+
+def largest_packable(sizes, num_nodes, least, most):
+    """The most nodes, up to num_nodes, that some multiset of `sizes` (between `least`
+    and `most` of them) sums to exactly; 0 if none."""
+    reach = {(0, 0)}  # (nodes, pipelines)
+    for _ in range(most):
+        reach |= {(n + s, k + 1) for n, k in reach for s in sizes if n + s <= num_nodes}
+    return max((n for n, k in reach if k >= least), default=0)
+
+
+@PROPERTY
+@given(instance=memory_limited())
+def test_every_node_count_gets_a_plan_on_all_nodes_or_names_the_idle_ones(instance):
+    """Never an exception from N = (f+1)·n0 up: a plan on every node, or a plan over as
+    many nodes as any set of templates fills, with the others named and the reason given."""
+    costs, f, total, schedule = instance
+    planner = Planner(costs, PlannerSettings(fault_tolerance=f, global_batch=total, micro_batch=1,
+                                             schedule=schedule))
+    n0 = planner.n0
+    covered = 2 * n0 - 1 <= costs.num_layers and all(planner._feasible(s) for s in range(n0, 2 * n0))
+    for num_nodes in range((f + 1) * n0, (f + 1) * n0 + 10):
+        ids = [f"host-{i}" for i in range(num_nodes)]
+        choice = planner.instantiate(num_nodes, ids)
+        used = choice.plan.nodes()
+        check_plan(planner, choice, len(used), used)
+        assert sorted(used + list(choice.idle_nodes)) == sorted(ids)
+        assert bool(choice.idle_nodes) == bool(choice.idle_reason)
+        want = min(f + 1, num_nodes // n0)
+        assert len(used) == largest_packable(planner._sizes_for(num_nodes), num_nodes, want, total)
+        if len(used) >= (f + 1) * n0:
+            assert not choice.degraded and len(choice.plan.pipelines) >= f + 1
+        if covered and num_nodes <= total * (2 * n0 - 1):  # the docstring's guarantee
+            assert not choice.idle_nodes, (num_nodes, choice.idle_reason)
+
+
+def test_no_template_deeper_than_n0_fits_eight_nodes_train_on_six():
+    """The issue's case: n0 = 3, f = 1, and a heavy first layer under a memory limit that
+    only a 3-stage pipeline meets (stage 0, the first layer alone, holds 3 microbatches of
+    its activations in a 3-stage 1F1B pipeline, 4 in a 4-stage one). 8 nodes: two
+    pipelines of 3, and 2 nodes idle, named."""
+    first = LayerCost(1 / 3, 2 / 3, state_bytes=10, activation_bytes=10, output_bytes=0)
+    block = LayerCost(1 / 3, 2 / 3, state_bytes=10, activation_bytes=0, output_bytes=0)
+    costs = cost_model([first] + [block] * 8, memory=40)
+    planner = Planner(costs, PlannerSettings(fault_tolerance=1, global_batch=16, micro_batch=1))
+    assert planner.n0 == 3 and planner.standing_sizes == [3]
+    nodes = [f"node{i}" for i in range(8)]
+    choice = planner.instantiate(8, nodes)
+    assert [len(p.stages) for p in choice.plan.pipelines] == [3, 3]
+    assert choice.idle_nodes == ("node6", "node7") and not choice.degraded
+    assert "no set of pipelines uses all 8 nodes" in choice.idle_reason
+    assert "[3]" in choice.idle_reason
+    # After a failure the survivors keep their stages; the idle nodes are the ones holding least.
+    survivors = [n for n in nodes if n != "node1"]
+    again = planner.instantiate(7, survivors, current=choice.plan)
+    assert len(again.idle_nodes) == 1 and len(again.plan.pipelines) == 2
+
+
 def brute_force_best(planner, num_nodes):
-    """min over multisets of sizes n0..2n0-1 summing to N (at least min(f+1, N//n0) of
-    them) and integer splits (each ≥ 1) of max_p T_p(m_p)."""
+    """min over multisets of the planner's template sizes summing to N (at least
+    min(f+1, N//n0) of them) and integer splits (each ≥ 1) of max_p T_p(m_p)."""
     n0, f = planner.n0, planner.settings.fault_tolerance
     total = planner.settings.total_microbatches
-    sizes = range(n0, min(2 * n0 - 1, num_nodes) + 1)
+    sizes = planner._sizes_for(num_nodes)
     least = min(f + 1, num_nodes // n0)
     best = math.inf
 
@@ -240,6 +336,31 @@ def test_template_sizes_are_n0_to_2n0_minus_1_when_the_batch_is_large():
         choice = planner.instantiate(n)
         assert {len(p.stages) for p in choice.plan.pipelines} <= {3, 4, 5}
     assert sorted(planner.templates) == [3, 4, 5]  # nothing built on demand
+
+
+def test_deeper_templates_are_built_and_win_when_the_gradient_sync_dominates():
+    """12 layers of 1,000 bytes on 4,000-byte devices: n0 = 3. Over a 10 B/s network the
+    sync of a 4-layer stage's gradients takes 200 s a step, far more than its compute:
+    6-stage pipelines (2 layers a stage) halve it. Sizes 7 to 11 also have 2-layer
+    stages, so they cannot sync less and are not built."""
+    layers = [LayerCost(1 / 3, 2 / 3, state_bytes=1000, activation_bytes=0, output_bytes=0)] * 12
+    costs = cost_model(layers, memory=4000, inter_node_bandwidth=10)
+    capped = Planner(costs, PlannerSettings(fault_tolerance=1, global_batch=64, micro_batch=1, depth=2))
+    deeper = Planner(costs, PlannerSettings(fault_tolerance=1, global_batch=64, micro_batch=1))
+    assert capped.standing_sizes == [3, 4, 5] and deeper.standing_sizes == [3, 4, 5, 6]
+    nodes = [f"node{i}" for i in range(12)]
+    slow, fast = capped.instantiate(12, nodes), deeper.instantiate(12, nodes)
+    check_plan(deeper, fast, 12, nodes)
+    assert [len(p.stages) for p in fast.plan.pipelines] == [6, 6]
+    assert fast.iteration_time_s < 0.8 * slow.iteration_time_s
+    # Where the sync is negligible (1 GB/s), no deeper template is built.
+    quick = Planner(cost_model(layers, memory=4000), PlannerSettings(1, 64, 1))
+    assert quick.standing_sizes == [3, 4, 5]
+
+
+def test_template_depth_below_2_is_refused():
+    with pytest.raises(ValueError, match="depth must be at least 2"):
+        PlannerSettings(fault_tolerance=0, global_batch=8, micro_batch=1, depth=1)
 
 
 def test_min_stages_sets_the_smallest_template():
@@ -426,10 +547,13 @@ def test_replanning_onto_entirely_new_nodes():
     check_plan(planner, choice, 4, ["e", "f", "g", "h"])
 
 
-def test_more_nodes_than_the_batch_can_use_says_to_raise_the_batch():
+def test_more_nodes_than_the_batch_can_use_leave_the_rest_idle_and_say_to_raise_the_batch():
     planner = Planner(uniform(6, memory=10**6, state=2, act=1), PlannerSettings(0, 4, 1))
-    with pytest.raises(ValueError, match="more than this job can use.*raise train.global_batch"):
-        planner.instantiate(30)
+    nodes = [f"node{i:02d}" for i in range(30)]
+    choice = planner.instantiate(30, nodes)
+    assert len(choice.plan.nodes()) == 4 * 6  # 4 microbatches: 4 pipelines of all 6 layers
+    assert choice.idle_nodes == tuple(nodes[24:])
+    assert re.search("more than this job can use.*raise train.global_batch", choice.idle_reason)
 
 
 def test_interleaved_pipeline_sizes_are_chosen_by_the_split_the_schedule_accepts():
@@ -445,5 +569,7 @@ def test_interleaved_pipeline_sizes_are_chosen_by_the_split_the_schedule_accepts
     choice = planner.instantiate(6)
     assert choice.iteration_time_s < two_deep.iteration_time_s
     assert sorted(len(p.stages) for p in choice.plan.pipelines) == [2, 2, 2]
-    with pytest.raises(ValueError, match="cannot split 64 microbatches over pipelines of \\[3\\]"):
-        planner.instantiate(3)  # one 3-stage pipeline cannot run 64 in equal rounds
+    # One 3-stage pipeline cannot run 64 in equal rounds: a 2-stage one runs, the third node waits.
+    alone = planner.instantiate(3)
+    assert [len(p.stages) for p in alone.plan.pipelines] == [2] and alone.idle_nodes == ("node2",)
+    assert "cannot split 64 microbatches over pipelines of [3]" in alone.idle_reason
