@@ -114,8 +114,9 @@ class PeerSnapshots:
         self._group: dist.ProcessGroup | None = None
         self._epoch, self._first = -1, 0
         self._broken = False
-        self.skipped = 0
-        """Rounds that were due but not taken: some worker's exchange was still going on."""
+        self.taken = self.skipped = 0
+        """This epoch's rounds taken, and those due but not taken (some worker's exchange
+        was still going on): said when the epoch ends."""
         self._outgoing: dict[int, list[Shard]] = {}
         """Holder rank -> the shards this worker owns that it sends there, in order."""
         self._incoming: dict[int, list[Shard]] = {}
@@ -135,6 +136,7 @@ class PeerSnapshots:
             self.rounds = {s: r for s, r in self.rounds.items() if s < plan.first_iteration}
         self._epoch, self._first, self._group = epoch, plan.first_iteration, None
         self._outgoing, self._incoming, self._broken = {}, {}, False
+        self.taken = self.skipped = 0
         if not self.enabled or len(plan.nodes()) < 2:
             return  # one node: its own copies only (nowhere else to keep them)
         # Made on the exchange thread (the training thread waits: every worker makes its
@@ -164,6 +166,9 @@ class PeerSnapshots:
                          f"{str(err).splitlines()[0][:200] if str(err) else type(err).__name__}")
             self._inflight = None
         self._group = None  # destroyed with the epoch's world
+        if self.enabled and self._epoch >= 0:
+            self.log(f"peer snapshots of epoch {self._epoch}: {self.taken} round(s) taken, {self.skipped} due "
+                     "but skipped (an exchange still going on)")
 
     # -------------------------------------------------------------- steps
     def busy(self) -> bool:
@@ -197,6 +202,7 @@ class PeerSnapshots:
         own = {(layer, engine.tp.rank): flatten_shard(engine, layer, self._spare.pop((layer, engine.tp.rank), None))
                for layer in engine.held_layers()}
         current = SnapshotRound(engine.last_commit, self._epoch, own)
+        self.taken += 1
         with self._lock:
             self.rounds[step] = current
         if self._group is not None and (self._outgoing or self._incoming):
