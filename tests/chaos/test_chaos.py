@@ -99,7 +99,7 @@ STEPS_4 = 150
 HOSTS_4 = ["--nodes", "4", "--hosts", "parallel.min_stages=2", f"train.steps={STEPS_4}", "checkpoint.every=5",
            "checkpoint.keep=1000"]
 """The 4-node runs on hosts of one fault share these (and so their reference run)."""
-NET_STEPS = 320
+NET_STEPS = 250
 """The run of every network fault kind: enough steps for its faults, started at steps, to
 heal and the cut-off nodes to train again on a machine several times faster than 2 cores."""
 
@@ -166,9 +166,9 @@ def test_every_network_fault_kind_in_one_run(tmp_path, cache):
     any speed. Nothing lost, losses as without faults. (Each fault alone, at length, and
     on 6 nodes: the slow tests below.)"""
     proc = chaos(["--nodes", "4", "--hosts", "--etcd-members", "3", "parallel.min_stages=2",
-                  f"train.steps={NET_STEPS}", "checkpoint.every=5", "checkpoint.keep=1000",
-                  "--fault", "isolate-node@5:target=1:for=8", "--fault", "slow-link@90:target=2:for=5",
-                  "--fault", "isolate-etcd-member@130:target=0:for=5", "--fault", "partition@170:target=3:for=12"],
+                  f"train.steps={NET_STEPS}", "checkpoint.every=10", "checkpoint.keep=1000",
+                  "--fault", "isolate-node@5:target=1:for=8", "--fault", "slow-link@80:target=2:for=5",
+                  "--fault", "isolate-etcd-member@90:target=0:for=5", "--fault", "partition@130:target=3:for=12"],
                  tmp_path, cache, env={"PLANARIA_LATE_WRITER": "node1.0"})
     report = assert_nothing_lost(proc, tmp_path, NET_STEPS)
     isolated, slow, etcd, cut = report["recoveries"]
@@ -180,8 +180,15 @@ def test_every_network_fault_kind_in_one_run(tmp_path, cache):
     run = tmp_path / "out" / "run"
     agents = "".join(p.read_text() for p in (run / "logs").glob("agent-*.log"))
     assert "cut off ['node3']" in agents and "joined ['node3.0']" in agents, agents[-3000:]
-    epochs = re.findall(r"controller: epoch (\d+) \((\w+);", agents)
-    assert [reason for _, reason in epochs] == ["failure", "join", "failure", "join"], epochs
+    # node1's failure and return, node3's: four epochs. At most one more: the entry into
+    # the epoch that takes node1 back can fail once while its worker is still leaving
+    # the epoch it was cut off in (then the same plan is entered again; nothing lost).
+    epochs = re.findall(r"controller: epoch \d+ \(([^)]*)\)", agents)
+    retries = [e for e in epochs if e == "failure; failed -, joined -"]
+    assert [e for e in epochs if e not in retries] == [
+        "failure; failed ['node1.0'], joined -", "join; failed -, joined ['node1.0']",
+        "failure; failed -, joined -; cut off ['node3']", "join; failed -, joined ['node3.0']"], epochs
+    assert len(retries) <= 1, epochs
     assert agents.count("registering again") == 1, agents  # node1's, isolated; no other lease lapsed
     assert_fenced(run, "node1.0")
 

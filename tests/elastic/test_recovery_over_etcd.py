@@ -12,6 +12,7 @@ from tests.runtime.test_recovery import JOB, check_against_reference
 pytest.importorskip("pyetcd")
 
 
+@pytest.mark.slow  # agents over etcd recover in the default suite: tests/elastic/test_agents.py, test_launcher.py
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 def test_rank_killed_recovers_in_place_over_etcd(tmp_path):

@@ -23,7 +23,7 @@ SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "kernels.py"
 OPERATIONS = {"rms_norm", "swiglu", "apply_rotary", "cross_entropy", "linear_cross_entropy"}
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=pytest.mark.slow)])
 def test_kernel_benchmark_runs_every_case(dtype, tmp_path):
     report = tmp_path / "kernels.json"
     done = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--dtype", dtype, "--json", str(report)],

@@ -64,7 +64,7 @@ def test_eval_is_due_every_n_steps_and_after_the_last():
 @pytest.mark.parametrize("nproc, overrides", [
     (1, []),
     (2, ["parallel.pp=2", "parallel.schedule=interleaved", "parallel.virtual_stages=2"]),
-    (3, ["parallel.layout=[[4],[2,2]]", "parallel.microbatches=[3,5]"]),
+    pytest.param(3, ["parallel.layout=[[4],[2,2]]", "parallel.microbatches=[3,5]"], marks=pytest.mark.slow),
     pytest.param(4, ["parallel.tp=2", "parallel.pp=2", "parallel.schedule=zb1f1b"], marks=pytest.mark.slow),
 ], ids=["1-process", "pp2-interleaved", "heterogeneous-[[4],[2,2]]", "tp2-pp2-zb1f1b"])
 def test_validation_loss_equals_the_reference_under_any_plan(nproc, overrides, reference_val_losses,

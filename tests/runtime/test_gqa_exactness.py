@@ -46,7 +46,10 @@ def references():
 
 # pp=2 alone is covered by tp2 x pp2, and MQA in two pipelines by the single-pipeline MQA case
 # and the heterogeneous one: kept for `make test-slow`, out of the default suite's time.
-SLOW_CASES = {"gqa-pp2", "mqa-tp2-two-pipelines", "gqa-tp4-replicated", "gqa-tp2-pp2-zb1f1b"}
+SLOW_CASES = {"gqa-pp2", "mqa-tp2-two-pipelines", "gqa-tp4-replicated", "gqa-tp2-pp2-zb1f1b",
+              "gqa-heterogeneous-[[4],[2,2]]"}
+"""The default suite keeps one multi-process case (mqa-tp2-replicated-rope-scaling);
+heterogeneous plans are exact in tests/runtime/test_exactness.py."""
 
 
 @pytest.mark.multiprocess

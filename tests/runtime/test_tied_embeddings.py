@@ -88,7 +88,7 @@ def reference():
 
 # Kept for `make test-slow`, out of the default suite's time: tp=2 alone is covered by
 # tp2 x pp2, and a rank holding both copies by the heterogeneous plan's 1-stage pipeline.
-SLOW_CASES = {"single-process", "tp2", "tp2-pp2-fused-head-loss"}
+SLOW_CASES = {"single-process", "tp2", "tp2-pp2-fused-head-loss", "pp2-interleaved-v2"}
 
 
 @pytest.mark.multiprocess
