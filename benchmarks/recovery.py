@@ -111,7 +111,7 @@ def run_planaria(job_args: list[str], steps: int, kill_after: int, out: Path) ->
     seconds = max(t.transfer_seconds or 0.0 for t in timings)
     return {
         "first_step_s": first - t_kill, "back_s": back - t_kill, "steps_rerun": 0,
-        "training_s": transfer - t_kill, "step_s": _step_before(_commits(out), t_kill),
+        "training_s": transfer - t_kill, "step_s": _step_before([(e.step, e.time) for e in _commits(out)], t_kill),
         "detection_s": event.detected_s - t_kill, "statuses_s": event.statuses_s - event.detected_s,
         "planning_s": event.published_s - event.statuses_s, "rendezvous_s": rendezvous - event.published_s,
         "transfer_s": transfer - rendezvous, "rerun_s": first - transfer,
@@ -120,9 +120,10 @@ def run_planaria(job_args: list[str], steps: int, kill_after: int, out: Path) ->
     }
 
 
-def _step_before(commits: list, t_kill: float) -> float:
-    """The median time between consecutive commits before the kill (the job's step)."""
-    times = sorted({e.step: e.time for e in commits if e.time <= t_kill}.items())
+def _step_before(commits: list[tuple[int, float]], t_kill: float) -> float:
+    """The median time between consecutive commits, (step, time), before the kill (the
+    job's step)."""
+    times = sorted({step: at for step, at in commits if at <= t_kill}.items())
     return statistics.median(b[1] - a[1] for a, b in zip(times, times[1:]))
 
 
@@ -181,9 +182,8 @@ def run_torchrun(job_args: list[str], steps: int, kill_after: int, out: Path) ->
     first = min(r["time"] for r in restarted)
     back = min(r["time"] for r in after if r["step"] > before)
     resumed_from = min(r["step"] for r in restarted) - 1
-    times = sorted({r["step"]: r["time"] for r in records if r["time"] <= t_kill}.items())
     return {"first_step_s": first - t_kill, "back_s": back - t_kill,
-            "step_s": statistics.median(b[1] - a[1] for a, b in zip(times, times[1:])),
+            "step_s": _step_before([(r["step"], r["time"]) for r in records], t_kill),
             "steps_rerun": before - resumed_from, "last_committed_before_kill": before,
             "checkpoint_iteration": resumed_from}
 

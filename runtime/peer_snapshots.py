@@ -113,6 +113,7 @@ class PeerSnapshots:
         """Copies of forgotten rounds, written over by the next round's (one per shard)."""
         self._group: dist.ProcessGroup | None = None
         self._epoch, self._first = -1, 0
+        self._reported = -1
         self._broken = False
         self.taken = self.skipped = 0
         """This epoch's rounds taken, and those due but not taken (some worker's exchange
@@ -166,7 +167,8 @@ class PeerSnapshots:
                          f"{str(err).splitlines()[0][:200] if str(err) else type(err).__name__}")
             self._inflight = None
         self._group = None  # destroyed with the epoch's world
-        if self.enabled and self._epoch >= 0:
+        if self.enabled and self._epoch >= 0 and self._reported != self._epoch:
+            self._reported = self._epoch  # once per epoch (an epoch that failed on entry ends here again)
             self.log(f"peer snapshots of epoch {self._epoch}: {self.taken} round(s) taken, {self.skipped} due "
                      "but skipped (an exchange still going on)")
 
