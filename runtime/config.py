@@ -226,6 +226,11 @@ class CommConfig:
     shut down, NCCL's communicators aborted), so that a peer that stopped answering
     without closing anything (frozen, cut off) holds nobody up for timeout_s; false:
     survivors wait for their collectives to fail or time out."""
+    release_stuck_s: float = 10.0
+    """A worker whose collectives are still blocked this long after their release (a node
+    cut off and back finds its connections already reset, and gloo may wait on them until
+    timeout_s) exits, and its agent starts it again as a new worker; time spent building
+    layers is not counted. 0: never."""
     connect_timeout_s: float = 30.0
     """Seconds an elastic epoch's process groups get to connect (at most timeout_s): a peer
     that died after the epoch's rendezvous fails the epoch this soon."""
@@ -503,6 +508,8 @@ def check_config(cfg: Config) -> Config:
     if c.timeout_s <= 0 or c.connect_timeout_s <= 0:
         raise ConfigError(f"comm.timeout_s and comm.connect_timeout_s must be positive seconds; "
                           f"got {c.timeout_s} and {c.connect_timeout_s}")
+    if c.release_stuck_s < 0:
+        raise ConfigError(f"comm.release_stuck_s must be 0 (never) or positive seconds; got {c.release_stuck_s}")
     for key in ("pp", "dp"):
         if getattr(p, key) < 0:
             raise ConfigError(f"parallel.{key} must not be negative, got {getattr(p, key)}")

@@ -70,6 +70,10 @@ from planaria.runtime.contract.logs import AUDIT, COMMITS, EVALS, log_path
 EXIT_TORN_STEP = 3
 """A worker's exit code when its optimizer step failed part-way (`TornStep`)."""
 
+EXIT_STUCK_AFTER_RELEASE = 4
+"""A worker's exit code when its epoch's collectives did not return after their release
+(`_EpochWatcher`): its agent starts it again as a new worker, or takes the node out."""
+
 
 class _StopRequested(Exception):
     """The commit agreed to stop after this step (the control plane wants a new epoch)."""
@@ -85,14 +89,24 @@ class _EpochWatcher(threading.Thread):
     the epoch's collectives at once (`release`), wherever the main thread is blocked:
     a peer that stopped answering without closing anything holds nobody up past the
     controller's decision. Runs from before the epoch's rendezvous to after its groups
-    are torn down, so that transfers and the rendezvous are released as steps are."""
+    are torn down, so that transfers and the rendezvous are released as steps are.
+
+    A release that does not free the main thread within `stuck_s` ends the process
+    (`EXIT_STUCK_AFTER_RELEASE`). It happens to a node cut off the network and back: by
+    the time the decision reaches it, its peers' sockets are gone (their resets made its
+    own unconnected, so there is nothing left to shut down), and gloo can wait on such a
+    pair until the operation's timeout. Meanwhile its agent, back on etcd, shows the
+    worker alive, the leader plans it in, and the whole job would wait for a worker that
+    never arrives. A fresh worker costs only this worker's layers, which the plan that
+    declared the epoch failed already does without."""
 
     def __init__(self, coordinator: StoreCoordinator, epoch: int, release, log: Callable[[str], None],
-                 period_s: float = 0.2):
+                 period_s: float = 0.2, stuck_s: float = 10.0, exit=os._exit):
         super().__init__(daemon=True, name=f"epoch-watcher-{epoch}")
         self.coordinator, self.epoch, self.period_s = coordinator, epoch, period_s
         self.release, self.log = release, log
-        self.requested, self.done = threading.Event(), threading.Event()
+        self.stuck_s, self._exit = stuck_s, exit
+        self.requested, self.done, self._local = threading.Event(), threading.Event(), threading.Event()
 
     def run(self) -> None:
         while not self.done.wait(self.period_s):
@@ -107,7 +121,26 @@ class _EpochWatcher(threading.Thread):
                 done = self.release.release()
                 self.log(f"epoch {self.epoch}: the control plane declared it failed; released "
                          f"its collectives ({done})")
+                self._exit_if_stuck()
             return
+
+    @contextlib.contextmanager
+    def local_work(self):
+        """Around work of the main thread that waits on no peer (building a model's layers
+        can take minutes): a release does not free it, and it is not counted as stuck."""
+        self._local.set()
+        try:
+            yield
+        finally:
+            self._local.clear()
+
+    def _exit_if_stuck(self) -> None:
+        while self.stuck_s and not self.done.wait(self.stuck_s):
+            if not self._local.is_set():
+                self.log(f"epoch {self.epoch}: its collectives did not return {self.stuck_s:.0f} s "
+                         "after their release; this worker exits, to be started again as a new one")
+                self._exit(EXIT_STUCK_AFTER_RELEASE)
+                return
 
 
 def elastic_environment() -> tuple[str, str, int] | None:
@@ -190,7 +223,8 @@ class ElasticWorker:
             self.engine = None
         # Made before the epoch's first group: it releases what the epoch opens.
         release = epoch_release(self.backend, self.keep_ports) if self.cfg.comm.release else None
-        self._watcher = _EpochWatcher(self.coordinator, epoch, release, self._log)
+        self._watcher = _EpochWatcher(self.coordinator, epoch, release, self._log,
+                                      stuck_s=self.cfg.comm.release_stuck_s)
         self._watcher.start()
         try:
             dist.init_process_group(self.backend, store=self.coordinator.rendezvous_store(epoch),
@@ -260,7 +294,8 @@ class ElasticWorker:
         if self.engine is None:
             # A worker new to the job (its start, or a join) holds nothing: it builds its
             # layers, receives them or loads them, in the same epoch as every other worker.
-            self.engine = self._new_engine()
+            with self._watcher.local_work():
+                self.engine = self._new_engine()
         elif (record.restore is None and record.roll_forward is not None
               and self.engine.roll_forward(record.roll_forward)):
             committed_in = plan.epoch - 1 if self._trained_in is None else self._trained_in

@@ -152,3 +152,37 @@ def test_the_nccl_environment_keeps_a_survivor_alive_and_keeps_what_the_user_set
     warnings = env.nccl_recovery(users, timeout_s=300)
     assert users["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "3" and users["TORCH_NCCL_NONBLOCKING_TIMEOUT"] == "60"
     assert len(warnings) == 1 and "TORCH_NCCL_ASYNC_ERROR_HANDLING=3" in warnings[0]
+
+
+def _watched_epoch(stuck_s: float):
+    """An epoch watcher over a real store whose epoch 0 the control plane declared failed,
+    with an exit that is recorded instead of taken."""
+    from planaria.runtime.contract import keys
+    from planaria.runtime.coordination import StoreCoordinator
+    from planaria.runtime.elastic_worker import _EpochWatcher
+
+    store = dist.HashStore()
+    store.set(keys.epoch_reconfigure(0), keys.FAILURE)
+    exits = []
+    watcher = _EpochWatcher(StoreCoordinator(store, ("node0", 0)), 0, SocketRelease(), lambda m: None,
+                            period_s=0.01, stuck_s=stuck_s, exit=exits.append)
+    return watcher, exits
+
+
+def test_a_worker_still_blocked_after_the_release_exits_to_be_started_again():
+    from planaria.runtime.elastic_worker import EXIT_STUCK_AFTER_RELEASE
+
+    watcher, exits = _watched_epoch(stuck_s=0.2)
+    watcher.start()
+    watcher.join(timeout=10)  # the main thread never leaves its epoch
+    assert exits == [EXIT_STUCK_AFTER_RELEASE]
+
+
+def test_a_worker_that_leaves_its_epoch_or_builds_layers_after_the_release_is_left_alone():
+    watcher, exits = _watched_epoch(stuck_s=0.3)
+    with watcher.local_work():  # building layers: waits on no peer, for as long as it takes
+        watcher.start()
+        time.sleep(1.0)
+        watcher.done.set()  # then out of the epoch
+    watcher.join(timeout=10)
+    assert exits == [] and not watcher.is_alive()
