@@ -40,10 +40,11 @@ from planaria.runtime.contract import keys
 from planaria.runtime.contract.checkpoint_layout import (complete_checkpoints, epoch_dir, missing_shards, prune,
                                                          read_checkpoint_manifest, step_dir, write_manifest)
 from planaria.runtime.contract.deadline import ReachableDeadline
-from planaria.runtime.contract.epochs import EpochEvent, EpochRecord
+from planaria.runtime.contract.epochs import EpochEvent, EpochRecord, Progress
 from planaria.runtime.contract.exactly_once import (CommitRecord, InconsistentStatuses, Resolution, SnapshotHeld,
                                                     WorkerStatus, resolve)
 from planaria.runtime.contract.keys import worker_key
+from planaria.runtime.contract.membership import LeaveNotice
 from planaria.templates.plan import Plan, Worker, missing_from, transfers_from
 from planaria.templates.planner import Planner
 
@@ -90,8 +91,17 @@ class Controller:
                  checkpoints: CheckpointPolicy | None = None,
                  interrupted: Callable[[], bool] = lambda: False,
                  leading: Callable[[], bool] = lambda: True, node: str | None = None,
-                 unreachable: Callable[[], Mapping[str, Iterable[str]]] = dict):
+                 unreachable: Callable[[], Mapping[str, Iterable[str]]] = dict,
+                 notices: Callable[[], Mapping[str, LeaveNotice]] = dict, leave_overhead_s: float = 3.0):
         self.store = store
+        self.notices = notices
+        """{node: its preemption notice} (`planaria.elastic.preemption`, posted by its
+        agent): such a node is planned out at the next step boundary, and hands over the
+        layers only it holds before it goes (`_leaving`)."""
+        self.leave_overhead_s = leave_overhead_s
+        """What a planned leave takes beyond two steps (the boundary, then the step that
+        may be under way when the notice is seen): statuses, plan, rendezvous and the
+        copies. A notice with less time left goes down the failure path."""
         self.node = node
         """The leader's own node (it wins a tie between two sides of a partition)."""
         self.unreachable = unreachable
@@ -204,9 +214,12 @@ class Controller:
             self._end(keys.JOB_OK)
             return "finished"
         views = self.unreachable()
-        joiners = self._reachable_joiners(set(self._whole_nodes(alive - members)) - self._unusable, views)
+        notices = self.notices()
+        leaving = self._leaving(notices)
+        joiners = self._reachable_joiners(set(self._whole_nodes(alive - members)) - self._unusable - set(notices),
+                                          views)
         failed_report = any(not s.finished for s in statuses.values()) or self._cut(views)
-        if joiners and not (gone or failed_report) and not self._epoch_trained():
+        if joiners and not (gone or failed_report or leaving) and not self._epoch_trained():
             # A join waits until the epoch in force has committed a step: under churn,
             # joins that each restart the epoch would otherwise keep it from training.
             if self._join_deferred != self.epoch:
@@ -214,8 +227,8 @@ class Controller:
                 self.log(f"controller: {sorted(joiners)} ready to join; waiting for epoch "
                          f"{self.epoch}'s first committed step")
             return "running"
-        if gone or failed_report or joiners:
-            reason = keys.FAILURE if gone or failed_report else keys.JOIN
+        if gone or failed_report or joiners or leaving:
+            reason = keys.FAILURE if gone or failed_report else keys.LEAVE if leaving else keys.JOIN
             try:
                 self._reconfigure(alive_now, kill, reason)
             except JobFailed as err:
@@ -234,6 +247,30 @@ class Controller:
             self.log(f"controller: nodes of epoch {self.epoch} cannot reach each other "
                      f"({', '.join(f'{a} - {b}' for a, b in cuts)}); ending the epoch")
         return bool(cuts)
+
+    def _leaving(self, notices: Mapping[str, LeaveNotice]) -> set[str]:
+        """The plan's nodes with a notice whose deadline leaves time for a planned leave.
+        One with less time left is not acted on (said once): it goes down the failure
+        path when it is gone, which loses nothing either."""
+        needs = self._leave_needs_s()
+        leaving = set()
+        for node in sorted(set(notices) & set(self.plan.nodes())):
+            left = notices[node].deadline - time.time()
+            if left >= needs:
+                leaving.add(node)
+            elif self._said.get(f"too close {node}") != notices[node]:
+                self._said[f"too close {node}"] = notices[node]
+                self.log(f"controller: {node} will be gone in {max(left, 0):.1f} s ({notices[node].source}), "
+                         f"too soon for a planned leave (about {needs:.1f} s); it is recovered as a failure")
+        return leaving
+
+    def _leave_needs_s(self) -> float:
+        """Two steps (the one under way, then the one the stop comes after) at the job's
+        measured step time (`keys.PROGRESS`, 0 before it is known) and the overhead."""
+        step_s = 0.0
+        if self.store.check([keys.PROGRESS]):
+            step_s = Progress.from_json(self.store.get(keys.PROGRESS)).step_s
+        return 2 * step_s + self.leave_overhead_s
 
     def _reachable_joiners(self, joiners: set[str], views: Mapping[str, Iterable[str]]) -> set[str]:
         """The joiners that reach every node of the plan; the others wait (said once)."""
@@ -278,7 +315,13 @@ class Controller:
         except InconsistentStatuses as err:
             raise JobFailed(str(err)) from None
         first = resolution.first_iteration
-        nodes, cut_off = self._reachable_nodes(self._whole_nodes(survivors | joiners))
+        # Nodes with a notice are planned out, whatever the reason for this epoch: they
+        # hand over the layers only they hold, if their deadline leaves the time to.
+        notices = self.notices()
+        leaving = {w for w in statuses if w[0] in notices
+                   and notices[w[0]].deadline - time.time() >= self.leave_overhead_s}
+        nodes, cut_off = self._reachable_nodes([n for n in self._whole_nodes(survivors | joiners)
+                                                if n not in notices])
         if cut_off and len(nodes) < self.planner.n0:
             self._wait_out_partition(cut_off, f"the largest group of nodes that all reach each other, "
                                               f"{nodes}, is too small for one replica of the model")
@@ -289,9 +332,10 @@ class Controller:
                             f"n0={self.planner.n0}; add nodes and restart from the last checkpoint")
         # Sources of layer state: what the workers of the group hold, live or in their
         # peer snapshots (a stateless worker may keep snapshots); no copy crosses a cut.
-        holders = {w: s for w, s in statuses.items() if w[0] in nodes}
+        holders = {w: s for w, s in statuses.items() if w[0] in nodes or w in leaving}
         try:
-            choice, transfers, restore, snapshot, first = self._plan_or_leave_out_joiners(nodes, holders, first)
+            choice, transfers, restore, snapshot, first = self._plan_or_leave_out_joiners(nodes, holders, first,
+                                                                                       leaving)
         except JobFailed as err:
             if not cut_off:
                 raise
@@ -301,8 +345,10 @@ class Controller:
         restoring = restore is not None or snapshot is not None
         roll = None if restoring else resolution.roll_forward  # a restore loads everything
         planned_s = time.time()
+        left = tuple(sorted(set(notices) & {w[0] for w in survivors | joiners}))
         self._publish(EpochRecord(plan, roll_forward=roll, transfers=tuple(transfers),
-                                  restore=None if restore is None else str(restore), snapshot=snapshot))
+                                  restore=None if restore is None else str(restore), snapshot=snapshot,
+                                  leaving=left))
         event = EpochEvent(
             epoch=plan.epoch, reason=reason, detected_s=detected, statuses_s=statuses_s,
             planned_s=planned_s, published_s=time.time(),
@@ -312,17 +358,18 @@ class Controller:
             transfers=len(transfers), restored=None if restore is None else first - 1,
             snapshot=None if snapshot is None else snapshot.step, rerun=resolution.first_iteration - first,
             moved_bytes=choice.moved_bytes, plan_shape=tuple(len(p.stages) for p in plan.pipelines),
-            cut_off=tuple(cut_off))
+            cut_off=tuple(cut_off), left=left, handed_off=sum(t.src in leaving for t in transfers))
         self.events.append(event)
         # For reports (the chaos harness reads them from the store, wherever the leader ran);
         # created only if absent, as the record is: the first account of the epoch stands.
         self.store.compare_set(keys.epoch_event(plan.epoch), "", event.to_json())
         self.log(f"controller: epoch {plan.epoch} ({reason}; failed {list(event.failed) or '-'}, joined "
-                 f"{list(event.joined) or '-'}{f'; cut off {list(cut_off)}' if cut_off else ''}): pipelines of {list(event.plan_shape)} stages from iteration "
+                 f"{list(event.joined) or '-'}{f'; cut off {list(cut_off)}' if cut_off else ''}{f'; left {list(left)}' if left else ''}): pipelines of {list(event.plan_shape)} stages from iteration "
                  f"{first}{f', rolling forward {event.rolled_forward}' if event.rolled_forward is not None else ''}"
                  f"{f', restored from the checkpoint of {event.restored}' if restore else ''}"
                  f"{f', restored from the peer snapshots of {event.snapshot}' if snapshot else ''}"
-                 f", {len(transfers)} layer transfers")
+                 f", {len(transfers)} layer transfers"
+                 f"{f' ({event.handed_off} from the leaving nodes)' if event.handed_off else ''}")
 
     def _reachable_nodes(self, nodes: list[str]) -> tuple[list[str], list[str]]:
         """(the largest group of `nodes` that all reach each other, the rest): the rest
@@ -363,14 +410,15 @@ class Controller:
                 views, changed = now, time.monotonic()
         return views
 
-    def _plan_or_leave_out_joiners(self, nodes: list[str], statuses: dict[Worker, WorkerStatus], first: int):
+    def _plan_or_leave_out_joiners(self, nodes: list[str], statuses: dict[Worker, WorkerStatus], first: int,
+                                   leaving: set[Worker] = frozenset()):
         """`_next_plan` for `nodes`. Where no set of pipelines uses them all, the planner's
         plan leaves some idle (new nodes first), and they wait (`_leave_idle`); where it
         has no plan at all, the one for the nodes already in the job, the new ones left
         waiting the same way. A job is failed only when the nodes it had cannot go on,
         never because one more arrived."""
         try:
-            found = self._next_plan(nodes, statuses, first)
+            found = self._next_plan(nodes, statuses, first, leaving)
             self._leave_idle(found[0], nodes)
             return found
         except ValueError as err:
@@ -380,7 +428,8 @@ class Controller:
             self.log(f"controller: no plan uses {len(nodes)} nodes ({err}); {newcomers} wait "
                      "until a node fails")
             self._unusable |= set(newcomers)
-            return self._plan_or_leave_out_joiners([n for n in nodes if n not in newcomers], statuses, first)
+            return self._plan_or_leave_out_joiners([n for n in nodes if n not in newcomers], statuses, first,
+                                                   leaving)
 
     def _leave_idle(self, choice, nodes: list[str]) -> None:
         """The nodes of `nodes` that `choice` leaves idle wait (`_unusable`): alive, not
@@ -394,10 +443,12 @@ class Controller:
                      f"{sorted(idle)} wait until a node fails")
         self._said["idle"] = sorted(idle)
 
-    def _next_plan(self, nodes: list[str], statuses: dict[Worker, WorkerStatus], first: int):
+    def _next_plan(self, nodes: list[str], statuses: dict[Worker, WorkerStatus], first: int,
+                   leaving: set[Worker] = frozenset()):
         """(plan choice, transfers, checkpoint to restore or None, peer snapshot to restore
         or None, first iteration): the planner's plan for `nodes`, fed from what the
-        survivors hold; when some shard has no holder left, from the newest step whose
+        survivors hold (the `leaving` workers' layers too, for the shards nobody staying
+        holds: a planned leave); when some shard has no holder left, from the newest step whose
         every shard some survivor keeps in its peer snapshots, or else from the newest
         checkpoint (whichever is newer: replicas first, peers' memory second, disk last)."""
         choice = self._instantiate(nodes, first)
@@ -407,9 +458,9 @@ class Controller:
         for worker, status in statuses.items():
             for shard in status.holds:
                 held.setdefault(tuple(shard), set()).add(worker)
-        missing = missing_from(held, choice.plan)
+        missing = missing_from(held, choice.plan, leaving)
         if not missing:
-            return choice, transfers_from(held, choice.plan), None, None, first
+            return choice, transfers_from(held, choice.plan, leaving), None, None, first
         found = self._newest_snapshot(statuses, first, choice.plan)
         on_disk = [i for i, _ in self._checkpoint_list() if i < first]
         if found is not None and (not on_disk or found[0].step >= on_disk[-1]):

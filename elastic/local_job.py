@@ -6,7 +6,8 @@
 `python -m planaria.train CONFIG ...` with the elastic environment, and the
 `Controller`, which it polls with the set of live processes. Tests and benchmarks use
 it to run real failures (processes SIGKILLed, by `kill` or by the workers' own fault
-injection) and joins (`add_node`). Each worker's output goes to
+injection), joins (`add_node`) and leaves with notice (`notify`: a node's preemption
+announced, as its agent would post it). Each worker's output goes to
 OUTPUT_DIR/logs/<node>.<local>.log.
 """
 from __future__ import annotations
@@ -30,6 +31,7 @@ from planaria.runtime.config import load_config
 from planaria.runtime.config import status_timeout_s as default_status_timeout
 from planaria.runtime.contract import env as worker_env
 from planaria.runtime.contract.keys import run_prefix, worker_key
+from planaria.runtime.contract.membership import LeaveNotice
 from planaria.templates.plan import Worker
 from planaria.runtime.planning import build_planner, cost_model
 
@@ -83,7 +85,9 @@ class LocalJob:
             status_timeout_s=(status_timeout_s if status_timeout_s is not None
                               else default_status_timeout(self.cfg.comm)),
             log=self.log, checkpoints=CheckpointPolicy(self.cfg.checkpoint_dir, self.cfg.checkpoint.every,
-                                                      self.cfg.checkpoint.keep))
+                                                      self.cfg.checkpoint.keep),
+            notices=self._live_notices)
+        self._notices: dict[str, LeaveNotice] = {}
         self.processes: dict[Worker, subprocess.Popen] = {}
         self.nodes = [f"node{i}" for i in range(nodes)]
         self._log_files = []
@@ -108,6 +112,26 @@ class LocalJob:
             proc.send_signal(sig)
             if sig == signal.SIGKILL:
                 proc.wait()  # reaped: it must not look alive at the next poll
+
+    def notify(self, node: str, notice_s: float, source: str = "test") -> None:
+        """Announce that `node` will be gone in `notice_s` seconds: the controller plans it
+        out at the next step boundary; if its workers are still there at the deadline,
+        they are SIGKILLed, as the cloud would."""
+        now = time.time()
+        self._notices[node] = LeaveNotice(source=source, deadline=now + notice_s, posted=now)
+
+    def _live_notices(self) -> dict[str, LeaveNotice]:
+        """The notices of nodes with a live worker (a notice goes with its node, as an
+        agent's lease takes its keys)."""
+        live = {node for node, _ in self.alive()}
+        self._notices = {n: notice for n, notice in self._notices.items() if n in live}
+        return dict(self._notices)
+
+    def _enforce_deadlines(self) -> None:
+        for node, notice in list(self._notices.items()):
+            if time.time() >= notice.deadline:
+                for worker in [w for w in self.processes if w[0] == node]:
+                    self.kill(worker)
 
     def alive(self) -> set[Worker]:
         return {w for w, p in self.processes.items() if p.poll() is None}
@@ -138,6 +162,7 @@ class LocalJob:
                     self._spawn((node, local), faults=self.faults)
             self.controller.start(sorted(self.processes), self.initial_plan())
             while True:
+                self._enforce_deadlines()
                 state = self.controller.poll(self.alive, self.kill)
                 if state != "running":
                     break

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from planaria.runtime.abandonable_store import AbandonableStore
 from planaria.runtime.contract import keys
 from planaria.runtime.contract.deadline import ReachableDeadline
-from planaria.runtime.contract.epochs import EpochRecord, EpochTiming
+from planaria.runtime.contract.epochs import EpochRecord, EpochTiming, Progress
 from planaria.runtime.contract.exactly_once import CommitRecord, WorkerStatus
 from planaria.runtime.contract.membership import Announcement
 from planaria.templates.plan import Worker
@@ -69,7 +69,10 @@ class StoreCoordinator:
     def rendezvous_store(self, epoch: int) -> dist.Store:
         """The epoch's process-group rendezvous, given up as soon as the control plane
         moves past the epoch: a peer that dies before it has registered would otherwise
-        hold everyone in the rendezvous until the store's timeout."""
+        hold everyone in the rendezvous until the store's timeout. One per epoch: the
+        world's and a planned leave's groups (`transfer.Handoff`) meet in the same."""
+        if epoch in self._rendezvous_stores:
+            return self._rendezvous_stores[epoch]
         store = AbandonableStore(dist.PrefixStore(keys.epoch_rendezvous(epoch), self.store),
                                  lambda: self.reconfigure_requested(epoch),
                                  f"epoch {epoch} was abandoned by the control plane during its rendezvous")
@@ -77,6 +80,9 @@ class StoreCoordinator:
         # process group still uses it has no methods left ("Not implemented").
         self._rendezvous_stores[epoch] = store
         return store
+
+    def publish_progress(self, progress: Progress) -> None:
+        self.store.set(keys.PROGRESS, progress.to_json())
 
     def publish_status(self, epoch: int, status: WorkerStatus) -> None:
         self.store.set(keys.epoch_status(epoch, self.worker), status.to_json())

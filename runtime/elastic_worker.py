@@ -29,8 +29,10 @@ to 1. Every committed step is appended to OUTPUT_DIR/commits-<node>.<local>.json
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import gc
+import statistics
 import logging
 import sys
 import threading
@@ -49,11 +51,11 @@ from rich.markup import escape
 from planaria.runtime.saved_model import save_model_shards
 from planaria.runtime.checkpoints import AsyncCheckpointer, snapshot_layer
 from planaria.runtime.peer_snapshots import PeerSnapshots
-from planaria.runtime.transfer import SnapshotSource
+from planaria.runtime.transfer import Handoff, SnapshotSource, exchange_handoff
 from planaria.runtime.build import build_engine
 from planaria.runtime.config import Config
 from planaria.runtime.contract import env
-from planaria.runtime.contract.epochs import EpochRecord, EpochTiming
+from planaria.runtime.contract.epochs import EpochRecord, EpochTiming, Progress
 from planaria.runtime.contract.logs import AuditEntry, CommitEntry, EvalEntry, append
 from planaria.runtime.contract import keys
 from planaria.runtime.coordination import JobEnded, StoreCoordinator, connect_store, store_ports
@@ -69,6 +71,9 @@ from planaria.runtime.contract.logs import AUDIT, COMMITS, EVALS, log_path
 
 EXIT_TORN_STEP = 3
 """A worker's exit code when its optimizer step failed part-way (`TornStep`)."""
+
+EXIT_LEFT = 0
+"""A worker's exit code when its node left the job with notice (`EpochRecord.leaving`)."""
 
 EXIT_STUCK_AFTER_RELEASE = 4
 """A worker's exit code when its epoch's collectives did not return after their release
@@ -101,9 +106,11 @@ class _EpochWatcher(threading.Thread):
     declared the epoch failed already does without."""
 
     def __init__(self, coordinator: StoreCoordinator, epoch: int, release, log: Callable[[str], None],
-                 period_s: float = 0.2, stuck_s: float = 10.0, exit=os._exit):
+                 period_s: float = 0.2, stuck_s: float = 10.0, exit=os._exit,
+                 progress: Callable[[], Progress | None] | None = None):
         super().__init__(daemon=True, name=f"epoch-watcher-{epoch}")
         self.coordinator, self.epoch, self.period_s = coordinator, epoch, period_s
+        self.progress, self._published = progress, (None, 0.0)
         self.release, self.log = release, log
         self.stuck_s, self._exit = stuck_s, exit
         self.requested, self.done, self._local = threading.Event(), threading.Event(), threading.Event()
@@ -111,6 +118,7 @@ class _EpochWatcher(threading.Thread):
     def run(self) -> None:
         while not self.done.wait(self.period_s):
             try:
+                self._publish_progress()
                 reason = self.coordinator.epoch_over(self.epoch)
             except Exception:  # the store is unreachable: keep training, ask again later
                 continue
@@ -123,6 +131,16 @@ class _EpochWatcher(threading.Thread):
                          f"its collectives ({done})")
                 self._exit_if_stuck()
             return
+
+    def _publish_progress(self, every_s: float = 1.0) -> None:
+        """The job's progress (`keys.PROGRESS`), at most every `every_s`, when it moved:
+        written from here, never from the step."""
+        if self.progress is None or time.monotonic() - self._published[1] < every_s:
+            return
+        progress = self.progress()
+        if progress is not None and progress != self._published[0]:
+            self.coordinator.publish_progress(progress)
+            self._published = (progress, time.monotonic())
 
     @contextlib.contextmanager
     def local_work(self):
@@ -174,6 +192,8 @@ class ElasticWorker:
         forward (a later epoch may have failed before anyone trained in it)."""
         self._timing = EpochTiming(record_s=0.0)
         """This epoch's: when each of its phases ended on this worker."""
+        self._step_times: collections.deque[float] = collections.deque(maxlen=9)
+        self._last_commit: tuple[int, int, float] | None = None
         self.out_dir = Path(cfg.output.dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.commits = open(log_path(self.out_dir, COMMITS, self.name), "a", encoding="utf-8")
@@ -195,6 +215,8 @@ class ElasticWorker:
             except JobEnded as end:
                 self._log(f"job ended: {end.outcome}")
                 return 0 if end.outcome == "ok" else 1
+            if self.worker[0] in record.leaving:
+                return self._leave(epoch, record)
             if self.worker not in record.plan.rank_of_worker():
                 self._log(f"epoch {epoch}: not in the plan, waiting")
                 continue
@@ -205,6 +227,29 @@ class ElasticWorker:
                 # and has its layers copied from their replicas (or a checkpoint).
                 self._log(f"epoch {epoch}: leaving the job: {err}")
                 return EXIT_TORN_STEP
+
+    def _leave(self, epoch: int, record: EpochRecord) -> int:
+        """This node leaves with notice: send the layers the new plan takes from this
+        worker (it holds their only copies), then exit."""
+        handoff = self._handoff(epoch, record)
+        if handoff is not None and any(t.src == self.worker for t in handoff.transfers):
+            try:
+                stats = exchange_handoff(self.engine, handoff, self.worker, stepped=self.engine.last_stepped >= 0)
+            except (RuntimeError, TimeoutError) as err:  # the new epoch fails on its receivers too
+                self._log(f"epoch {epoch}: handing layers over failed: {str(err).splitlines()[0][:300]}")
+                return 1
+            self._log(f"epoch {epoch}: handed {stats.layers_sent} layer shard(s) over "
+                      f"({stats.bytes_sent / 2**20:.2f} MiB in {stats.seconds:.2f} s)")
+        self._log(f"epoch {epoch}: this node leaves the job, as its notice asked")
+        if self.engine is not None:
+            self.engine.destroy()
+        return EXIT_LEFT
+
+    def _handoff(self, epoch: int, record: EpochRecord) -> Handoff | None:
+        """The record's transfers from leaving workers, when this worker takes part."""
+        handoff = Handoff.of(record.transfers, record.leaving, self.coordinator.rendezvous_store(epoch),
+                             self.backend, timedelta(seconds=self.cfg.comm.timeout_s))
+        return handoff if handoff is not None and self.worker in handoff.participants() else None
 
     def _run_epoch(self, epoch: int, record: EpochRecord) -> None:
         plan = record.plan
@@ -224,7 +269,8 @@ class ElasticWorker:
         # Made before the epoch's first group: it releases what the epoch opens.
         release = epoch_release(self.backend, self.keep_ports) if self.cfg.comm.release else None
         self._watcher = _EpochWatcher(self.coordinator, epoch, release, self._log,
-                                      stuck_s=self.cfg.comm.release_stuck_s)
+                                      stuck_s=self.cfg.comm.release_stuck_s,
+                                      progress=self._progress if rank == 0 else None)
         self._watcher.start()
         try:
             dist.init_process_group(self.backend, store=self.coordinator.rendezvous_store(epoch),
@@ -288,7 +334,7 @@ class ElasticWorker:
         self._timing = replace(self._timing, **phases)
 
     def _enter_epoch(self, plan, rank: int, record: EpochRecord) -> None:
-        transfers = list(record.transfers)
+        transfers = [t for t in record.transfers if t.src[0] not in record.leaving]
         if record.restore is not None:
             self._log(f"epoch {plan.epoch}: restoring from checkpoint {record.restore}")
         if self.engine is None:
@@ -306,7 +352,8 @@ class ElasticWorker:
             self._log(f"epoch {plan.epoch}: restoring from the peer snapshots of step {record.snapshot.step}")
             snapshot = SnapshotSource(record.snapshot.commit, self.snapshots.shards_of(record.snapshot))
         self.engine.enter_epoch(plan, rank, transfers=transfers, snapshot=snapshot,
-                                checkpoint=None if record.restore is None else Path(record.restore))
+                                checkpoint=None if record.restore is None else Path(record.restore),
+                                handoff=self._handoff(plan.epoch, record))
 
     def _train(self, epoch: int, first: int) -> None:
         self._steps(epoch, first, self._watcher.requested.is_set)
@@ -380,7 +427,18 @@ class ElasticWorker:
             status = self.engine.status(self.worker, finished=finished)
         return replace(status, snapshots=self.snapshots.held())
 
+    def _progress(self) -> Progress | None:
+        """The last committed step and the median of the recent step times (read by the
+        epoch watcher's thread: one tuple, replaced whole by the main thread)."""
+        if self._last_commit is None or not self._step_times:
+            return None
+        epoch, step, at = self._last_commit
+        return Progress(epoch=epoch, step=step, time_s=at, step_s=statistics.median(self._step_times))
+
     def _record_commit(self, result, epoch: int, rolled_forward: bool = False) -> None:
+        if isinstance(result, StepResult):
+            self._step_times.append(result.step_time_s)
+        self._last_commit = (epoch, result.iteration, time.time())
         append(self.commits, CommitEntry(
             step=result.iteration, loss=result.loss, grad_norm=result.grad_norm, epoch=epoch,
             time=time.time(), rolled_forward=rolled_forward,

@@ -41,7 +41,8 @@ from planaria.runtime.model import LayerModel
 from planaria.runtime.optim import OptimizerSettings, build_optimizer, learning_rate, set_learning_rate
 from planaria.runtime.pipeline import PlanSchedule, build_stages
 from planaria.runtime.tensor_parallel import sum_over_head_replicas
-from planaria.runtime.transfer import SnapshotSource, TransferStats, exchange_layers, restore_from_snapshots
+from planaria.runtime.transfer import (Handoff, SnapshotSource, TransferStats, exchange_handoff, exchange_layers,
+                                       restore_from_snapshots)
 from planaria.templates.plan import Plan, Transfer
 
 
@@ -165,7 +166,8 @@ class Engine:
     def enter_epoch(self, plan: Plan, rank: int, world: dist.ProcessGroup | None = None, *,
                     transfers: list[Transfer] | None = None,
                     checkpoint: Path | None = None,
-                    snapshot: SnapshotSource | None = None) -> TransferStats | None:
+                    snapshot: SnapshotSource | None = None,
+                    handoff: Handoff | None = None) -> TransferStats | None:
         """Move to `plan` as `rank` of `world` (None: the default group), from wherever
         this engine is (new, or at the end of an epoch that finished or failed): the
         epoch's groups built; then its layers, which come from one of three places:
@@ -178,7 +180,9 @@ class Engine:
         - `snapshot` (with `transfers`): every layer of the plan as it was at the peer
           snapshot's step, from this worker's own kept copies or sent by the transfers'
           sources from theirs (`restore_from_snapshots`); the live layers are dropped;
-        - otherwise none: only a new job's layers, built from their seeds.
+        - otherwise none: only a new job's layers, built from their seeds;
+        - and `handoff` (with `transfers`): the layers that only leaving workers hold,
+          received from them over the handoff's own group (`exchange_handoff`).
 
         After a checkpoint or transfers, a barrier; only then are the layers the plan no
         longer gives this rank dropped: once the barrier completed anywhere, every worker
@@ -204,6 +208,8 @@ class Engine:
             stats = self._restore_snapshot(snapshot, transfers or [])
         elif transfers is not None:
             stats = exchange_layers(self, transfers, stepped=self.last_stepped >= 0)
+            if handoff is not None:
+                stats += exchange_handoff(self, handoff, plan.worker(rank), stepped=self.last_stepped >= 0)
         if restoring or transfers is not None:
             dist.barrier(group=self.groups.world)
         for index in [i for i in self._shards if i not in set(plan.layers_of(rank))]:

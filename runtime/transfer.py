@@ -7,6 +7,11 @@ weights: parameters are kept in the master dtype, autocast makes the low-precisi
 copies) and its AdamW state (both moments and the step count). A tp shard moves as a
 unit, so tensor-parallel layers move shard by shard.
 
+Workers of nodes leaving with notice (a planned leave: `EpochRecord.leaving`) are in no
+plan, so the new epoch's world has no rank for them; the shards only they hold travel
+over a group of their own, made from the epoch's rendezvous store by them and the
+workers they send to (`Handoff`, `exchange_handoff`), beside the world's transfers.
+
 All transfers between one pair of workers travel as one message per dtype, flattened in
 the transfer list's order (every worker reads the same list, so both sides agree on the
 layout without a handshake). Messages go through `torch.distributed.batch_isend_irecv`
@@ -17,6 +22,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import TYPE_CHECKING, Mapping
 
 import torch
@@ -25,7 +31,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from planaria.runtime.contract.exactly_once import CommitRecord
 from planaria.runtime.optim import empty_adam_state
-from planaria.templates.plan import Transfer
+from planaria.templates.plan import Transfer, Worker
 
 if TYPE_CHECKING:
     from planaria.runtime.engine import Engine, LayerState
@@ -42,6 +48,9 @@ class TransferStats:
     bytes_sent: int
     bytes_received: int
     seconds: float
+
+    def __add__(self, other: "TransferStats") -> "TransferStats":
+        return TransferStats(*(a + b for a, b in zip(self.__dict__.values(), other.__dict__.values())))
 
 
 def layer_state_tensors(state: "LayerState", stepped: bool) -> list[torch.Tensor]:
@@ -197,3 +206,81 @@ def by_dtype(tensors: list[torch.Tensor]) -> list[tuple[torch.dtype, list[torch.
     for t in tensors:
         groups.setdefault(t.dtype, []).append(t)
     return list(groups.items())
+
+
+@dataclass(frozen=True)
+class Handoff:
+    """The transfers of an epoch whose source is a leaving worker, and where their group
+    meets: the epoch's rendezvous store (under a prefix of its own)."""
+
+    transfers: tuple[Transfer, ...]
+    store: dist.Store
+    backend: str
+    timeout: timedelta
+
+    @classmethod
+    def of(cls, transfers, leaving: tuple[str, ...], store: dist.Store, backend: str,
+           timeout: timedelta) -> "Handoff | None":
+        """The handoff among `transfers` (those from a node of `leaving`), or None."""
+        mine = tuple(t for t in transfers if t.src[0] in leaving)
+        return cls(mine, store, backend, timeout) if mine else None
+
+    def participants(self) -> list[Worker]:
+        """Its group's ranks: every source and destination, in order."""
+        return sorted({w for t in self.transfers for w in (t.src, t.dst)})
+
+    def group(self, me: Worker) -> dist.ProcessGroup:
+        """The handoff's process group, as rank `me` (collective over the participants).
+        Made directly on its backend rather than through `dist.new_group`, which is
+        collective over the whole world: the leaving workers are in none."""
+        from planaria.runtime.release import group_options
+
+        ranks = self.participants()
+        store = dist.PrefixStore("handoff/", self.store)
+        if self.backend == "nccl":
+            options = group_options("nccl")
+            options._timeout = self.timeout
+            return dist.ProcessGroupNCCL(store, ranks.index(me), len(ranks), options)
+        return dist.ProcessGroupGloo(store, ranks.index(me), len(ranks), self.timeout)
+
+
+def exchange_handoff(engine: "Engine", handoff: Handoff, me: Worker, *, stepped: bool) -> TransferStats:
+    """A planned leave's copies: a leaving worker sends the shards it is the source of,
+    a worker of the new plan receives and installs the ones it is the destination of
+    (in the flat per-dtype messages of `exchange_layers`); then both wait until every
+    participant is done, so that no leaving worker exits while its sends are in flight."""
+    started = time.perf_counter()
+    ranks = handoff.participants()
+    group = handoff.group(me)
+    outgoing: dict[int, list[torch.Tensor]] = {}
+    incoming: dict[int, list[torch.Tensor]] = {}
+    received: dict[int, "LayerState"] = {}
+    for t in sorted(handoff.transfers, key=lambda t: (t.layer, t.tp_rank, t.src, t.dst)):
+        if t.src == me:
+            outgoing.setdefault(ranks.index(t.dst), []).extend(layer_state_tensors(engine.shard(t.layer), stepped))
+        elif t.dst == me:
+            received[t.layer] = state = engine.empty_shard(t.layer)
+            if stepped:
+                _empty_optimizer_state(state)
+            incoming.setdefault(ranks.index(t.src), []).extend(layer_state_tensors(state, stepped))
+    works, unpack, flats = [], [], []  # each send's flat buffer lives until its wait
+    for peer, tensors in sorted(outgoing.items()):
+        for tag, (_, group_tensors) in enumerate(by_dtype(tensors)):
+            flats.append(_flatten_dense_tensors(on_device(group_tensors, engine.device)))
+            works.append(group.send([flats[-1]], peer, tag))
+    for peer, tensors in sorted(incoming.items()):
+        for tag, (dtype, group_tensors) in enumerate(by_dtype(tensors)):
+            buffer = torch.empty(sum(t.numel() for t in group_tensors), dtype=dtype, device=engine.device)
+            works.append(group.recv([buffer], peer, tag))
+            unpack.append((buffer, group_tensors))
+    for work in works:
+        work.wait()
+    for buffer, group_tensors in unpack:
+        for target, value in zip(group_tensors, _unflatten_dense_tensors(buffer, group_tensors)):
+            target.copy_(value)
+    group.allreduce([torch.zeros(1, device=engine.device)]).wait()
+    engine.install_shards(received)
+    nbytes = lambda groups: sum(t.numel() * t.element_size() for ts in groups.values() for t in ts)  # noqa: E731
+    return TransferStats(layers_sent=sum(t.src == me for t in handoff.transfers), layers_received=len(received),
+                         bytes_sent=nbytes(outgoing), bytes_received=nbytes(incoming),
+                         seconds=time.perf_counter() - started)

@@ -339,21 +339,25 @@ def transfers(old: Plan, new: Plan) -> list[Transfer]:
     return transfers_from(holders(old), new)
 
 
-def transfers_from(held: Mapping[tuple[int, int], Iterable[Worker]], new: Plan) -> list[Transfer]:
+def transfers_from(held: Mapping[tuple[int, int], Iterable[Worker]], new: Plan,
+                   leaving: Iterable[Worker] = ()) -> list[Transfer]:
     """Transfers that give every worker of `new` the shards it lacks, from `held`:
     (layer, tp rank) -> the workers holding that shard's committed state now.
 
     This is what recovery uses: what workers hold is the old plan's layers, unless a
     reconfiguration was interrupted (then they still hold those and may hold more).
-    Only holders that appear in `new` (alive) send. Sources are spread: each shard goes
-    from the alive holder with the fewest transfers so far (ties: the lowest worker).
+    Only holders that appear in `new` (alive) send, and `leaving` workers (outside
+    `new`: a planned leave) for the shards no worker of `new` holds. Sources are
+    spread: each shard goes from the holder with the fewest transfers so far (ties: the
+    lowest worker).
     """
-    alive = set(new.rank_of_worker())
+    alive, leaving = set(new.rank_of_worker()), set(leaving)
     held = {key: set(workers) for key, workers in held.items()}
     load: dict[Worker, int] = {}
     result = []
     for key, wanted_by in sorted(holders(new).items()):
-        sources = sorted(w for w in held.get(key, ()) if w in alive)
+        sources = (sorted(w for w in held.get(key, ()) if w in alive)
+                   or sorted(w for w in held.get(key, ()) if w in leaving))
         for dst in sorted(wanted_by):
             if dst in held.get(key, ()) or not sources:
                 continue
@@ -368,9 +372,11 @@ def missing_layers(old: Plan, new: Plan) -> list[tuple[int, int]]:
     return missing_from(holders(old), new)
 
 
-def missing_from(held: Mapping[tuple[int, int], Iterable[Worker]], new: Plan) -> list[tuple[int, int]]:
-    """(layer, tp rank) shards of the model that no worker of `new` holds in `held`."""
-    alive = set(new.rank_of_worker())
+def missing_from(held: Mapping[tuple[int, int], Iterable[Worker]], new: Plan,
+                 leaving: Iterable[Worker] = ()) -> list[tuple[int, int]]:
+    """(layer, tp rank) shards of the model that no worker of `new`, nor of `leaving`
+    (they hand theirs over before they go), holds in `held`."""
+    alive = set(new.rank_of_worker()) | set(leaving)
     return [(layer, t) for layer in range(new.num_layers) for t in range(new.tp)
             if not any(w in alive for w in held.get((layer, t), ()))]
 

@@ -49,9 +49,13 @@ class EpochRecord(JsonRecord):
     """Some layer lost every replica: every worker drops its layers and takes the plan's
     from the peer snapshots of this step (its own, or sent by `transfers`' sources); the
     plan then starts right after it."""
+    leaving: tuple[str, ...] = ()
+    """Nodes that leave with notice (`keys.LEAVE`): in no plan any more, their workers
+    send the layers whose only holders they are (the `transfers` from them, over a group
+    of their own: `planaria.runtime.transfer.hand_off`), then exit."""
 
 
-Reason = Literal["failure", "join"]
+Reason = Literal["failure", "join", "leave"]
 
 
 @dataclass(frozen=True)
@@ -88,6 +92,10 @@ class EpochEvent(JsonRecord):
     """Nodes alive but left out because they could not reach the planned ones (a partition)."""
     rerun: int = 0
     """Committed steps the job trains again (it went back to a snapshot or a checkpoint)."""
+    left: tuple[str, ...] = ()
+    """Nodes that left with notice (a planned leave)."""
+    handed_off: int = 0
+    """Layer shards the leaving nodes sent before they left (no other holder had them)."""
 
     @property
     def source(self) -> str:
@@ -117,3 +125,18 @@ class EpochTiming(JsonRecord):
     bytes_sent: int = 0
     transfer_seconds: float | None = None
     """How long its layer exchange took."""
+
+
+@dataclass(frozen=True)
+class Progress(JsonRecord):
+    """How far the job is (`keys.PROGRESS`), written by the plan's rank 0 about once a
+    second off its step: the controller estimates from it how long a planned leave takes,
+    and `planaria status` shows it."""
+
+    epoch: int
+    step: int
+    """The last committed iteration."""
+    time_s: float
+    """When it was committed (wall clock)."""
+    step_s: float
+    """The median time of the recent steps."""

@@ -7,8 +7,8 @@ prefix in etcd, `/planaria/<run id>/`):
     epoch                           the newest epoch whose record is complete
     epoch/<e>/record                `EpochRecord`, written before `epoch` moves to e
     epoch/<e>/status/<node>.<local> `WorkerStatus`, once the worker left epoch e
-    epoch/<e>/reconfigure           the epoch is over: "join" (stop after the current
-                                    iteration) or "failure" (release every collective now)
+    epoch/<e>/reconfigure           the epoch is over: "join" or "leave" (stop after the
+                                    current iteration) or "failure" (release every collective now)
     epoch/<e>/trained               present: epoch e committed a step
     epoch/<e>/pg/...                the epoch's process-group rendezvous
     epoch/<e>/timing/<node>.<local> `EpochTiming`
@@ -17,6 +17,7 @@ prefix in etcd, `/planaria/<run id>/`):
                                     workers of epoch e (which committed it) have on disk (a count)
     checkpoint/<i>/<e>/commit       that iteration's `CommitRecord`
     done                            the job is over: "ok", or "failed: <reason>"
+    progress                        `Progress`: the last committed step and the step time
 
 The agents' own keys in etcd lie beside these, under the same prefix:
 
@@ -26,6 +27,7 @@ The agents' own keys in etcd lie beside these, under the same prefix:
     leader                          the node whose agent leads, on its lease
     probe/<node>                    host:port its agent answers reachability probes on, on its lease
     unreachable/<node>              the nodes it cannot reach now (JSON list), on its lease
+    notice/<node>                   the node will be gone soon (`LeaveNotice`), on its lease
 """
 from __future__ import annotations
 
@@ -33,6 +35,7 @@ from planaria.templates.plan import Worker
 
 EPOCH = "epoch"
 DONE = "done"
+PROGRESS = "progress"
 MEMBERS = "members/"
 JOB = "config"
 LEADER = "leader"
@@ -40,6 +43,7 @@ NODES = "nodes/"
 ALIVE = "alive/"
 PROBE = "probe/"
 UNREACHABLE = "unreachable/"
+NOTICE = "notice/"
 JOB_OK = "ok"
 JOB_FAILED = "failed: "
 """`done`'s value for a failed job starts so, the reason follows."""
@@ -69,6 +73,11 @@ def parse_worker_key(key: str) -> Worker:
     if not node or not local.isdigit():
         raise ValueError(f"{key!r} is not a worker name (node.local_rank)")
     return node, int(local)
+
+
+def notice(node: str) -> str:
+    """A node's preemption notice (`membership.LeaveNotice`): the leader plans it out."""
+    return f"{NOTICE}{node}"
 
 
 def member(worker: Worker) -> str:
@@ -103,6 +112,9 @@ def epoch_reconfigure(epoch: int) -> str:
 
 JOIN = "join"
 """Nodes join: every worker stops after the same iteration (the commit carries the request)."""
+LEAVE = "leave"
+"""Nodes leave with notice (a preemption announced): every worker stops after the same
+iteration, as for a join; the leaving nodes then hand their layers over and exit."""
 FAILURE = "failure"
 """A worker failed: the epoch's collectives are released at once on every survivor
 (`planaria.runtime.release`), however the failed peer behaves."""

@@ -31,3 +31,17 @@ class JobSpec(JsonRecord):
     config: str
     """The config file's path as the agent was given it."""
     overrides: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class LeaveNotice(JsonRecord):
+    """A node that will be gone at `deadline` (`keys.notice`, bound to its agent's lease):
+    its cloud or scheduler said so (`planaria.elastic.preemption`). The leader plans the
+    job without it while it still trains, and it hands its layers over before it exits."""
+
+    source: str
+    """Who said so: "signal SIGTERM", "aws", "gcp", "azure"."""
+    deadline: float
+    """When the node will be gone (seconds since the epoch, wall clock)."""
+    posted: float
+    """When its agent wrote the notice."""

@@ -19,11 +19,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from planaria.runtime.contract.checkpoint_layout import CheckpointManifest
-from planaria.runtime.contract.epochs import EpochEvent, EpochRecord, EpochTiming
+from planaria.runtime.contract.epochs import EpochEvent, EpochRecord, EpochTiming, Progress
 from planaria.runtime.contract.exactly_once import STATES, CommitRecord, SnapshotHeld, WorkerStatus
 from planaria.runtime.contract.logs import (AuditEntry, CommitEntry, EpochStep, EvalEntry, MetricsEntry, Mismatch,
                                             StepEntry)
-from planaria.runtime.contract.membership import Announcement, JobSpec, NodeRegistration
+from planaria.runtime.contract.membership import Announcement, JobSpec, LeaveNotice, NodeRegistration
 from planaria.runtime.contract.record import RecordError
 from planaria.templates.layout import plan_from_layout
 from planaria.templates.plan import Transfer
@@ -62,7 +62,8 @@ def epoch_records(draw):
     transfers = draw(small_tuples(st.builds(Transfer, layer=st.integers(0, 99), tp_rank=st.integers(0, 7),
                                             src=workers, dst=workers)))
     return EpochRecord(plan, roll_forward=draw(maybe(commits)), transfers=transfers,
-                       restore=draw(maybe(names)), snapshot=draw(maybe(snapshots_held)))
+                       restore=draw(maybe(names)), snapshot=draw(maybe(snapshots_held)),
+                       leaving=draw(small_tuples(node_names)))
 
 
 RECORDS = {
@@ -71,12 +72,12 @@ RECORDS = {
     WorkerStatus: worker_statuses(),
     EpochRecord: epoch_records(),
     EpochEvent: st.builds(
-        EpochEvent, epoch=st.integers(0, 10**6), reason=st.sampled_from(["failure", "join"]),
+        EpochEvent, epoch=st.integers(0, 10**6), reason=st.sampled_from(["failure", "join", "leave"]),
         detected_s=seconds, statuses_s=seconds, planned_s=seconds, published_s=seconds,
         failed=small_tuples(names), joined=small_tuples(names), first_iteration=steps,
         rolled_forward=maybe(steps), transfers=counts, restored=maybe(steps), moved_bytes=counts,
         plan_shape=small_tuples(st.integers(1, 64)), cut_off=small_tuples(names), snapshot=maybe(steps),
-        rerun=counts),
+        rerun=counts, left=small_tuples(names), handed_off=counts),
     EpochTiming: st.builds(
         EpochTiming, record_s=seconds, rendezvous_s=maybe(seconds), transfer_s=maybe(seconds),
         first_step_s=maybe(seconds), failed_s=maybe(seconds), error=maybe(names), bytes_received=counts,
@@ -86,6 +87,8 @@ RECORDS = {
                                   tp=st.integers(1, 8)),
     Announcement: st.builds(Announcement, pid=st.integers(1, 2**22)),
     NodeRegistration: st.builds(NodeRegistration, gpus=st.integers(1, 8), agent=names),
+    LeaveNotice: st.builds(LeaveNotice, source=names, deadline=seconds, posted=seconds),
+    Progress: st.builds(Progress, epoch=st.integers(0, 10**6), step=steps, time_s=seconds, step_s=seconds),
     JobSpec: st.builds(JobSpec, config=names, overrides=small_tuples(names)),
     MetricsEntry: st.builds(MetricsEntry, step=steps, loss=anything_float, grad_norm=anything_float,
                             lr=st.floats(0, 1), tokens=counts, step_time_s=seconds, time=seconds,
