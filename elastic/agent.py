@@ -68,17 +68,21 @@ from planaria.elastic.controller import CheckpointPolicy, Controller, StepDown
 from planaria.elastic.etcd_client import EtcdClient, EtcdSettings, EtcdUnavailable, LeaseExpired
 from planaria.elastic.etcd_kv import EtcdKeyValue
 from planaria.elastic.peer_probe import PeerProbe, node_address
+from planaria.elastic.preemption import SOURCES, Notice, make_watcher, signal_notice
 from planaria.runtime.config import ConfigError, load_config, status_timeout_s
 from planaria.runtime.contract import env as worker_env, keys
 from planaria.runtime.contract.heartbeat import silent_for
 from planaria.runtime.contract.keys import parse_worker_key, worker_key
-from planaria.runtime.contract.membership import JobSpec, NodeRegistration
+from planaria.runtime.contract.membership import JobSpec, LeaveNotice, NodeRegistration
 from planaria.templates.plan import Worker
 from planaria.runtime.planning import build_planner, cost_model
 
 POLL_S = 0.1
 DEFAULT_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
 """torchrun's --signals-to-handle."""
+NOTICE_POLL_S = 2.0
+"""How often a cloud's metadata is asked for a notice (AWS advises every 5 s; GCP's
+answer waits for a change itself)."""
 
 
 
@@ -92,11 +96,22 @@ class Agent:
                  config: str, overrides: list[str], lease_ttl_s: int = 5, hardware: str = "h100",
                  log_dir: Path | None = None, outage_limit_s: float = math.inf, max_restarts: int = 0,
                  signals: str = DEFAULT_SIGNALS, shutdown_timeout_s: float = 30.0,
-                 local_addr: str | None = None):
+                 local_addr: str | None = None, preemption: str = "signal", preemption_grace_s: float = 30.0,
+                 preemption_endpoint: str | None = None, notice_signals: str = "SIGTERM"):
         self.node, self.nproc, self.min_nodes = node, nproc, min_nodes
         self.run_id, self.max_restarts, self.restarts = run_id, max_restarts, 0
         self.signals = parse_signals(signals)
         self.shutdown_timeout_s = shutdown_timeout_s
+        self.watcher = make_watcher(preemption, preemption_endpoint, log=self.log)
+        """The cloud's notice watcher (None for `signal`: `_on_signal` is it)."""
+        self.grace_s = preemption_grace_s
+        self.notice_signals = parse_signals(notice_signals) if preemption == "signal" and preemption_grace_s > 0 else []
+        """Signals that mean "gone in `grace_s`" (a planned leave) rather than "stop now"."""
+        self._notice: Notice | None = None
+        self._notice_signal: int | None = None
+        self._notice_posted = False
+        self._withdrawn = False
+        self._notices_read: tuple[float, dict[str, LeaveNotice]] = (-1.0, {})
         # A request that hangs (an etcd member cut off from the others still accepts
         # connections, but serves nothing) must give up, and fail over to another member,
         # well within the lease's TTL: a third of it, as often as the lease is renewed.
@@ -148,7 +163,9 @@ class Agent:
             self.log(str(err))
             return 2
         threading.Thread(target=self._keep_alive, daemon=True, name="lease").start()
-        for signum in self.signals:
+        if self.watcher is not None:
+            threading.Thread(target=self._watch_notices, daemon=True, name="preemption").start()
+        for signum in {*self.signals, *self.notice_signals}:
             signal.signal(signum, self._on_signal)
         self._start_workers()
         self.client.retry_s = self.outage_limit_s  # from now on, etcd outages are waited out
@@ -184,7 +201,11 @@ class Agent:
                 return 1
         self._kill_frozen_workers()
         self._publish_reachability()
-        if self._reap():
+        if self._notice is not None:
+            code = self._serve_notice()
+            if code is not None:
+                return code
+        if self._reap() and self._notice is None:  # a leaving node's exits: `_serve_notice`
             if self.restarts < self.max_restarts and self._signal is None:
                 self._restart()
                 return None
@@ -199,8 +220,66 @@ class Agent:
         return None
 
     def _on_signal(self, signum, frame) -> None:
+        if signum in self.notice_signals and self._notice is None:
+            # A notice, not a stop: the node leaves at a step boundary within the grace
+            # period (`_serve_notice`). The same signal again stops it at once.
+            self._notice = signal_notice(signal.Signals(signum).name, self.grace_s)
+            self._notice_signal = signum
+            return
         self._signal = signum  # acted on by the main loop, between two looks at etcd
         self.client.abort.set()  # a look that waits for an absent etcd gives up
+
+    # ------------------------------------------------------------ notices
+    def _watch_notices(self) -> None:
+        """The cloud's word, asked every `NOTICE_POLL_S` (a watcher never raises): a notice
+        becomes this node's; one that goes away again before the node left is withdrawn."""
+        while not self._stop.wait(NOTICE_POLL_S):
+            notice = self.watcher.poll()
+            if notice is not None and self._notice is None:
+                self._withdrawn = False
+                self._notice = notice
+            elif notice is None and self._notice is not None and self._notice_signal is None:
+                self._withdrawn = True
+
+    def _serve_notice(self) -> int | None:
+        """This node has a notice: post it for the leader (under the lease: it goes with
+        the node), then exit once the workers have left (they hand their layers over
+        first: `ElasticWorker._leave`), or stop them at the deadline if they are still
+        there. A withdrawn notice is taken back while the workers still train."""
+        notice = self._notice
+        key = self.prefix + keys.notice(self.member)
+        if self._withdrawn:
+            self.log(f"the preemption notice ({notice.source}) was withdrawn; this node stays in the job")
+            self.client.delete(key)
+            self._notice, self._notice_posted, self._withdrawn = None, False, False
+            return None
+        if not self._notice_posted:
+            self.log(f"preemption notice ({notice.detail or notice.source}): the node leaves the job at a "
+                     f"step boundary within {notice.left_s():.0f} s")
+            record = LeaveNotice(source=notice.source, deadline=notice.deadline, posted=time.time())
+            self.client.put(key, record.to_json().encode(), lease=self.lease)
+            self._notice_posted = True
+        code = 128 + self._notice_signal if self._notice_signal is not None else 0
+        if not self._running():
+            self.log("this node's workers have left; the node leaves the job")
+        elif notice.left_s() <= 1.0:
+            self.log("the notice's deadline is here and this node's workers still run; stopping them")
+            code = code or 1
+        else:
+            return None
+        self._leave(signal.SIGKILL)
+        if self.watcher is not None:
+            self.watcher.acknowledge(notice)  # Azure need not wait for NotBefore
+        return code
+
+    def _posted_notices(self) -> dict[str, LeaveNotice]:
+        """{node: its notice}, for the controller (read at most four times a second)."""
+        read_at, notices = self._notices_read
+        if time.monotonic() - read_at >= 0.25:
+            notices = {node: LeaveNotice.from_json(value) for node, value in
+                       self.client.items_with_prefix(self.prefix + keys.NOTICE).items()}
+            self._notices_read = (time.monotonic(), notices)
+        return notices
 
     def _stop_on_signal(self, signum: int) -> int:
         """Stop the workers with the signal, take the node out, exit 128 + its number."""
@@ -260,6 +339,7 @@ class Agent:
                 self.lease = self.client.lease(self.lease_ttl_s)
         for worker in self._running():
             self.client.put(self.prefix + keys.alive(worker), b"1", lease=self.lease)
+        self._notice_posted = False  # a notice goes with its lease: posted again under the new one
         if self.probe is not None:
             self.client.put(self.prefix + keys.PROBE + self.node, self.probe.address.encode(), lease=self.lease)
             self._published_view = None  # written again under the new lease
@@ -502,6 +582,7 @@ class Agent:
             gpus_per_node=self.nproc, status_timeout_s=status_timeout_s(self.cfg.comm),
             log=lambda message: self.log(message), interrupted=lambda: self._signal is not None,
             leading=self._still_leading, node=self.node, unreachable=self._unreachable_views,
+            notices=self._posted_notices,
             checkpoints=CheckpointPolicy(self.cfg.checkpoint_dir, self.cfg.checkpoint.every,
                                          self.cfg.checkpoint.keep))
 
@@ -571,6 +652,22 @@ def main(argv: list[str] | None = None) -> int:
                         default=float(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", 30)),
                         help="seconds stopped workers get before SIGKILL (default 30, or "
                              "TORCH_ELASTIC_SHUTDOWN_TIMEOUT)")
+    parser.add_argument("--preemption-notice", choices=SOURCES,
+                        default=os.environ.get("PLANARIA_PREEMPTION_NOTICE", "signal"),
+                        help="where this node learns that it will be preempted: signal (the signals of "
+                             "--preemption-signals, as Kubernetes and Slurm send them), aws, gcp or azure "
+                             "(the cloud's instance metadata); the node then leaves at a step boundary and "
+                             "hands its layers over (default signal, or PLANARIA_PREEMPTION_NOTICE)")
+    parser.add_argument("--preemption-grace", type=float,
+                        default=float(os.environ.get("PLANARIA_PREEMPTION_GRACE", 30)),
+                        help="seconds between a notice signal and the node's end (the scheduler's grace "
+                             "period: Kubernetes' terminationGracePeriodSeconds, Slurm's --signal); 0: the "
+                             "signal stops the node at once (default 30, or PLANARIA_PREEMPTION_GRACE)")
+    parser.add_argument("--preemption-signals", default=os.environ.get("PLANARIA_PREEMPTION_SIGNALS", "SIGTERM"),
+                        help="the signals read as a notice under --preemption-notice signal; a second one "
+                             "stops the node at once (default SIGTERM)")
+    parser.add_argument("--preemption-endpoint", default=os.environ.get("PLANARIA_PREEMPTION_ENDPOINT"),
+                        help="the cloud's metadata address (default: the cloud's documented one)")
     parser.add_argument("--local-addr", default=None,
                         help="the address other nodes reach this one at (default: that of "
                              "GLOO_SOCKET_IFNAME's interface, else this host's route to etcd)")
@@ -591,7 +688,9 @@ def main(argv: list[str] | None = None) -> int:
                       overrides=args.overrides, lease_ttl_s=args.lease_ttl, hardware=args.hardware,
                       log_dir=args.log_dir, outage_limit_s=args.etcd_outage_limit or math.inf,
                       max_restarts=args.max_restarts, signals=args.signals_to_handle,
-                      shutdown_timeout_s=args.shutdown_timeout, local_addr=args.local_addr)
+                      shutdown_timeout_s=args.shutdown_timeout, local_addr=args.local_addr,
+                      preemption=args.preemption_notice, preemption_grace_s=args.preemption_grace,
+                      preemption_endpoint=args.preemption_endpoint, notice_signals=args.preemption_signals)
         return agent.run()
     except (EtcdUnavailable, ConfigError, ValueError) as err:
         print(f"planaria agent {args.node}: {err}", file=sys.stderr, flush=True)

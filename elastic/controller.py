@@ -328,8 +328,11 @@ class Controller:
             return
         self._check_progress(first, nodes)
         if len(nodes) < self.planner.n0:
+            told = sorted(set(notices) & {w[0] for w in survivors | joiners})
             raise JobFailed(f"{len(nodes)} node(s) left, but one replica of the model needs "
-                            f"n0={self.planner.n0}; add nodes and restart from the last checkpoint")
+                            f"n0={self.planner.n0}"
+                            f"{f' ({told} were told they will be gone: a preemption notice or SIGTERM)' if told else ''}"
+                            "; add nodes and restart from the last checkpoint")
         # Sources of layer state: what the workers of the group hold, live or in their
         # peer snapshots (a stateless worker may keep snapshots); no copy crosses a cut.
         holders = {w: s for w, s in statuses.items() if w[0] in nodes or w in leaving}

@@ -24,9 +24,10 @@ pytest.importorskip("pyetcd")
 class Job:
     def __init__(self, etcd, tmp_path, nodes: int, overrides: list[str], run_id: str,
                  env: dict[str, dict[str, str]] | None = None, nproc: int = 1,
-                 agent_args: tuple[str, ...] = ()):
+                 agent_args: tuple[str, ...] = (), node_args: dict[str, tuple[str, ...]] | None = None):
+        """`node_args`: more agent options for some nodes ({node: options})."""
         self.overrides = [*overrides, f"output.dir={tmp_path}"]
-        self.nproc, self.agent_args = nproc, list(agent_args)
+        self.nproc, self.agent_args, self.node_args = nproc, list(agent_args), node_args or {}
         self.etcd, self.tmp_path, self.run_id, self.min_nodes = etcd, tmp_path, run_id, nodes
         self.agents = {}
         (tmp_path / "logs").mkdir(parents=True, exist_ok=True)
@@ -39,7 +40,7 @@ class Job:
         log = open(self.tmp_path / "logs" / f"agent-{node}.log", "w")
         self.agents[node] = subprocess.Popen(
             [sys.executable, "-m", "planaria.elastic.agent", "--node", node, "--etcd", self.etcd.endpoint,
-             "--nproc-per-node", str(self.nproc), *self.agent_args,
+             "--nproc-per-node", str(self.nproc), *self.agent_args, *self.node_args.get(node, ()),
              "--run-id", self.run_id, "--nnodes", str(self.min_nodes), "--lease-ttl", "3", str(TINY),
              *self.overrides],
             stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, OMP_NUM_THREADS="1", **(env or {})),
@@ -116,9 +117,10 @@ def test_leader_node_killed_another_agent_leads_and_the_job_recovers(etcd, tmp_p
     check_against_reference(tmp_path, reference, job)
 
 
-def signal_a_follower_agent(etcd, tmp_path, run_id: str, signum: int) -> tuple[str, dict[str, int], Job]:
+def signal_a_follower_agent(etcd, tmp_path, run_id: str, signum: int,
+                            overrides=None) -> tuple[str, dict[str, int], Job]:
     """Send `signum` to one agent that does not lead (its process only) after two steps."""
-    job = Job(etcd, tmp_path, 4, OVERRIDES, run_id=run_id)
+    job = Job(etcd, tmp_path, 4, overrides or OVERRIDES, run_id=run_id)
     try:
         leader = job.leader()
         victim = next(n for n in ("node1", "node2", "node3") if n != leader)
@@ -208,10 +210,36 @@ def test_max_restarts_a_node_whose_worker_died_rejoins_as_new_capacity(etcd, tmp
 @pytest.mark.slow  # the default suite's time (~15 min on 2 cores): `make test-slow`
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
-def test_sigterm_to_an_agent_takes_its_node_out_and_the_job_goes_on(etcd, tmp_path, reference):
-    """A spot machine's preemption notice: SIGTERM to one agent (not its workers). The
-    agent stops its worker with SIGTERM, leaves, and exits 143; the others recover."""
-    victim, codes, job = signal_a_follower_agent(etcd, tmp_path, "sigterm", signal.SIGTERM)
+def test_sigterm_to_an_agent_is_a_notice_its_node_leaves_at_a_step_boundary(etcd, tmp_path):
+    """What Kubernetes and Slurm send before they take a machine: SIGTERM to one agent (not
+    its workers), with 30 s of grace (the default). The node leaves at a step boundary
+    (a planned leave: no failure, nothing trained again), and its agent exits 143."""
+    longer = [*OVERRIDES, "train.steps=60"]  # long enough for the leave to happen before the end
+    victim, codes, job = signal_a_follower_agent(etcd, tmp_path, "sigterm", signal.SIGTERM, longer)
+    assert codes[victim] == 128 + signal.SIGTERM, f"{codes}\n{job.logs()}"
+    logs = job.logs(tail=10**6)
+    assert "preemption notice (SIGTERM, 30 s of grace)" in logs
+    assert "(leave; failed -, joined -; left ['%s'])" % victim in logs, logs
+    check_against_reference(tmp_path, reference_run([*JOB, "train.steps=60"]), job, steps=60)
+
+
+@pytest.mark.slow  # the default suite's time (~15 min on 2 cores): `make test-slow`
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_sigterm_twice_stops_the_node_at_once(etcd, tmp_path, reference):
+    """A second SIGTERM during the grace period is an order to stop now (torchrun's
+    meaning): the agent stops its worker, leaves, and the others recover from the failure."""
+    job = Job(etcd, tmp_path, 4, OVERRIDES, run_id="sigterm-twice", agent_args=("--preemption-grace", "600"))
+    try:
+        leader = job.leader()
+        victim = next(n for n in ("node1", "node2", "node3") if n != leader)
+        job.wait_for_commits(2)
+        job.agents[victim].send_signal(signal.SIGTERM)
+        time.sleep(0.05)
+        job.agents[victim].send_signal(signal.SIGTERM)
+        codes = job.wait()
+    finally:
+        job.close()
     assert codes[victim] == 128 + signal.SIGTERM, f"{codes}\n{job.logs()}"
     assert "SIGTERM: stopping this node's workers" in job.logs()
     check_against_reference(tmp_path, reference, job)
