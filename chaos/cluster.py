@@ -5,7 +5,9 @@ A node is an agent process started in a session of its own, so that killing the 
 (`os.killpg`) takes the agent and its workers at once, as a machine that vanishes does.
 Nodes are named `node<i>` by their index as launched; an added node takes the next
 index. The cluster knows a worker's pid from the job's store (`members/<worker>`, the
-worker's own announcement), and which nodes are live from its processes.
+worker's own announcement), and which nodes are live from its processes. Without
+simulated hosts, each agent watches a local cloud's metadata for preemption notices
+(`planaria.chaos.cloud`), which `preempt` schedules.
 """
 from __future__ import annotations
 
@@ -13,9 +15,11 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Callable, TypeVar
 
+from planaria.chaos.cloud import LocalCloud
 from planaria.chaos.hosts import IFNAME, HostNetwork
 from planaria.elastic.etcd_client import EtcdClient, EtcdSettings
 from planaria.elastic.etcd_server import EmbeddedEtcd, EmbeddedEtcdCluster
@@ -53,6 +57,8 @@ class LocalCluster:
             raise
         self.client = EtcdClient(EtcdSettings(endpoint=self.etcd.endpoint))
         self.prefix = keys.run_prefix(run_id)
+        self.cloud = None if hosts else LocalCloud()
+        """The nodes' metadata service (on loopback: the simulated hosts cannot reach it)."""
         self.agents: dict[int, subprocess.Popen] = {}
         self.frozen: set[int] = set()
         """Nodes frozen by `freeze_node`: running, but neither live nor killable."""
@@ -74,7 +80,9 @@ class LocalCluster:
     def add_node(self) -> int:
         index = len(self.agents)
         log = open(self.log_dir / f"agent-node{index}.log", "w", encoding="utf-8")
-        launch, env = [], self.env
+        launch, env, notices = [], self.env, []
+        if self.cloud is not None:
+            notices = ["--preemption-notice", "aws", "--preemption-endpoint", self.cloud.endpoint(f"node{index}")]
         if self.network is not None:
             # The node's workers reach their peers through its own interface, as on a host.
             launch = self.network.run_in(self.network.ensure_host(index), [])
@@ -83,7 +91,7 @@ class LocalCluster:
             [*launch, sys.executable, "-m", "planaria.elastic.agent", "--node", f"node{index}",
              "--nproc-per-node", str(self.nproc), "--etcd", self.etcd.endpoint, "--run-id", self.run_id,
              "--nnodes", str(self.min_nodes), "--lease-ttl", str(self.lease_ttl_s),
-             "--log-dir", str(self.log_dir), self.config, *self.overrides],
+             "--log-dir", str(self.log_dir), *notices, self.config, *self.overrides],
             stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         return index
 
@@ -134,6 +142,13 @@ class LocalCluster:
         """Limit node `index`'s link to `rate` both ways; returns what lifts the limit."""
         self.network.slow(index, rate)
         return lambda: self.network.slow(index, None)
+
+    def preempt(self, index: int, notice_s: float) -> float:
+        """Announce node `index`'s preemption `notice_s` from now, through its metadata;
+        returns the deadline, at which the caller kills the node if it is still there."""
+        node = f"node{index}"
+        self.cloud.preempt(node, time.time() + notice_s)
+        return self.cloud.deadline(node)
 
     def freeze_node(self, index: int) -> None:
         """SIGSTOP the node's agent and workers together: nothing of it closes or answers,
@@ -197,5 +212,7 @@ class LocalCluster:
         for agent in self.agents.values():
             agent.wait()
         self.etcd.stop()
+        if self.cloud is not None:
+            self.cloud.close()
         if self.network is not None:
             self.network.close()

@@ -18,6 +18,11 @@
                              with --hosts and --etcd-members 3: etcd member 0 cut off from
                              the other members (a minority that still answers connections)
     kill-etcd-member@7       SIGKILL one etcd member (with --etcd-members 3)
+    preempt-node@8:target=2:notice=20
+                             node 2's cloud announces its preemption 20 s ahead (its
+                             instance metadata, as EC2 spot does: `planaria.chaos.cloud`);
+                             the node should leave at a step boundary; if it is still
+                             there at the deadline, it is SIGKILLed (not with --hosts)
     add-node@9               start one more node
     kill-node@3+1.5          1.5 s after step 3 is reached (during the recovery of a
                              fault at step 3, say)
@@ -35,13 +40,14 @@ import re
 from dataclasses import dataclass
 
 KINDS = ("kill-worker", "kill-node", "kill-agent", "hang-worker", "freeze-node", "kill-etcd-member", "add-node",
-         "isolate-node", "slow-link", "partition", "isolate-etcd-member")
+         "isolate-node", "slow-link", "partition", "isolate-etcd-member", "preempt-node")
 WORKER_KINDS = ("kill-worker", "hang-worker")
 ETCD_KINDS = ("kill-etcd-member", "isolate-etcd-member")
 NETWORK_KINDS = ("isolate-node", "slow-link", "partition", "isolate-etcd-member")
 """Faults made on the links between simulated hosts: they need `--hosts`, and last `for=` seconds."""
 _SPEC = re.compile(r"^(?P<kind>[a-z-]+)@(?P<step>\d+)(?:\+(?P<delay>\d+(?:\.\d*)?)s?)?"
-                   r"(?::target=(?P<target>\d+(?:\.\d+|(?:\+\d+)+)?))?(?::for=(?P<duration>\d+(?:\.\d*)?)s?)?$")
+                   r"(?::target=(?P<target>\d+(?:\.\d+|(?:\+\d+)+)?))?(?::for=(?P<duration>\d+(?:\.\d*)?)s?)?"
+                   r"(?:[:,]notice=(?P<notice>\d+(?:\.\d*)?)s?)?$")
 
 
 class FaultSpecError(ValueError):
@@ -62,6 +68,8 @@ class FaultSpec:
     """How long a network fault lasts before it is healed (network kinds only)."""
     group: tuple[int, ...] = ()
     """A partition's side given as target=A+B+...: these nodes against the others."""
+    notice_s: float | None = None
+    """A preemption's notice: seconds from the announcement to the node's end."""
 
     def __str__(self) -> str:
         target = "" if self.node is None else f":target={self.node}" + (
@@ -69,13 +77,15 @@ class FaultSpec:
         if self.group:
             target = f":target={'+'.join(map(str, self.group))}"
         duration = "" if self.duration_s is None else f":for={self.duration_s:g}"
-        return f"{self.kind}@{self.step}{f'+{self.delay_s:g}' if self.delay_s else ''}{target}{duration}"
+        notice = "" if self.notice_s is None else f":notice={self.notice_s:g}"
+        return f"{self.kind}@{self.step}{f'+{self.delay_s:g}' if self.delay_s else ''}{target}{duration}{notice}"
 
 
 def parse_fault(text: str) -> FaultSpec:
     match = _SPEC.match(text.strip())
     if not match:
-        raise FaultSpecError(f"bad fault {text!r}: expected KIND@STEP[+SECONDS][:target=NODE[.LOCAL]][:for=SECONDS], "
+        raise FaultSpecError(f"bad fault {text!r}: expected KIND@STEP[+SECONDS][:target=NODE[.LOCAL]][:for=SECONDS]"
+                             f"[:notice=SECONDS], "
                              f"such as kill-node@3, kill-node@3+1.5, kill-worker@6:target=2.0 or "
                              f"isolate-node@4:target=1:for=20")
     kind = match["kind"]
@@ -104,7 +114,12 @@ def parse_fault(text: str) -> FaultSpec:
     if kind == "partition" and node is not None:
         group = (node,)
         node = None
-    return FaultSpec(kind, int(match["step"]), node, local, float(match["delay"] or 0), duration, group)
+    notice = None if match["notice"] is None else float(match["notice"])
+    if (kind == "preempt-node") != (notice is not None):
+        raise FaultSpecError(f"{text!r}: " + ("a preemption comes with a notice; say how long with :notice=SECONDS "
+                                              f"(such as preempt-node@{match['step']}:notice=20)"
+                                              if notice is None else f"only preempt-node takes :notice=, not {kind}"))
+    return FaultSpec(kind, int(match["step"]), node, local, float(match["delay"] or 0), duration, group, notice)
 
 
 def validate(faults: list[FaultSpec], *, steps: int, nodes: int, nproc: int, etcd_members: int,
@@ -114,6 +129,9 @@ def validate(faults: list[FaultSpec], *, steps: int, nodes: int, nproc: int, etc
     a single-member etcd, a network fault without simulated hosts."""
     launched = nodes
     for fault in sorted(faults, key=lambda f: f.step):
+        if fault.kind == "preempt-node" and hosts:
+            raise FaultSpecError(f"{fault}: the simulated hosts cannot reach the local cloud that announces "
+                                 "preemptions; run preempt-node without --hosts")
         if fault.kind in NETWORK_KINDS and not hosts:
             raise FaultSpecError(f"{fault}: a network fault needs nodes with networks of their own; "
                                  "run with --hosts")

@@ -71,6 +71,9 @@ class ChaosSettings:
     """A killed etcd member is started again this long after (as its supervisor would)."""
     hosts: bool = False
     """Each node and etcd member a host of its own (`--hosts`, `planaria.chaos.hosts`)."""
+    notice_s: float | None = None
+    """A trace's removals come with this much notice (`--notice`): preemptions announced
+    ahead (`preempt-node`) instead of machines that vanish; None: no notice."""
 
     def clock_sources(self) -> tuple[RandomFaults | None, TraceReplay | None, int]:
         """(the random process, the trace replay, trace events left out by the node cap),
@@ -85,8 +88,11 @@ class ChaosSettings:
             random_faults = RandomFaults(self.random_rate, self.seed, low=low, high=high,
                                          kinds=self.random_kinds or random_kinds(None, self.etcd_members, self.hosts))
         if self.trace is not None:
+            if self.notice_s is not None and self.hosts:
+                raise FaultSpecError("--notice announces removals through a local cloud that the simulated "
+                                     "hosts cannot reach; drop --notice or --hosts")
             schedule, left_out = replay_schedule(read_trace(self.trace), self.nodes, self.time_scale,
-                                                 name=find_trace(self.trace).name)
+                                                 name=find_trace(self.trace).name, notice_s=self.notice_s)
             replay = TraceReplay(schedule)
         return random_faults, replay, left_out
 
@@ -141,9 +147,10 @@ def _describe_faults(settings: ChaosSettings, replay: TraceReplay | None, left_o
         parts.append(f"random faults, {settings.random_rate:g} a minute (seed {settings.seed}), "
                      f"{low} to {high} live nodes")
     if replay is not None:
-        removals = sum(1 for s in replay.pending if s.fault.kind == "kill-node")
+        removals = sum(1 for s in replay.pending if s.fault.kind != "add-node")
+        notice = "" if settings.notice_s is None else f", each announced {settings.notice_s:g} s ahead"
         parts.append(f"trace {find_trace(settings.trace).name} at {settings.time_scale:g}x: "
-                     f"{removals} removal(s) and {len(replay.pending) - removals} addition(s) over "
+                     f"{removals} removal(s){notice} and {len(replay.pending) - removals} addition(s) over "
                      f"{replay.duration_s:.0f} s ({left_out} trace event(s) beyond {settings.nodes} nodes left out)")
     return "; ".join(parts) or "no faults"
 
@@ -230,6 +237,8 @@ class _Run:
         self._etcd_restarts: list[tuple[float, int]] = []
         self._heals: list[tuple[float, str, Callable[[], None]]] = []
         """Network faults to heal: (when, the fault, what heals it)."""
+        self._deadlines: list[tuple[float, int]] = []
+        """Preempted nodes: (their deadline, node), killed then if they are still there."""
         """(when, member): killed etcd members to start again."""
         self.injected: list[InjectedFault] = []
         self.live_nodes: list[tuple[float, int]] = []
@@ -287,6 +296,7 @@ class _Run:
                     self._inject(cluster, fault, committed)
                 self._restart_etcd_members(cluster, now)
                 self._heal_network(now)
+                self._end_preempted(cluster, now)
                 if now - self._events_polled >= 1.0:
                     self._events_polled = now
                     self._show_new_epochs(cluster)
@@ -347,6 +357,16 @@ class _Run:
             cluster.restart_etcd_member(member)
             self.progress.note(f"  etcd member {member} started again")
 
+    def _end_preempted(self, cluster: LocalCluster, now: float) -> None:
+        """Preempted nodes at their deadline: gone already (they left), or killed now."""
+        for due in [d for d in self._deadlines if d[0] <= now]:
+            self._deadlines.remove(due)
+            if due[1] in cluster.live_nodes():
+                cluster.kill_node(due[1])
+                self.progress.note(f"  [red]node{due[1]} still there at its preemption deadline: killed[/]")
+            else:
+                self.progress.note(f"  node{due[1]} had left before its preemption deadline")
+
     def _heal_network(self, now: float) -> None:
         for due in [h for h in self._heals if h[0] <= now]:
             self._heals.remove(due)
@@ -403,6 +423,9 @@ class _Run:
             elif kind == "freeze-node":
                 cluster.freeze_node(node)
                 target = f"{node}"
+            elif kind == "preempt-node":
+                self._deadlines.append((cluster.preempt(node, fault.notice_s), node))
+                target = f"{node}"
             elif kind in NETWORK_KINDS:
                 heal = cluster.isolate_node(node) if kind == "isolate-node" else cluster.slow_link(node)
                 target = f"{node}"
@@ -415,7 +438,8 @@ class _Run:
                     return
                 target = f"{node}.{local}"
         spec = f"{str(fault).split(':')[0]}:target={target}" + (
-            "" if fault.duration_s is None else f":for={fault.duration_s:g}")
+            "" if fault.duration_s is None else f":for={fault.duration_s:g}") + (
+            "" if fault.notice_s is None else f":notice={fault.notice_s:g}")
         self.injected.append(InjectedFault(spec, committed, time.time()))
         self.progress.note(f"  [red]fault[/] {spec} (job at step {committed})")
 

@@ -72,6 +72,12 @@ class Recovery:
     """A fault that lasts (a network fault's :for=): the median time of the steps that ran
     while it lasted over the median away from every fault (a slow link's straggler shows here); None:
     no step, or no fault-free step to compare with."""
+    reason: str = ""
+    """How the job took it: "failure" (an iteration interrupted), "leave" (a node left
+    with notice, at a step boundary) or "join"; empty when no reconfiguration followed."""
+    pause_s: float | None = None
+    """The pause in training at the switch: from the last step committed before the new
+    epoch to its first (a step's own time included)."""
 
 
 @dataclass
@@ -90,6 +96,11 @@ class Report:
     recoveries: list[Recovery] = field(default_factory=list)
     memory_restores: int = 0
     """Reconfigurations that went back to a peer snapshot (some layer lost every replica)."""
+    planned_leaves: int = 0
+    """Reconfigurations in which nodes left with notice, at a step boundary (no iteration
+    interrupted); the others that removed a node were failures."""
+    interrupted: int = 0
+    """Reconfigurations that began with a failure: each cut an iteration short, which ran again."""
     reference_step_s: float | None = None
     """The fault-free run's time a step on this machine (the ETTR's yardstick)."""
     own_step_s: float | None = None
@@ -199,6 +210,7 @@ def recoveries(faults: list[InjectedFault], events: list[EpochEvent], timings: d
         for e in entries:
             first_commits[e.step] = min(first_commits.get(e.step, e.time), e.time)
     ratios = _step_time_ratios(faults, sorted(first_commits.values()))
+    commit_times = sorted(t for t, _ in stepped)
     for fault in faults:
         event = _handling_event(fault, events)
         kind = parse_fault(fault.fault).kind
@@ -243,8 +255,15 @@ def recoveries(faults: list[InjectedFault], events: list[EpochEvent], timings: d
             rendezvous_s=max(rendezvous) if rendezvous else None,
             first_step_s=max(first_steps) if first_steps else None,
             release_s=max(0.0, max(left) - event.detected_s) if left and not under_way else None,
-            step_time_ratio=ratios.get(fault)))
+            step_time_ratio=ratios.get(fault), reason=event.reason,
+            pause_s=_pause(commit_times, event.published_s, resumed)))
     return found
+
+
+def _pause(commit_times: list[float], published_s: float, resumed: float | None) -> float | None:
+    """From the last commit before the epoch's publication to the first after it."""
+    before = [t for t in commit_times if t <= published_s]
+    return None if resumed is None or not before else resumed - before[-1]
 
 
 UNSEEN_KINDS = ("kill-etcd-member", "isolate-etcd-member", "slow-link")
@@ -282,9 +301,10 @@ def _handling_event(fault: InjectedFault, events: list[EpochEvent]) -> EpochEven
     ordered = sorted(events, key=lambda ev: ev.epoch)
     # The one that names the node wins over any that merely came after the fault: under
     # random faults and trace replay a join handled in between would otherwise take the
-    # credit (and a bogus detection time) for a kill.
+    # credit (and a bogus detection time) for a kill. A preempted node is named among
+    # those that left (with notice), or among the failed (its notice was too short).
     for ev in ordered:
-        listed = ev.joined if joining else ev.failed
+        listed = ev.joined if joining else ev.failed + ev.left
         if ev.published_s >= fault.time and node in {w.split(".")[0].split("~")[0] for w in listed}:
             return ev
     if joining:
@@ -317,6 +337,8 @@ def build_report(*, out_dir: Path, steps: int, outcome: str, faults: list[Inject
         committed_steps_lost=lost,
         checkpoint_loads=sum(1 for ev in events if ev.source == "disk"),
         memory_restores=sum(1 for ev in events if ev.source == "memory"),
+        planned_leaves=sum(1 for ev in events if ev.reason == "leave"),
+        interrupted=sum(1 for ev in events if ev.reason == "failure"),
         ettr=ettr, wall_s=wall_s, recoveries=recoveries(faults, events, timings, logs),
         reference_step_s=reference.get("step_s"), own_step_s=own, ettr_own_steps=ettr_own,
         losses=losses, reference_losses=ref_losses,
@@ -422,7 +444,8 @@ def format_epoch_event(event: EpochEvent) -> str:
     who = "; ".join(part for part in (
         f"failed {', '.join(event.failed)}" if event.failed else "",
         f"joined {', '.join(event.joined)}" if event.joined else "",
-        f"cut off {', '.join(event.cut_off)}" if event.cut_off else "") if part)
+        f"cut off {', '.join(event.cut_off)}" if event.cut_off else "",
+        f"left {', '.join(event.left)}" if event.left else "") if part)
     count = event.transfers
     copies = f"{count} layer cop{'y' if count == 1 else 'ies'} ({event.moved_bytes / 2**20:.2f} MiB)"
     source = {"replicas": copies,
@@ -437,12 +460,12 @@ def recovery_table(recoveries: list[Recovery]):
     from rich.table import Table
 
     table = Table(title="recoveries", title_justify="left")
-    for column in ("fault", "step", "detect", "release", "plan", "transfer", "total", "source", "copies", "moved",
-                   "plan shape", "step time"):
+    for column in ("fault", "step", "detect", "release", "plan", "transfer", "total", "pause", "source", "copies",
+                   "moved", "plan shape", "step time"):
         table.add_column(column, justify="left" if column == "fault" else "right", no_wrap=True)
     for r in recoveries:
         table.add_row(r.fault, str(r.step), _fmt(r.detect_s, " s"), _fmt(r.release_s, " s"), _fmt(r.plan_s, " s"),
-                      _fmt(r.transfer_s, " s"), _fmt(r.total_s, " s"),
+                      _fmt(r.transfer_s, " s"), _fmt(r.total_s, " s"), _fmt(r.pause_s, " s"),
                       (f"{r.source} (-{r.rerun})" if r.rerun else r.source) or "-", str(r.transfers),
                       "-" if not r.bytes_moved else f"{r.bytes_moved / 2**20:.2f} MiB",
                       "-" if r.plan_shape is None else str(r.plan_shape),
@@ -466,6 +489,8 @@ def verdict_table(report: Report):
             ("steps committed", f"{report.steps_committed} of {report.steps}"),
             ("committed steps lost", str(report.committed_steps_lost)),
             ("restores from peer memory", str(report.memory_restores)),
+            ("planned leaves (with notice)", str(report.planned_leaves)),
+            ("iterations interrupted (failures)", str(report.interrupted)),
             ("checkpoint loads", str(report.checkpoint_loads)),
             ("max loss diff vs reference", diff),
             *([("max validation loss diff vs reference", f"{report.max_val_loss_diff:.2e}")]

@@ -14,8 +14,12 @@ from pathlib import Path
 
 from planaria.chaos.faults import ETCD_KINDS, NETWORK_KINDS, FaultSpec, FaultSpecError
 
-NODE_LOSSES = ("kill-worker", "kill-node", "kill-agent", "hang-worker", "freeze-node")
+NODE_LOSSES = ("kill-worker", "kill-node", "kill-agent", "hang-worker", "freeze-node", "preempt-node")
 """Kinds that take a node out of the job (a worker killed or hung takes its node with it)."""
+NOTICE_S = (5.0, 30.0)
+"""A drawn preemption's notice (uniform): from too short for some jobs' leave to GCP's 30 s."""
+OPT_IN_KINDS = ("preempt-node",)
+"""Drawn only when --random-kinds names them: the soak's default mix stays what it was."""
 NETWORK_DURATION_S = (5.0, 30.0)
 """A drawn network fault lasts between these (uniform): from shorter than a lease's TTL
 (a blip the job should ride out) to several TTLs (a node or side planned out, then in)."""
@@ -58,7 +62,8 @@ class RandomFaults:
             return []
         kind = self.rng.choice(choices)
         duration = round(self.rng.uniform(*NETWORK_DURATION_S), 1) if kind in NETWORK_KINDS else None
-        return [FaultSpec(kind, 0, duration_s=duration)]
+        notice = round(self.rng.uniform(*NOTICE_S), 1) if kind == "preempt-node" else None
+        return [FaultSpec(kind, 0, duration_s=duration, notice_s=notice)]
 
 
 def parse_node_range(text: str) -> tuple[int, int]:
@@ -76,7 +81,7 @@ def random_kinds(text: str | None, etcd_members: int, hosts: bool = False) -> tu
 
     if text is None:
         return tuple(k for k in KINDS if (k not in ETCD_KINDS or etcd_members >= 3)
-                     and (k not in NETWORK_KINDS or hosts))
+                     and (k not in NETWORK_KINDS or hosts) and k not in OPT_IN_KINDS)
     kinds = tuple(k.strip() for k in text.split(",") if k.strip())
     unknown = [k for k in kinds if k not in KINDS]
     if unknown or not kinds:
@@ -87,6 +92,9 @@ def random_kinds(text: str | None, etcd_members: int, hosts: bool = False) -> tu
     if any(k in NETWORK_KINDS for k in kinds) and not hosts:
         raise FaultSpecError(f"--random-kinds names network faults ({', '.join(k for k in kinds if k in NETWORK_KINDS)}), "
                              "which need nodes with networks of their own; run with --hosts")
+    if "preempt-node" in kinds and hosts:
+        raise FaultSpecError("--random-kinds names preempt-node, which the simulated hosts cannot be told "
+                             "of (their cloud is on loopback); drop it or --hosts")
     return kinds
 
 
@@ -162,13 +170,18 @@ class ReplayStep:
 
 
 def replay_schedule(events: list[TraceEvent], nodes: int, time_scale: float,
-                    name: str = "trace") -> tuple[list[ReplayStep], int]:
+                    name: str = "trace", notice_s: float | None = None) -> tuple[list[ReplayStep], int]:
     """(what to inject when, trace events left out by the cap) for a local cluster that
     starts with `nodes` nodes. The replay starts at the trace's first moment with `nodes`
     nodes live: those are local nodes 0..nodes-1, in the order the trace added them. From
     then on a removal of a local node kills it (a preempted machine vanishes), and an
     addition takes the next local index while fewer than `nodes` are live; other events
-    (nodes beyond the cap) are left out."""
+    (nodes beyond the cap) are left out.
+
+    With `notice_s`, every removal is announced that many seconds of the run before it
+    (a preemption with notice: `preempt-node`; less when the removal comes sooner after
+    the start). The notice is in the run's own seconds, not the trace's: what it is
+    weighed against, the job's steps and copies, does not shrink with the time scale."""
     if time_scale <= 0:
         raise FaultSpecError(f"--time-scale {time_scale:g}: must be > 0 (trace seconds per run second)")
     live: list[str] = []
@@ -189,7 +202,11 @@ def replay_schedule(events: list[TraceEvent], nodes: int, time_scale: float,
     for event in events[start:]:
         at_s = (event.ms - t0) / 1000.0 / time_scale
         source = f"{name}:{event.line} {event.op} {event.node}"
-        if event.op == "remove" and event.node in local:
+        if event.op == "remove" and event.node in local and notice_s is not None:
+            announced = max(0.0, at_s - notice_s)
+            fault = FaultSpec("preempt-node", 0, local.pop(event.node), notice_s=round(at_s - announced, 3))
+            schedule.append(ReplayStep(announced, fault, source))
+        elif event.op == "remove" and event.node in local:
             schedule.append(ReplayStep(at_s, FaultSpec("kill-node", 0, local.pop(event.node)), source))
         elif event.op == "add" and len(local) < nodes:
             local[event.node] = launched
@@ -197,7 +214,9 @@ def replay_schedule(events: list[TraceEvent], nodes: int, time_scale: float,
             schedule.append(ReplayStep(at_s, FaultSpec("add-node", 0), source))
         else:
             left_out += 1
-    return schedule, left_out
+    # A notice moves its removal's announcement earlier: the replay hands steps out in
+    # time order (stable: events of one moment keep the trace's order).
+    return sorted(schedule, key=lambda step: step.at_s), left_out
 
 
 def _live_counts(events: list[TraceEvent]):

@@ -128,6 +128,11 @@ def parse_azure(status: int, body: str, vm_name: str | None) -> tuple[Notice | N
 
 
 # ----------------------------------------------------------------- watchers
+_DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+"""Metadata is asked directly, never through an HTTP proxy of the environment (the clouds
+say so: a proxy would answer for itself, or not at all)."""
+
+
 class _Watcher:
     """What every cloud's watcher shares: HTTP with a timeout, and saying things once."""
 
@@ -145,7 +150,7 @@ class _Watcher:
                  timeout_s: float | None = None) -> tuple[int, str, dict]:
         request = urllib.request.Request(self.endpoint + path, data=data, headers=headers, method=method)
         try:
-            with urllib.request.urlopen(request, timeout=timeout_s or self.timeout_s) as answer:
+            with _DIRECT.open(request, timeout=timeout_s or self.timeout_s) as answer:
                 return answer.status, answer.read().decode(errors="replace"), dict(answer.headers)
         except urllib.error.HTTPError as err:  # an answer all the same (404: nothing pending)
             return err.code, err.read().decode(errors="replace"), dict(err.headers or {})

@@ -175,7 +175,7 @@ def _chaos(args: argparse.Namespace) -> int:
             random_kinds=None if args.random_kinds is None else random_kinds(args.random_kinds, args.etcd_members, args.hosts),
             trace=None if args.trace is None else Path(args.trace),
             time_scale=1.0 if args.time_scale is None else args.time_scale,
-            fresh_reference=args.fresh_reference, hosts=args.hosts)
+            fresh_reference=args.fresh_reference, hosts=args.hosts, notice_s=args.notice)
         _interrupt_on_termination()
         report = run_chaos(settings, console)
     except (FaultSpecError, ConfigError, FileNotFoundError) as err:
@@ -207,6 +207,9 @@ def _chaos_options_refused(args: argparse.Namespace) -> str | None:
             return f"{' and '.join(given)} shape(s) the faults of --random RATE, which was not given"
     if args.time_scale is not None and args.trace is None:
         return "--time-scale speeds up a --trace replay, and no --trace was given"
+    if args.notice is not None and (args.trace is None or args.notice < 0):
+        return ("--notice announces a --trace's removals ahead; give --trace too" if args.trace is None
+                else f"--notice must be 0 or more seconds, got {args.notice:g}")
     if args.hosts:
         from planaria.chaos.hosts import unavailable
 
@@ -282,7 +285,8 @@ def build_parser() -> argparse.ArgumentParser:
     chaos.add_argument("--fault-tolerance", type=int, default=None, help="f (fault_tolerance.f)")
     chaos.add_argument("--fault", action="append", default=[], metavar="KIND@STEP[:target=T]",
                        help="kill-worker, kill-node, kill-agent, hang-worker, freeze-node, kill-etcd-member, "
-                            "add-node; "
+                            "add-node, preempt-node (with :notice=SECONDS), and with --hosts isolate-node, "
+                            "slow-link, partition, isolate-etcd-member; "
                             "repeat for several (same step: simultaneous)")
     chaos.add_argument("--random", type=float, default=None, metavar="RATE",
                        help="random faults, RATE a minute on average (gaps uniform in 0.5 to 1.5 times "
@@ -296,6 +300,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "nodes, additions add them, capped to --nodes live")
     chaos.add_argument("--time-scale", type=float, default=None, metavar="X",
                        help="replay the trace X times faster (p3-trace.csv's 11.4 h in 10 min: 68; default 1)")
+    chaos.add_argument("--notice", type=float, default=None, metavar="SECONDS",
+                       help="announce each of the --trace's removals SECONDS of the run ahead (a preemption "
+                            "notice, as preempt-node gives; not scaled by --time-scale)")
     chaos.add_argument("--seed", type=int, default=0,
                        help="seeds targets left open and the random process (default 0)")
     chaos.add_argument("--etcd-members", type=int, choices=(1, 3), default=1)

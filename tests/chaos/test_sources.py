@@ -46,6 +46,17 @@ def test_a_trace_is_capped_to_the_local_cluster(tmp_path):
         replay_schedule(read_trace(trace), nodes=5, time_scale=1.0)
 
 
+def test_with_a_notice_each_removal_is_announced_that_long_before_it(tmp_path):
+    trace = write(tmp_path, "0,add,a\n0,add,b\n0,add,c\n1000,remove,c\n1000,remove,a\n"
+                            "2000,add,d\n2000,add,e\n3000,add,f\n4000,remove,b\n")
+    schedule, _ = replay_schedule(read_trace(trace), nodes=2, time_scale=2.0, name="t", notice_s=1.5)
+    got = [(s.at_s, s.fault.kind, s.fault.node, s.fault.notice_s, s.source) for s in schedule]
+    # a's removal at 0.5 s cannot be announced 1.5 s ahead: at the start, 0.5 s ahead. The
+    # announcements come before the addition of d they used to follow; the cap is the same.
+    assert got == [(0.0, "preempt-node", 0, 0.5, "t:5 remove a"), (0.5, "preempt-node", 1, 1.5, "t:9 remove b"),
+                   (1.0, "add-node", None, None, "t:6 add d")]
+
+
 def test_the_replay_starts_once_the_trace_has_the_clusters_nodes(tmp_path):
     trace = write(tmp_path, "0,add,a\n500,add,b\n800,remove,a\n900,add,c\n1000,add,d\n3000,remove,c\n")
     schedule, left_out = replay_schedule(read_trace(trace), nodes=3, time_scale=1.0)

@@ -111,8 +111,9 @@ def test_tls_files_that_do_not_exist_are_refused_before_anything_starts(tmp_path
 @pytest.mark.multiprocess
 @pytest.mark.timeout(200)
 def test_sigterm_to_planaria_run_stops_the_job_on_this_machine(tmp_path):
-    """SIGTERM reaches every agent, which stops its workers; planaria-run exits 143 and
-    leaves no process behind (the private etcd included)."""
+    """SIGTERM reaches every agent as a preemption notice (30 s of grace); with every node
+    leaving, nobody is left to train, so the job ends at once, saying why; planaria-run
+    exits 143 and leaves no process behind (the private etcd included)."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "planaria.elastic.launcher", "--standalone", "--nproc-per-node=2",
          "-m", "planaria.train", str(TINY), *JOB, "train.steps=100000", f"output.dir={tmp_path}"],
@@ -129,7 +130,8 @@ def test_sigterm_to_planaria_run_stops_the_job_on_this_machine(tmp_path):
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 128 + signal.SIGTERM, out[-4000:]
-    assert out.count("SIGTERM: stopping this node's workers") == 2, out[-4000:]
+    assert out.count("preemption notice (SIGTERM, 30 s of grace)") == 2, out[-4000:]
+    assert "were told they will be gone: a preemption notice or SIGTERM" in out, out[-4000:]
     leftovers = subprocess.run(["pgrep", "-s", str(proc.pid)], capture_output=True, text=True).stdout
     assert leftovers == "", f"processes left behind: {leftovers}"
 
