@@ -249,20 +249,30 @@ class Controller:
         return bool(cuts)
 
     def _leaving(self, notices: Mapping[str, LeaveNotice]) -> set[str]:
-        """The plan's nodes with a notice whose deadline leaves time for a planned leave.
-        One with less time left is not acted on (said once): it goes down the failure
-        path when it is gone, which loses nothing either."""
+        """The plan's nodes to plan out now: those with a notice whose deadline is near
+        enough (`leave_window_s`) and still far enough for a planned leave. Until then a
+        noticed node trains on: EC2's two minutes are many steps, and leaving at once
+        would give them up. One with too little time left is not acted on: it goes down
+        the failure path when it is gone, which loses nothing either. Each is said once."""
         needs = self._leave_needs_s()
         leaving = set()
         for node in sorted(set(notices) & set(self.plan.nodes())):
-            left = notices[node].deadline - time.time()
-            if left >= needs:
+            notice, left = notices[node], notices[node].deadline - time.time()
+            if needs <= left <= leave_window_s(needs):
                 leaving.add(node)
-            elif self._said.get(f"too close {node}") != notices[node]:
-                self._said[f"too close {node}"] = notices[node]
-                self.log(f"controller: {node} will be gone in {max(left, 0):.1f} s ({notices[node].source}), "
-                         f"too soon for a planned leave (about {needs:.1f} s); it is recovered as a failure")
+            elif left < needs:
+                self._say_once(f"notice {node}", notice, f"{node} will be gone in {max(left, 0):.1f} s "
+                               f"({notice.source}), too soon for a planned leave (about {needs:.1f} s); it is "
+                               "recovered as a failure")
+            else:
+                self._say_once(f"notice {node}", notice, f"{node} will be gone in {left:.0f} s ({notice.source}); "
+                               f"it trains on and leaves about {leave_window_s(needs):.0f} s before")
         return leaving
+
+    def _say_once(self, key: str, value, message: str) -> None:
+        if self._said.get(key) != value:
+            self._said[key] = value
+            self.log(f"controller: {message}")
 
     def _leave_needs_s(self) -> float:
         """Two steps (the one under way, then the one the stop comes after) at the job's
@@ -670,6 +680,13 @@ class Controller:
     def _end(self, outcome: str) -> None:
         self.outcome = outcome
         self.store.set(keys.DONE, outcome)
+
+
+def leave_window_s(needs_s: float) -> float:
+    """How long before its deadline a noticed node is planned out, given what a leave
+    needs (`Controller._leave_needs_s`): twice that, and at least ten seconds more, so
+    that a step slower than the last ones measured still leaves time."""
+    return max(2 * needs_s, needs_s + 10.0)
 
 
 def _both_ends_report(cuts: list[tuple[str, str]], views: Mapping[str, Iterable[str]]) -> bool:

@@ -31,6 +31,10 @@ def add_parser(sub) -> None:
                    help="rescale the trace's live count to peak at N (synthetic: start with N)")
     p.add_argument("--time-scale", type=float, default=1.0, metavar="X", help="replay X times faster")
     p.add_argument("--seed", type=int, default=0, help="which nodes go when a rescaled count drops")
+    p.add_argument("--notice", type=float, default=0.0, metavar="SECONDS",
+                   help="every removal is announced SECONDS ahead (EC2 spot: 120, GCP and Azure: 30); "
+                        "Planaria then leaves at a step boundary; the other policies do not use notices "
+                        "(default 0: no notice)")
     p.add_argument("--spot-price", type=float, default=None, help="$ per GPU-hour on spot (default 1.64)")
     p.add_argument("--on-demand-price", type=float, default=None,
                    help="$ per GPU-hour on demand (default 4.10)")
@@ -73,6 +77,8 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--fault-tolerance {args.fault_tolerance}: f must be 0 or more")
         if args.target_tokens <= 0:
             raise ValueError("--target-tokens must be positive")
+        if args.notice < 0:
+            raise ValueError(f"--notice {args.notice:g}: must be 0 or more seconds")
         defaults = Prices()
         prices = Prices(spot=defaults.spot if args.spot_price is None else args.spot_price,
                         on_demand=defaults.on_demand if args.on_demand_price is None else args.on_demand_price)
@@ -84,7 +90,8 @@ def run(args: argparse.Namespace) -> int:
                              gpus_per_node=args.gpus_per_node or _default_gpus(args.trace),
                              fault_tolerance=args.fault_tolerance,
                              policies=POLICIES if args.policy == "all" else (args.policy,),
-                             calibration=Calibration().with_overrides(args.set), prices=prices)
+                             calibration=Calibration().with_overrides(args.set), prices=prices,
+                             notice_s=args.notice)
     except (ValueError, FaultSpecError, FileNotFoundError, ConfigError) as err:
         print(f"planaria simulate: {err}", file=sys.stderr)
         return 2

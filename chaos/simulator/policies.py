@@ -27,6 +27,7 @@ from planaria.chaos.simulator.calibration import Calibration
 from planaria.chaos.simulator.simulation import Outcome, Running
 from planaria.templates.costs import CostModel
 from planaria.templates.placement import layers_held
+from planaria.elastic.controller import leave_window_s
 from planaria.templates.plan import Plan
 from planaria.templates.planner import PlanChoice, Planner
 
@@ -42,6 +43,10 @@ class Job:
     whose nodes share one machine's cores)."""
     lose_partial_iteration: bool = True
     """False when the recovery's cost already includes re-running the iteration in flight."""
+    notice_s: float = 0.0
+    """Every removal is announced this long ahead (a preemption notice: EC2 gives 120 s,
+    GCP and Azure 30 s); Planaria then leaves at a step boundary (`PlanariaPolicy`). The
+    other policies react to the removal itself, as they do without notice."""
 
 
 def _running(planner: Planner, choice: PlanChoice, job: Job, iteration_s: float | None = None,
@@ -122,6 +127,8 @@ class PlanariaPolicy:
         alive = set(live)
         in_plan = {s.node for p in self.plan.pipelines for s in p.stages} if self.plan else set()
         failed = in_plan & set(change.removed)
+        if failed and current is not None and len(live) >= self.planner.n0 and self._can_leave(current):
+            return self._planned_leave(live, current)
         newly_lost = bool(self.plan) and bool(failed) and bool(lost_layers(self.plan, alive))
         in_flight = "iteration" if failed and self.job.lose_partial_iteration else "none"
         lost = "checkpoint" if newly_lost and not self.state_lost else in_flight
@@ -147,6 +154,30 @@ class PlanariaPolicy:
         self.state_lost = False
         return Outcome(_running(self.planner, choice, self.job), downtime_s=downtime, lost=lost,
                        drain=not failed, note=note)
+
+
+    def _can_leave(self, current: Running) -> bool:
+        """The notice covers a planned leave: two iterations (the one under way, then the
+        one the stop comes after) and the control plane's share; the copies come after,
+        from the leaving nodes, within what is left (the runtime's own estimate,
+        `Controller._leave_needs_s`, takes the same two steps and a margin)."""
+        need = 2 * current.iteration_s + self.cal.control_s + self.cal.regroup_s
+        return self.job.notice_s > 0 and self.job.notice_s >= need
+
+    def _planned_leave(self, live: list[str], current: Running) -> Outcome:
+        """Nodes leave with notice: nothing is detected, no iteration is interrupted, and no
+        layer is lost (the leaving nodes hand theirs over). The switch costs the control
+        plane, planning, new groups and the copies; the leaving nodes go some time before
+        their deadline (the controller's `leave_window_s`), and for that long the job
+        already runs on the new plan (charged as the throughput it gives up meanwhile)."""
+        old = self.plan
+        choice = self._instantiate(live, None if self.state_lost else old)
+        running = _running(self.planner, choice, self.job)
+        ahead = min(self.job.notice_s, leave_window_s(2 * current.iteration_s + self.cal.control_s))
+        early = ahead * max(0.0, 1 - running.tokens_per_s / current.tokens_per_s)
+        downtime = (self.cal.control_s + choice.planning_time_s + self.cal.regroup_s + early
+                    + transfer_seconds(self.planner.costs, old, choice.plan, self.cal))
+        return Outcome(running, downtime_s=downtime, lost="none", drain=True, note="left with notice")
 
 
 class CheckpointPolicy:

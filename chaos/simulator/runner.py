@@ -71,14 +71,16 @@ def _planner(job: SimJob, hw_name: str, gpus_per_node: int | None, f: int, *,
 
 def run_simulation(job: SimJob, availability: Availability, *, hardware_name: str = "a100",
                    gpus_per_node: int | None = None, fault_tolerance: int = 1, policies=POLICIES,
-                   calibration: Calibration | None = None, prices: Prices | None = None) -> Simulation:
+                   calibration: Calibration | None = None, prices: Prices | None = None,
+                   notice_s: float = 0.0) -> Simulation:
+    """`notice_s`: every removal announced that long ahead (`Job.notice_s`)."""
     unknown = [p for p in policies if p not in POLICIES]
     if unknown:
         raise ValueError(f"unknown policy {unknown[0]!r}; valid: {', '.join(POLICIES)} or all")
     cal = calibration or Calibration()
     gpus_per_node = hardware(hardware_name, gpus_per_node=gpus_per_node).gpus_per_node
     sim = Simulation(job, availability, hardware_name, gpus_per_node, fault_tolerance, cal, prices or Prices())
-    common = Job(tokens_per_step=job.tokens_per_step, calibration=cal)
+    common = Job(tokens_per_step=job.tokens_per_step, calibration=cal, notice_s=notice_s)
     usable = with_boot_delay(availability, cal.boot_s)
     booting = availability.node_seconds() - usable.node_seconds()
     for name in policies:

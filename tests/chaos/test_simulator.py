@@ -236,3 +236,24 @@ def test_a_node_joins_after_its_boot_and_one_gone_sooner_never_joins():
     result = sim.results["checkpoint"]
     assert result.accounts["booting"] == pytest.approx(booting)
     assert sum(result.accounts.values()) == pytest.approx(raw.node_seconds())
+
+
+def test_with_a_long_enough_notice_planaria_leaves_and_loses_nothing_else_it_fails_over():
+    """gpt3-medium (short iterations) on a market that takes two nodes at once, twice:
+    without notice each removal interrupts an iteration; with EC2's 120 s each is a
+    planned leave (no iteration lost, no checkpoint), and the books still balance. A notice shorter than two iterations is
+    no notice: the runs are the same."""
+    job = PRESETS["gpt3-medium"]
+    nodes = tuple(f"node{i}" for i in range(8))
+    changes = tuple(Change(3600.0 * k, removed=(f"node{2 * k - 2}", f"node{2 * k - 1}")) for k in (1, 2))
+    market = Availability("pairs", nodes, changes, duration_s=3 * 3600)
+    runs = {n: run_simulation(job, market, hardware_name="v100", policies=("planaria",), notice_s=n)
+            .results["planaria"] for n in (0.0, 0.001, 120.0)}
+    assert [e["note"] for e in runs[120.0].events] == ["left with notice"] * 2
+    assert all(e["lost"] == "none" for e in runs[120.0].events) and runs[120.0].checkpoint_loads == 0
+    assert [e["lost"] for e in runs[0.0].events] == ["iteration"] * 2 or runs[0.0].checkpoint_loads
+    # (planning is charged as measured, so two identical runs differ by microseconds)
+    assert runs[0.001].tokens == pytest.approx(runs[0.0].tokens, rel=1e-5)
+    assert runs[120.0].accounts["redone"] < runs[0.0].accounts["redone"]
+    for result in runs.values():
+        assert sum(result.accounts.values()) == pytest.approx(market.node_seconds(), rel=1e-9)
