@@ -684,9 +684,10 @@ class Controller:
 
 def leave_window_s(needs_s: float) -> float:
     """How long before its deadline a noticed node is planned out, given what a leave
-    needs (`Controller._leave_needs_s`): twice that, and at least ten seconds more, so
-    that a step slower than the last ones measured still leaves time."""
-    return max(2 * needs_s, needs_s + 10.0)
+    needs (`Controller._leave_needs_s`, which counts two steps where one is expected):
+    ten seconds more, for a step or a copy slower than those measured. Every second
+    earlier is a second the job trains without the node."""
+    return needs_s + 10.0
 
 
 def _both_ends_report(cuts: list[tuple[str, str]], views: Mapping[str, Iterable[str]]) -> bool:

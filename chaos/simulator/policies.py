@@ -174,10 +174,12 @@ class PlanariaPolicy:
         choice = self._instantiate(live, None if self.state_lost else old)
         running = _running(self.planner, choice, self.job)
         ahead = min(self.job.notice_s, leave_window_s(2 * current.iteration_s + self.cal.control_s))
+        # The switch came at the boundary before the deadline: the iteration in flight
+        # then was committed (`commit_partial`), nothing drains after it.
         early = ahead * max(0.0, 1 - running.tokens_per_s / current.tokens_per_s)
         downtime = (self.cal.control_s + choice.planning_time_s + self.cal.regroup_s + early
                     + transfer_seconds(self.planner.costs, old, choice.plan, self.cal))
-        return Outcome(running, downtime_s=downtime, lost="none", drain=True, note="left with notice")
+        return Outcome(running, downtime_s=downtime, lost="none", commit_partial=True, note="left with notice")
 
 
 class CheckpointPolicy:

@@ -53,6 +53,9 @@ class Outcome:
     """"none", "iteration" (the one in flight) or "checkpoint" (all since the last one)."""
     drain: bool = False
     """Finish the iteration in flight on the old plan first (a join)."""
+    commit_partial: bool = False
+    """The iteration in flight counts as committed: the switch happened at an iteration
+    boundary before this moment (a planned leave, announced ahead)."""
     note: str = ""
 
     def __post_init__(self) -> None:
@@ -144,6 +147,11 @@ class _Books:
         bucket[1] += seconds
         bucket[2] += running.nodes * seconds
 
+    def commit_partial(self) -> None:
+        """The iteration in flight was finished (at a boundary the model does not place)."""
+        self._commit_iteration()
+        self.partial_iteration_s = 0.0
+
     def _commit_iteration(self) -> None:
         for i in range(3):
             self.committed[i] += self.partial[i]
@@ -222,6 +230,8 @@ class _Clock:
         self.current: Running | None = None
 
     def apply(self, at: float, outcome: Outcome, live: int) -> None:
+        if outcome.commit_partial:
+            self.books.commit_partial()
         if outcome.lost != "none":
             self.books.lose(outcome.lost)
             if outcome.lost == "checkpoint":

@@ -117,10 +117,10 @@ def test_leader_node_killed_another_agent_leads_and_the_job_recovers(etcd, tmp_p
     check_against_reference(tmp_path, reference, job)
 
 
-def signal_a_follower_agent(etcd, tmp_path, run_id: str, signum: int,
-                            overrides=None) -> tuple[str, dict[str, int], Job]:
+def signal_a_follower_agent(etcd, tmp_path, run_id: str, signum: int, overrides=None,
+                            agent_args: tuple[str, ...] = ()) -> tuple[str, dict[str, int], Job]:
     """Send `signum` to one agent that does not lead (its process only) after two steps."""
-    job = Job(etcd, tmp_path, 4, overrides or OVERRIDES, run_id=run_id)
+    job = Job(etcd, tmp_path, 4, overrides or OVERRIDES, run_id=run_id, agent_args=agent_args)
     try:
         leader = job.leader()
         victim = next(n for n in ("node1", "node2", "node3") if n != leader)
@@ -212,13 +212,15 @@ def test_max_restarts_a_node_whose_worker_died_rejoins_as_new_capacity(etcd, tmp
 @pytest.mark.timeout(300)
 def test_sigterm_to_an_agent_is_a_notice_its_node_leaves_at_a_step_boundary(etcd, tmp_path):
     """What Kubernetes and Slurm send before they take a machine: SIGTERM to one agent (not
-    its workers), with 30 s of grace (the default). The node leaves at a step boundary
-    (a planned leave: no failure, nothing trained again), and its agent exits 143."""
+    its workers), with 12 s of grace (within the leave window at once, so that the test
+    need not wait). The node leaves at a step boundary (a planned leave: no failure,
+    nothing trained again), and its agent exits 143."""
     longer = [*OVERRIDES, "train.steps=60"]  # long enough for the leave to happen before the end
-    victim, codes, job = signal_a_follower_agent(etcd, tmp_path, "sigterm", signal.SIGTERM, longer)
+    victim, codes, job = signal_a_follower_agent(etcd, tmp_path, "sigterm", signal.SIGTERM, longer,
+                                                 agent_args=("--preemption-grace", "12"))
     assert codes[victim] == 128 + signal.SIGTERM, f"{codes}\n{job.logs()}"
     logs = job.logs(tail=10**6)
-    assert "preemption notice (SIGTERM, 30 s of grace)" in logs
+    assert "preemption notice (SIGTERM, 12 s of grace)" in logs
     assert "(leave; failed -, joined -; left ['%s'])" % victim in logs, logs
     check_against_reference(tmp_path, reference_run([*JOB, "train.steps=60"]), job, steps=60)
 

@@ -33,7 +33,7 @@ def notify_after(step: int, nodes: list[str], notice_s: float):
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 def test_every_holder_of_a_stage_leaves_with_notice_and_no_step_is_lost(reference, tmp_path):
-    actions, sent = notify_after(2, ["node1", "node3"], notice_s=60)
+    actions, sent = notify_after(2, ["node1", "node3"], notice_s=12)  # within the leave window: at once
     job, result = run_job(tmp_path, nodes=4, extra=NO_SAFETY_NET, actions=actions)
     (event,) = result.controller.events
     assert event.reason == "leave" and event.left == ("node1", "node3"), job.logs()

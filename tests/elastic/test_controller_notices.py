@@ -1,0 +1,83 @@
+"""The controller and preemption notices, over an in-memory store: a noticed node trains
+on until its deadline is within the leave window, is then planned out at a step boundary
+with the layers only it holds handed over from it, and a notice too close to act on is
+left to the failure path."""
+from __future__ import annotations
+
+import threading
+import time
+
+import torch.distributed as dist
+
+from planaria.elastic.controller import Controller, leave_window_s
+from planaria.runtime.config import load_config
+from planaria.runtime.contract import keys
+from planaria.runtime.contract.epochs import Progress
+from planaria.runtime.contract.membership import LeaveNotice
+from planaria.runtime.planning import build_planner, cost_model
+from tests.elastic.test_controller_joins import report_statuses
+from tests.launch import TINY
+
+STEP_S = 0.5
+
+
+def job(notices: dict):
+    cfg = load_config(TINY, ["fault_tolerance.f=1", "parallel.min_stages=2"])
+    planner = build_planner(cfg, cost_model(cfg, hardware_name="h100", gpus_per_node=1))
+    store, logs = dist.HashStore(), []
+    controller = Controller(store, planner, total_steps=100, log=logs.append, notices=lambda: dict(notices))
+    members = [(f"node{i}", 0) for i in range(4)]
+    plan = controller.start(members)
+    store.set(keys.epoch_trained(0), "1")
+    store.set(keys.PROGRESS, Progress(epoch=0, step=3, time_s=time.time(), step_s=STEP_S).to_json())
+    return controller, store, logs, members, plan
+
+
+def stop_when_asked(store, plan, last_stepped: int, members) -> None:
+    """The workers' side of a stop: once the controller asks, each reports its status."""
+    store.wait([keys.epoch_reconfigure(plan.epoch)])
+    report_statuses(store, plan, last_stepped, members)
+
+
+def notice(in_s: float) -> LeaveNotice:
+    return LeaveNotice(source="aws", deadline=time.time() + in_s, posted=time.time())
+
+
+def test_a_noticed_node_trains_on_then_leaves_within_its_window_handing_its_layers_over():
+    notices: dict = {}
+    controller, store, logs, members, plan = job(notices)
+    needs = 2 * STEP_S + controller.leave_overhead_s
+    # Both holders of the last stage: nobody else has its layers.
+    last = [p.stages[-1].node for p in plan.pipelines]
+    notices.update({node: notice(leave_window_s(needs) + 30) for node in last})
+    alive = set(members)
+    assert controller.poll(lambda: alive, kill=lambda w: None) == "running"
+    assert controller.epoch == 0 and any("trains on and leaves about" in line for line in logs), logs
+
+    notices.update({node: notice(leave_window_s(needs) - 1) for node in last})
+    stopped = threading.Thread(target=stop_when_asked, args=(store, plan, 5, members))
+    stopped.start()
+    assert controller.poll(lambda: alive, kill=lambda w: None) == "running"
+    stopped.join()
+    assert store.get(keys.epoch_reconfigure(0)) == keys.LEAVE.encode()
+    (event,) = controller.events
+    assert event.reason == "leave" and event.left == tuple(sorted(last)) and event.failed == ()
+    assert event.first_iteration == 6 and event.rerun == 0 and event.source == "replicas"
+    assert not set(last) & set(controller.plan.nodes())
+    from planaria.runtime.contract.epochs import EpochRecord
+    record = EpochRecord.from_json(store.get(keys.epoch_record(1)))
+    assert record.leaving == tuple(sorted(last))
+    handed = [t for t in record.transfers if t.src[0] in last]
+    assert handed and event.handed_off == len(handed)
+    # Only what no staying worker holds comes from the leaving ones.
+    staying_held = {(layer, 0) for w in members if w[0] not in last for layer in plan.layers_of(plan.rank_of_worker()[w])}
+    assert all((t.layer, t.tp_rank) not in staying_held for t in handed)
+
+
+def test_a_notice_too_close_to_act_on_is_left_to_the_failure_path():
+    notices: dict = {}
+    controller, store, logs, members, plan = job(notices)
+    notices["node3"] = notice(0.1)
+    assert controller.poll(lambda: set(members), kill=lambda w: None) == "running"
+    assert controller.epoch == 0 and not store.check([keys.epoch_reconfigure(0)])
+    assert any("too soon for a planned leave" in line for line in logs), logs
