@@ -240,6 +240,10 @@ class ElasticWorker:
                 return 1
             self._log(f"epoch {epoch}: handed {stats.layers_sent} layer shard(s) over "
                       f"({stats.bytes_sent / 2**20:.2f} MiB in {stats.seconds:.2f} s)")
+        try:  # its shards of a checkpoint under way complete that checkpoint
+            self.checkpointer.flush()
+        except OSError as err:  # the checkpoint is passed over, as after any failed write
+            self._log(f"epoch {epoch}: a checkpoint write failed while leaving: {err}")
         self._log(f"epoch {epoch}: this node leaves the job, as its notice asked")
         if self.engine is not None:
             self.engine.destroy()
