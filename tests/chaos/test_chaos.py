@@ -349,6 +349,9 @@ def test_simultaneous_faults_and_a_fault_during_the_recovery(tmp_path, cache):
     (["--fault", "kill-worker@3:target=1.2"], "local ranks 0 to 0"),
     (["--fault", "kill-etcd-member@3"], "Run with --etcd-members 3"),
     (["--fault", "kill-node"], "expected KIND@STEP[+SECONDS][:target=NODE[.LOCAL]]"),
+    (["--fault", "preempt-node@3:target=1"], "a preemption comes with a notice; say how long with :notice=SECONDS"),
+    (["--fault", "kill-node@3:notice=20"], "only preempt-node takes :notice=, not kill-node"),
+    (["--notice", "30"], "--notice announces a --trace's removals ahead; give --trace too"),
 ])
 def test_bad_faults_are_refused_before_anything_starts(args, message, tmp_path, refused):
     assert message in refused(["--nodes", "4", *args])
@@ -366,6 +369,14 @@ def test_fault_specs_and_targets():
     with pytest.raises(FaultSpecError, match="no node 4 by step 3"):
         validate([parse_fault("add-node@4"), parse_fault("kill-node@3:target=4")],
                  steps=10, nodes=4, nproc=1, etcd_members=1)
+
+
+def test_a_preemption_names_its_notice_and_needs_the_local_cloud():
+    fault = parse_fault("preempt-node@8:target=2,notice=20")  # the spelling too
+    assert fault == FaultSpec("preempt-node", 8, 2, notice_s=20.0)
+    assert str(fault) == "preempt-node@8:target=2:notice=20"
+    with pytest.raises(FaultSpecError, match="cannot reach the local cloud"):
+        validate([fault], steps=10, nodes=4, nproc=1, etcd_members=1, hosts=True)
 
 
 def test_network_faults_last_a_while_and_need_hosts():
