@@ -8,9 +8,11 @@ reads and writes the job's store (keys in `planaria.runtime.contract.keys`, reco
 
 1. Detect: a worker of the current plan is gone, a worker reported that its epoch
    failed (a collective error or timeout), two nodes of the plan report that they
-   cannot reach each other (a partition: `planaria.elastic.reachability`), or a new
+   cannot reach each other (a partition: `planaria.elastic.reachability`), a new
    worker is alive and reaches every node of the plan (it joins: the current epoch is
-   asked to stop at the next iteration boundary).
+   asked to stop at the next iteration boundary), or a node of the plan was told it
+   will be preempted and its deadline is near (it leaves: the epoch stops at the next
+   boundary, as for a join, and the node hands over the layers only it holds; docs/spot.md).
 2. Wait for the status of every live worker of the epoch; a worker that does not
    report within `status_timeout_s` is hung: it is killed and counted as failed.
    Simultaneous failures are handled together without a fixed debounce: a worker that
