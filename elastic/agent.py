@@ -238,7 +238,8 @@ class Agent:
             if notice is not None and self._notice is None:
                 self._withdrawn = False
                 self._notice = notice
-            elif notice is None and self._notice is not None and self._notice_signal is None:
+            elif (notice is None and self.watcher.answered and self._notice is not None
+                  and self._notice_signal is None):  # (not when the metadata could not say)
                 self._withdrawn = True
 
     def _serve_notice(self) -> int | None:

@@ -145,6 +145,8 @@ class _Watcher:
         self.log = log
         self._unreachable = False
         self._malformed: set[str] = set()
+        self.answered = False
+        """Whether the last `poll` had an answer as documented."""
 
     def _request(self, method: str, path: str, headers: dict[str, str], data: bytes | None = None,
                  timeout_s: float | None = None) -> tuple[int, str, dict]:
@@ -156,7 +158,9 @@ class _Watcher:
             return err.code, err.read().decode(errors="replace"), dict(err.headers or {})
 
     def poll(self) -> Notice | None:
-        """The notice pending now, or None (none, or the endpoint could not say)."""
+        """The notice pending now, or None (none, or the endpoint could not say: then
+        `answered` is False, and a notice seen before is not to be taken as withdrawn)."""
+        self.answered = False
         try:
             notice = self._poll()
         except (urllib.error.URLError, OSError) as err:
@@ -173,6 +177,7 @@ class _Watcher:
         if self._unreachable:
             self._unreachable = False
             self.log(f"preemption notices ({self.source}): {self.endpoint} answers again")
+        self.answered = True
         return notice
 
     def _poll(self) -> Notice | None:

@@ -176,12 +176,13 @@ def test_azure_malformed_events_are_ignored(metadata, said):
 def test_an_unreachable_endpoint_is_said_once_then_its_return(watcher, metadata, said):
     w = watcher(closed_port(), timeout_s=0.5, log=said.append)
     assert w.poll() is None and w.poll() is None
+    assert not w.answered  # "could not say": a notice seen before is not withdrawn by it
     assert len(said) == 1 and "unreachable" in said[0] and "watching on" in said[0]
     w.endpoint = metadata.url  # as if the metadata server came back
     metadata.routes[("PUT", "/latest/api/token")] = (200, "T", {})
     metadata.routes[("GET", "/computeMetadata/v1/instance/preempted")] = (200, "FALSE", {})
     metadata.routes[("GET", "/metadata/scheduledevents")] = (200, _events(), {})
-    assert w.poll() is None
+    assert w.poll() is None and w.answered  # "none pending", said by the cloud
     assert len(said) == 2 and "answers again" in said[1]
 
 
@@ -201,8 +202,9 @@ def test_the_signal_source_and_bad_sources():
 @pytest.mark.timeout(300)
 def test_a_node_told_by_its_cloud_leaves_at_a_step_boundary_and_nothing_is_lost(etcd, metadata, tmp_path):
     """Four agents on etcd; node3's watches an EC2 metadata server (this test's, on
-    loopback). Once the job trains, the server schedules node3's termination 14 s ahead
-    (a notice acted on at once: the leave window is about 13 s here): node3 leaves at a step boundary (a planned leave: nobody failed, no step
+    loopback). Once the job trains, the server schedules node3's termination far ahead,
+    then withdraws it (node3 stays), then schedules it 14 s ahead (acted on at once: the
+    leave window is about 13 s here): node3 leaves at a step boundary (a planned leave: nobody failed, no step
     trained twice) and its agent exits 0, long before the deadline; the job finishes
     with the losses of a run without faults."""
     pytest.importorskip("pyetcd")
@@ -211,14 +213,28 @@ def test_a_node_told_by_its_cloud_leaves_at_a_step_boundary_and_nothing_is_lost(
     from tests.runtime.test_recovery import check_against_reference
 
     metadata.routes[("PUT", "/latest/api/token")] = (200, "TOKEN", {})
-    steps = ["train.steps=200"]
+    steps = ["train.steps=400"]
     job = Job(etcd, tmp_path, 4, [*OVERRIDES, *steps], run_id="aws-notice",
               node_args={"node3": ("--preemption-notice", "aws", "--preemption-endpoint", metadata.url)})
+    action = ("GET", "/latest/meta-data/spot/instance-action")
+
+    def announce(in_s: float) -> None:
+        when = datetime.fromtimestamp(time.time() + in_s, tz=timezone.utc)
+        metadata.routes[action] = (200, json.dumps({"action": "terminate",
+                                                    "time": when.strftime("%Y-%m-%dT%H:%M:%SZ")}), {})
+
+    def agent_says(text: str) -> None:
+        deadline = time.monotonic() + 60
+        while text not in (tmp_path / "logs" / "agent-node3.log").read_text():
+            assert time.monotonic() < deadline, f"node3's agent never said {text!r}\n{job.logs()}"
+            time.sleep(0.1)
     try:
         job.wait_for_commits(2)
-        when = datetime.fromtimestamp(time.time() + 14, tz=timezone.utc)
-        metadata.routes[("GET", "/latest/meta-data/spot/instance-action")] = (
-            200, json.dumps({"action": "terminate", "time": when.strftime("%Y-%m-%dT%H:%M:%SZ")}), {})
+        announce(600)
+        agent_says("preemption notice (")
+        del metadata.routes[action]  # withdrawn: 404 again
+        agent_says("was withdrawn; this node stays in the job")
+        announce(14)
         codes = job.wait()
     finally:
         job.close()
@@ -226,4 +242,5 @@ def test_a_node_told_by_its_cloud_leaves_at_a_step_boundary_and_nothing_is_lost(
     assert codes == {"node0": 0, "node1": 0, "node2": 0, "node3": 0}, f"{codes}\n{logs}"
     assert "preemption notice (" in logs and "this node's workers have left; the node leaves the job" in logs
     assert "(leave; failed -, joined -; left ['node3'])" in logs, logs
-    check_against_reference(tmp_path, reference_run([*JOB, *steps]), job, steps=200)
+    assert logs.count("(leave; failed -, joined -; left ['node3'])") == 1
+    check_against_reference(tmp_path, reference_run([*JOB, *steps]), job, steps=400)
