@@ -48,6 +48,7 @@ def test_every_holder_of_a_stage_leaves_with_notice_and_no_step_is_lost(referenc
     assert "handed" in job.logs() and "leaves the job, as its notice asked" in job.logs()
 
 
+@pytest.mark.slow  # the default suite's time: the controller's refusal is in test_controller_notices.py
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 def test_a_notice_too_short_to_act_on_takes_the_failure_path_and_loses_nothing(reference, tmp_path):
