@@ -339,5 +339,16 @@ class EtcdClient:
         found = self._call(f"read {prefix}", lambda: list(self._client.get_prefix(prefix)))
         return {meta.key.decode()[len(prefix):]: value for value, meta in found}
 
+    def leases_with_prefix(self, prefix: str) -> dict[str, int]:
+        """{key without `prefix`: the id of the lease it is bound to (0: none)}."""
+        found = self._call(f"read {prefix}", lambda: list(self._client.get_prefix(prefix, keys_only=True)))
+        return {meta.key.decode()[len(prefix):]: meta.lease_id for _, meta in found}
+
+    def lease_age_s(self, lease_id: int) -> float | None:
+        """Seconds since the lease was last renewed (its granted TTL less what is left of
+        it); None when it has expired or was revoked."""
+        info = self._call(f"look at lease {lease_id:x}", self._client.get_lease_info, lease_id)
+        return None if info.TTL < 0 else float(info.grantedTTL - info.TTL)
+
     def close(self) -> None:
         self._client.close()

@@ -340,7 +340,13 @@ def build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(func=_demo)
 
     from planaria.chaos.simulator.command import add_parser as add_simulate
+    from planaria.elastic import status as job_status
     from planaria.runtime.prepare import add_parser as add_data
+
+    status = sub.add_parser("status", help="a running job's state from its etcd: epoch, plan, nodes, "
+                                           "step rate, reconfigurations (reads only)")
+    job_status.add_arguments(status)
+    status.set_defaults(func=job_status.run)
 
     add_simulate(sub)
     add_data(sub)
