@@ -256,9 +256,12 @@ class Controller:
         noticed node trains on: EC2's two minutes are many steps, and leaving at once
         would give them up. One with too little time left is not acted on: it goes down
         the failure path when it is gone, which loses nothing either. Each is said once."""
+        noticed = sorted(set(notices) & set(self.plan.nodes()))
+        if not noticed:
+            return set()
         needs = self._leave_needs_s()
         leaving = set()
-        for node in sorted(set(notices) & set(self.plan.nodes())):
+        for node in noticed:
             notice, left = notices[node], notices[node].deadline - time.time()
             if needs <= left <= leave_window_s(needs):
                 leaving.add(node)
