@@ -180,7 +180,7 @@ def replay_schedule(events: list[TraceEvent], nodes: int, time_scale: float,
 
     With `notice_s`, every removal is announced that many seconds of the run before it
     (a preemption with notice: `preempt-node`; less when the removal comes sooner after
-    the start). The notice is in the run's own seconds, not the trace's: what it is
+    the start or after the node's own addition). The notice is in the run's own seconds, not the trace's: what it is
     weighed against, the job's steps and copies, does not shrink with the time scale."""
     if time_scale <= 0:
         raise FaultSpecError(f"--time-scale {time_scale:g}: must be > 0 (trace seconds per run second)")
@@ -197,19 +197,20 @@ def replay_schedule(events: list[TraceEvent], nodes: int, time_scale: float,
                              f"run with --nodes {most} or fewer")
     t0 = events[start - 1].ms
     local = {node: i for i, node in enumerate(live[:nodes])}
+    added_at = dict.fromkeys(local, 0.0)  # a notice never comes before its node is there
     launched, left_out = nodes, len(live) - nodes
     schedule = []
     for event in events[start:]:
         at_s = (event.ms - t0) / 1000.0 / time_scale
         source = f"{name}:{event.line} {event.op} {event.node}"
         if event.op == "remove" and event.node in local and notice_s is not None:
-            announced = max(0.0, at_s - notice_s)
+            announced = max(added_at.pop(event.node), at_s - notice_s)
             fault = FaultSpec("preempt-node", 0, local.pop(event.node), notice_s=round(at_s - announced, 3))
             schedule.append(ReplayStep(announced, fault, source))
         elif event.op == "remove" and event.node in local:
             schedule.append(ReplayStep(at_s, FaultSpec("kill-node", 0, local.pop(event.node)), source))
         elif event.op == "add" and len(local) < nodes:
-            local[event.node] = launched
+            local[event.node], added_at[event.node] = launched, at_s
             launched += 1
             schedule.append(ReplayStep(at_s, FaultSpec("add-node", 0), source))
         else:

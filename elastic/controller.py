@@ -137,6 +137,9 @@ class Controller:
         """Each past epoch's first iteration (`_committing_epoch`)."""
         self._said: dict[str, object] = {}
         """What was last logged of a condition that lasts (a cut, joiners out of reach)."""
+        self._sources: set[Worker] = set()
+        """The leaving workers the epoch in force receives layers from (`EpochRecord.leaving`):
+        one gone without its word that its copies landed fails the epoch (`_lost_sources`)."""
         self._unusable: set[str] = set()
         """Nodes alive that no plan could use (the batch has too few microbatches for more
         pipelines, a deeper template does not fit in memory): they wait, and are tried
@@ -194,6 +197,7 @@ class Controller:
             return False
         record = EpochRecord.from_json(self.store.get(keys.epoch_record(epoch)))
         self.epoch, self.plan = epoch, record.plan
+        self._sources = {t.src for t in record.transfers if t.src[0] in record.leaving}
         # Checkpoints an earlier leader completed (and pruned): not to be completed again.
         self.completed_checkpoints = [i for i, _ in self._checkpoint_list()]
         if self.store.check([keys.DONE]):
@@ -210,7 +214,7 @@ class Controller:
         self._complete_checkpoints()
         alive = alive_now() - self._killed
         members = set(self.plan.rank_of_worker())
-        gone = members - alive
+        gone = (members - alive) | self._lost_sources(alive)
         statuses = self._statuses(members)
         if len(statuses) == len(members) and all(s.finished for s in statuses.values()):
             self._end(keys.JOB_OK)
@@ -238,6 +242,14 @@ class Controller:
                 self._end(f"{keys.JOB_FAILED}{err}")
                 return "failed"
         return "running"
+
+    def _lost_sources(self, alive: set[Worker]) -> set[Worker]:
+        """Leaving workers of this epoch gone before they said their copies landed: the
+        workers receiving from them would wait for them until their collective timeout."""
+        if not self._sources or self._epoch_trained():
+            return set()
+        return {w for w in self._sources
+                if w not in alive and not self.store.check([keys.epoch_handed_off(self.epoch, w)])}
 
     def _cut(self, views: Mapping[str, Iterable[str]]) -> bool:
         """True when two nodes of the plan cannot reach each other: the epoch cannot go on
@@ -367,6 +379,7 @@ class Controller:
         self._publish(EpochRecord(plan, roll_forward=roll, transfers=tuple(transfers),
                                   restore=None if restore is None else str(restore), snapshot=snapshot,
                                   leaving=left))
+        self._sources = {t.src for t in transfers if t.src in leaving}
         event = EpochEvent(
             epoch=plan.epoch, reason=reason, detected_s=detected, statuses_s=statuses_s,
             planned_s=planned_s, published_s=time.time(),

@@ -81,6 +81,9 @@ class StoreCoordinator:
         self._rendezvous_stores[epoch] = store
         return store
 
+    def handed_off(self, epoch: int) -> None:
+        self.store.set(keys.epoch_handed_off(epoch, self.worker), "1")
+
     def publish_progress(self, progress: Progress) -> None:
         self.store.set(keys.PROGRESS, progress.to_json())
 

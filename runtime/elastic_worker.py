@@ -53,7 +53,7 @@ from planaria.runtime.checkpoints import AsyncCheckpointer, snapshot_layer
 from planaria.runtime.peer_snapshots import PeerSnapshots
 from planaria.runtime.transfer import Handoff, SnapshotSource, exchange_handoff
 from planaria.runtime.build import build_engine
-from planaria.runtime.config import Config
+from planaria.runtime.config import Config, status_timeout_s
 from planaria.runtime.contract import env
 from planaria.runtime.contract.epochs import EpochRecord, EpochTiming, Progress
 from planaria.runtime.contract.logs import AuditEntry, CommitEntry, EvalEntry, append
@@ -239,13 +239,17 @@ class ElasticWorker:
     def _leave(self, epoch: int, record: EpochRecord) -> int:
         """This node leaves with notice: send the layers the new plan takes from this
         worker (it holds their only copies), then exit."""
-        handoff = self._handoff(epoch, record)
+        # The receivers first build the new epoch's groups and make its other copies (a
+        # joiner builds its layers): a leaving worker waits for them as long as the leader
+        # waits for a status. Its deadline bounds the wait: its agent stops it there.
+        handoff = self._handoff(epoch, record, timeout_s=status_timeout_s(self.cfg.comm))
         if handoff is not None and any(t.src == self.worker for t in handoff.transfers):
             try:
                 stats = exchange_handoff(self.engine, handoff, self.worker, stepped=self.engine.last_stepped >= 0)
-            except (RuntimeError, TimeoutError) as err:  # the new epoch fails on its receivers too
+            except (RuntimeError, TimeoutError) as err:  # the leader sees it gone without its word
                 self._log(f"epoch {epoch}: handing layers over failed: {str(err).splitlines()[0][:300]}")
                 return 1
+            self.coordinator.handed_off(epoch)  # before it exits: it is not a failure of the epoch
             self._log(f"epoch {epoch}: handed {stats.layers_sent} layer shard(s) over "
                       f"({stats.bytes_sent / 2**20:.2f} MiB in {stats.seconds:.2f} s)")
         try:  # its shards of a checkpoint under way complete that checkpoint
@@ -257,10 +261,10 @@ class ElasticWorker:
             self.engine.destroy()
         return EXIT_LEFT
 
-    def _handoff(self, epoch: int, record: EpochRecord) -> Handoff | None:
+    def _handoff(self, epoch: int, record: EpochRecord, timeout_s: float | None = None) -> Handoff | None:
         """The record's transfers from leaving workers, when this worker takes part."""
         handoff = Handoff.of(record.transfers, record.leaving, self.coordinator.rendezvous_store(epoch),
-                             self.backend, timedelta(seconds=self.cfg.comm.timeout_s))
+                             self.backend, timedelta(seconds=timeout_s or self.cfg.comm.timeout_s))
         return handoff if handoff is not None and self.worker in handoff.participants() else None
 
     def _run_epoch(self, epoch: int, record: EpochRecord) -> None:

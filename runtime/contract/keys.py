@@ -13,6 +13,7 @@ prefix in etcd, `/planaria/<run id>/`):
     epoch/<e>/pg/...                the epoch's process-group rendezvous
     epoch/<e>/timing/<node>.<local> `EpochTiming`
     epoch/<e>/event                 `EpochEvent`: the controller's account of the change
+    epoch/<e>/handed/<node>.<local> present: a leaving worker handed its layers over in e
     checkpoint/<i>/<e>/shards       shard files of the checkpoint of iteration i that the
                                     workers of epoch e (which committed it) have on disk (a count)
     checkpoint/<i>/<e>/commit       that iteration's `CommitRecord`
@@ -122,6 +123,11 @@ FAILURE = "failure"
 
 def epoch_trained(epoch: int) -> str:
     return _epoch(epoch) + "trained"
+
+
+def epoch_handed_off(epoch: int, worker: Worker) -> str:
+    """A leaving worker's word that every copy it was the source of in `epoch` landed."""
+    return _epoch(epoch) + f"handed/{worker_key(worker)}"
 
 
 def epoch_event(epoch: int) -> str:

@@ -55,6 +55,11 @@ def test_with_a_notice_each_removal_is_announced_that_long_before_it(tmp_path):
     # announcements come before the addition of d they used to follow; the cap is the same.
     assert got == [(0.0, "preempt-node", 0, 0.5, "t:5 remove a"), (0.5, "preempt-node", 1, 1.5, "t:9 remove b"),
                    (1.0, "add-node", None, None, "t:6 add d")]
+    # A node added 1 s before its removal is told when it arrives, not before it exists.
+    trace = write(tmp_path, "0,add,a\n0,add,b\n2000,remove,a\n4000,add,c\n6000,remove,c\n")
+    schedule, _ = replay_schedule(read_trace(trace), nodes=2, time_scale=1.0, notice_s=5.0)
+    assert [(s.at_s, s.fault.kind, s.fault.node, s.fault.notice_s) for s in schedule] == [
+        (0.0, "preempt-node", 0, 2.0), (4.0, "add-node", None, None), (4.0, "preempt-node", 2, 2.0)]
 
 
 def test_the_replay_starts_once_the_trace_has_the_clusters_nodes(tmp_path):

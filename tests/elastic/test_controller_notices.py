@@ -1,7 +1,8 @@
 """The controller and preemption notices, over an in-memory store: a noticed node trains
 on until its deadline is within the leave window, is then planned out at a step boundary
-with the layers only it holds handed over from it, and a notice too close to act on is
-left to the failure path."""
+with the layers only it holds handed over from it; a notice too close to act on is left
+to the failure path, and a leaving worker that vanishes before its copies landed fails
+the new epoch instead of leaving its receivers waiting."""
 from __future__ import annotations
 
 import threading
@@ -12,7 +13,7 @@ import torch.distributed as dist
 from planaria.elastic.controller import Controller, leave_window_s
 from planaria.runtime.config import load_config
 from planaria.runtime.contract import keys
-from planaria.runtime.contract.epochs import Progress
+from planaria.runtime.contract.epochs import EpochRecord, Progress
 from planaria.runtime.contract.membership import LeaveNotice
 from planaria.runtime.planning import build_planner, cost_model
 from tests.elastic.test_controller_joins import report_statuses
@@ -64,7 +65,6 @@ def test_a_noticed_node_trains_on_then_leaves_within_its_window_handing_its_laye
     assert event.reason == "leave" and event.left == tuple(sorted(last)) and event.failed == ()
     assert event.first_iteration == 6 and event.rerun == 0 and event.source == "replicas"
     assert not set(last) & set(controller.plan.nodes())
-    from planaria.runtime.contract.epochs import EpochRecord
     record = EpochRecord.from_json(store.get(keys.epoch_record(1)))
     assert record.leaving == tuple(sorted(last))
     handed = [t for t in record.transfers if t.src[0] in last]
@@ -81,3 +81,28 @@ def test_a_notice_too_close_to_act_on_is_left_to_the_failure_path():
     assert controller.poll(lambda: set(members), kill=lambda w: None) == "running"
     assert controller.epoch == 0 and not store.check([keys.epoch_reconfigure(0)])
     assert any("too soon for a planned leave" in line for line in logs), logs
+
+
+def test_a_leaving_worker_gone_before_its_copies_landed_fails_the_epoch_not_after():
+    notices: dict = {}
+    controller, store, logs, members, plan = job(notices)
+    last = [p.stages[-1].node for p in plan.pipelines]
+    notices.update({node: notice(5.0) for node in last})
+    stopped = threading.Thread(target=stop_when_asked, args=(store, plan, 5, members))
+    stopped.start()
+    alive = set(members)
+    controller.poll(lambda: alive, kill=lambda w: None)
+    stopped.join()
+    assert controller.epoch == 1
+    record = EpochRecord.from_json(store.get(keys.epoch_record(1)))
+    sources = sorted({t.src for t in record.transfers if t.src[0] in last})
+    first, second = sources
+    store.set(keys.epoch_handed_off(1, first), "1")  # its copies landed, then it exited
+    alive -= {first}
+    assert controller.poll(lambda: alive, kill=lambda w: None) == "running"
+    assert not store.check([keys.epoch_reconfigure(1)]), "a source that said so is no failure"
+    alive -= {second}  # gone without a word: its receivers would wait for it
+    threading.Thread(target=stop_when_asked, args=(store, controller.plan, 5,
+                                                   sorted(controller.plan.rank_of_worker()))).start()
+    controller.poll(lambda: alive, kill=lambda w: None)
+    assert store.get(keys.epoch_reconfigure(1)) == keys.FAILURE.encode()
