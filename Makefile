@@ -1,6 +1,7 @@
 # The commands of the README, each doing its own set-up on a fresh machine:
 #   make demo    # 4 local nodes train; two are killed, one comes back; nothing is lost (a few minutes)
 #   make soak    # 30 minutes of random faults on 4-6 nodes (docs/chaos.md); make replay: the p3 trace
+#                # (ARGS="--notice 30": every removal announced 30 s ahead, docs/spot.md)
 #   make soak-net  # the soak on simulated hosts, network faults mixed in (root and iproute2)
 #   make train   # train configs/tiny.yaml in 2 processes, plan chosen by the planner (torchrun, CPU or GPU)
 #   make test    # the test suite (about 16 minutes on 2 CPU cores, as busy as the machine is)
