@@ -71,6 +71,7 @@ from planaria.elastic.peer_probe import PeerProbe, node_address
 from planaria.elastic.preemption import SOURCES, Notice, make_watcher, signal_notice
 from planaria.runtime.config import ConfigError, load_config, status_timeout_s
 from planaria.runtime.contract import env as worker_env, keys
+from planaria.runtime.contract.exits import EXIT_STUCK_AFTER_RELEASE
 from planaria.runtime.contract.heartbeat import silent_for
 from planaria.runtime.contract.keys import parse_worker_key, worker_key
 from planaria.runtime.contract.membership import JobSpec, LeaveNotice, NodeRegistration
@@ -80,6 +81,8 @@ from planaria.runtime.planning import build_planner, cost_model
 POLL_S = 0.1
 DEFAULT_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
 """torchrun's --signals-to-handle."""
+MAX_RESETS = 5
+"""Workers started again because they asked (`_reset_asked`), at most, on top of --max-restarts."""
 NOTICE_POLL_S = 2.0
 """How often a cloud's metadata is asked for a notice (AWS advises every 5 s; GCP's
 answer waits for a change itself)."""
@@ -99,7 +102,7 @@ class Agent:
                  local_addr: str | None = None, preemption: str = "signal", preemption_grace_s: float = 30.0,
                  preemption_endpoint: str | None = None, notice_signals: str = "SIGTERM"):
         self.node, self.nproc, self.min_nodes = node, nproc, min_nodes
-        self.run_id, self.max_restarts, self.restarts = run_id, max_restarts, 0
+        self.run_id, self.max_restarts, self.restarts, self.resets = run_id, max_restarts, 0, 0
         self.signals = parse_signals(signals)
         self.shutdown_timeout_s = shutdown_timeout_s
         self.watcher = make_watcher(preemption, preemption_endpoint, log=self.log)
@@ -206,7 +209,7 @@ class Agent:
             if code is not None:
                 return code
         if self._reap() and self._notice is None:  # a leaving node's exits: `_serve_notice`
-            if self.restarts < self.max_restarts and self._signal is None:
+            if self._signal is None and (self.restarts < self.max_restarts or self._reset_asked()):
                 self._restart()
                 return None
             self.log("a worker of this node exited; the node leaves the job")
@@ -218,6 +221,17 @@ class Agent:
             self.log(f"job ended: {outcome}")
             return 0 if outcome == "ok" else 1
         return None
+
+    def _reset_asked(self) -> bool:
+        """A worker exited asking to be started again (`EXIT_STUCK_AFTER_RELEASE`: its
+        collectives stayed blocked after their release): not a failure of the node, so
+        not counted against --max-restarts, up to `MAX_RESETS` times."""
+        asked = any(p.returncode == EXIT_STUCK_AFTER_RELEASE for p in self.workers.values())
+        if asked and self.resets < MAX_RESETS:
+            self.resets += 1
+            self.max_restarts += 1  # this restart is not one of the user's
+            return True
+        return False
 
     def _on_signal(self, signum, frame) -> None:
         if signum in self.notice_signals and self._notice is None:

@@ -134,6 +134,8 @@ class Controller:
         self._join_deferred = -1  # the epoch whose join wait was logged
         self._killed: set[Worker] = set()
         self._firsts: dict[int, int] = {}
+        self._members_of: dict[int, frozenset[Worker]] = {}
+        """Each past epoch's workers (`_last_planned`)."""
         """Each past epoch's first iteration (`_committing_epoch`)."""
         self._said: dict[str, object] = {}
         """What was last logged of a condition that lasts (a cut, joiners out of reach)."""
@@ -222,8 +224,8 @@ class Controller:
         views = self.unreachable()
         notices = self.notices()
         leaving = self._leaving(notices)
-        joiners = self._reachable_joiners(set(self._whole_nodes(alive - members)) - self._unusable - set(notices),
-                                          views)
+        waiting = self._out_of_their_epochs(alive - members)
+        joiners = self._reachable_joiners(set(self._whole_nodes(waiting)) - self._unusable - set(notices), views)
         failed_report = any(not s.finished for s in statuses.values()) or self._cut(views)
         if joiners and not (gone or failed_report or leaving) and not self._epoch_trained():
             # A join waits until the epoch in force has committed a step: under churn,
@@ -242,6 +244,36 @@ class Controller:
                 self._end(f"{keys.JOB_FAILED}{err}")
                 return "failed"
         return "running"
+
+    def _out_of_their_epochs(self, workers: set[Worker]) -> set[Worker]:
+        """The workers of `workers` that can be planned in: new ones, and those that have
+        left the last epoch they were planned in (`keys.ready`). A node cut off and back
+        shows its workers alive at once, but a worker still blocked in the epoch it was
+        cut off in would never reach the next one's rendezvous, and the whole job would
+        wait for it there; it is planned in once it has left (said once)."""
+        ready = set()
+        for worker in workers:
+            last = self._last_planned(worker)
+            key = keys.ready(worker)
+            if last is None or (self.store.check([key]) and int(self.store.get(key)) >= last):
+                ready.add(worker)
+            elif self._said.get(f"in epoch {worker}") != last:
+                self._said[f"in epoch {worker}"] = last
+                self.log(f"controller: {worker_key(worker)} is alive but still in epoch {last} (cut off and "
+                         "back?); it is planned in once it has left it")
+        return ready
+
+    def _last_planned(self, worker: Worker, lookback: int = 50) -> int | None:
+        """The newest past epoch whose plan had `worker`, or None (within `lookback`)."""
+        for epoch in range(self.epoch - 1, max(-1, self.epoch - 1 - lookback), -1):
+            if epoch not in self._members_of:  # published records never change
+                key = keys.epoch_record(epoch)
+                if not self.store.check([key]):
+                    return None
+                self._members_of[epoch] = frozenset(EpochRecord.from_json(self.store.get(key)).plan.rank_of_worker())
+            if worker in self._members_of[epoch]:
+                return epoch
+        return None
 
     def _lost_sources(self, alive: set[Worker]) -> set[Worker]:
         """Leaving workers of this epoch gone before they said their copies landed: the
@@ -328,7 +360,7 @@ class Controller:
         statuses_s = time.time()
         self._check_leading()
         survivors = set(statuses)
-        joiners = alive_now() - members - self._killed
+        joiners = self._out_of_their_epochs(alive_now() - members - self._killed)
         if not statuses:
             raise JobFailed("every worker of the job failed before reporting a status; see the "
                             "workers' logs, then restart the job (from its last checkpoint)")

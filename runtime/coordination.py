@@ -81,6 +81,10 @@ class StoreCoordinator:
         self._rendezvous_stores[epoch] = store
         return store
 
+    def mark_ready(self, epoch: int) -> None:
+        """This worker is in no epoch, waiting for one after `epoch` (`keys.ready`)."""
+        self.store.set(keys.ready(self.worker), str(epoch))
+
     def handed_off(self, epoch: int) -> None:
         self.store.set(keys.epoch_handed_off(epoch, self.worker), "1")
 

@@ -56,6 +56,7 @@ from planaria.runtime.build import build_engine
 from planaria.runtime.config import Config, status_timeout_s
 from planaria.runtime.contract import env
 from planaria.runtime.contract.epochs import EpochRecord, EpochTiming, Progress
+from planaria.runtime.contract.exits import EXIT_LEFT, EXIT_STUCK_AFTER_RELEASE, EXIT_TORN_STEP  # noqa: F401 (re-exported)
 from planaria.runtime.contract.logs import AuditEntry, CommitEntry, EvalEntry, append
 from planaria.runtime.contract import keys
 from planaria.runtime.coordination import JobEnded, StoreCoordinator, connect_store, store_ports
@@ -69,15 +70,6 @@ from planaria.runtime.release import epoch_release, group_options
 from planaria.runtime.contract.heartbeat import start_beating
 from planaria.runtime.contract.logs import AUDIT, COMMITS, EVALS, log_path
 
-EXIT_TORN_STEP = 3
-"""A worker's exit code when its optimizer step failed part-way (`TornStep`)."""
-
-EXIT_LEFT = 0
-"""A worker's exit code when its node left the job with notice (`EpochRecord.leaving`)."""
-
-EXIT_STUCK_AFTER_RELEASE = 4
-"""A worker's exit code when its epoch's collectives did not return after their release
-(`_EpochWatcher`): its agent starts it again as a new worker, or takes the node out."""
 
 
 class _StopRequested(Exception):
@@ -227,6 +219,7 @@ class ElasticWorker:
                 return self._leave(epoch, record)
             if self.worker not in record.plan.rank_of_worker():
                 self._log(f"epoch {epoch}: not in the plan, waiting")
+                self.coordinator.mark_ready(epoch)  # out of any epoch: it can be planned in
                 continue
             try:
                 self._run_epoch(epoch, record)

@@ -4,6 +4,8 @@ Keys are relative to the store's prefix (a `torch.distributed.PrefixStore`, or t
 prefix in etcd, `/planaria/<run id>/`):
 
     members/<node>.<local>          a worker's `Announcement`
+    ready/<node>.<local>            the newest epoch that a worker saw it was not in: it is
+                                    in none (written once it has left its last one)
     epoch                           the newest epoch whose record is complete
     epoch/<e>/record                `EpochRecord`, written before `epoch` moves to e
     epoch/<e>/status/<node>.<local> `WorkerStatus`, once the worker left epoch e
@@ -79,6 +81,11 @@ def parse_worker_key(key: str) -> Worker:
 def notice(node: str) -> str:
     """A node's preemption notice (`membership.LeaveNotice`): the leader plans it out."""
     return f"{NOTICE}{node}"
+
+
+def ready(worker: Worker) -> str:
+    """A worker out of every epoch, waiting for one after the value (`Controller._ready`)."""
+    return f"ready/{worker_key(worker)}"
 
 
 def member(worker: Worker) -> str:

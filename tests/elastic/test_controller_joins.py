@@ -50,3 +50,32 @@ def test_a_node_the_job_cannot_use_waits_and_is_used_after_a_failure():
     assert controller.poll(lambda: alive, kill=lambda worker: None) == "running"
     assert controller.epoch == 2 and "node99" in controller.plan.nodes()
     assert controller.events[-1].joined == ("node99.0",)
+
+
+def test_a_worker_back_from_a_cut_is_planned_in_only_once_it_has_left_its_old_epoch():
+    """node3 is cut off (gone), the job goes on without it; then its agent shows its
+    worker alive again, but the worker is still blocked in epoch 0, where it was cut off:
+    planned in, it would keep the next epoch's rendezvous waiting for it. It is planned
+    in once it says it has left (`keys.ready`, written when it sees an epoch it is not in)."""
+    cfg = load_config(TINY, ["fault_tolerance.f=1", "parallel.min_stages=2"])
+    planner = build_planner(cfg, cost_model(cfg, hardware_name="h100", gpus_per_node=1))
+    logs: list[str] = []
+    store = dist.HashStore()
+    controller = Controller(store, planner, total_steps=100, log=logs.append)
+    members = [(f"node{i}", 0) for i in range(4)]
+    plan = controller.start(members)
+    alive = set(members) - {("node3", 0)}
+    report_statuses(store, plan, 3, sorted(alive))
+    controller.poll(lambda: alive, kill=lambda worker: None)
+    assert controller.epoch == 1 and "node3" not in controller.plan.nodes()
+    store.set(keys.epoch_trained(1), "1")
+
+    alive.add(("node3", 0))  # back on etcd, its worker still in epoch 0
+    assert controller.poll(lambda: alive, kill=lambda worker: None) == "running"
+    assert controller.epoch == 1 and not store.check([keys.epoch_reconfigure(1)])
+    assert any("node3.0 is alive but still in epoch 0" in line for line in logs), logs
+
+    store.set(keys.ready(("node3", 0)), "1")  # it left epoch 0 and saw epoch 1 without it
+    report_statuses(store, controller.plan, 5, sorted(alive - {("node3", 0)}))
+    assert controller.poll(lambda: alive, kill=lambda worker: None) == "running"
+    assert controller.epoch == 2 and controller.events[-1].joined == ("node3.0",)
