@@ -11,7 +11,8 @@ state came from. A node is
 
 - `training`: in the plan in force, its agent registered;
 - `joining`: registered, not in the plan (it joins at the next step boundary, or waits
-  while no plan can use it);
+  while no plan can use it; a node that just died shows here until its lease expires,
+  seconds, though the leader may have planned around it already);
 - `leaving`: told it will be preempted (`notice/<node>`), still registered;
 - `gone`: in an earlier plan, its agent's registration gone with its lease.
 
