@@ -204,6 +204,10 @@ def assert_fenced(run, worker: str) -> None:
     node, local = worker.split(".")
     if f"joined ['{node}~1.{local}']" in logs:  # reset: the worker asked to be started again
         assert "this worker exits, to be started again as a new one" in logs
+        # It never left its epoch, so it wrote nothing late, and committed nothing after the cut.
+        commits = [json.loads(line) for line in (run / f"commits-{worker}.jsonl").read_text().splitlines()]
+        assert all(c["epoch"] == 0 for c in commits), commits
+        return
     else:
         assert "it was left out; joining as a new worker" in logs
         assert f"joined ['{worker}']" in logs  # back in the job
