@@ -213,7 +213,7 @@ def test_a_node_told_by_its_cloud_leaves_at_a_step_boundary_and_nothing_is_lost(
     from tests.runtime.test_recovery import check_against_reference
 
     metadata.routes[("PUT", "/latest/api/token")] = (200, "TOKEN", {})
-    steps = ["train.steps=200"]
+    steps = ["train.steps=150"]
     job = Job(etcd, tmp_path, 4, [*OVERRIDES, *steps], run_id="aws-notice",
               node_args={"node3": ("--preemption-notice", "aws", "--preemption-endpoint", metadata.url)})
     action = ("GET", "/latest/meta-data/spot/instance-action")
@@ -243,4 +243,4 @@ def test_a_node_told_by_its_cloud_leaves_at_a_step_boundary_and_nothing_is_lost(
     assert "preemption notice (" in logs and "this node's workers have left; the node leaves the job" in logs
     assert "(leave; failed -, joined -; left ['node3'])" in logs, logs
     assert logs.count("(leave; failed -, joined -; left ['node3'])") == 1
-    check_against_reference(tmp_path, reference_run([*JOB, *steps]), job, steps=200)
+    check_against_reference(tmp_path, reference_run([*JOB, *steps]), job, steps=150)

@@ -71,7 +71,8 @@ def test_status_shows_the_plan_change_and_a_killed_node_gone(tmp_path):
         from rich.console import Console
         console = Console(width=200, record=True)
         console.print(text)
-        assert "node3" in console.export_text() and "gone" in console.export_text()
+        shown = console.export_text()
+        assert "node3" in shown and "gone" in shown and "failed node3.0" in shown, shown
     finally:
         cluster.close()
 

@@ -62,7 +62,9 @@ def test_eval_is_due_every_n_steps_and_after_the_last():
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("nproc, overrides", [
-    (1, []),
+    # One process under -m slow (the default suite's time): the pipelined case below keeps
+    # the same evaluation, and the harder schedule.
+    pytest.param(1, [], marks=pytest.mark.slow),
     (2, ["parallel.pp=2", "parallel.schedule=interleaved", "parallel.virtual_stages=2"]),
     pytest.param(3, ["parallel.layout=[[4],[2,2]]", "parallel.microbatches=[3,5]"], marks=pytest.mark.slow),
     pytest.param(4, ["parallel.tp=2", "parallel.pp=2", "parallel.schedule=zb1f1b"], marks=pytest.mark.slow),

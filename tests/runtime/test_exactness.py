@@ -63,7 +63,7 @@ def profile_cache(tmp_path_factory):
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("case", cases_with_slow(CASES, {"tp2", "tp2-pp2", "planner-4-nodes-min-stages-2",
-                                                             "tp2-pp2-zb1f1b-recompute"}))
+                                                             "tp2-pp2-zb1f1b-recompute", "pp2-gpipe"}))
 def test_parallel_plan_matches_single_process(case, reference, tmp_path, profile_cache):
     nproc, overrides = CASES[case]
     if case.startswith("planner"):
