@@ -224,8 +224,8 @@ class Controller:
         views = self.unreachable()
         notices = self.notices()
         leaving = self._leaving(notices)
-        waiting = self._out_of_their_epochs(alive - members)
-        joiners = self._reachable_joiners(set(self._whole_nodes(waiting)) - self._unusable - set(notices), views)
+        waiting = self._out_of_their_epochs({w for w in alive - members if w[0] not in notices})
+        joiners = self._reachable_joiners(set(self._whole_nodes(waiting)) - self._unusable, views)
         failed_report = any(not s.finished for s in statuses.values()) or self._cut(views)
         if joiners and not (gone or failed_report or leaving) and not self._epoch_trained():
             # A join waits until the epoch in force has committed a step: under churn,
@@ -360,7 +360,11 @@ class Controller:
         statuses_s = time.time()
         self._check_leading()
         survivors = set(statuses)
-        joiners = self._out_of_their_epochs(alive_now() - members - self._killed)
+        notices = self.notices()
+        newcomers = alive_now() - members - self._killed
+        # (a noticed node is never planned in; its workers need not be ready to be told so)
+        joiners = self._out_of_their_epochs({w for w in newcomers if w[0] not in notices}) | {
+            w for w in newcomers if w[0] in notices}
         if not statuses:
             raise JobFailed("every worker of the job failed before reporting a status; see the "
                             "workers' logs, then restart the job (from its last checkpoint)")
@@ -376,7 +380,6 @@ class Controller:
         first = resolution.first_iteration
         # Nodes with a notice are planned out, whatever the reason for this epoch: they
         # hand over the layers only they hold, if their deadline leaves the time to.
-        notices = self.notices()
         leaving = {w for w in statuses if w[0] in notices
                    and notices[w[0]].deadline - time.time() >= self.leave_overhead_s}
         nodes, cut_off = self._reachable_nodes([n for n in self._whole_nodes(survivors | joiners)

@@ -6,6 +6,8 @@ import socket
 import time
 
 import torch.distributed as dist
+
+from planaria.runtime.contract import keys
 from hypothesis import given, settings, strategies as st
 
 from planaria.elastic.controller import Controller
@@ -123,6 +125,8 @@ def test_a_cut_ends_the_epoch_and_the_larger_side_trains_until_the_other_reaches
     (event,) = controller.events
     assert event.cut_off == ("node4", "node5") and event.restored is None and event.failed == ()
     store.set("epoch/1/trained", "1")
+    for worker in [("node4", 0), ("node5", 0)]:  # as theirs do, once they see epoch 1 without them
+        store.set(keys.ready(worker), "1")
     assert controller.poll(lambda: alive, kill=lambda w: None) == "running"
     assert controller.epoch == 1  # out of reach: they wait, the epoch goes on
     assert any("cannot reach every node of the job; they wait" in line for line in logs)
