@@ -20,13 +20,18 @@ from tests.runtime.test_recovery import JOB
 pytest.importorskip("pyetcd")
 
 
-def status_json(cluster: LocalCluster) -> dict:
-    """What a person gets from `planaria status --json` (the command, as they run it)."""
+def status_json(cluster: LocalCluster, started: bool = True) -> dict:
+    """What a person gets from `planaria status --json` (the command, as they run it).
+    Before the first agent has recorded the job it says there is none, and exits 1."""
     out = subprocess.run([sys.executable, "-m", "planaria.cli", "status", "--etcd", cluster.etcd.endpoint,
                           "--run-id", cluster.run_id, "--json"], capture_output=True, text=True, timeout=60,
                          env=dict(os.environ))
-    assert out.returncode == 0, out.stderr
-    return json.loads(out.stdout)
+    view = json.loads(out.stdout)
+    if started:
+        assert out.returncode == 0, (out.stderr, view)
+    else:
+        assert out.returncode == 0 or "no job with run id" in view["error"], (out.stderr, view)
+    return view
 
 
 def wait_for(predicate, what: str, timeout_s: float = 120):
@@ -46,7 +51,7 @@ def test_status_shows_the_plan_change_and_a_killed_node_gone(tmp_path):
                  "fault_tolerance.f=1", f"output.dir={tmp_path}"]
     cluster = LocalCluster(TINY, overrides, nodes=4, nproc=1, out_dir=tmp_path, run_id="status-test")
     try:
-        before = wait_for(lambda: (s := status_json(cluster))["committed_step"] is not None and s,
+        before = wait_for(lambda: (s := status_json(cluster, started=False))["committed_step"] is not None and s,
                           "the job's first steps")
         assert before["epoch"] == 0 and before["outcome"] is None and before["leader"]
         states = {n["name"]: n["state"] for n in before["nodes"]}
