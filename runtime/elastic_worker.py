@@ -308,8 +308,8 @@ class ElasticWorker:
             self._mark(failed_s=time.time(),
                        error=str(err).splitlines()[0][:300] if str(err) else type(err).__name__)
             self._log(f"epoch {epoch} failed on this worker: {self._timing.error}")
-            if self.late_writer and self.engine is not None and self.engine.last_stepped is not None:
-                self._write_late(epoch)
+            if self.late_writer and self.engine is not None and self.engine.last_commit is not None:
+                self._write_late(epoch)  # (a worker that has committed nothing has nothing to write)
         finally:
             self._leave_epoch()
             self._watcher.done.set()
