@@ -84,8 +84,23 @@ def exchange_layers(engine: "Engine", transfers: list[Transfer], *, stepped: boo
     over the transfers' workers on `engine.groups.world` (workers in no transfer return
     at once). The received shards are installed (`engine.install_shards`) only once all arrived."""
     started = time.perf_counter()
-    plan, me = engine.plan, engine.plan.worker(engine.rank)
-    rank_of = plan.rank_of_worker()
+    me = engine.plan.worker(engine.rank)
+    outgoing, incoming, received = _messages(engine, transfers, me, engine.plan.rank_of_worker(), stepped)
+    sends = {peer: [_flatten_dense_tensors(on_device(group, engine.device)) for _, group in by_dtype(tensors)]
+             for peer, tensors in outgoing.items()}
+    _send_and_receive(engine, sends, incoming)
+    engine.install_shards(received)
+    nbytes = lambda groups: sum(t.numel() * t.element_size() for ts in groups.values() for t in ts)  # noqa: E731
+    return TransferStats(layers_sent=sum(t.src == me for t in transfers), layers_received=len(received),
+                         bytes_sent=nbytes(outgoing), bytes_received=nbytes(incoming),
+                         seconds=time.perf_counter() - started)
+
+
+def _messages(engine: "Engine", transfers: list[Transfer], me: Worker, rank_of: Mapping[Worker, int],
+              stepped: bool):
+    """(tensors to send, by peer rank; shells' tensors to receive into, by peer rank;
+    the shells, by layer) for this worker's part of `transfers`, in the transfer order
+    every worker reads alike; `rank_of` names each worker's rank in the group used."""
     outgoing: dict[int, list[torch.Tensor]] = {}
     incoming: dict[int, list[torch.Tensor]] = {}
     received: dict[int, "LayerState"] = {}
@@ -95,19 +110,11 @@ def exchange_layers(engine: "Engine", transfers: list[Transfer], *, stepped: boo
                 raise RuntimeError(f"worker {me} is to send layer {t.layer}, which it does not hold")
             outgoing.setdefault(rank_of[t.dst], []).extend(layer_state_tensors(engine.shard(t.layer), stepped))
         elif t.dst == me:
-            state = engine.empty_shard(t.layer)
+            received[t.layer] = state = engine.empty_shard(t.layer)
             if stepped:
                 _empty_optimizer_state(state)
-            received[t.layer] = state
             incoming.setdefault(rank_of[t.src], []).extend(layer_state_tensors(state, stepped))
-    sends = {peer: [_flatten_dense_tensors(on_device(group, engine.device)) for _, group in by_dtype(tensors)]
-             for peer, tensors in outgoing.items()}
-    _send_and_receive(engine, sends, incoming)
-    engine.install_shards(received)
-    nbytes = lambda groups: sum(t.numel() * t.element_size() for ts in groups.values() for t in ts)  # noqa: E731
-    return TransferStats(layers_sent=sum(t.src == me for t in transfers), layers_received=len(received),
-                         bytes_sent=nbytes(outgoing), bytes_received=nbytes(incoming),
-                         seconds=time.perf_counter() - started)
+    return outgoing, incoming, received
 
 
 @dataclass(frozen=True)
@@ -252,17 +259,8 @@ def exchange_handoff(engine: "Engine", handoff: Handoff, me: Worker, *, stepped:
     started = time.perf_counter()
     ranks = handoff.participants()
     group = handoff.group(me)
-    outgoing: dict[int, list[torch.Tensor]] = {}
-    incoming: dict[int, list[torch.Tensor]] = {}
-    received: dict[int, "LayerState"] = {}
-    for t in sorted(handoff.transfers, key=lambda t: (t.layer, t.tp_rank, t.src, t.dst)):
-        if t.src == me:
-            outgoing.setdefault(ranks.index(t.dst), []).extend(layer_state_tensors(engine.shard(t.layer), stepped))
-        elif t.dst == me:
-            received[t.layer] = state = engine.empty_shard(t.layer)
-            if stepped:
-                _empty_optimizer_state(state)
-            incoming.setdefault(ranks.index(t.src), []).extend(layer_state_tensors(state, stepped))
+    outgoing, incoming, received = _messages(engine, list(handoff.transfers), me,
+                                             {w: i for i, w in enumerate(ranks)}, stepped)
     works, unpack, flats = [], [], []  # each send's flat buffer lives until its wait
     for peer, tensors in sorted(outgoing.items()):
         for tag, (_, group_tensors) in enumerate(by_dtype(tensors)):
