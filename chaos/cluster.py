@@ -37,13 +37,16 @@ class LocalCluster:
 
     def __init__(self, config: str | Path, overrides: list[str], *, nodes: int, nproc: int,
                  out_dir: Path, run_id: str, etcd_members: int = 1, lease_ttl_s: int = 3,
-                 env: dict[str, str] | None = None, hosts: bool = False):
+                 env: dict[str, str] | None = None, hosts: bool = False, metrics_port: int = 0):
         """`hosts`: each node and each etcd member a host of its own, in a network namespace
         with its own address (`planaria.chaos.hosts`); everything then talks over those
-        addresses, never loopback. Off: every process on this machine's loopback."""
+        addresses, never loopback. Off: every process on this machine's loopback.
+        `metrics_port`: node i's agent serves Prometheus metrics on port `metrics_port` + i
+        (`metrics_endpoint`); 0: none."""
         self.config, self.overrides = str(config), list(overrides)
         self.nproc, self.run_id, self.lease_ttl_s = nproc, run_id, lease_ttl_s
         self.min_nodes = nodes
+        self.metrics_port = metrics_port
         self.out_dir = Path(out_dir)
         self.log_dir = self.out_dir / "logs"
         self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -91,9 +94,20 @@ class LocalCluster:
             [*launch, sys.executable, "-m", "planaria.elastic.agent", "--node", f"node{index}",
              "--nproc-per-node", str(self.nproc), "--etcd", self.etcd.endpoint, "--run-id", self.run_id,
              "--nnodes", str(self.min_nodes), "--lease-ttl", str(self.lease_ttl_s),
-             "--log-dir", str(self.log_dir), *notices, self.config, *self.overrides],
+             "--log-dir", str(self.log_dir), *notices, *self._metrics_flags(index), self.config, *self.overrides],
             stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         return index
+
+    def _metrics_flags(self, index: int) -> list[str]:
+        return ["--metrics-port", str(self.metrics_port + index)] if self.metrics_port else []
+
+    def metrics_endpoint(self, index: int) -> str | None:
+        """Where node `index`'s agent serves its metrics (None: no --metrics-port): its
+        node's address, which is its host's, or loopback's (the route to a loopback etcd)."""
+        if not self.metrics_port:
+            return None
+        host = self.network.address(index) if self.network is not None else "127.0.0.1"
+        return f"http://{host}:{self.metrics_port + index}/metrics"
 
     def live_nodes(self) -> list[int]:
         """Nodes whose agent runs and is not frozen."""

@@ -74,6 +74,8 @@ class ChaosSettings:
     notice_s: float | None = None
     """A trace's removals come with this much notice (`--notice`): preemptions announced
     ahead (`preempt-node`) instead of machines that vanish; None: no notice."""
+    metrics_port: int = 0
+    """Node i's agent serves Prometheus metrics on this port + i (`--metrics-port`); 0: none."""
 
     def clock_sources(self) -> tuple[RandomFaults | None, TraceReplay | None, int]:
         """(the random process, the trace replay, trace events left out by the node cap),
@@ -267,8 +269,10 @@ class _Run:
         cluster = LocalCluster(self.settings.config, overrides,
                                nodes=self.settings.nodes, nproc=self.settings.nproc, out_dir=self.out_dir,
                                run_id=f"chaos-{uuid.uuid4().hex[:8]}",
-                               etcd_members=self.settings.etcd_members, hosts=self.settings.hosts)
+                               etcd_members=self.settings.etcd_members, hosts=self.settings.hosts,
+                               metrics_port=self.settings.metrics_port)
         try:
+            self._announce_metrics(cluster, list(cluster.agents), self.console.print)
             try:
                 self.outcome = self._drive(cluster, started)
             except KeyboardInterrupt:
@@ -336,6 +340,16 @@ class _Run:
                 due.append(replace(step.fault, step=committed))
         return due
 
+    def _announce_metrics(self, cluster: LocalCluster, nodes: list[int], say: Callable[[str], None]) -> None:
+        """Say where these nodes' metrics are served, and keep every node's endpoint in the
+        run's folder (metrics.json, {node: URL}), for a scraper's configuration."""
+        if not cluster.metrics_port:
+            return
+        for node in nodes:
+            say(f"  node{node} metrics: {cluster.metrics_endpoint(node)}")
+        write_json_atomically(self.out_dir / "metrics.json",
+                              {f"node{i}": cluster.metrics_endpoint(i) for i in cluster.agents})
+
     def _show_new_epochs(self, cluster: LocalCluster) -> None:
         """A line per reconfiguration as the leader publishes it: the recoveries as they
         happen, before the table at the end."""
@@ -390,6 +404,7 @@ class _Run:
         kind = fault.kind
         if kind == "add-node":
             target = f"{cluster.add_node()}"
+            self._announce_metrics(cluster, [int(target)], self.progress.note)
         elif kind in ETCD_KINDS:
             members = cluster.live_etcd_members()
             member = fault.node if fault.node is not None else self.rng.choice(members)

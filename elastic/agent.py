@@ -46,6 +46,9 @@ no step. When etcd returns, its leases are still there (etcd extends every lease
 it elects a leader); an agent whose lease expired anyway registers its node and live
 workers again, and a leader acts on membership only once every agent has had a lease
 period to renew (`_settled`), so that a returning etcd causes no reconfiguration.
+
+With `--metrics-port PORT` (PLANARIA_METRICS_PORT) the agent serves the job's and its
+node's metrics to Prometheus on its node's address (`planaria.elastic.metrics`).
 """
 from __future__ import annotations
 
@@ -67,6 +70,7 @@ from pathlib import Path
 from planaria.elastic.controller import CheckpointPolicy, Controller, StepDown
 from planaria.elastic.etcd_client import EtcdClient, EtcdSettings, EtcdUnavailable, LeaseExpired
 from planaria.elastic.etcd_kv import EtcdKeyValue
+from planaria.elastic.metrics import PORT_ENV, MetricsServer, port_number, serve as serve_metrics
 from planaria.elastic.peer_probe import PeerProbe, node_address
 from planaria.elastic.preemption import SOURCES, Notice, make_watcher, signal_notice
 from planaria.runtime.config import ConfigError, load_config, status_timeout_s
@@ -98,7 +102,7 @@ class Agent:
     def __init__(self, *, node: str, nproc: int, settings: EtcdSettings, run_id: str, min_nodes: int,
                  config: str, overrides: list[str], lease_ttl_s: int = 5, hardware: str = "h100",
                  log_dir: Path | None = None, outage_limit_s: float = math.inf, max_restarts: int = 0,
-                 signals: str = DEFAULT_SIGNALS, shutdown_timeout_s: float = 30.0,
+                 signals: str = DEFAULT_SIGNALS, shutdown_timeout_s: float = 30.0, metrics_port: int = 0,
                  local_addr: str | None = None, preemption: str = "signal", preemption_grace_s: float = 30.0,
                  preemption_endpoint: str | None = None, notice_signals: str = "SIGTERM"):
         self.node, self.nproc, self.min_nodes = node, nproc, min_nodes
@@ -145,6 +149,9 @@ class Agent:
         self.local_addr = local_addr
         self.probe: PeerProbe | None = None
         """This node's reachability probe of the others (made in `run`)."""
+        self.metrics_port = metrics_port
+        self.metrics: MetricsServer | None = None
+        """The Prometheus endpoint (`--metrics-port`, `planaria.elastic.metrics`); None: off."""
         self._published_view: list[str] | None = None
         self._views: tuple[float, dict[str, list[str]]] = (-1.0, {})
         self._peers_read = -1.0
@@ -155,11 +162,13 @@ class Agent:
 
     # ------------------------------------------------------------------ run
     def run(self) -> int:
+        address = node_address(self.settings.endpoint, os.environ, self.local_addr)
+        self.metrics = self._serve_metrics(address)  # first: a port in use is refused before anything starts
         refused = self._check_job_config() or self._check_not_ended()
         if refused:
             self.log(refused)
             return 2
-        self.probe = PeerProbe(self.node, node_address(self.settings.endpoint, os.environ, self.local_addr)).start()
+        self.probe = PeerProbe(self.node, address).start()
         try:
             self._register()
         except NodeNameTaken as err:
@@ -191,6 +200,19 @@ class Agent:
         finally:
             self._stop.set()
             self.probe.stop()
+            if self.metrics is not None:
+                self.metrics.stop()
+
+    def _serve_metrics(self, address: str) -> MetricsServer | None:
+        """The Prometheus endpoint on this node's address (where the other nodes reach it,
+        so a scraper on their network does too); None without --metrics-port."""
+        if not self.metrics_port:
+            return None
+        server = serve_metrics(self.settings, self.run_id, address, self.metrics_port,
+                               node=lambda: (self.node, self.member), live_workers=self._live_workers,
+                               log=self.log)
+        self.log(f"metrics on {server.endpoint}")
+        return server
 
     def _tick(self) -> int | None:
         """One look at the node and the job; the agent's exit code once it is over."""
@@ -461,6 +483,11 @@ class Agent:
     def _running(self) -> list[Worker]:
         return [w for w, p in self.workers.items() if p.poll() is None]
 
+    def _live_workers(self) -> int:
+        """Running workers, for a scrape's thread: a copy of the processes (the loop may be
+        changing the dict), their state as the loop last polled it (a tick ago)."""
+        return sum(p.returncode is None for p in list(self.workers.values()))
+
     def _heartbeat_file(self, worker: Worker) -> Path:
         return self.error_dir / worker_key(worker) / "heartbeat"
 
@@ -638,6 +665,13 @@ def parse_signals(names: str) -> list[signal.Signals]:
     return found
 
 
+def _metrics_port(text: str) -> int:
+    try:
+        return port_number(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m planaria.elastic.agent",
                                      description="Run one node's agent of an elastic Planaria job.")
@@ -686,6 +720,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--local-addr", default=None,
                         help="the address other nodes reach this one at (default: that of "
                              "GLOO_SOCKET_IFNAME's interface, else this host's route to etcd)")
+    parser.add_argument("--metrics-port", type=_metrics_port, default=os.environ.get(PORT_ENV, "0"),
+                        help="serve Prometheus metrics on this port, at the --local-addr address "
+                             f"(docs/monitoring.md; default 0: off, or {PORT_ENV})")
     parser.add_argument("--log-dir", default=None,
                         help="write each worker's output to DIR/<node>.<local>.log (default: this output)")
     parser.add_argument("config")
@@ -705,7 +742,8 @@ def main(argv: list[str] | None = None) -> int:
                       max_restarts=args.max_restarts, signals=args.signals_to_handle,
                       shutdown_timeout_s=args.shutdown_timeout, local_addr=args.local_addr,
                       preemption=args.preemption_notice, preemption_grace_s=args.preemption_grace,
-                      preemption_endpoint=args.preemption_endpoint, notice_signals=args.preemption_signals)
+                      preemption_endpoint=args.preemption_endpoint, notice_signals=args.preemption_signals,
+                      metrics_port=args.metrics_port)
         return agent.run()
     except (EtcdUnavailable, ConfigError, ValueError) as err:
         print(f"planaria agent {args.node}: {err}", file=sys.stderr, flush=True)

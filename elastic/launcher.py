@@ -149,6 +149,7 @@ def run_planaria(args) -> int:
     from planaria.elastic.agent import parse_signals
     from planaria.elastic.etcd_client import EtcdSettings
     from planaria.elastic.etcd_server import EmbeddedEtcd
+    from planaria.elastic.metrics import agent_port_env
     from planaria.runtime.config import load_config
     from planaria.runtime.hf_config import check_init_from
 
@@ -163,6 +164,8 @@ def run_planaria(args) -> int:
         tls, lease_ttl = etcd_options(args.rdzv_conf)
         EtcdSettings(**tls)  # refuse missing TLS files before anything starts
         nproc = _nproc(str(args.nproc_per_node))
+        # PLANARIA_METRICS_PORT: the agents of one machine cannot share a port; agent i takes PORT + i
+        ports = agent_port_env(os.environ, nproc if args.standalone and cfg.parallel.tp == 1 else 1)
     except ValueError as err:
         print(f"planaria-run: {err}", file=sys.stderr)
         return 2
@@ -190,7 +193,7 @@ def run_planaria(args) -> int:
     if args.standalone and per_node == 1:
         nodes, min_nodes = [f"{socket.gethostname()}-{i}" for i in range(nproc)], nproc
         try:
-            devices = one_gpu_each(nproc, cfg.comm.backend)
+            devices = [dict(gpu, **port) for gpu, port in zip(one_gpu_each(nproc, cfg.comm.backend), ports)]
         except ValueError as err:
             print(f"planaria-run: {err}", file=sys.stderr)
             return 2

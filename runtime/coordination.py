@@ -104,8 +104,9 @@ class StoreCoordinator:
 
     def mark_trained(self, epoch: int) -> None:
         """This epoch committed a step: the controller may now absorb joiners (it defers
-        a join until the epoch in force has made progress, so churn cannot livelock it)."""
-        self.store.set(keys.epoch_trained(epoch), "1")
+        a join until the epoch in force has made progress, so churn cannot livelock it).
+        The value is when (wall clock): the end of a recovery, for the agents' metrics."""
+        self.store.set(keys.epoch_trained(epoch), f"{time.time():.3f}")
 
     def reconfigure_requested(self, epoch: int) -> bool:
         return self.store.check([keys.epoch_reconfigure(epoch)])

@@ -175,7 +175,8 @@ def _chaos(args: argparse.Namespace) -> int:
             random_kinds=None if args.random_kinds is None else random_kinds(args.random_kinds, args.etcd_members, args.hosts),
             trace=None if args.trace is None else Path(args.trace),
             time_scale=1.0 if args.time_scale is None else args.time_scale,
-            fresh_reference=args.fresh_reference, hosts=args.hosts, notice_s=args.notice)
+            fresh_reference=args.fresh_reference, hosts=args.hosts, notice_s=args.notice,
+            metrics_port=args.metrics_port)
         _interrupt_on_termination()
         report = run_chaos(settings, console)
     except (FaultSpecError, ConfigError, FileNotFoundError) as err:
@@ -199,6 +200,9 @@ def _chaos_options_refused(args: argparse.Namespace) -> str | None:
     for flag, value in (("--nodes", args.nodes), ("--nproc-per-node", args.nproc_per_node)):
         if value < 1:
             return f"{flag} must be at least 1, got {value}"
+    if args.metrics_port and not 1 <= args.metrics_port <= 65536 - args.nodes:
+        return (f"--metrics-port {args.metrics_port}: node i serves on BASE + i, so give a BASE from 1 to "
+                f"{65536 - args.nodes} (or 0: no metrics)")
     if not args.timeout > 0:  # --random and --time-scale: checked where they are read
         return f"--timeout must be positive, got {args.timeout:g}"
     if args.random is None:
@@ -314,6 +318,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="run the fault-free reference again even if one is cached (for an ETTR "
                             "against this machine as it is now)")
     chaos.add_argument("--timeout", type=float, default=900.0, help="seconds before a run counts as hung")
+    chaos.add_argument("--metrics-port", type=int, default=0, metavar="BASE",
+                       help="node i's agent serves Prometheus metrics on port BASE + i (listed at the start "
+                            "and in the run's metrics.json; docs/monitoring.md); default 0: none")
     chaos.set_defaults(func=_chaos)
 
     export = sub.add_parser("export", help="write a trained model in another format")

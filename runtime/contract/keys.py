@@ -11,7 +11,7 @@ prefix in etcd, `/planaria/<run id>/`):
     epoch/<e>/status/<node>.<local> `WorkerStatus`, once the worker left epoch e
     epoch/<e>/reconfigure           the epoch is over: "join" or "leave" (stop after the
                                     current iteration) or "failure" (release every collective now)
-    epoch/<e>/trained               present: epoch e committed a step
+    epoch/<e>/trained               epoch e committed a step: when its first one was (wall clock)
     epoch/<e>/pg/...                the epoch's process-group rendezvous
     epoch/<e>/timing/<node>.<local> `EpochTiming`
     epoch/<e>/event                 `EpochEvent`: the controller's account of the change
