@@ -37,15 +37,19 @@ class LocalCluster:
 
     def __init__(self, config: str | Path, overrides: list[str], *, nodes: int, nproc: int,
                  out_dir: Path, run_id: str, etcd_members: int = 1, lease_ttl_s: int = 3,
-                 env: dict[str, str] | None = None, hosts: bool = False, metrics_port: int = 0):
+                 env: dict[str, str] | None = None, hosts: bool = False, metrics_port: int = 0,
+                 min_nodes: int | None = None, max_nodes: int | None = None):
         """`hosts`: each node and each etcd member a host of its own, in a network namespace
         with its own address (`planaria.chaos.hosts`); everything then talks over those
         addresses, never loopback. Off: every process on this machine's loopback.
         `metrics_port`: node i's agent serves Prometheus metrics on port `metrics_port` + i
-        (`metrics_endpoint`); 0: none."""
+        (`metrics_endpoint`); 0: none. `min_nodes`, `max_nodes`: the agents' `--nnodes MIN:MAX`
+        (epoch 0 waits for MIN, default all `nodes`; a plan uses at most MAX, the nodes
+        beyond wait as spares; default: no maximum)."""
         self.config, self.overrides = str(config), list(overrides)
         self.nproc, self.run_id, self.lease_ttl_s = nproc, run_id, lease_ttl_s
-        self.min_nodes = nodes
+        self.min_nodes = min_nodes or nodes
+        self.max_nodes = max_nodes
         self.metrics_port = metrics_port
         self.out_dir = Path(out_dir)
         self.log_dir = self.out_dir / "logs"
@@ -93,7 +97,8 @@ class LocalCluster:
         self.agents[index] = subprocess.Popen(
             [*launch, sys.executable, "-m", "planaria.elastic.agent", "--node", f"node{index}",
              "--nproc-per-node", str(self.nproc), "--etcd", self.etcd.endpoint, "--run-id", self.run_id,
-             "--nnodes", str(self.min_nodes), "--lease-ttl", str(self.lease_ttl_s),
+             "--nnodes", f"{self.min_nodes}:{self.max_nodes}" if self.max_nodes else str(self.min_nodes),
+             "--lease-ttl", str(self.lease_ttl_s),
              "--log-dir", str(self.log_dir), *notices, *self._metrics_flags(index), self.config, *self.overrides],
             stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         return index

@@ -73,6 +73,8 @@ from planaria.elastic.etcd_kv import EtcdKeyValue
 from planaria.elastic.metrics import PORT_ENV, MetricsServer, port_number, serve as serve_metrics
 from planaria.elastic.peer_probe import PeerProbe, node_address
 from planaria.elastic.preemption import SOURCES, Notice, make_watcher, signal_notice
+from planaria.elastic.worker_output import (OutputSpec, Tail, WorkerStreams, close_files, open_streams, ranks_filter,
+                                            start_tails, std_of)
 from planaria.runtime.config import ConfigError, load_config, status_timeout_s
 from planaria.runtime.contract import env as worker_env, keys
 from planaria.runtime.contract.exits import EXIT_STUCK_AFTER_RELEASE
@@ -104,8 +106,21 @@ class Agent:
                  log_dir: Path | None = None, outage_limit_s: float = math.inf, max_restarts: int = 0,
                  signals: str = DEFAULT_SIGNALS, shutdown_timeout_s: float = 30.0, metrics_port: int = 0,
                  local_addr: str | None = None, preemption: str = "signal", preemption_grace_s: float = 30.0,
-                 preemption_endpoint: str | None = None, notice_signals: str = "SIGTERM"):
+                 preemption_endpoint: str | None = None, notice_signals: str = "SIGTERM",
+                 max_nodes: int | None = None, join_timeout_s: float = 600.0, last_call_s: float = 0.0,
+                 monitor_interval_s: float = POLL_S, output: OutputSpec | None = None):
         self.node, self.nproc, self.min_nodes = node, nproc, min_nodes
+        self.max_nodes = max_nodes
+        """The most nodes a plan uses; the others wait as spares (`Controller.max_nodes`)."""
+        self.join_timeout_s, self.last_call_s = join_timeout_s, last_call_s
+        """torchrun's rendezvous timeouts: epoch 0 is given up (the job fails) when fewer than
+        `min_nodes` nodes came within `join_timeout_s`; once `min_nodes` are there, it waits
+        `last_call_s` more for nodes up to `max_nodes` (0: it starts at once, and later nodes
+        join at a step boundary)."""
+        self.monitor_interval_s = monitor_interval_s
+        """How often the agent looks at its workers and the job (torchrun's --monitor-interval)."""
+        self._started_at = time.monotonic()
+        self._min_reached_at: float | None = None
         self.run_id, self.max_restarts, self.restarts, self.resets = run_id, max_restarts, 0, 0
         self.signals = parse_signals(signals)
         self.shutdown_timeout_s = shutdown_timeout_s
@@ -135,6 +150,11 @@ class Agent:
         self.hardware = hardware
         self.log_dir = Path(log_dir) if log_dir else None
         """Worker output goes here, a file per worker; None: to this agent's own output."""
+        self.output = output
+        """torchrun's --log-dir, -r, -t and --local-ranks-filter (`worker_output`); None: as
+        `log_dir` says."""
+        self._streams: dict[Worker, WorkerStreams] = {}
+        self._tails: list[Tail] = []
         self.workers: dict[Worker, subprocess.Popen] = {}
         self.controller: Controller | None = None
         self.lease = None
@@ -196,12 +216,20 @@ class Agent:
                     continue
                 if outcome is not None:
                     return outcome
-                time.sleep(POLL_S)
+                time.sleep(self.monitor_interval_s)
         finally:
             self._stop.set()
             self.probe.stop()
             if self.metrics is not None:
                 self.metrics.stop()
+            self._finish_tails()
+
+    def _finish_tails(self, limit_s: float = 5.0) -> None:
+        """Let the tee'd output of workers that have exited reach the console (their last
+        lines, written as they exit, come after the agent saw them go)."""
+        deadline = time.monotonic() + limit_s
+        for tail in self._tails:
+            tail.join(max(0.0, deadline - time.monotonic()))
 
     def _serve_metrics(self, address: str) -> MetricsServer | None:
         """The Prometheus endpoint on this node's address (where the other nodes reach it,
@@ -454,11 +482,17 @@ class Agent:
         self._start_workers()
 
     def _error_file(self, worker: Worker) -> Path:
+        if worker in self._streams:
+            return self._streams[worker].error_file
         return self.error_dir / worker_key(worker) / "error.json"
 
     def _spawn(self, worker: Worker) -> None:
+        streams = None
+        if self.output is not None:
+            streams = self._streams[worker] = open_streams(self.output, worker[1], self.restarts)
         error_file = self._error_file(worker)
         error_file.parent.mkdir(parents=True, exist_ok=True)
+        self._heartbeat_file(worker).parent.mkdir(parents=True, exist_ok=True)  # (apart with --run-log-dir)
         error_file.unlink(missing_ok=True)
         self._heartbeat_file(worker).unlink(missing_ok=True)
         env = dict(os.environ, **worker_env.for_worker(self.store_url, worker), PYTHONUNBUFFERED="1",
@@ -472,12 +506,16 @@ class Agent:
         env.setdefault("OMP_NUM_THREADS", "1")
         # NCCL's own error handling must never end a survivor; warned about once, by the worker.
         worker_env.nccl_recovery(env, self.cfg.comm.timeout_s)
-        out = None  # inherit: the worker's lines (prefixed with its name) in the agent's output
-        if self.log_dir is not None:
-            out = open(self.log_dir / f"{worker_key(worker)}.log", "a", encoding="utf-8")
-        self.workers[worker] = subprocess.Popen(
-            [sys.executable, "-m", "planaria.train", self.config, *self.overrides],
-            stdout=out, stderr=subprocess.STDOUT if out else None, env=env)
+        out = err = None  # inherit: the worker's lines (prefixed with its name) in the agent's output
+        if streams is not None:
+            out, err = streams.stdout, streams.stderr
+        elif self.log_dir is not None:
+            out, err = open(self.log_dir / f"{worker_key(worker)}.log", "a", encoding="utf-8"), subprocess.STDOUT
+        self.workers[worker] = process = subprocess.Popen(
+            [sys.executable, "-m", "planaria.train", self.config, *self.overrides], stdout=out, stderr=err, env=env)
+        if streams is not None:
+            close_files(streams)
+            self._tails += start_tails(streams, self.output.rank_offset + worker[1], process)
         self.client.put(self.prefix + keys.alive(worker), b"1", lease=self.lease)
 
     def _running(self) -> list[Worker]:
@@ -576,11 +614,28 @@ class Agent:
             self.controller = None
 
     def _start_job(self) -> None:
-        """Publish epoch 0 once `min_nodes` whole nodes (every worker up) are alive."""
+        """Publish epoch 0 once `min_nodes` whole nodes (every worker up) are alive, and
+        `max_nodes` or `last_call_s` after `min_nodes` were; fail the job when fewer than
+        `min_nodes` came within `join_timeout_s` (torchrun's rendezvous, over the nodes'
+        registrations)."""
         alive = self._alive_now()
         per_node = Counter(node for node, _ in alive)
         nodes = [node for node, count in per_node.items() if count == self.nproc]
+        now = time.monotonic()
         if len(nodes) < self.min_nodes:
+            if now - self._started_at > self.join_timeout_s:
+                reason = (f"{len(nodes)} of the {self.min_nodes} nodes --nnodes asks for came within "
+                          f"join_timeout={self.join_timeout_s:g} s; start the missing nodes (same --rdzv-id), "
+                          "or lower --nnodes' minimum")
+                self.log(f"the job cannot start: {reason}")
+                self.store.set(keys.DONE, f"{keys.JOB_FAILED}{reason}")
+            return
+        if self._min_reached_at is None:
+            self._min_reached_at = now
+            if self.last_call_s > 0 and (self.max_nodes is None or len(nodes) < self.max_nodes):
+                self.log(f"{len(nodes)} nodes are here; waiting up to {self.last_call_s:g} s (last_call_timeout) "
+                         f"for more{f', up to {self.max_nodes}' if self.max_nodes else ''}")
+        if (self.max_nodes is None or len(nodes) < self.max_nodes) and now - self._min_reached_at < self.last_call_s:
             return
         self.controller.start(sorted(w for w in alive if w[0] in nodes))
         self.log(f"epoch 0 published for {len(nodes)} nodes")
@@ -624,7 +679,7 @@ class Agent:
             gpus_per_node=self.nproc, status_timeout_s=status_timeout_s(self.cfg.comm),
             log=lambda message: self.log(message), interrupted=lambda: self._signal is not None,
             leading=self._still_leading, node=self.node, unreachable=self._unreachable_views,
-            notices=self._posted_notices,
+            notices=self._posted_notices, max_nodes=self.max_nodes,
             checkpoints=CheckpointPolicy(self.cfg.checkpoint_dir, self.cfg.checkpoint.every,
                                          self.cfg.checkpoint.keep))
 
@@ -653,6 +708,18 @@ class Agent:
         self.store.set(f"kill/{worker_key(worker)}", "1")
 
 
+def node_range(text: str) -> tuple[int, int | None]:
+    """`--nnodes`: "N" (at least N, no maximum) or "MIN:MAX", as torchrun writes it."""
+    try:
+        low, _, high = text.partition(":")
+        bounds = int(low), int(high) if high else None
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not N or MIN:MAX (numbers of nodes)") from None
+    if bounds[0] < 1 or (bounds[1] is not None and bounds[1] < bounds[0]):
+        raise argparse.ArgumentTypeError(f"{text!r}: MIN must be at least 1 and MAX at least MIN")
+    return bounds
+
+
 def parse_signals(names: str) -> list[signal.Signals]:
     """torchrun's --signals-to-handle: comma-separated names, such as SIGTERM,SIGUSR1."""
     found = []
@@ -679,7 +746,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--nproc-per-node", type=int, default=1)
     parser.add_argument("--etcd", required=True, help="etcd endpoint host:port")
     parser.add_argument("--run-id", required=True)
-    parser.add_argument("--nnodes", type=int, required=True, help="nodes to wait for before epoch 0")
+    parser.add_argument("--nnodes", type=node_range, required=True, metavar="MIN[:MAX]",
+                        help="nodes to wait for before epoch 0; the most a plan uses (beyond it, nodes wait "
+                             "as spares and replace failed ones; default: no maximum)")
+    parser.add_argument("--join-timeout", type=float, default=600.0,
+                        help="seconds for MIN nodes to come before the job fails (default 600, torchrun's)")
+    parser.add_argument("--last-call-timeout", type=float, default=0.0,
+                        help="seconds to wait for more nodes, up to MAX, once MIN are here (default 0: "
+                             "start at once; later nodes join at a step boundary)")
+    parser.add_argument("--monitor-interval", type=float, default=POLL_S,
+                        help=f"seconds between looks at the workers and the job (default {POLL_S})")
     parser.add_argument("--lease-ttl", type=int, default=5, help="seconds (default 5)")
     parser.add_argument("--hardware", default="h100", help="cost model preset for the planner")
     parser.add_argument("--etcd-retry", type=float, default=30.0,
@@ -725,6 +801,14 @@ def main(argv: list[str] | None = None) -> int:
                              f"(docs/monitoring.md; default 0: off, or {PORT_ENV})")
     parser.add_argument("--log-dir", default=None,
                         help="write each worker's output to DIR/<node>.<local>.log (default: this output)")
+    parser.add_argument("--run-log-dir", default=None,
+                        help="torchrun's --log-dir layout: DIR/attempt_<n>/<local rank>/{stdout,stderr}.log and "
+                             "error.json (DIR: <log dir>/<run id>_<random>, shared by a machine's agents)")
+    parser.add_argument("--redirects", default="0", help="torchrun's -r, with --run-log-dir (default 0)")
+    parser.add_argument("--tee", default="0", help="torchrun's -t, with --run-log-dir (default 0)")
+    parser.add_argument("--local-ranks-filter", default="", help="torchrun's, with --run-log-dir")
+    parser.add_argument("--local-rank-offset", type=int, default=0,
+                        help="the machine-wide local rank of this node's first worker (default 0)")
     parser.add_argument("config")
     parser.add_argument("overrides", nargs="*", default=[])
     args = parser.parse_args(argv)
@@ -735,8 +819,15 @@ def main(argv: list[str] | None = None) -> int:
         settings = EtcdSettings(endpoint=args.etcd, retry_s=args.etcd_retry, **{
             name: value if value is not None else getattr(from_env, name) for name, value in given.items()},
             password=from_env.password)
+        output = None
+        if args.run_log_dir:
+            std_of(args.redirects, 0), std_of(args.tee, 0)  # refuse a malformed choice now
+            output = OutputSpec(Path(args.run_log_dir), args.redirects, args.tee,
+                                ranks_filter(args.local_ranks_filter), args.local_rank_offset)
         agent = Agent(node=args.node, nproc=args.nproc_per_node, settings=settings,
-                      run_id=args.run_id, min_nodes=args.nnodes, config=args.config,
+                      run_id=args.run_id, min_nodes=args.nnodes[0], max_nodes=args.nnodes[1],
+                      join_timeout_s=args.join_timeout, last_call_s=args.last_call_timeout,
+                      monitor_interval_s=args.monitor_interval, output=output, config=args.config,
                       overrides=args.overrides, lease_ttl_s=args.lease_ttl, hardware=args.hardware,
                       log_dir=args.log_dir, outage_limit_s=args.etcd_outage_limit or math.inf,
                       max_restarts=args.max_restarts, signals=args.signals_to_handle,

@@ -30,6 +30,7 @@ entered ends the same way, and its statuses say what each worker holds.
 """
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
@@ -94,8 +95,13 @@ class Controller:
                  interrupted: Callable[[], bool] = lambda: False,
                  leading: Callable[[], bool] = lambda: True, node: str | None = None,
                  unreachable: Callable[[], Mapping[str, Iterable[str]]] = dict,
-                 notices: Callable[[], Mapping[str, LeaveNotice]] = dict, leave_overhead_s: float = 3.0):
+                 notices: Callable[[], Mapping[str, LeaveNotice]] = dict, leave_overhead_s: float = 3.0,
+                 max_nodes: int | None = None):
         self.store = store
+        self.max_nodes = max_nodes
+        """The most nodes a plan uses (torchrun's `--nnodes MIN:MAX`); None: every node.
+        Live nodes beyond it wait as spares, their workers started, and take a failed
+        node's place at the next failure without a cold start (`_cap`)."""
         self.notices = notices
         """{node: its preemption notice} (`planaria.elastic.preemption`, posted by its
         agent): such a node is planned out at the next step boundary, and hands over the
@@ -144,8 +150,9 @@ class Controller:
         one gone without its word that its copies landed fails the epoch (`_lost_sources`)."""
         self._unusable: set[str] = set()
         """Nodes alive that no plan could use (the batch has too few microbatches for more
-        pipelines, a deeper template does not fit in memory): they wait, and are tried
-        again at the next failure."""
+        pipelines, a deeper template does not fit in memory) or that are beyond
+        `max_nodes`: they wait as spares, and are tried again at the next failure
+        (`keys.SPARES` says which, for `planaria status`)."""
 
     # ------------------------------------------------------------- start
     def start(self, workers: list[Worker], plan: Plan | None = None) -> Plan:
@@ -155,14 +162,14 @@ class Controller:
         on from the newest (as a plain torchrun job does): the same command run again
         after the whole job was lost resumes instead of starting over. A checkpoint of
         another model ends the job with a message instead."""
-        nodes = self._whole_nodes(set(workers))
+        nodes = self._cap(self._whole_nodes(set(workers)))
         if plan is None:
             plan = self.planner.instantiate(len(nodes), node_ids=nodes).plan
         # Nodes the plan leaves out (no set of pipelines uses them all) wait, as idle nodes
         # of later epochs do, rather than join at once.
         idle = sorted(set(nodes) - set(plan.nodes()))
         if idle:
-            self._unusable |= set(idle)
+            self._set_unusable(self._unusable | set(idle))
             self._said["idle"] = idle
             self.log(f"controller: epoch 0 uses {len(plan.nodes())} of {len(nodes)} nodes; {idle} "
                      "wait until a node fails")
@@ -215,6 +222,8 @@ class Controller:
             return "finished" if self.outcome == keys.JOB_OK else "failed"
         self._complete_checkpoints()
         alive = alive_now() - self._killed
+        if self._unusable - {node for node, _ in alive}:  # a spare that died is no spare
+            self._set_unusable(self._unusable & {node for node, _ in alive})
         members = set(self.plan.rank_of_worker())
         gone = (members - alive) | self._lost_sources(alive)
         statuses = self._statuses(members)
@@ -225,7 +234,8 @@ class Controller:
         notices = self.notices()
         leaving = self._leaving(notices)
         waiting = self._out_of_their_epochs({w for w in alive - members if w[0] not in notices})
-        joiners = self._reachable_joiners(set(self._whole_nodes(waiting)) - self._unusable, views)
+        joiners = self._spares_if_full(self._reachable_joiners(set(self._whole_nodes(waiting)) - self._unusable,
+                                                                views))
         failed_report = any(not s.finished for s in statuses.values()) or self._cut(views)
         if joiners and not (gone or failed_report or leaving) and not self._epoch_trained():
             # A join waits until the epoch in force has committed a step: under churn,
@@ -331,6 +341,36 @@ class Controller:
             step_s = Progress.from_json(self.store.get(keys.PROGRESS)).step_s
         return 2 * step_s + self.leave_overhead_s
 
+    def _cap(self, nodes: list[str]) -> list[str]:
+        """`nodes`, at most `max_nodes` of them: the plan's own first (a spare never takes
+        the place of a node that trains), then the others in name order. The rest wait as
+        spares (said once per set)."""
+        if self.max_nodes is None or len(nodes) <= self.max_nodes:
+            return nodes
+        planned = self.plan.nodes() if self.plan is not None else []
+        ordered = [n for n in planned if n in nodes] + sorted(n for n in nodes if n not in planned)
+        kept, spares = ordered[:self.max_nodes], ordered[self.max_nodes:]
+        self._set_unusable((self._unusable - set(kept)) | set(spares))
+        self._say_once("spares", sorted(spares), f"the job is at its maximum of {self.max_nodes} nodes; "
+                       f"{sorted(spares)} wait as spares, their workers started, for a node to fail")
+        return kept
+
+    def _spares_if_full(self, joiners: set[str]) -> set[str]:
+        """`joiners`, or none when the plan already has `max_nodes` nodes: they wait as
+        spares rather than end the epoch for a plan that could not take them."""
+        if not joiners or self.max_nodes is None or len(self.plan.nodes()) < self.max_nodes:
+            return joiners
+        self._set_unusable(self._unusable | joiners)
+        self._say_once("spares", sorted(self._unusable), f"the job is at its maximum of {self.max_nodes} "
+                       f"nodes; {sorted(joiners)} wait as spares, their workers started, for a node to fail")
+        return set()
+
+    def _set_unusable(self, nodes: set[str]) -> None:
+        """The nodes that wait as spares; `keys.SPARES` says which (for `planaria status`)."""
+        if nodes != self._unusable or not self.store.check([keys.SPARES]):
+            self.store.set(keys.SPARES, json.dumps(sorted(nodes)))
+        self._unusable = set(nodes)
+
     def _reachable_joiners(self, joiners: set[str], views: Mapping[str, Iterable[str]]) -> set[str]:
         """The joiners that reach every node of the plan; the others wait (said once)."""
         planned = self.plan.nodes()
@@ -384,6 +424,7 @@ class Controller:
                    and notices[w[0]].deadline - time.time() >= self.leave_overhead_s}
         nodes, cut_off = self._reachable_nodes([n for n in self._whole_nodes(survivors | joiners)
                                                 if n not in notices])
+        nodes = self._cap(nodes)
         if cut_off and len(nodes) < self.planner.n0:
             self._wait_out_partition(cut_off, f"the largest group of nodes that all reach each other, "
                                               f"{nodes}, is too small for one replica of the model")
@@ -493,7 +534,7 @@ class Controller:
                 raise JobFailed(f"the planner has no plan for {len(nodes)} node(s): {err}") from None
             self.log(f"controller: no plan uses {len(nodes)} nodes ({err}); {newcomers} wait "
                      "until a node fails")
-            self._unusable |= set(newcomers)
+            self._set_unusable(self._unusable | set(newcomers))
             return self._plan_or_leave_out_joiners([n for n in nodes if n not in newcomers], statuses, first,
                                                    leaving)
 
@@ -503,7 +544,7 @@ class Controller:
         any epoch without them), and planned again at the next failure. Said once per
         set of idle nodes."""
         idle = set(choice.idle_nodes)
-        self._unusable = (self._unusable - set(nodes)) | idle
+        self._set_unusable((self._unusable - set(nodes)) | idle)
         if idle and self._said.get("idle") != sorted(idle):
             self.log(f"controller: no plan uses {len(nodes)} nodes ({choice.idle_reason}); "
                      f"{sorted(idle)} wait until a node fails")

@@ -10,8 +10,10 @@ so every flag, default, `PET_*` environment form and error message is torchrun's
   workers recover in place when others fail, and new nodes are absorbed
   (`planaria.elastic.agent`). The job's store lives in etcd: `--rdzv-endpoint HOST:PORT`
   names it (`--rdzv-backend` etcd3 or etcd, both meaning the v3 API), and `--standalone`
-  starts a private one on loopback. `--rdzv-id` is the run id; the minimum of
-  `--nnodes MIN:MAX` is how many nodes epoch 0 waits for. With `--standalone` and
+  starts a private one on loopback. `--rdzv-id` is the run id; epoch 0 waits for the
+  minimum of `--nnodes MIN:MAX` nodes (`join_timeout`, `last_call_timeout` in
+  `--rdzv-conf` as torchrun's), and a plan uses at most MAX: more nodes wait as spares,
+  their workers started, and replace failed nodes. With `--standalone` and
   `parallel.tp = 1`, each of the `--nproc-per-node` workers is a node of its own (a
   stage needs its whole node, so this is what lets a single machine lose one worker
   and go on), with a GPU of its own; otherwise the `--nproc-per-node` workers are one
@@ -19,12 +21,14 @@ so every flag, default, `PET_*` environment form and error message is torchrun's
   Planaria workers take their ranks from each epoch's plan, not from `RANK`.
   `--max-restarts N`: a node whose worker died starts its workers again, up to N
   times, and they rejoin as new capacity (torchrun restarts every worker of the job
-  instead). `--log-dir D`: each worker's output in D/<run-id>/<node>.<local>.log, and its
-  error file beside it. `--signals-to-handle` and `--shutdown-timeout` (torch 2.12+) as torchrun's;
+  instead). `--log-dir`, `-r`, `-t`, `--local-ranks-filter` as torchrun's, in its
+  layout (`planaria.elastic.worker_output`). `--signals-to-handle` and `--shutdown-timeout` (torch 2.12+) as torchrun's;
   a signal ends the job on this machine with exit code 128 + its number (torchrun: 1,
   with the SignalException's traceback). `--rdzv-conf` takes etcd's TLS and
   credentials: `ca_cert`, `cert_cert`, `cert_key` (or torch's `cacert`, `cert`, `key`),
-  `user`, `password`; and `lease_ttl` (seconds, default 5).
+  `user`, `password`; and `lease_ttl` (seconds, default 5). Every other option of
+  torchrun's is honoured or refused with a word on what to do instead
+  (`planaria.elastic.torchrun_options`): none is ignored.
 - Any other script gets torchrun's behaviour (`torch.distributed.run.run`), including
   `--rdzv-backend etcd3`, Planaria's rendezvous on etcd 3.5+; with it, peers are also
   watched through etcd leases, so a peer node that freezes or vanishes restarts the
@@ -38,11 +42,15 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import uuid
 
 from torch.distributed.elastic.rendezvous.utils import _parse_rendezvous_config
 from torch.distributed.run import determine_local_world_size, get_args_parser
 from torch.distributed.run import run as torchrun
+
+from planaria.elastic.torchrun_options import node_bounds, refusals
+from planaria.elastic.worker_output import ranks_filter, std_of
 
 PLANARIA_MODULE = "planaria.train"
 
@@ -53,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not (args.module and args.training_script == PLANARIA_MODULE):
         return run_torchrun(args)
-    return run_planaria(args)
+    return run_planaria(args, parser)
 
 
 def run_torchrun(args) -> int:
@@ -127,15 +135,23 @@ def etcd_options(rdzv_conf: str) -> tuple[dict[str, str], int]:
     return settings, int(conf.get("lease_ttl", 5))
 
 
-def agent_flags(args, tls: dict[str, str], lease_ttl: int, run_id: str) -> list[str]:
-    """The agent's options that carry torchrun's: restarts, signals, shutdown, logs, TLS."""
+def agent_flags(args, tls: dict[str, str], lease_ttl: int, run_log_dir: str | None = None) -> list[str]:
+    """The agent's options that carry torchrun's: restarts, monitoring, rendezvous
+    timeouts, signals, shutdown, output, TLS."""
     flags = ["--max-restarts", str(args.max_restarts), "--lease-ttl", str(lease_ttl),
-             "--signals-to-handle", args.signals_to_handle]
+             "--signals-to-handle", args.signals_to_handle, "--monitor-interval", str(args.monitor_interval)]
+    conf = _parse_rendezvous_config(args.rdzv_conf or "")
+    join = conf.get("join_timeout", conf.get("timeout"))
+    if join is not None:
+        flags += ["--join-timeout", join]
+    if "last_call_timeout" in conf:
+        flags += ["--last-call-timeout", conf["last_call_timeout"]]
     # torchrun's parser has --shutdown-timeout from torch 2.12 on; before, the agent's default.
     if getattr(args, "shutdown_timeout", None) is not None:
         flags += ["--shutdown-timeout", str(args.shutdown_timeout)]
-    if args.log_dir:
-        flags += ["--log-dir", os.path.join(args.log_dir, run_id)]
+    if run_log_dir is not None:
+        flags += ["--run-log-dir", run_log_dir, "--redirects", args.redirects, "--tee", args.tee,
+                  "--local-ranks-filter", args.local_ranks_filter]
     if getattr(args, "local_addr", None):  # torchrun's: the address other nodes reach this one at
         flags += ["--local-addr", args.local_addr]
     for name, flag in (("ca_cert", "--etcd-ca-cert"), ("cert_cert", "--etcd-cert"),
@@ -145,7 +161,39 @@ def agent_flags(args, tls: dict[str, str], lease_ttl: int, run_id: str) -> list[
     return flags
 
 
-def run_planaria(args) -> int:
+def run_log_dir(args, run_id: str) -> str | None:
+    """torchrun's <log dir>/<run id>_<random> (a temporary log dir when -r, -t or
+    --local-ranks-filter come without one), or None when no option asks for files."""
+    if not (args.log_dir or args.redirects != "0" or args.tee != "0" or args.local_ranks_filter):
+        return None
+    base = args.log_dir or tempfile.mkdtemp(prefix="torchelastic_")
+    os.makedirs(base, exist_ok=True)
+    return tempfile.mkdtemp(prefix=f"{run_id}_", dir=base)
+
+
+def _check_options(args, parser) -> None:
+    """ValueError naming every torchrun option set that a Planaria job does not use, and
+    any malformed output or timeout choice, before anything starts."""
+    problems = refusals(args, parser, _parse_rendezvous_config(args.rdzv_conf or ""))
+    for flag, value in (("--redirects", args.redirects), ("--tee", args.tee)):
+        try:
+            std_of(value, 0)
+        except ValueError as err:
+            problems.append(f"{flag} {err}")
+    try:
+        ranks_filter(args.local_ranks_filter)
+        node_bounds(args.nnodes)
+        conf = _parse_rendezvous_config(args.rdzv_conf or "")
+        for key in ("join_timeout", "timeout", "last_call_timeout", "lease_ttl"):
+            if key in conf and float(conf[key]) < 0:
+                raise ValueError(f"--rdzv-conf {key}={conf[key]}: must be 0 or more seconds")
+    except ValueError as err:
+        problems.append(str(err))
+    if problems:
+        raise ValueError("; ".join(problems))
+
+
+def run_planaria(args, parser=None) -> int:
     from planaria.elastic.agent import parse_signals
     from planaria.elastic.etcd_client import EtcdSettings
     from planaria.elastic.etcd_server import EmbeddedEtcd
@@ -158,6 +206,7 @@ def run_planaria(args) -> int:
         print("planaria-run: -m planaria.train needs a config: -m planaria.train CONFIG.yaml", file=sys.stderr)
         return 2
     try:
+        _check_options(args, parser or get_args_parser())
         cfg = load_config(config, overrides)
         check_init_from(cfg)  # before any worker starts: a missing tensor fails here, in one line
         signals = parse_signals(args.signals_to_handle)
@@ -169,9 +218,8 @@ def run_planaria(args) -> int:
     except ValueError as err:
         print(f"planaria-run: {err}", file=sys.stderr)
         return 2
-    min_nodes = int(str(args.nnodes).split(":")[0])
+    min_nodes, max_nodes = node_bounds(args.nnodes)
     given_id = args.rdzv_id not in (None, "", "none")
-    max_nodes = int(str(args.nnodes).split(":")[-1])
     if not (given_id or args.standalone) and max_nodes > 1:
         # Each machine would invent its own run id and wait for the others forever.
         print("planaria-run: a job of several machines needs one run id: give every machine the "
@@ -191,7 +239,7 @@ def run_planaria(args) -> int:
         endpoint = args.rdzv_endpoint if ":" in args.rdzv_endpoint else f"{args.rdzv_endpoint}:2379"
     per_node = cfg.parallel.tp
     if args.standalone and per_node == 1:
-        nodes, min_nodes = [f"{socket.gethostname()}-{i}" for i in range(nproc)], nproc
+        nodes, min_nodes, max_nodes = [f"{socket.gethostname()}-{i}" for i in range(nproc)], nproc, nproc
         try:
             devices = [dict(gpu, **port) for gpu, port in zip(one_gpu_each(nproc, cfg.comm.backend), ports)]
         except ValueError as err:
@@ -204,12 +252,14 @@ def run_planaria(args) -> int:
             return 2
         nodes = [f"{socket.gethostname()}-{args.node_rank if args.node_rank is not None else os.getpid()}"]
         devices = [{}]  # the node's workers take their GPUs by local rank
-    flags = agent_flags(args, tls, lease_ttl, run_id)
+    flags = agent_flags(args, tls, lease_ttl, run_log_dir(args, run_id))
+    offsets = [i * per_node for i in range(len(nodes))]  # each agent's first worker's local rank
     env = dict(os.environ, **({"PLANARIA_ETCD_PASSWORD": tls["password"]} if "password" in tls else {}))
     agents = [subprocess.Popen(
         [sys.executable, "-m", "planaria.elastic.agent", "--node", node, "--nproc-per-node",
-         str(per_node), "--etcd", endpoint, "--run-id", run_id, "--nnodes", str(min_nodes),
-         *flags, config, *overrides], env=dict(env, **device)) for node, device in zip(nodes, devices)]
+         str(per_node), "--etcd", endpoint, "--run-id", run_id, "--nnodes", f"{min_nodes}:{max_nodes}",
+         "--local-rank-offset", str(offset), *flags, config, *overrides], env=dict(env, **device))
+        for node, device, offset in zip(nodes, devices, offsets)]
     received: list[int] = []
 
     def forward(signum, frame) -> None:  # the agents stop their workers and leave

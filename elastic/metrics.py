@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import json
 import math
 import threading
 import time
@@ -149,9 +150,10 @@ class JobReader:
     def _read(self, node: str, member: str) -> Reading:
         text = self._value(keys.EPOCH)
         epoch = int(text) if text else None
-        # (`spare` comes with the leader's list of spares in the store, `keys.SPARES`)
+        spares = self._value(keys.SPARES)
         state = node_state(registered=self._value(keys.node_registration(node)) is not None,
-                           in_plan=member in self._plan_nodes(epoch), spare=False,
+                           in_plan=member in self._plan_nodes(epoch),
+                           spare=spares is not None and member in _json_list(spares),
                            noticed=self._value(keys.notice(member)) is not None)
         reading = Reading(reachable=True, epoch=epoch, state=state,
                           reconfigurations=self._reconfigurations(epoch),
@@ -209,6 +211,11 @@ class JobReader:
                 self._seen.recovery = done = (e, trained_s - self._seen.failures[e])
                 break
         return None if done is None else done[1]
+
+
+def _json_list(text: bytes) -> list[str]:
+    value = json.loads(text)
+    return value if isinstance(value, list) else []
 
 
 class MetricsCollector:

@@ -10,6 +10,8 @@ second), and every reconfiguration so far with its reason, its pause and where i
 state came from. A node is
 
 - `training`: in the plan in force, its agent registered;
+- `spare`: registered, not in the plan, waiting to take a failed node's place (the job
+  is at `--nnodes`' maximum, or no plan can use it: the leader's `spares` key);
 - `joining`: registered, not in the plan (it joins at the next step boundary, or waits
   while no plan can use it; a node that just died shows here until its lease expires,
   seconds, though the leader may have planned around it already);
@@ -41,7 +43,7 @@ RECOVERIES = 50
 class NodeView:
     name: str
     state: str
-    """training, joining, leaving or gone."""
+    """training, joining, spare, leaving or gone."""
     renewed_s_ago: float | None = None
     """Since its agent last renewed its lease (None: gone)."""
     workers: int = 0
@@ -114,7 +116,7 @@ def _read(client: EtcdClient, prefix: str, view: JobView) -> None:
     if epoch is None:
         if value(keys.JOB) is None:
             view.error = f"no job with run id {view.run_id!r} in this etcd (is --run-id right?)"
-        view.nodes = _nodes(client, prefix, plan_nodes=set(), past=set())
+        view.nodes = _nodes(client, prefix, plan_nodes=set(), past=set(), spares=set())
         return
     view.epoch = int(epoch)
     record = EpochRecord.from_json(value(keys.epoch_record(view.epoch)))
@@ -125,7 +127,9 @@ def _read(client: EtcdClient, prefix: str, view: JobView) -> None:
         text = value(keys.epoch_record(e))
         if text:
             past |= set(EpochRecord.from_json(text).plan.nodes())
-    view.nodes = _nodes(client, prefix, plan_nodes=set(plan.nodes()), past=past)
+    spares = value(keys.SPARES)
+    view.nodes = _nodes(client, prefix, plan_nodes=set(plan.nodes()), past=past,
+                        spares=set(json.loads(spares)) if spares else set())
     progress = value(keys.PROGRESS)
     if progress:
         p = Progress.from_json(progress)
@@ -138,7 +142,8 @@ def _read(client: EtcdClient, prefix: str, view: JobView) -> None:
             view.recoveries.append(_recovery(EpochEvent.from_json(text)))
 
 
-def _nodes(client: EtcdClient, prefix: str, *, plan_nodes: set[str], past: set[str]) -> list[NodeView]:
+def _nodes(client: EtcdClient, prefix: str, *, plan_nodes: set[str], past: set[str],
+           spares: set[str]) -> list[NodeView]:
     registered = client.leases_with_prefix(prefix + keys.NODES)
     workers: dict[str, int] = {}
     for key in client.keys_with_prefix(prefix + keys.ALIVE):
@@ -151,7 +156,7 @@ def _nodes(client: EtcdClient, prefix: str, *, plan_nodes: set[str], past: set[s
         if node in notices and node in registered:
             state = "leaving"
         elif node in registered:
-            state = "training" if node in plan_nodes else "joining"
+            state = "training" if node in plan_nodes else "spare" if node in spares else "joining"
         else:
             state = "gone"
         lease = registered.get(node)

@@ -21,6 +21,9 @@ prefix in etcd, `/planaria/<run id>/`):
     checkpoint/<i>/<e>/commit       that iteration's `CommitRecord`
     done                            the job is over: "ok", or "failed: <reason>"
     progress                        `Progress`: the last committed step and the step time
+    spares                          the live nodes no plan uses now, waiting to replace a
+                                    failed one (JSON list; beyond `--nnodes`' maximum, or
+                                    that no plan can use)
 
 The agents' own keys in etcd lie beside these, under the same prefix:
 
@@ -39,6 +42,7 @@ from planaria.templates.plan import Worker
 EPOCH = "epoch"
 DONE = "done"
 PROGRESS = "progress"
+SPARES = "spares"
 MEMBERS = "members/"
 JOB = "config"
 LEADER = "leader"

@@ -88,14 +88,17 @@ def test_agent_flags_follow_torchruns_options_on_every_torch_it_supports():
 
     from planaria.elastic.launcher import agent_flags
 
-    args = get_args_parser().parse_args(["--max-restarts", "2", "--log-dir", "logs", "-m", "planaria.train", "x"])
+    args = get_args_parser().parse_args(["--max-restarts", "2", "--log-dir", "logs", "--tee", "3", "--rdzv-conf",
+                                         "timeout=60,last_call_timeout=5", "-m", "planaria.train", "x"])
     args.shutdown_timeout = 12.5
-    flags = agent_flags(args, {"ca_cert": "ca.pem"}, 5, "run-1")
+    flags = agent_flags(args, {"ca_cert": "ca.pem"}, 5, os.path.join("logs", "run-1_x"))
     assert flags[flags.index("--shutdown-timeout") + 1] == "12.5"
     assert flags[flags.index("--max-restarts") + 1] == "2" and flags[flags.index("--etcd-ca-cert") + 1] == "ca.pem"
-    assert flags[flags.index("--log-dir") + 1] == os.path.join("logs", "run-1")
+    assert flags[flags.index("--run-log-dir") + 1] == os.path.join("logs", "run-1_x")
+    assert flags[flags.index("--tee") + 1] == "3" and flags[flags.index("--join-timeout") + 1] == "60"
+    assert flags[flags.index("--last-call-timeout") + 1] == "5"
     del args.shutdown_timeout  # as torch 2.11's parser leaves it
-    assert "--shutdown-timeout" not in agent_flags(args, {}, 5, "run-1")
+    assert "--shutdown-timeout" not in agent_flags(args, {}, 5)
 
 
 def test_tls_files_that_do_not_exist_are_refused_before_anything_starts(tmp_path):
