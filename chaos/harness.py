@@ -5,7 +5,9 @@ The reference is the same job on the same local cluster with no fault (so that i
 step time is this machine's, for the ETTR), cached by a hash of the config file, the
 overrides and the cluster's shape. The run injects each fault once the job has
 committed the fault's step (faults due together fire together), samples the live nodes,
-and at the end reads back what the job did (`planaria.chaos.report`).
+and at the end reads back what the job did (`planaria.chaos.report`). The run (not the
+reference) writes its TensorBoard events to `<out>/tensorboard` unless the overrides say
+otherwise (docs/training_metrics.md).
 """
 from __future__ import annotations
 
@@ -114,7 +116,7 @@ def run_chaos(settings: ChaosSettings, console: Console) -> Report:
                       f"{cfg.train.steps * reference['step_s']:.0f} s without faults and may end first "
                       f"(raise train.steps or --time-scale to replay all of it)[/]")
     run = _Run(settings, out / "run", console, steps=cfg.train.steps, random_faults=random_faults,
-               replay=replay)
+               replay=replay, tensorboard=out / "tensorboard")
     report = run.execute(reference)
     write_report(report, out)
     plot = plot_report(report, out / "report.png")
@@ -122,7 +124,8 @@ def run_chaos(settings: ChaosSettings, console: Console) -> Report:
     for note in recovery_notes(report.recoveries):
         console.print(f"  {note}")
     console.print(verdict_table(report))
-    console.print(f"report: {out / 'report.json'}   plot: {plot}")
+    events = run.tensorboard_dir
+    console.print(f"report: {out / 'report.json'}   plot: {plot}" + (f"   tensorboard: {events}" if events else ""))
     if run.interrupted:
         raise RunInterrupted(out / "report.json")
     return report
@@ -232,8 +235,10 @@ class _Run:
 
     def __init__(self, settings: ChaosSettings, out_dir: Path, console: Console, *, steps: int,
                  faults: list[FaultSpec] | None = None, random_faults: RandomFaults | None = None,
-                 replay: TraceReplay | None = None):
+                 replay: TraceReplay | None = None, tensorboard: Path | None = None):
+        """`tensorboard`: the job writes its TensorBoard events there (None: as its config says)."""
         self.settings, self.out_dir, self.console, self.steps = settings, Path(out_dir), console, steps
+        self.tensorboard = tensorboard
         self.pending = sorted(settings.faults if faults is None else faults, key=lambda f: f.step)
         self.random_faults, self.replay = random_faults, replay
         self._etcd_restarts: list[tuple[float, int]] = []
@@ -265,7 +270,12 @@ class _Run:
         checkpoints = self.out_dir / "checkpoints"
         shutil.rmtree(checkpoints, ignore_errors=True)
         started = time.time()
-        overrides = [*self.settings.overrides, f"output.dir={self.out_dir}", f"checkpoint.dir={checkpoints}"]
+        overrides = [*self._events_overrides(), *self.settings.overrides, f"output.dir={self.out_dir}",
+                     f"checkpoint.dir={checkpoints}"]
+        if self.tensorboard is not None and self.tensorboard_dir == self.tensorboard:
+            shutil.rmtree(self.tensorboard, ignore_errors=True)  # a previous run's events are not this run's
+        if self.tensorboard_dir is not None:
+            self.console.print(f"  TensorBoard events: {self.tensorboard_dir}")
         cluster = LocalCluster(self.settings.config, overrides,
                                nodes=self.settings.nodes, nproc=self.settings.nproc, out_dir=self.out_dir,
                                run_id=f"chaos-{uuid.uuid4().hex[:8]}",
@@ -285,6 +295,18 @@ class _Run:
         return build_report(out_dir=self.out_dir, steps=self.steps, outcome=self.outcome,
                             faults=self.injected, events=events, timings=timings, reference=reference,
                             live_nodes=self.live_nodes, wall_s=time.time() - started)
+
+    def _events_overrides(self) -> list[str]:
+        """This run's TensorBoard events, placed before the user's overrides, which may turn
+        them off or send them elsewhere."""
+        return [] if self.tensorboard is None else [
+            "logging.tensorboard.enabled=true", f"logging.tensorboard.dir={self.tensorboard}"]
+
+    @property
+    def tensorboard_dir(self) -> Path | None:
+        """Where the job writes its TensorBoard events, as its config and overrides say."""
+        return load_config(self.settings.config, [*self._events_overrides(), *self.settings.overrides,
+                                                  f"output.dir={self.out_dir}"]).tensorboard_dir
 
     def _drive(self, cluster: LocalCluster, started: float) -> str:
         self.progress = progress = RunProgress(self.console, self.steps)

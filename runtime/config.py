@@ -1,11 +1,13 @@
 """Job configuration: YAML sections as dataclasses, overrides, and validation.
 
 `load_config(path, overrides)` reads a YAML file of sections (`model`, `data`, `train`,
-`parallel`, `comm`, `fault_tolerance`, `audit`, `eval`, `checkpoint`, `output`), applies
-`section.key=value` overrides (values parsed as YAML), and refuses unknown keys and
-inconsistent values with a message naming the key and the fix. A key whose choices are
-a closed set is a `Literal`, checked by the loader itself. `plan_from_config` turns the
-parallel section into a `Plan`. Both run before any process group exists.
+`parallel`, `comm`, `fault_tolerance`, `audit`, `eval`, `checkpoint`, `output`,
+`logging`), applies `section.key=value` overrides (values parsed as YAML; a key of a
+sub-section, such as `logging.wandb.mode`, is `section.sub.key=value`), and refuses
+unknown keys and inconsistent values with a message naming the key and the fix. A key
+whose choices are a closed set is a `Literal`, checked by the loader itself.
+`plan_from_config` turns the parallel section into a `Plan`. Both run before any process
+group exists.
 
 Keys that moved to another section (`MOVED`: `parallel.timeout_s` is `comm.timeout_s`
 now, ...) are still read where they were, for one release, with a warning that names
@@ -15,7 +17,7 @@ from __future__ import annotations
 
 import difflib
 import typing
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields, is_dataclass, replace
 from pathlib import Path
 import warnings
 from typing import Any, Literal, get_args
@@ -278,6 +280,44 @@ class OutputConfig:
 
 
 @dataclass(frozen=True)
+class TensorBoardConfig:
+    enabled: bool = False
+    """Write the training metrics as TensorBoard event files, each committed step exactly
+    once whichever worker writes it (docs/training_metrics.md)."""
+    dir: str = ""
+    """The run's TensorBoard directory; empty: `output.dir`/tensorboard. Shared by every
+    node that can become the plan's rank 0 (the writer), as checkpoint.dir is."""
+
+
+@dataclass(frozen=True)
+class WandbConfig:
+    enabled: bool = False
+    """Also send what is written to the event files to a Weights & Biases run (needs the
+    `wandb` package and logging.tensorboard.enabled: the event files record what was
+    written)."""
+    project: str = "planaria"
+    entity: str = ""
+    """The W&B team or user; empty: W&B's default for the logged-in user."""
+    mode: Literal["online", "offline"] = "online"
+    """'offline' keeps the run on disk, for `wandb sync` later."""
+    name: str = ""
+    """The run's display name; empty: W&B's."""
+    id: str = ""
+    """The run's id, the same for every writer of the job; empty: derived from the job's
+    run id."""
+    dir: str = ""
+    """Where wandb keeps its files; empty: `output.dir`."""
+
+
+@dataclass(frozen=True)
+class LoggingConfig:
+    """Where the training metrics go besides the logs (metrics.jsonl, commits-*.jsonl)."""
+
+    tensorboard: TensorBoardConfig = field(default_factory=TensorBoardConfig)
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+
+
+@dataclass(frozen=True)
 class CheckpointConfig:
     every: int = 0
     """Save a checkpoint after every this many steps, in the background; 0: never. Only
@@ -309,10 +349,19 @@ class Config:
     output: OutputConfig = field(default_factory=OutputConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
 
     @property
     def checkpoint_dir(self) -> Path:
         return Path(self.checkpoint.dir) if self.checkpoint.dir else Path(self.output.dir) / "checkpoints"
+
+    @property
+    def tensorboard_dir(self) -> Path | None:
+        """The run's TensorBoard directory, or None when logging.tensorboard is off."""
+        t = self.logging.tensorboard
+        if not t.enabled:
+            return None
+        return Path(t.dir) if t.dir else Path(self.output.dir) / "tensorboard"
 
 
 SECTIONS = {f.name: f.default_factory for f in fields(Config)}
@@ -361,15 +410,22 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
 
 def _apply_override(raw: dict, item: str) -> None:
     key, sep, value = item.partition("=")
-    if not sep or key.count(".") != 1:
-        raise ConfigError(f"override {item!r} must look like section.key=value, e.g. train.steps=10")
-    section, name = key.split(".")
-    if (section, name) in MOVED:
+    if not sep or key.count(".") not in (1, 2) or "" in key.split("."):
+        raise ConfigError(f"override {item!r} must look like section.key=value, e.g. train.steps=10 "
+                          "(a sub-section's key: section.sub.key=value, e.g. logging.wandb.mode=offline)")
+    section, *path, name = key.split(".")
+    if not path and (section, name) in MOVED:
         section, name = _moved(section, name)
     if not isinstance(raw.setdefault(section, {}), dict):
         raise ConfigError(f"config section {section!r} must be a mapping")
+    target = raw[section]
+    for part in path:  # a sub-section (`logging.wandb`)
+        if not isinstance(target.setdefault(part, {}), dict):
+            raise ConfigError(f"override {item!r}: {section}.{part} is {target[part]!r}, not a sub-section "
+                              "of keys")
+        target = target[part]
     try:
-        raw[section][name] = yaml.safe_load(value)
+        target[name] = yaml.safe_load(value)
     except yaml.YAMLError as err:
         raise ConfigError(f"override {item!r}: the value is not valid YAML ({_yaml_problem(err)}); "
                           "quote it for the shell, e.g. 'parallel.layout=[[4],[2,2]]'") from None
@@ -420,6 +476,8 @@ def _build(raw: dict) -> Config:
 
 
 def _build_section(section: str, factory, values: dict):
+    """A section's dataclass from its mapping; a key whose default is itself a dataclass is
+    a sub-section (`logging.wandb`), built the same way under its dotted name."""
     default = factory()
     known = {f.name: f for f in fields(default)}
     for key, value in values.items():
@@ -427,8 +485,16 @@ def _build_section(section: str, factory, values: dict):
             raise ConfigError(f"unknown config key {section}.{key}{_suggest(key, known)}; "
                               f"keys of {section!r} are {sorted(known)}")
     hints = typing.get_type_hints(type(default))
-    coerced = {key: _coerce(section, key, value, getattr(default, key), hints[key])
-               for key, value in values.items()}
+    coerced = {}
+    for key, value in values.items():
+        sub = getattr(default, key)
+        if is_dataclass(sub):
+            if not isinstance(value, dict):
+                raise ConfigError(f"{section}.{key} must be a mapping of its keys {sorted(f.name for f in fields(sub))}"
+                                  f", got {value!r}")
+            coerced[key] = _build_section(f"{section}.{key}", type(sub), value)
+        else:
+            coerced[key] = _coerce(section, key, value, sub, hints[key])
     return replace(default, **coerced)
 
 
@@ -538,6 +604,7 @@ def check_config(cfg: Config) -> Config:
                           f"stages, which parallel.pp={p.pp} and parallel.dp={p.dp} contradict; set "
                           "only the layout (pp and dp 0)")
     _check_data_and_eval(cfg)
+    _check_logging(cfg.logging)
     if not uses_planner(cfg):
         plan_from_config(cfg)  # layout, microbatch split and schedule shape
     return cfg
@@ -549,6 +616,29 @@ def _check_data_and_eval(cfg: Config) -> None:
                           f"every={cfg.eval.every}, batches={cfg.eval.batches}")
     # Whether data.source has a validation split is data's to say (`dataset_for(cfg, "val")`):
     # it knows every kind of source.
+
+
+def _check_logging(log: LoggingConfig) -> None:
+    # Found, not imported: this check runs in every process that reads the config, agents too.
+    import importlib.util
+
+    if log.tensorboard.enabled and importlib.util.find_spec("tensorboard") is None:
+        raise ConfigError("logging.tensorboard.enabled needs the tensorboard package, which is not installed: "
+                          "pip install tensorboard (or set logging.tensorboard.enabled=false)")
+    w = log.wandb
+    if not w.enabled:
+        return
+    if not log.tensorboard.enabled:
+        raise ConfigError("logging.wandb.enabled sends W&B what is written to the TensorBoard event files, "
+                          "which record what was written (each step once, docs/training_metrics.md); set "
+                          "logging.tensorboard.enabled=true too")
+    if not w.project:
+        raise ConfigError("logging.wandb.project must name a W&B project, e.g. planaria")
+    if any(c in w.id for c in "/\\#?%:"):
+        raise ConfigError(f"logging.wandb.id {w.id!r} may not contain / \\ # ? % or : (W&B refuses them)")
+    if importlib.util.find_spec("wandb") is None:
+        raise ConfigError("logging.wandb.enabled needs the wandb package, which is not installed: "
+                          "pip install wandb (or set logging.wandb.enabled=false)")
 
 
 # gloo retries a connection refused by a dead peer (its retry limit is 3), each attempt

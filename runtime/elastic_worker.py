@@ -25,7 +25,9 @@ second) or times out (`comm.timeout_s`) ends the epoch on this worker: it tears
 its process groups down at once, which closes its own sockets so that peers blocked on
 it fail too, then publishes its status (`planaria.runtime.contract.exactly_once`) and goes back
 to 1. Every committed step is appended to OUTPUT_DIR/commits-<node>.<local>.jsonl
-(`planaria.runtime.contract.logs` holds the logs' records).
+(`planaria.runtime.contract.logs` holds the logs' records). With `logging.tensorboard`,
+the plan's rank 0 of each epoch also writes the steps to the run's TensorBoard
+directory, each exactly once across epochs and writers (`planaria.runtime.metrics_writer`).
 """
 from __future__ import annotations
 
@@ -55,7 +57,7 @@ from planaria.runtime.transfer import Handoff, SnapshotSource, exchange_handoff
 from planaria.runtime.build import build_engine
 from planaria.runtime.config import Config, status_timeout_s
 from planaria.runtime.contract import env
-from planaria.runtime.contract.epochs import EpochRecord, EpochTiming, Progress
+from planaria.runtime.contract.epochs import EpochEvent, EpochRecord, EpochTiming, Progress
 from planaria.runtime.contract.exits import EXIT_LEFT, EXIT_STUCK_AFTER_RELEASE, EXIT_TORN_STEP  # noqa: F401 (re-exported)
 from planaria.runtime.contract.logs import AuditEntry, CommitEntry, EvalEntry, append
 from planaria.runtime.contract import keys
@@ -63,6 +65,9 @@ from planaria.runtime.coordination import JobEnded, StoreCoordinator, connect_st
 from planaria.runtime.data import dataset_for
 from planaria.runtime.engine import Engine, StepResult, TornStep
 from planaria.runtime.loop import Call, Evaluation, Every, run_steps
+from planaria.runtime.metrics_writer import (EpochChange, MfuMeter, RunWriter, StepMetrics, WandbRun,
+                                             step_metrics, steps_from_logs)
+from planaria.runtime.optim import learning_rate, optimizer_settings
 from planaria.runtime.audit import audit_replicas
 from planaria.runtime.fault_injection import FaultInjector, corruption_after_step, flip_a_bit, writes_late
 from planaria.runtime.groups import forget_failed_world, set_operation_timeout
@@ -195,6 +200,13 @@ class ElasticWorker:
         self.snapshots = PeerSnapshots(cfg.checkpoint.memory_every, cfg.checkpoint.memory_copies,
                                        timeout_s=cfg.comm.timeout_s, connect_timeout_s=self._connect_timeout_s(),
                                        log=self._log)
+        self.metrics: RunWriter | None = None
+        """The TensorBoard writer, while this worker is the plan's rank 0 (logging.tensorboard)."""
+        self.job_id = os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get(env.STORE, "")
+        """The same in every worker of the job: its run id (an agent's), else its store's address."""
+        w = cfg.logging.wandb
+        self.wandb = WandbRun(w, job=self.job_id, directory=Path(w.dir or cfg.output.dir)) if w.enabled else None
+        self.mfu = MfuMeter.for_job(cfg, device) if cfg.tensorboard_dir is not None else None
 
     # ------------------------------------------------------------------ loop
     def run(self) -> int:
@@ -214,6 +226,8 @@ class ElasticWorker:
                 epoch, record = self.coordinator.wait_for_epoch(epoch, wait_s)
             except JobEnded as end:
                 self._log(f"job ended: {end.outcome}")
+                if self.wandb is not None:
+                    self.wandb.close()
                 return 0 if end.outcome == "ok" else 1
             if self.worker[0] in record.leaving:
                 return self._leave(epoch, record)
@@ -297,6 +311,8 @@ class ElasticWorker:
             self._trained_in = epoch
             self._train(epoch, plan.first_iteration)
             self.checkpointer.flush()
+            if self.metrics is not None:  # the last steps, before the job can be declared over
+                self.metrics.flush(wait_s=30.0)
             save_model_shards(self.engine, self.out_dir / "final", data_source=self.cfg.data.source)
             finished = True
         except _StopRequested:
@@ -374,6 +390,7 @@ class ElasticWorker:
         # worker of the epoch evaluates it again, from the same parameters, the same value.
         if first > 0 and self.cfg.eval.due(first - 1, self.cfg.train.steps):
             evaluation.run(self.engine, first - 1)
+        write_metrics = self._metrics_component(epoch)  # after that evaluation: it may be written now
 
         def first_step(engine: Engine, ctx) -> None:
             if self._timing.first_step_s is None:
@@ -385,7 +402,7 @@ class ElasticWorker:
         components = [Call(first_step), Call(lambda engine, ctx: self._record_commit(ctx.result, epoch)),
                       Call(lambda engine, ctx: self.checkpointer.after_step(engine, epoch)),
                       Call(lambda engine, ctx: self.snapshots.after_step(engine, ctx.result.busy, ctx.last)),
-                      evaluation,
+                      evaluation, *([] if write_metrics is None else [Call(write_metrics)]),
                       Call(self._corrupt), Every(self.cfg.audit.every, self._audit)]
         if not run_steps(self.engine, self.dataset, self.cfg.data.seed, first, self.cfg.train.steps, components,
                          request=request, busy=self.snapshots.busy):
@@ -410,6 +427,9 @@ class ElasticWorker:
         fail at once instead of at their timeout."""
         if self.engine is not None:
             self.engine.abandon_epoch()
+        if self.metrics is not None:  # a failed epoch's committed steps too; never waiting on the lock
+            self.metrics.close()
+            self.metrics = None
         self.snapshots.end_epoch()  # its exchange ends before its group goes with the world
         if dist.is_initialized():
             try:
@@ -425,6 +445,67 @@ class ElasticWorker:
             with contextlib.suppress(RuntimeError):
                 torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
+
+    # --------------------------------------------------------------- metrics
+    def _metrics_component(self, epoch: int) -> Callable[[Engine, object], None] | None:
+        """The loop component that writes this epoch's steps to TensorBoard, when this
+        worker is the plan's rank 0 and logging.tensorboard is on; None otherwise."""
+        directory = self.cfg.tensorboard_dir
+        if directory is None or self.engine.rank != 0:
+            return None
+        plan = self.engine.plan
+        # `fresh`: nothing of the job was committed before this plan's first step (a plan
+        # that goes back after a failure never starts at 0: there is no step before it).
+        self.metrics = RunWriter(directory, job=self.job_id, epoch=epoch, fresh=plan.first_iteration == 0,
+                                 history=lambda after, before, after_epoch: self._metrics_history(
+                                     after, before, after_epoch, epoch),
+                                 wandb=self.wandb, log=self._log)
+        first_commit = True
+
+        def write(engine: Engine, ctx) -> None:
+            nonlocal first_commit
+            at = self._last_commit[2]  # the commit's own time, logged before the evaluation
+            change = self._epoch_change(epoch, at) if first_commit else None
+            first_commit = False
+            self.metrics.commit(step_metrics(ctx.result, at=at, workers=plan.world_size, mfu=self.mfu,
+                                             val_loss=ctx.val_loss), change)
+        return write
+
+    def _metrics_history(self, after: int, before: int, after_epoch: int,
+                         epoch: int) -> tuple[list[StepMetrics], list[EpochChange]]:
+        """What the writer of `epoch` finds committed and not written when it takes over:
+        steps from the workers' commit logs, epoch changes from the control plane."""
+        settings = optimizer_settings(self.cfg.train)
+        steps, missing = steps_from_logs(self.out_dir, after, before,
+                                         tokens=self.cfg.train.global_batch * self.cfg.model.seq_len,
+                                         lr=lambda step: learning_rate(step, settings))
+        if missing:
+            self._log(f"metrics: steps {missing} were committed before this epoch but are in no commit log "
+                      f"in {self.out_dir}; they are not written (is output.dir shared by the nodes?)")
+        changes = [change for e in range(after_epoch + 1, epoch) if (change := self._epoch_change(e)) is not None]
+        return steps, changes
+
+    def _epoch_change(self, epoch: int, first_commit_s: float | None = None) -> EpochChange | None:
+        """Epoch `epoch`'s change as the control plane recorded it (`first_commit_s`: when
+        this worker committed its first step, for the epoch it writes); None if unrecorded."""
+        store = self.coordinator.store
+        try:
+            if not store.check([keys.epoch_record(epoch)]):
+                return None
+            plan = EpochRecord.from_json(store.get(keys.epoch_record(epoch))).plan
+            event = store.get(keys.epoch_event(epoch)) if epoch and store.check([keys.epoch_event(epoch)]) else None
+        except Exception as err:  # the control plane is away (etcd down): a later writer writes it
+            self._log(f"metrics: epoch {epoch}'s account could not be read ({type(err).__name__}: {err})")
+            return None
+        if epoch == 0:
+            change = EpochChange(epoch=0, step=plan.first_iteration, reason="start", workers=plan.world_size,
+                                 time=first_commit_s or time.time())
+        elif event is not None:
+            change = EpochChange.of_event(EpochEvent.from_json(event), plan.world_size)
+        else:  # its leader died between the record and the account
+            change = EpochChange(epoch=epoch, step=plan.first_iteration, reason="unrecorded",
+                                 workers=plan.world_size, time=time.time())
+        return change if first_commit_s is None else replace(change, time=first_commit_s)
 
     # --------------------------------------------------------------- helpers
     def _status(self, finished: bool):

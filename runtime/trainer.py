@@ -4,7 +4,9 @@ Alone it trains in one process; under `torchrun` it reads RANK / WORLD_SIZE and
 trains with the plan the config describes. Everything that can be checked without
 processes (config, plan, schedules) is checked before the process group is created.
 Rank 0 prints progress and writes `OUTPUT_DIR/metrics.jsonl`, one JSON object per
-step; at the end the final parameters are saved, one file per layer and tp rank.
+step (and, with `logging.tensorboard`, TensorBoard events:
+`planaria.runtime.metrics_writer`); at the end the final parameters are saved, one file
+per layer and tp rank.
 Started by a Planaria control plane (`PLANARIA_STORE` in the environment), it runs the
 elastic worker loop instead (`planaria.runtime.elastic_worker`): it survives the
 failure of other workers and follows the plans the control plane publishes.
@@ -15,6 +17,7 @@ import argparse
 import os
 import sys
 import time
+import uuid
 from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
@@ -33,6 +36,7 @@ from planaria.runtime.elastic_worker import elastic_environment, run_elastic
 from planaria.runtime.contract.logs import METRICS, MetricsEntry, append as append_entry
 from planaria.runtime.engine import StepResult
 from planaria.runtime.loop import Call, Evaluation, Every, StepContext, run_steps
+from planaria.runtime.metrics_writer import MfuMeter, RunWriter, WandbRun, step_metrics
 from planaria.runtime.fault_injection import FaultInjector
 from planaria.runtime.hf_config import check_init_from
 
@@ -147,9 +151,12 @@ def train(cfg: Config, plan, rank: int, device: torch.device, console: Console,
         console.print(f"data: {dataset.description}")
         if resume is not None:
             console.print(f"resumed from the checkpoint of iteration {resume[0]} ({resume[1]})")
+    events = _run_writer(cfg, plan, device, console) if rank == 0 else None
     components = [Evaluation(val_dataset, cfg.data.seed, cfg.eval.batches, cfg.eval.due)]
     if log is not None:  # after the evaluation: a step's line carries its validation loss
         components.append(Call(lambda engine, ctx: log.write(ctx, console)))
+    if events is not None:
+        components.append(Call(lambda engine, ctx: events.commit(ctx)))
     components.append(Every(cfg.checkpoint.every, before_last=True, action=lambda engine, step: save_checkpoint(
         engine, cfg.checkpoint_dir, cfg.checkpoint.keep, data_source=cfg.data.source)))
     try:
@@ -161,6 +168,8 @@ def train(cfg: Config, plan, rank: int, device: torch.device, console: Console,
     finally:
         if log is not None:
             log.close()
+        if events is not None:
+            events.close()
         engine.destroy()
 
 
@@ -179,6 +188,40 @@ def _checkpoint_to_resume(cfg: Config) -> tuple[int, Path] | None:
         return None
     found = complete_checkpoints(cfg.checkpoint_dir)
     return found[-1] if found else None
+
+
+class _Events:
+    """Rank 0's TensorBoard events (and W&B run) of a plain job: one writer, epoch 0."""
+
+    def __init__(self, writer: RunWriter, wandb: WandbRun | None, mfu: MfuMeter | None, workers: int):
+        self.writer, self.wandb, self.mfu, self.workers = writer, wandb, mfu, workers
+
+    def commit(self, ctx: StepContext) -> None:
+        self.writer.commit(step_metrics(ctx.result, at=time.time(), workers=self.workers, mfu=self.mfu,
+                                        val_loss=ctx.val_loss))
+
+    def close(self) -> None:
+        self.writer.close(wait_s=30.0)
+        if self.wandb is not None:
+            self.wandb.close()
+
+
+def _run_writer(cfg: Config, plan, device: torch.device, console: Console) -> _Events | None:
+    """The job's TensorBoard writer when logging.tensorboard is on. A torchrun restart
+    (same run id, or a restart count above 0) goes on with the run's events; any other
+    start from step 0 begins the directory anew (module `metrics_writer`, "fresh")."""
+    directory = cfg.tensorboard_dir
+    if directory is None:
+        return None
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    job = run_id if run_id not in ("", "none") else uuid.uuid4().hex  # torchrun's default id is "none"
+    restarted = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0"
+    w = cfg.logging.wandb
+    wandb = WandbRun(w, job=job, directory=Path(w.dir or cfg.output.dir)) if w.enabled else None
+    writer = RunWriter(directory, job=job, epoch=0, fresh=plan.first_iteration == 0 and not restarted,
+                       wandb=wandb, log=lambda message: console.print(message, markup=False))
+    console.print(f"tensorboard: {directory}")
+    return _Events(writer, wandb, MfuMeter.for_job(cfg, device), plan.world_size)
 
 
 def _progress_line(r: StepResult, steps: int) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -271,3 +272,37 @@ def test_an_override_under_either_name_wins_over_the_file():
 def test_a_choice_outside_its_set_is_refused_with_the_set(override, message):
     with pytest.raises(ConfigError, match=message):
         load_config(TINY, [override])
+
+
+def test_the_logging_sections_keys_are_set_as_section_sub_key(tmp_path):
+    cfg = load_config(TINY, ["logging.tensorboard.enabled=true", "output.dir=out"])
+    assert cfg.tensorboard_dir == Path("out") / "tensorboard"
+    assert load_config(TINY, []).tensorboard_dir is None  # off by default
+    path = tmp_path / "job.yaml"
+    path.write_text(Path(TINY).read_text() + "\nlogging:\n  tensorboard: {enabled: true, dir: tb}\n")
+    assert load_config(path, ["logging.tensorboard.dir=elsewhere"]).tensorboard_dir == Path("elsewhere")
+
+
+@pytest.mark.parametrize("override, message", [
+    ("logging.tensorboard.enabeld=true", r"unknown config key logging\.tensorboard\.enabeld \(did you mean 'enabled'\?\); "
+                                         r"keys of 'logging\.tensorboard' are \['dir', 'enabled'\]"),
+    ("logging.tb=true", r"unknown config key logging\.tb; keys of 'logging' are \['tensorboard', 'wandb'\]"),
+    ("logging.wandb=true", r"logging\.wandb must be a mapping of its keys \[.*'mode'.*\], got True"),
+    ("logging.wandb.mode=batch", r"logging\.wandb\.mode 'batch' is unknown; use one of 'online', 'offline'"),
+    ("logging.tensorboard.enabled=yes please", r"logging\.tensorboard\.enabled must be true or false"),
+    ("logging.wandb.enabled=true", r"set logging\.tensorboard\.enabled=true too"),
+    ("train.lr.x=1", r"train\.lr is 0\.003, not a sub-section of keys"),
+    ("logging.wandb.mode.x=1", r"must look like section\.key=value"),
+])
+def test_the_logging_sections_bad_keys_are_refused_by_name(override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(TINY, ["train.lr=0.003", override])
+
+
+def test_wandb_enabled_without_the_package_says_how_to_install_it():
+    import importlib.util
+
+    if importlib.util.find_spec("wandb") is not None:
+        pytest.skip("wandb is installed here")
+    with pytest.raises(ConfigError, match=r"needs the wandb package.*pip install wandb"):
+        load_config(TINY, ["logging.tensorboard.enabled=true", "logging.wandb.enabled=true"])
