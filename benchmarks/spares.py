@@ -67,6 +67,7 @@ def _plan_sizes(client, prefix: str) -> dict[int, int]:
 def one_run(endpoint: str, out: Path, run_id: str, spare: bool) -> dict:
     from planaria.elastic.etcd_client import EtcdClient, EtcdSettings
     from planaria.runtime.contract import keys
+    from planaria.runtime.contract.epochs import EpochRecord
 
     out.mkdir(parents=True)
     client = EtcdClient(EtcdSettings(endpoint=endpoint))
@@ -83,7 +84,8 @@ def one_run(endpoint: str, out: Path, run_id: str, spare: bool) -> dict:
             raise RuntimeError("no spare waiting: the fifth node was planned in")
         leader = client.get(prefix + keys.LEADER)[0].decode()
         epoch = int(client.get(prefix + keys.EPOCH)[0])
-        victim = next(n for n in ("node3", "node2", "node1") if n != leader)
+        planned = EpochRecord.from_json(client.get(prefix + keys.epoch_record(epoch))[0]).plan.nodes()
+        victim = max(n for n in planned if n != leader)  # a node that trains (not the spare), not the leader
         t0 = time.time()
         os.killpg(agents[victim].pid, signal.SIGKILL)
         if not spare:
