@@ -22,6 +22,7 @@ from planaria.chaos.cluster import LocalCluster
 from planaria.elastic.etcd_client import EtcdClient, EtcdSettings
 from planaria.elastic.metrics import (PORT_ENV, JobReader, MetricsCollector, MetricsServer, STATES,
                                       agent_port_env)
+from tests.elastic.test_status import wait_for
 from tests.launch import TINY
 from tests.runtime.test_recovery import JOB
 
@@ -67,16 +68,6 @@ def free_ports(count: int) -> int:
             for s in held:
                 s.close()
     raise AssertionError(f"no {count} consecutive free ports on 127.0.0.1")
-
-
-def wait_for(predicate, what: str, timeout_s: float = 120):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        found = predicate()
-        if found:
-            return found
-        time.sleep(0.5)
-    raise AssertionError(f"{what} did not happen within {timeout_s:.0f} s")
 
 
 RECOVERIES = 'planaria_reconfigurations_total{reason="failure"}'
