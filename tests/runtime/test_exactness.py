@@ -62,8 +62,11 @@ def profile_cache(tmp_path_factory):
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
+# heterogeneous-[[4],[2,2]]-mb[3,5] runs in the default suite as tests/runtime/test_tied_embeddings.py's
+# case of the same plan (tied embeddings on top); here under `make test-slow`.
 @pytest.mark.parametrize("case", cases_with_slow(CASES, {"tp2", "tp2-pp2", "planner-4-nodes-min-stages-2",
-                                                             "tp2-pp2-zb1f1b-recompute", "pp2-gpipe"}))
+                                                             "tp2-pp2-zb1f1b-recompute", "pp2-gpipe",
+                                                             "heterogeneous-[[4],[2,2]]-mb[3,5]"}))
 def test_parallel_plan_matches_single_process(case, reference, tmp_path, profile_cache):
     nproc, overrides = CASES[case]
     if case.startswith("planner"):

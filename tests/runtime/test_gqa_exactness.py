@@ -49,7 +49,8 @@ def references():
 SLOW_CASES = {"gqa-pp2", "mqa-tp2-two-pipelines", "gqa-tp4-replicated", "gqa-tp2-pp2-zb1f1b",
               "gqa-heterogeneous-[[4],[2,2]]"}
 """The default suite keeps one multi-process case (mqa-tp2-replicated-rope-scaling);
-heterogeneous plans are exact in tests/runtime/test_exactness.py."""
+heterogeneous plans are exact in tests/runtime/test_tied_embeddings.py (and, under
+`make test-slow`, tests/runtime/test_exactness.py)."""
 
 
 @pytest.mark.multiprocess
