@@ -29,10 +29,13 @@ soak-net: setup
 		--random 1.5 --random-nodes 4-6 --seed 2 --fresh-reference --timeout 5400 --out soak-net-out \
 		parallel.min_stages=2 comm.timeout_s=10 checkpoint.every=100 train.steps=6000 train.log_every=500 $(ARGS)
 
+# A peer snapshot on every node (memory_copies=5 of 6): the trace takes 4 of 6 nodes at
+# once, which two copies do not cover (docs/chaos.md, "The trace replay").
 replay: setup
 	$(PYTHON) -m planaria.cli chaos configs/tiny.yaml --nodes 6 --fault-tolerance 1 \
 		--trace p3 --time-scale 68 --fresh-reference --timeout 3600 --out replay-out \
-		parallel.min_stages=2 comm.timeout_s=10 checkpoint.every=20 train.steps=6000 train.log_every=500 $(ARGS)
+		parallel.min_stages=2 comm.timeout_s=10 checkpoint.every=20 checkpoint.memory_copies=5 \
+		train.steps=6000 train.log_every=500 $(ARGS)
 
 train: setup
 	OMP_NUM_THREADS=1 $(PYTHON) -m torch.distributed.run --standalone --nproc-per-node=$(NPROC) \
