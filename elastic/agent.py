@@ -259,8 +259,10 @@ class Agent:
             if code is not None:
                 return code
         if self._reap() and self._notice is None:  # a leaving node's exits: `_serve_notice`
-            if self._signal is None and (self.restarts < self.max_restarts or self._reset_asked()):
-                self._restart()
+            # A reset first: it is not one of the user's --max-restarts, even while some are left.
+            reset = self._signal is None and self._reset_asked()
+            if reset or (self._signal is None and self.restarts < self.max_restarts):
+                self._restart(reset)
                 return None
             self.log("a worker of this node exited; the node leaves the job")
             return self._leave()
@@ -471,14 +473,17 @@ class Agent:
         for local in range(self.nproc):
             self._spawn((self.member, local))
 
-    def _restart(self) -> None:
-        """Stop what is left of this node's workers, then start them again as new capacity."""
+    def _restart(self, reset: bool = False) -> None:
+        """Stop what is left of this node's workers, then start them again as new capacity
+        (`reset`: a worker asked to be, `_reset_asked`)."""
         self._stop_workers(signal.SIGKILL)
         self._reap()
         self.restarts += 1
         self.workers.clear()
-        self.log(f"restarting this node's workers (restart {self.restarts} of {self.max_restarts}); "
-                 f"they join the job as {self.member}")
+        why = (f"a worker's collectives stayed blocked after their release: reset {self.resets} of {MAX_RESETS}, "
+               "not counted against --max-restarts" if reset else
+               f"restart {self.restarts - self.resets} of {self.max_restarts - self.resets}")
+        self.log(f"restarting this node's workers ({why}); they join the job as {self.member}")
         self._start_workers()
 
     def _error_file(self, worker: Worker) -> Path:
