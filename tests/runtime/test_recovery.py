@@ -226,12 +226,17 @@ def test_every_replica_of_a_stage_lost_is_restored_from_peer_memory(reference, t
                 path.write_bytes(b"unreadable: a restore must not need the disk")
                 poisoned.add(path)
 
-    # Both die in their first forward after step 3 committed: killed from outside once
-    # step 3 was seen, a loaded machine let them reach the checkpoint of step 5 first
-    # (then newer than the snapshot, and rightly preferred).
+    # Both die in their first forward after step 3 committed (killed from outside once
+    # step 3 was seen, a loaded machine let them reach the checkpoint of step 5 first).
+    # Every worker pauses 0.2 s before each commit: a snapshot exchange runs at idle
+    # priority, and with four workers busy on two cores it could lag several of these
+    # millisecond steps, leaving the newest whole snapshot older than the checkpoint of
+    # step 2, which the controller then rightly prefers; the pause lets each round land
+    # before the next commit, as on a machine with cores to spare.
     killed = [3]
+    pauses = ",".join(f"node{i}.0:commit@*!slow=0.2" for i in range(4))
     job, result = run_job(tmp_path, nodes=4, extra=["checkpoint.every=3"], actions=actions,
-                          faults="node1.0:forward@4#1,node3.0:forward@4#1")
+                          faults=f"node1.0:forward@4#1,node3.0:forward@4#1,{pauses}")
     (event,) = result.controller.events
     assert sorted(event.failed) == ["node1.0", "node3.0"]
     assert event.source == "memory" and event.restored is None, job.logs()
