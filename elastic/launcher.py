@@ -174,7 +174,8 @@ def run_log_dir(args, run_id: str) -> str | None:
 def _check_options(args, parser) -> None:
     """ValueError naming every torchrun option set that a Planaria job does not use, and
     any malformed output or timeout choice, before anything starts."""
-    problems = refusals(args, parser, _parse_rendezvous_config(args.rdzv_conf or ""))
+    conf = _parse_rendezvous_config(args.rdzv_conf or "")
+    problems = refusals(args, parser, conf)
     for flag, value in (("--redirects", args.redirects), ("--tee", args.tee)):
         try:
             std_of(value, 0)
@@ -183,7 +184,6 @@ def _check_options(args, parser) -> None:
     try:
         ranks_filter(args.local_ranks_filter)
         node_bounds(args.nnodes)
-        conf = _parse_rendezvous_config(args.rdzv_conf or "")
         for key in ("join_timeout", "timeout", "last_call_timeout", "lease_ttl"):
             if key in conf and float(conf[key]) < 0:
                 raise ValueError(f"--rdzv-conf {key}={conf[key]}: must be 0 or more seconds")
