@@ -48,6 +48,7 @@ from planaria.runtime.contract.exactly_once import (CommitRecord, InconsistentSt
                                                     WorkerStatus, resolve)
 from planaria.runtime.contract.keys import worker_key
 from planaria.runtime.contract.membership import LeaveNotice
+from planaria.runtime.contract.store_reads import read_present
 from planaria.templates.plan import Plan, Worker, missing_from, transfers_from
 from planaria.templates.planner import Planner
 
@@ -722,7 +723,8 @@ class Controller:
 
     def _statuses(self, workers: set[Worker]) -> dict[Worker, WorkerStatus]:
         wanted = {w: keys.epoch_status(self.epoch, w) for w in workers}
-        return {w: WorkerStatus.from_json(self.store.get(k)) for w, k in wanted.items() if self.store.check([k])}
+        found = read_present(self.store, keys.epoch_statuses(self.epoch), wanted)
+        return {w: WorkerStatus.from_json(value) for w, value in found.items()}
 
     def _check_progress(self, first_iteration: int, nodes: list[str]) -> None:
         """Fail the job after `max_stalled` reconfigurations in a row that made no progress

@@ -8,6 +8,9 @@ and, through `planaria.elastic.etcd_store.EtcdStore`, the process groups' rendez
 What each operation maps to:
 - `set`, `get` (waits until the key exists, up to the store's timeout), `check`,
   `wait`, `delete_key`, `num_keys` (keys under the prefix): plain etcd reads and writes;
+- beyond a Store's methods, `get_if_present` and `items_under` (a prefix): one read
+  where a Store needs a `check` and a `get` per key (each an etcd round trip), for the
+  control plane's polls, which a reconfiguration waits on;
 - `add`: a compare-and-swap loop on the key's version (etcd has no atomic increment);
 - `compare_set`: one transaction comparing the value.
 Waiting is polling every 10 ms: a rendezvous touches few keys, and polling needs no
@@ -43,17 +46,21 @@ class EtcdKeyValue:
     def _key(self, key: str) -> str:
         return self.prefix + key
 
-    def _wait_for(self, keys: list[str], timeout: timedelta | None) -> None:
+    def _wait_for(self, keys: list[str], timeout: timedelta | None) -> dict[str, bytes]:
+        """The values of `keys`, once each exists (one read per key when it does)."""
         limit = (timeout or self._timeout).total_seconds()
         deadline = time.monotonic() + limit
-        missing = list(keys)
-        while missing:
-            missing = [k for k in missing if self.client.get(self._key(k))[0] is None]
-            if not missing:
-                return
+        found: dict[str, bytes] = {}
+        while True:
+            for k in keys:
+                if k not in found and (value := self.client.get(self._key(k))[0]) is not None:
+                    found[k] = value
+            if len(found) == len(keys):
+                return found
             if time.monotonic() > deadline:
+                missing = [self._key(k) for k in keys if k not in found]
                 raise self.timeout_error(f"wait timeout after {limit * 1000:.0f}ms, keys: "
-                                          f"{[self._key(k) for k in missing]} in etcd {self.client.endpoint}")
+                                          f"{missing} in etcd {self.client.endpoint}")
             time.sleep(_POLL_S)
 
     # -- the Store interface --------------------------------------------------------
@@ -61,8 +68,16 @@ class EtcdKeyValue:
         self.client.put(self._key(key), _bytes(value))
 
     def get(self, key: str) -> bytes:
-        self._wait_for([key], None)
+        return self._wait_for([key], None)[key]
+
+    def get_if_present(self, key: str) -> bytes | None:
+        """The value of `key`, or None: one read (a Store's `check` then `get` takes two)."""
         return self.client.get(self._key(key))[0]
+
+    def items_under(self, prefix: str) -> dict[str, bytes]:
+        """{key: value} of every key under `prefix` (keys as given to `set`), in one read:
+        the controller reads all the statuses of an epoch at once."""
+        return {prefix + rest: value for rest, value in self.client.items_with_prefix(self._key(prefix)).items()}
 
     def check(self, keys: list[str]) -> bool:
         return all(self.client.get(self._key(k))[0] is not None for k in keys)

@@ -25,6 +25,7 @@ from planaria.runtime.contract.deadline import ReachableDeadline
 from planaria.runtime.contract.epochs import EpochRecord, EpochTiming, Progress
 from planaria.runtime.contract.exactly_once import CommitRecord, WorkerStatus
 from planaria.runtime.contract.membership import Announcement
+from planaria.runtime.contract.store_reads import read_if_present
 from planaria.templates.plan import Worker
 
 POLL_S = 0.02
@@ -55,12 +56,11 @@ class StoreCoordinator:
         first, TimeoutError if nothing came within `timeout_s`."""
         deadline = ReachableDeadline(timeout_s)
         while True:
-            if self.store.check([keys.DONE]):
-                raise JobEnded(self.store.get(keys.DONE).decode())
-            if self.store.check([keys.EPOCH]):
-                epoch = int(self.store.get(keys.EPOCH))
-                if epoch > after:
-                    return epoch, EpochRecord.from_json(self.store.get(keys.epoch_record(epoch)))
+            if (done := read_if_present(self.store, keys.DONE)) is not None:
+                raise JobEnded(done.decode())
+            if (current := read_if_present(self.store, keys.EPOCH)) is not None and int(current) > after:
+                epoch = int(current)
+                return epoch, EpochRecord.from_json(self.store.get(keys.epoch_record(epoch)))
             if deadline.expired():
                 raise TimeoutError(f"worker {self._key}: no epoch after {after} within {timeout_s:.0f} s; "
                                    "is the control plane alive?")

@@ -111,7 +111,8 @@ class PeerSnapshots:
         self._inflight_step = -1
         self._spare: dict[Shard, FlatShard] = {}
         """Copies of forgotten rounds, written over by the next round's (one per shard)."""
-        self._group: dist.ProcessGroup | None = None
+        self._group: Future | None = None
+        """The epoch's gloo group for the exchange, being made on the exchange thread."""
         self._epoch, self._first = -1, 0
         self._reported = -1
         self._broken = False
@@ -140,12 +141,13 @@ class PeerSnapshots:
         self.taken = self.skipped = 0
         if not self.enabled or len(plan.nodes()) < 2:
             return  # one node: its own copies only (nowhere else to keep them)
-        # Made on the exchange thread (the training thread waits: every worker makes its
-        # groups in the same order), so that gloo's threads for it start there and
-        # inherit its idle priority.
-        self._group = self._pool.submit(dist.new_group, backend="gloo",
-                                        timeout=timedelta(seconds=self.connect_timeout_s)).result()
-        set_operation_timeout(self._group, timedelta(seconds=self.timeout_s))
+        # Made on the exchange thread, so that gloo's threads for it start there and
+        # inherit its idle priority; and not waited for: the training thread makes no
+        # group after it in this epoch (every worker makes its groups in the same order),
+        # and the first exchange, after the first commit, runs after it on that thread.
+        # Its connection (some 40 ms on 2 busy cores) is then off the pause between two
+        # epochs. `end_epoch` waits for it, so that no group is made across the next.
+        self._group = self._pool.submit(self._connect)
         rank_of = plan.rank_of_worker()
         me = plan.worker(engine.rank)
         owner_of = owners(plan)
@@ -156,9 +158,22 @@ class PeerSnapshots:
                 if holder == me:
                     self._incoming.setdefault(rank_of[owner_of[shard]], []).append(shard)
 
+    def _connect(self) -> dist.ProcessGroup:
+        """The epoch's snapshot group (on the exchange thread: collective over the world)."""
+        group = dist.new_group(backend="gloo", timeout=timedelta(seconds=self.connect_timeout_s))
+        set_operation_timeout(group, timedelta(seconds=self.timeout_s))
+        return group
+
     def end_epoch(self) -> None:
-        """Before the epoch's groups go: the exchange in flight ends (whole, or failed on a
-        peer gone or released: its round then keeps only this worker's own shards)."""
+        """Before the epoch's groups go: the group's making and the exchange in flight end
+        (whole, or failed on a peer gone or released: its round then keeps only this
+        worker's own shards)."""
+        if self._group is not None and self._inflight is None:
+            try:
+                self._group.result()
+            except Exception as err:  # the epoch failed (a peer gone); its status says why
+                self.log(f"peer snapshots' group of epoch {self._epoch} not made: "
+                         f"{str(err).splitlines()[0][:200] if str(err) else type(err).__name__}")
         if self._inflight is not None:
             try:
                 self._inflight.result()
@@ -242,11 +257,12 @@ class PeerSnapshots:
             return dict(found.shards)
 
     # ----------------------------------------------------------- exchange
-    def _exchange(self, group, current: SnapshotRound, outgoing: dict[int, list[Shard]],
+    def _exchange(self, connecting: Future, current: SnapshotRound, outgoing: dict[int, list[Shard]],
                   incoming: dict[int, list[Shard]]) -> None:
         """Send this worker's owned shards to their holders and receive the ones placed
         here: headers first (each message's dtypes and sizes), then the data. The round
         takes the received shards only once every one has arrived."""
+        group = connecting.result()  # made before, on this thread (a failure fails the round)
         sends = [(peer, i, current.shards[shard]) for peer, shards in outgoing.items()
                  for i, shard in enumerate(shards)]
         headers = {(peer, i): torch.empty(_HEADER, dtype=torch.int64) for peer, shards in incoming.items()

@@ -8,7 +8,8 @@ prefix in etcd, `/planaria/<run id>/`):
                                     in none (written once it has left its last one)
     epoch                           the newest epoch whose record is complete
     epoch/<e>/record                `EpochRecord`, written before `epoch` moves to e
-    epoch/<e>/status/<node>.<local> `WorkerStatus`, once the worker left epoch e
+    epoch/<e>/status/<node>.<local> `WorkerStatus`, once the worker left epoch e (after a
+                                    stop at a step boundary: before its groups are torn down)
     epoch/<e>/reconfigure           the epoch is over: "join" or "leave" (stop after the
                                     current iteration) or "failure" (release every collective now)
     epoch/<e>/trained               epoch e committed a step: when its first one was (wall clock)
@@ -105,7 +106,12 @@ def epoch_record(epoch: int) -> str:
 
 
 def epoch_status(epoch: int, worker: Worker) -> str:
-    return _epoch(epoch) + f"status/{worker_key(worker)}"
+    return epoch_statuses(epoch) + worker_key(worker)
+
+
+def epoch_statuses(epoch: int) -> str:
+    """The prefix under which every worker's status of `epoch` lies."""
+    return _epoch(epoch) + "status/"
 
 
 def epoch_timing(epoch: int, worker: Worker) -> str:

@@ -49,6 +49,25 @@ def test_compare_set(store):
     assert store.compare_set("k", b"first", b"third") == b"third"
 
 
+def test_one_read_of_a_key_or_of_every_key_under_a_prefix(store):
+    """What the control plane polls with (`store_reads`), over etcd and over a TCPStore:
+    present keys read, absent ones left out, a key outside the prefix refused."""
+    from planaria.runtime.contract.store_reads import read_if_present, read_present
+
+    tcp = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=timedelta(seconds=2))
+    for s in (store, tcp):
+        s.set("epoch/3/status/a.0", b"A")
+        s.set("epoch/3/status/b.0", b"B")
+        s.set("epoch/30/status/c.0", b"C")  # a neighbouring prefix is not read
+        assert read_if_present(s, "epoch/3/status/a.0") == b"A"
+        assert read_if_present(s, "epoch/3/status/z.0") is None
+        wanted = {w: f"epoch/3/status/{w}" for w in ("a.0", "b.0", "c.0")}
+        assert read_present(s, "epoch/3/status/", wanted) == {"a.0": b"A", "b.0": b"B"}
+        with pytest.raises(ValueError, match="not under"):
+            read_present(s, "epoch/3/status/", {"x": "epoch/4/status/x"})
+    assert store.items_under("epoch/3/status/") == {"epoch/3/status/a.0": b"A", "epoch/3/status/b.0": b"B"}
+
+
 WORKER = """
 import sys, torch, torch.distributed as dist
 from datetime import timedelta

@@ -1,0 +1,34 @@
+"""Reads of the job's store in as few round trips as the store allows.
+
+Both sides of the contract poll the store while a reconfiguration waits on them: the
+controller for the statuses of an epoch's workers, each worker for the next epoch. Over
+a `torch.distributed.Store` a key that may be absent takes a `check` and a `get`; over
+etcd each is a network round trip, and a poll of every status of an epoch took tens of
+milliseconds of the pause at a reconfiguration. The job's etcd store
+(`planaria.elastic.etcd_kv.EtcdKeyValue`) reads a key, or every key under a prefix, in
+one; any other store (a test's or the local launcher's TCPStore, which answers in
+microseconds) is read key by key."""
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+
+def read_if_present(store, key: str) -> bytes | None:
+    """The value of `key`, or None when it is absent."""
+    fast = getattr(store, "get_if_present", None)
+    if fast is not None:
+        return fast(key)
+    return store.get(key) if store.check([key]) else None
+
+
+def read_present(store, prefix: str, wanted: Mapping[object, str]) -> dict[object, bytes]:
+    """{name: value} for the keys of `wanted` ({name: key}, every key under `prefix`)
+    that are present."""
+    outside = [key for key in wanted.values() if not key.startswith(prefix)]
+    if outside:
+        raise ValueError(f"keys {outside} are not under {prefix!r}")
+    under = getattr(store, "items_under", None)
+    if under is not None:
+        found = under(prefix)
+        return {name: found[key] for name, key in wanted.items() if key in found}
+    return {name: store.get(key) for name, key in wanted.items() if store.check([key])}
