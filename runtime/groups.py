@@ -7,7 +7,7 @@ the plan changes. Every rank creates every group of the plan, in the same order
 Groups of a rank:
 - `pipeline`: the ranks of its pipeline with the same tp rank; activations and
   their gradients travel along it (one per pipeline "lane").
-- `tensor_parallel`: the workers of its stage.
+- `tensor_parallel`: the workers of its stage (no group at tp = 1).
 - `buckets`: for gradient sync, one group per distinct replica group this rank is in,
   with the layers whose replica group it is. Layers that share a replica group share
   one bucket and one all-reduce.
@@ -82,8 +82,13 @@ class EpochGroups:
 
         info = plan.rank_info(rank)
         pipeline = _mine(rank, [(r, new_group(r)) for r in plan.pipeline_groups()])
-        tp_groups = [(r, new_group(r)) for r in plan.tensor_parallel_groups()]
-        tp = TensorParallel(group=_mine(rank, tp_groups), rank=info.tp_rank, size=plan.tp)
+        # At tp = 1 each tp group is one rank, which needs no group (`TensorParallel` takes
+        # None); making one still costs a store barrier over the whole world, tens of ms
+        # over etcd with several ranks, at the start of every epoch.
+        tp_group = None
+        if plan.tp > 1:
+            tp_group = _mine(rank, [(r, new_group(r)) for r in plan.tensor_parallel_groups()])
+        tp = TensorParallel(group=tp_group, rank=info.tp_rank, size=plan.tp)
         buckets = _build_buckets(plan, rank, new_group)
         tied = _build_tied_group(plan, rank, new_group, tied_layers) if tied_layers else None
         return cls(rank=rank, pipeline=pipeline, tensor_parallel=tp, buckets=buckets,
