@@ -292,6 +292,28 @@ class LayerModel:
             load_pretrained_layer(self, index, layer, tp)  # after .to: float64 keeps every bit
         return layer
 
+    def stage_examples(self, start: int, stop: int, micro_batch: int, tp_size: int, param_dtype: torch.dtype,
+                       autocast_dtype: torch.dtype | None, requires_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """(input, output) of layers start..stop-1 run as one pipeline stage on one
+        microbatch, as tensors on the meta device: shape, dtype and layout, nothing else
+        (torch's static stage metadata, which spares a new stage's first step the
+        inference of it). Token ids (B, T) into layer 0; between layers the residual
+        stream (B, T, C), contiguous, in the parameters' dtype: the embedding returns it,
+        and each block adds its sublayers' outputs, autocast to a dtype no wider, to its
+        input; out of the head, with `fused_head_loss` its normed stream (same dtype),
+        else the logits (B, T, V/tp) its linear makes (the autocast dtype, when on).
+        `requires_grad`: the floating tensors' flag, as training makes them."""
+        shape, act = (micro_batch, self.cfg.seq_len), torch.promote_types(param_dtype, autocast_dtype or param_dtype)
+
+        def example(size: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+            grad = requires_grad and dtype.is_floating_point
+            return torch.empty(size, dtype=dtype, device="meta", requires_grad=grad)
+
+        inputs = example(shape, torch.int64) if start == 0 else example((*shape, self.cfg.d_model), act)
+        if self.layer_class(stop - 1) is not Head or self.cfg.fused_head_loss:
+            return inputs, example((*shape, self.cfg.d_model), act)
+        return inputs, example((*shape, self.cfg.vocab_size // tp_size), autocast_dtype or act)
+
     def loss(self, output: torch.Tensor, target: torch.Tensor, tp: TensorParallel,
              head: nn.Module | None = None) -> torch.Tensor:
         """Mean token cross-entropy of the last layer's `output`: vocabulary-parallel

@@ -72,9 +72,42 @@ class PlanSchedule(_PipelineScheduleRuntime):
 
 
 def build_stages(chunks: list[tuple[int, nn.Module]], num_model_stages: int,
-                 group: dist.ProcessGroup, device: torch.device) -> list[PipelineStage]:
-    """One `PipelineStage` per local chunk, given as (model stage index, module)."""
-    return [
-        PipelineStage(module, stage_index, num_model_stages, device, group=group)
-        for stage_index, module in chunks
-    ]
+                 group: dist.ProcessGroup, device: torch.device,
+                 examples: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> list[PipelineStage]:
+    """One `PipelineStage` per local chunk, given as (model stage index, module).
+
+    `examples`: per chunk, an (input, output) of one microbatch, any device (the meta
+    device will do): torch's static metadata. Without it a stage infers its metadata
+    at its first step: a forward and a backward of one microbatch on empty tensors,
+    stage after stage across the pipeline, each sending the next its pickled
+    metadata; every new epoch's first step paid that
+    (benchmarks/pipeline_first_step.py). torch trusts static metadata blindly (a
+    wrong shape corrupts what the next stage receives), so a forward hook on each
+    chunk's module checks its real output against the example before it is sent
+    (the engine makes new chunk modules for each schedule it builds)."""
+    if examples is None:
+        return [PipelineStage(module, stage_index, num_model_stages, device, group=group)
+                for stage_index, module in chunks]
+    if len(examples) != len(chunks):
+        raise ValueError(f"{len(examples)} examples for {len(chunks)} chunks")
+    stages = []
+    for (stage_index, module), (inputs, outputs) in zip(chunks, examples):
+        module.register_forward_hook(_check_output(stage_index, outputs))
+        stages.append(PipelineStage(module, stage_index, num_model_stages, device, input_args=inputs,
+                                    output_args=outputs, group=group))
+    return stages
+
+
+def _check_output(stage_index: int, example: torch.Tensor):
+    """A forward hook raising unless a chunk's output has the example's shape, dtype and
+    strides: the receiving stage's buffer is made from the same metadata, so a mismatch
+    fails here instead of arriving as wrong numbers (or a hang) on the next rank."""
+    expected = (example.shape, example.dtype, example.stride())
+
+    def check(module: nn.Module, args, output) -> None:
+        got = (output.shape, output.dtype, output.stride()) if isinstance(output, torch.Tensor) else type(output)
+        if got != expected:
+            raise RuntimeError(f"pipeline stage {stage_index} produced {got}; its static metadata "
+                               f"says {expected}")
+
+    return check
