@@ -359,7 +359,8 @@ class Engine:
             for c, (start, stop) in enumerate(stage.chunks)
         ]
         stages = build_stages(chunks, num_stages * self.plan.virtual_stages,
-                              self.groups.pipeline, self.device)
+                              self.groups.pipeline, self.device,
+                              examples=self._stage_examples(stage.chunks, tp, forward_only))
         total = self.plan.total_microbatches
 
         last = self.model.num_layers - 1
@@ -373,6 +374,16 @@ class Engine:
         schedule = PlanSchedule(stages, self.plan.schedule, self.pipeline.num_microbatches, loss_fn,
                                 forward_only=forward_only)
         return schedule, stages
+
+    def _stage_examples(self, chunks, tp, forward_only: bool):
+        """Each chunk's input and output of one microbatch, for `build_stages`'s static
+        metadata; None (torch infers it) for a model that cannot say them."""
+        examples = getattr(self.model, "stage_examples", None)
+        if examples is None:
+            return None
+        return [examples(start, stop, self.plan.micro_batch, tp.size, self.settings.param_dtype,
+                         self.settings.autocast_dtype, requires_grad=not forward_only)
+                for start, stop in chunks]
 
     def destroy(self) -> None:
         """The end of the job: destroy the epoch's groups and drop every object of the
