@@ -23,7 +23,7 @@ import torch.multiprocessing as mp
 
 from planaria.runtime.model import LayerModel
 from planaria.runtime.tensor_parallel import TensorParallel
-from tests.launch import TINY
+from tests.launch import TINY, cases_with_slow
 
 JOB = [
     "model.n_layers=4", "model.d_model=32", "model.n_heads=4", "model.vocab_size=128",
@@ -128,7 +128,11 @@ def _run(world_size: int, overrides: list[str], tmp_path, timeout: float) -> lis
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("case", list(CASES))
+# The default exactness tests (tests/runtime/test_exactness.py) now run with static
+# metadata against a single process, the interleaved and zb1f1b schedules among them:
+# those two cases compare the two modes under `make test-slow`, for the default suite's
+# time. The others have no default multi-process test of their pipeline shapes but this.
+@pytest.mark.parametrize("case", cases_with_slow(CASES, {"pp2-interleaved-v2", "pp2-zb1f1b-recompute"}))
 def test_static_metadata_trains_like_inferred_metadata(case, tmp_path):
     world_size, overrides = CASES[case]
     results = _run(world_size, overrides, tmp_path, timeout=200)
