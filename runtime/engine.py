@@ -377,12 +377,9 @@ class Engine:
 
     def _stage_examples(self, chunks, tp, forward_only: bool):
         """Each chunk's input and output of one microbatch, for `build_stages`'s static
-        metadata; None (torch infers it) for a model that cannot say them."""
-        examples = getattr(self.model, "stage_examples", None)
-        if examples is None:
-            return None
-        return [examples(start, stop, self.plan.micro_batch, tp.size, self.settings.param_dtype,
-                         self.settings.autocast_dtype, requires_grad=not forward_only)
+        metadata (`LayerModel.stage_examples`)."""
+        return [self.model.stage_examples(start, stop, self.plan.micro_batch, tp.size, self.settings.param_dtype,
+                                          self.settings.autocast_dtype, requires_grad=not forward_only)
                 for start, stop in chunks]
 
     def destroy(self) -> None:

@@ -168,6 +168,8 @@ class PeerSnapshots:
         """Before the epoch's groups go: the group's making and the exchange in flight end
         (whole, or failed on a peer gone or released: its round then keeps only this
         worker's own shards)."""
+        # With an exchange in flight, that exchange waited for the group first, and says
+        # below whether it failed: the group is waited for here only when none is.
         if self._group is not None and self._inflight is None:
             try:
                 self._group.result()
