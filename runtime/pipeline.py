@@ -108,6 +108,7 @@ def _check_output(stage_index: int, example: torch.Tensor):
         got = (output.shape, output.dtype, output.stride()) if isinstance(output, torch.Tensor) else type(output)
         if got != expected:
             raise RuntimeError(f"pipeline stage {stage_index} produced {got}; its static metadata "
-                               f"says {expected}")
+                               f"says {expected}: `LayerModel.stage_examples` does not describe this "
+                               "model's layers; report it with the job's config")
 
     return check
