@@ -26,6 +26,7 @@ def test_nccl_abort_rebuild_and_bf16_steps_on_one_gpu():
     found = json.loads(proc.stdout.strip().splitlines()[-1])
     print(found)  # for docs/gpu.md: `pytest -s` shows it
     assert found["first_world"] and found["rebuilt_world"], found
-    assert found["abort"] == "communicators aborted" and found["abort_s"] < 10, found
+    # four communicators aborted side by side: about one abort's time (1 s on an H200), not four
+    assert found["abort"] == "4 communicator(s) aborted" and found["abort_s"] < 10, found
     assert found["after_abort"] != "completed", found  # the aborted world did no more work
     assert len(found["losses"]) == 3 and all(math.isfinite(loss) for loss in found["losses"]), found

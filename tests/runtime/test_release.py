@@ -21,7 +21,8 @@ import torch.distributed as dist
 
 from planaria.runtime.contract import env
 from planaria.runtime.coordination import store_ports
-from planaria.runtime.release import CommunicatorAbort, SocketRelease, epoch_release, group_options
+from planaria.runtime.release import (CommunicatorAbort, SocketRelease, abort_concurrently, epoch_release,
+                                      group_options)
 
 
 def _free_port() -> int:
@@ -132,6 +133,49 @@ def test_each_backend_gets_its_release_and_an_unknown_one_is_refused():
     assert nccl.release() == "no communicator yet" and nccl.released  # no group in this process
     with pytest.raises(ValueError, match="use gloo or nccl"):
         epoch_release("mpi")
+
+
+def _abort_every_group_of_a_gloo_world(port: int, found) -> None:
+    store = dist.TCPStore("127.0.0.1", port, 1, is_master=True, timeout=timedelta(seconds=30))
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    for _ in range(3):  # an epoch's groups beside the world
+        dist.new_group([0])
+    found.put(CommunicatorAbort().release())
+    dist.destroy_process_group()  # the registry is the main thread's to tear down, as after a failure
+    found.put("destroyed")
+
+
+def test_the_nccl_release_aborts_every_group_of_the_process_and_leaves_the_teardown_to_the_worker():
+    """On gloo `abort()` does nothing, but the release's reading of torch's registry and
+    the teardown after it are the same as on NCCL (tests/gpu runs the real aborts)."""
+    ctx = mp.get_context("spawn")
+    found = ctx.Queue()
+    proc = ctx.Process(target=_abort_every_group_of_a_gloo_world, args=(_free_port(), found))
+    proc.start()
+    proc.join(60)
+    assert proc.exitcode == 0
+    assert [found.get(timeout=5), found.get(timeout=5)] == ["4 communicator(s) aborted", "destroyed"]
+
+
+class _SlowAbort:
+    """A group whose abort takes as long as an NCCL communicator's (about a second)."""
+
+    def __init__(self, seconds: float, fails: bool = False):
+        self.seconds, self.fails, self.aborted = seconds, fails, False
+
+    def abort(self) -> None:
+        time.sleep(self.seconds)
+        if self.fails:
+            raise RuntimeError("Process group cannot be None")
+        self.aborted = True
+
+
+def test_groups_are_aborted_side_by_side_and_one_that_fails_does_not_stop_the_others():
+    groups = [_SlowAbort(0.5) for _ in range(4)] + [_SlowAbort(0.5, fails=True)]
+    started = time.monotonic()
+    assert abort_concurrently(groups) == 4
+    assert time.monotonic() - started < 1.5  # one by one: 2.5 s
+    assert all(g.aborted for g in groups[:4])
 
 
 def test_group_options_are_torchs_defaults_for_gloo_and_non_blocking_communicators_for_nccl():
