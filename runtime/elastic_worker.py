@@ -71,7 +71,7 @@ from planaria.runtime.metrics_writer import (EpochChange, MfuMeter, RunWriter, S
 from planaria.runtime.optim import learning_rate, optimizer_settings
 from planaria.runtime.audit import audit_replicas
 from planaria.runtime.fault_injection import FaultInjector, corruption_after_step, flip_a_bit, writes_late
-from planaria.runtime.groups import forget_failed_world, set_operation_timeout
+from planaria.runtime.groups import GroupRetirement, forget_failed_world, set_operation_timeout
 from planaria.runtime.release import epoch_release, group_options
 from planaria.runtime.contract.heartbeat import start_beating
 from planaria.runtime.contract.logs import AUDIT, COMMITS, EVALS, log_path
@@ -200,6 +200,8 @@ class ElasticWorker:
                                               coordinator.report_checkpoint, data_source=cfg.data.source)
         self._publisher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="status")
         """Publishes the status of a stop at a step boundary while the epoch is torn down."""
+        self._retired = GroupRetirement()
+        """Destroys the groups of an epoch stopped at a step boundary while the next one starts."""
         self.snapshots = PeerSnapshots(cfg.checkpoint.memory_every, cfg.checkpoint.memory_copies,
                                        timeout_s=cfg.comm.timeout_s, connect_timeout_s=self._connect_timeout_s(),
                                        log=self._log)
@@ -213,6 +215,12 @@ class ElasticWorker:
 
     # ------------------------------------------------------------------ loop
     def run(self) -> int:
+        try:
+            return self._run()
+        finally:  # a past epoch's groups go before the interpreter does
+            self._retired.wait(timeout_s=30)
+
+    def _run(self) -> int:
         self.coordinator.announce()
         # What the process holds before any epoch (torch and the other imports, the
         # dataset: some 300,000 objects) lives as long as it does. Frozen out of the cyclic
@@ -288,6 +296,7 @@ class ElasticWorker:
         self._timing = EpochTiming(record_s=time.time())
         finished = False
         early_status: Future | None = None
+        stopped = False
         if self._left_out(record):
             # The job went on without this worker (it was cut off, and declared failed): the
             # plan counts on none of its layers, which are of an older step. It joins as a
@@ -334,6 +343,7 @@ class ElasticWorker:
             # the pause at a planned leave or a join); it is out before the epoch is left.
             status = self._status(finished)
             early_status = self._publisher.submit(self.coordinator.publish_status, epoch, status)
+            stopped = True
         except TornStep:
             raise  # past the status below: this worker's state must not be used
         except (RuntimeError, TimeoutError) as err:  # dist errors are RuntimeErrors
@@ -343,7 +353,7 @@ class ElasticWorker:
             if self.late_writer and self.engine is not None and self.engine.last_commit is not None:
                 self._write_late(epoch)  # (a worker that has committed nothing has nothing to write)
         finally:
-            self._leave_epoch()
+            self._leave_epoch(retire_later=stopped)
             self._watcher.done.set()
         if early_status is not None:
             early_status.result()  # (raises what the publication raised)
@@ -441,9 +451,13 @@ class ElasticWorker:
             with open(log_path(self.out_dir, AUDIT, self.name), "a", encoding="utf-8") as f:
                 append(f, AuditEntry(step=step, **asdict(mismatch)))
 
-    def _leave_epoch(self) -> None:
+    def _leave_epoch(self, retire_later: bool = False) -> None:
         """Tear this epoch's groups down now: closing our sockets makes peers blocked on us
-        fail at once instead of at their timeout."""
+        fail at once instead of at their timeout. `retire_later` (a stop at a step boundary
+        every worker agreed on, when no peer waits on us): the groups leave torch's
+        registry now and are destroyed on a thread while the next epoch starts
+        (`GroupRetirement`: 50-90 ms of the pause at a planned leave or a join)."""
+        held = GroupRetirement.hold() if retire_later else []
         if self.engine is not None:
             self.engine.abandon_epoch()
         if self.metrics is not None:  # a failed epoch's committed steps too; never waiting on the lock
@@ -457,6 +471,8 @@ class ElasticWorker:
                 pass
         forget_failed_world()
         gc.collect()
+        if held:
+            self._retired.retire(held)
         if self.device.type == "cuda":
             # After an abort NCCL's kernels have returned: wait for every stream, so that no
             # work of the old epoch runs on into the next, then give the old groups' and

@@ -128,7 +128,7 @@ class CommunicatorAbort:
             self.released = True
             if not dist.is_initialized():
                 return "no communicator yet"
-            groups = _registered_groups()
+            groups = registered_groups()
             if groups is None:  # a torch without the registry read below: its own abort, one by one
                 try:
                     dist.distributed_c10d._abort_process_group()
@@ -139,7 +139,7 @@ class CommunicatorAbort:
             return f"{abort_concurrently(groups)} communicator(s) aborted"
 
 
-def _registered_groups() -> list[dist.ProcessGroup] | None:
+def registered_groups() -> list[dist.ProcessGroup] | None:
     """Every process group of this process, the world's included (torch's registry, a
     private field read as `_abort_process_group` reads it); None where it is missing."""
     names = getattr(getattr(dist.distributed_c10d, "_world", None), "pg_names", None)
