@@ -706,7 +706,9 @@ class Controller:
             if self.interrupted():
                 raise Interrupted("the leader's node is leaving; the next leader takes the "
                                   f"reconfiguration to epoch {self.epoch + 1} over")
-            time.sleep(0.02)
+            # The statuses come at the next step boundary, then within milliseconds of
+            # each other: once the first is in, the rest are polled for every 2 ms.
+            time.sleep(0.002 if statuses else 0.02)
         if expected - set(statuses):
             self._check_leading()
         for worker in sorted(expected - set(statuses)):

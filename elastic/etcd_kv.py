@@ -13,8 +13,9 @@ What each operation maps to:
   control plane's polls, which a reconfiguration waits on;
 - `add`: a compare-and-swap loop on the key's version (etcd has no atomic increment);
 - `compare_set`: one transaction comparing the value.
-Waiting is polling every 10 ms: a rendezvous touches few keys, and polling needs no
-watch stream to keep alive.
+Waiting is polling, every 2 ms for a wait's first 0.1 s (a rendezvous's keys come within
+milliseconds of each other), then every 10 ms: a rendezvous touches few keys, and
+polling needs no watch stream to keep alive.
 
 `EtcdKeyValue` is torch-free: a node's agent runs the control plane over it and never
 imports torch (seconds at start-up, and a few hundred MB that an agent has no use for).
@@ -27,6 +28,7 @@ from datetime import timedelta
 from planaria.elastic.etcd_client import EtcdClient
 
 _POLL_S = 0.01
+_FAST_POLL_S, _FAST_FOR_S = 0.002, 0.1
 
 
 class EtcdKeyValue:
@@ -49,7 +51,8 @@ class EtcdKeyValue:
     def _wait_for(self, keys: list[str], timeout: timedelta | None) -> dict[str, bytes]:
         """The values of `keys`, once each exists (one read per key when it does)."""
         limit = (timeout or self._timeout).total_seconds()
-        deadline = time.monotonic() + limit
+        started = time.monotonic()
+        deadline = started + limit
         found: dict[str, bytes] = {}
         while True:
             for k in keys:
@@ -61,7 +64,7 @@ class EtcdKeyValue:
                 missing = [self._key(k) for k in keys if k not in found]
                 raise self.timeout_error(f"wait timeout after {limit * 1000:.0f}ms, keys: "
                                           f"{missing} in etcd {self.client.endpoint}")
-            time.sleep(_POLL_S)
+            time.sleep(_FAST_POLL_S if time.monotonic() - started < _FAST_FOR_S else _POLL_S)
 
     # -- the Store interface --------------------------------------------------------
     def set(self, key: str, value) -> None:

@@ -187,3 +187,29 @@ def test_a_rendezvous_is_given_up_when_the_control_plane_abandons_the_epoch():
     with pytest.raises(dist.DistStoreError, match="epoch 1 was abandoned"):
         rendezvous.get("rank-of-a-dead-peer")
     assert time.monotonic() - start < 5
+
+
+def test_a_leaving_worker_waits_for_the_next_epochs_first_step_and_no_longer():
+    """`wait_until_trained`: True once the epoch committed a step; False, without waiting
+    out its limit, once the job moved past the epoch or ended; False at the limit
+    otherwise."""
+    import threading
+
+    import torch.distributed as dist
+
+    from planaria.runtime.contract import keys
+    from planaria.runtime.coordination import StoreCoordinator
+
+    store = dist.HashStore()
+    coordinator = StoreCoordinator(store, ("node2", 0))
+    threading.Timer(0.2, coordinator.mark_trained, args=(3,)).start()
+    assert coordinator.wait_until_trained(3, timeout_s=30)
+    store.set(keys.EPOCH, "5")  # epoch 4 failed before its first step; the job is in 5
+    start = time.monotonic()
+    assert not coordinator.wait_until_trained(4, timeout_s=30)
+    assert time.monotonic() - start < 5
+    assert not coordinator.wait_until_trained(5, timeout_s=0.2)
+    store.set(keys.DONE, "ok")  # the job ended (it had no step left for epoch 5)
+    start = time.monotonic()
+    assert not coordinator.wait_until_trained(5, timeout_s=30)
+    assert time.monotonic() - start < 5
