@@ -142,12 +142,14 @@ class PeerSnapshots:
         if not self.enabled or len(plan.nodes()) < 2:
             return  # one node: its own copies only (nowhere else to keep them)
         # Made on the exchange thread, so that gloo's threads for it start there and
-        # inherit its idle priority; and not waited for: the training thread makes no
-        # group after it in this epoch (every worker makes its groups in the same order),
-        # and the first exchange, after the first commit, runs after it on that thread.
-        # Its connection (some 40 ms on 2 busy cores) is then off the pause between two
-        # epochs. `end_epoch` waits for it, so that no group is made across the next.
+        # inherit its idle priority, and waited for here, on the training thread, while
+        # the epoch is entered. Not waiting (its connection off the pause, some 20-40 ms)
+        # was tried and undone: a peer that died while the group was still connecting, in
+        # the epoch's first steps on a busy machine, left the survivors' teardown waiting
+        # on a group that only its connect timeout would end; nothing releases a group
+        # being made on another thread, and none may be made across epochs.
         self._group = self._pool.submit(self._connect)
+        self._group.result()
         rank_of = plan.rank_of_worker()
         me = plan.worker(engine.rank)
         owner_of = owners(plan)

@@ -214,7 +214,12 @@ def test_a_node_told_by_its_cloud_leaves_at_a_step_boundary_and_nothing_is_lost(
 
     metadata.routes[("PUT", "/latest/api/token")] = (200, "TOKEN", {})
     steps = ["train.steps=150"]
-    job = Job(etcd, tmp_path, 4, [*OVERRIDES, *steps], run_id="aws-notice",
+    # The notice, its withdrawal and the second notice each wait for the agent's next
+    # look at its metadata (every 2 s): node0.0 (never noticed) sleeps 0.06 s at each
+    # step, so that the 150 steps outlast them however fast the machine (unpaced, they
+    # had ended in 5 s on one where the demo job steps in 0.03 s, before the leave).
+    pace = {"node0": {"PLANARIA_FAULTS": "node0.0:step@*!slow=0.06"}}
+    job = Job(etcd, tmp_path, 4, [*OVERRIDES, *steps], run_id="aws-notice", env=pace,
               node_args={"node3": ("--preemption-notice", "aws", "--preemption-endpoint", metadata.url)})
     action = ("GET", "/latest/meta-data/spot/instance-action")
 
