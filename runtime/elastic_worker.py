@@ -300,7 +300,6 @@ class ElasticWorker:
         self._timing = EpochTiming(record_s=time.time())
         finished = False
         early_status: Future | None = None
-        stopped = False
         if self._left_out(record):
             # The job went on without this worker (it was cut off, and declared failed): the
             # plan counts on none of its layers, which are of an older step. It joins as a
@@ -347,7 +346,6 @@ class ElasticWorker:
             # the pause at a planned leave or a join); it is out before the epoch is left.
             status = self._status(finished)
             early_status = self._publisher.submit(self.coordinator.publish_status, epoch, status)
-            stopped = True
         except TornStep:
             raise  # past the status below: this worker's state must not be used
         except (RuntimeError, TimeoutError) as err:  # dist errors are RuntimeErrors
@@ -357,7 +355,7 @@ class ElasticWorker:
             if self.late_writer and self.engine is not None and self.engine.last_commit is not None:
                 self._write_late(epoch)  # (a worker that has committed nothing has nothing to write)
         finally:
-            self._leave_epoch(retire_later=stopped)
+            self._leave_epoch()
             self._watcher.done.set()
         if early_status is not None:
             early_status.result()  # (raises what the publication raised)
@@ -455,13 +453,13 @@ class ElasticWorker:
             with open(log_path(self.out_dir, AUDIT, self.name), "a", encoding="utf-8") as f:
                 append(f, AuditEntry(step=step, **asdict(mismatch)))
 
-    def _leave_epoch(self, retire_later: bool = False) -> None:
-        """Tear this epoch's groups down now: closing our sockets makes peers blocked on us
-        fail at once instead of at their timeout. `retire_later` (a stop at a step boundary
-        every worker agreed on, when no peer waits on us): the groups leave torch's
-        registry now and are destroyed on a thread while the next epoch starts
-        (`GroupRetirement`: 50-90 ms of the pause at a planned leave or a join)."""
-        held = GroupRetirement.hold() if retire_later else []
+    def _leave_epoch(self) -> None:
+        """Tear this epoch's groups down: they leave torch's registry now, and their
+        destructors run on a thread at once (`GroupRetirement`: 50-90 ms of every
+        reconfiguration's pause, off the path to the status and the next epoch). Closing
+        our sockets there, in parallel, still makes peers blocked on us fail within
+        milliseconds instead of at their timeout."""
+        held = GroupRetirement.hold()
         if self.engine is not None:
             self.engine.abandon_epoch()
         if self.metrics is not None:  # a failed epoch's committed steps too; never waiting on the lock

@@ -186,9 +186,9 @@ class GroupRetirement:
     registry's part; the references then go on a thread, whose destructors run without
     the interpreter's lock (torch's groups release it as they are destroyed).
 
-    Used only after a stop at a step boundary, when no peer waits on this worker's
-    connections; after a failure the groups go at once, so that peers blocked on this
-    worker fail now (`ElasticWorker._leave_epoch`). For NCCL groups it changes nothing:
+    The destructors start as soon as the epoch's groups are out of the registry, so a
+    peer blocked on this worker after a failure still sees its connections close within
+    milliseconds (`ElasticWorker._leave_epoch`). For NCCL groups it changes nothing:
     `destroy_process_group` shuts their communicators down itself."""
 
     def __init__(self) -> None:
