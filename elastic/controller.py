@@ -48,7 +48,7 @@ from planaria.runtime.contract.exactly_once import (CommitRecord, InconsistentSt
                                                     WorkerStatus, resolve)
 from planaria.runtime.contract.keys import worker_key
 from planaria.runtime.contract.membership import LeaveNotice
-from planaria.runtime.contract.store_reads import read_present
+from planaria.runtime.contract.store_reads import FAST_POLL_S, read_present
 from planaria.templates.plan import Plan, Worker, missing_from, transfers_from
 from planaria.templates.planner import Planner
 
@@ -708,7 +708,7 @@ class Controller:
                                   f"reconfiguration to epoch {self.epoch + 1} over")
             # The statuses come at the next step boundary, then within milliseconds of
             # each other: once the first is in, the rest are polled for every 2 ms.
-            time.sleep(0.002 if statuses else 0.02)
+            time.sleep(FAST_POLL_S if statuses else 0.02)
         if expected - set(statuses):
             self._check_leading()
         for worker in sorted(expected - set(statuses)):

@@ -26,9 +26,10 @@ import time
 from datetime import timedelta
 
 from planaria.elastic.etcd_client import EtcdClient
+from planaria.runtime.contract.store_reads import poll_pause
 
 _POLL_S = 0.01
-_FAST_POLL_S, _FAST_FOR_S = 0.002, 0.1
+_FAST_FOR_S = 0.1
 
 
 class EtcdKeyValue:
@@ -64,7 +65,7 @@ class EtcdKeyValue:
                 missing = [self._key(k) for k in keys if k not in found]
                 raise self.timeout_error(f"wait timeout after {limit * 1000:.0f}ms, keys: "
                                           f"{missing} in etcd {self.client.endpoint}")
-            time.sleep(_FAST_POLL_S if time.monotonic() - started < _FAST_FOR_S else _POLL_S)
+            time.sleep(poll_pause(started, _FAST_FOR_S, _POLL_S))
 
     # -- the Store interface --------------------------------------------------------
     def set(self, key: str, value) -> None:

@@ -25,12 +25,12 @@ from planaria.runtime.contract.deadline import ReachableDeadline
 from planaria.runtime.contract.epochs import EpochRecord, EpochTiming, Progress
 from planaria.runtime.contract.exactly_once import CommitRecord, WorkerStatus
 from planaria.runtime.contract.membership import Announcement
-from planaria.runtime.contract.store_reads import read_if_present
+from planaria.runtime.contract.store_reads import poll_pause, read_if_present
 from planaria.templates.plan import Worker
 
 POLL_S = 0.02
-FAST_POLL_S, FAST_FOR_S = 0.002, 0.25
-"""A wait for the next epoch polls every FAST_POLL_S for its first FAST_FOR_S: it starts
+FAST_FOR_S = 0.25
+"""A wait for the next epoch polls every 2 ms (`store_reads.FAST_POLL_S`) for its first FAST_FOR_S: it starts
 as an epoch ends, and after a stop at a step boundary the next record follows within
 tens of milliseconds (it took 10 ms on average, half a poll, of a planned leave's pause
 of about 0.2 s). Later, and for a worker waiting as a spare, every POLL_S."""
@@ -70,7 +70,7 @@ class StoreCoordinator:
             if deadline.expired():
                 raise TimeoutError(f"worker {self._key}: no epoch after {after} within {timeout_s:.0f} s; "
                                    "is the control plane alive?")
-            time.sleep(FAST_POLL_S if time.monotonic() - started < FAST_FOR_S else POLL_S)
+            time.sleep(poll_pause(started, FAST_FOR_S, POLL_S))
 
     def rendezvous_store(self, epoch: int) -> dist.Store:
         """The epoch's process-group rendezvous, given up as soon as the control plane

@@ -201,7 +201,7 @@ class ElasticWorker:
         self._publisher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="status")
         """Publishes the status of a stop at a step boundary while the epoch is torn down."""
         self._retired = GroupRetirement()
-        """Destroys the groups of an epoch stopped at a step boundary while the next one starts."""
+        """Destroys each ended epoch's groups on a thread (`_leave_epoch`)."""
         self.snapshots = PeerSnapshots(cfg.checkpoint.memory_every, cfg.checkpoint.memory_copies,
                                        timeout_s=cfg.comm.timeout_s, connect_timeout_s=self._connect_timeout_s(),
                                        log=self._log)
@@ -473,8 +473,7 @@ class ElasticWorker:
                 pass
         forget_failed_world()
         gc.collect()
-        if held:
-            self._retired.retire(held)
+        self._retired.retire(held)
         if self.device.type == "cuda":
             # After an abort NCCL's kernels have returned: wait for every stream, so that no
             # work of the old epoch runs on into the next, then give the old groups' and

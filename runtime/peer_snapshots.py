@@ -111,8 +111,8 @@ class PeerSnapshots:
         self._inflight_step = -1
         self._spare: dict[Shard, FlatShard] = {}
         """Copies of forgotten rounds, written over by the next round's (one per shard)."""
-        self._group: Future | None = None
-        """The epoch's gloo group for the exchange, being made on the exchange thread."""
+        self._group: dist.ProcessGroup | None = None
+        """The epoch's gloo group for the exchange (made on the exchange thread)."""
         self._epoch, self._first = -1, 0
         self._reported = -1
         self._broken = False
@@ -148,8 +148,7 @@ class PeerSnapshots:
         # the epoch's first steps on a busy machine, left the survivors' teardown waiting
         # on a group that only its connect timeout would end; nothing releases a group
         # being made on another thread, and none may be made across epochs.
-        self._group = self._pool.submit(self._connect)
-        self._group.result()
+        self._group = self._pool.submit(self._connect).result()
         rank_of = plan.rank_of_worker()
         me = plan.worker(engine.rank)
         owner_of = owners(plan)
@@ -167,17 +166,8 @@ class PeerSnapshots:
         return group
 
     def end_epoch(self) -> None:
-        """Before the epoch's groups go: the group's making and the exchange in flight end
-        (whole, or failed on a peer gone or released: its round then keeps only this
-        worker's own shards)."""
-        # With an exchange in flight, that exchange waited for the group first, and says
-        # below whether it failed: the group is waited for here only when none is.
-        if self._group is not None and self._inflight is None:
-            try:
-                self._group.result()
-            except Exception as err:  # the epoch failed (a peer gone); its status says why
-                self.log(f"peer snapshots' group of epoch {self._epoch} not made: "
-                         f"{str(err).splitlines()[0][:200] if str(err) else type(err).__name__}")
+        """Before the epoch's groups go: the exchange in flight ends (whole, or failed on a
+        peer gone or released: its round then keeps only this worker's own shards)."""
         if self._inflight is not None:
             try:
                 self._inflight.result()
@@ -261,12 +251,11 @@ class PeerSnapshots:
             return dict(found.shards)
 
     # ----------------------------------------------------------- exchange
-    def _exchange(self, connecting: Future, current: SnapshotRound, outgoing: dict[int, list[Shard]],
+    def _exchange(self, group: dist.ProcessGroup, current: SnapshotRound, outgoing: dict[int, list[Shard]],
                   incoming: dict[int, list[Shard]]) -> None:
         """Send this worker's owned shards to their holders and receive the ones placed
         here: headers first (each message's dtypes and sizes), then the data. The round
         takes the received shards only once every one has arrived."""
-        group = connecting.result()  # made before, on this thread (a failure fails the round)
         sends = [(peer, i, current.shards[shard]) for peer, shards in outgoing.items()
                  for i, shard in enumerate(shards)]
         headers = {(peer, i): torch.empty(_HEADER, dtype=torch.int64) for peer, shards in incoming.items()

@@ -28,7 +28,8 @@ How a blocked operation is released depends on the backend:
 - **nccl** (`CommunicatorAbort`): `ncclCommAbort` on every communicator of the
   process, all at once from a thread each (`abort_concurrently` says why not torch's
   `_abort_process_group`, which aborts them one by one), with torch's own error
-  handling told to abort communicators and leave the process alone (`planaria.runtime.contract.env.NCCL_RECOVERY_ENV`, docs/gpu.md).
+  handling told to abort communicators and leave the process alone
+  (`planaria.runtime.contract.env.NCCL_RECOVERY_ENV`, docs/gpu.md).
 
 Nothing here runs on the step's path: a release is built when an epoch starts (one
 listing of the process's descriptors) and used only when an epoch fails.
@@ -40,6 +41,7 @@ import os
 import socket
 import threading
 from collections.abc import Collection
+from concurrent.futures import ThreadPoolExecutor
 
 import torch.distributed as dist
 
@@ -158,22 +160,15 @@ def abort_concurrently(groups: Collection[dist.ProcessGroup]) -> int:
     for another communicator's kernel to stop, since every one is aborted at once.
     The registry is left to `destroy_process_group` on the main thread, which tears the
     epoch down after its collective fails."""
-    failures: list[BaseException] = []
-
-    def abort(group: dist.ProcessGroup) -> None:
-        try:
-            group.abort()
-        except Exception as err:  # destroyed meanwhile, or aborted already: nothing left to do
-            failures.append(err)
-
-    threads = [threading.Thread(target=abort, args=(g,), name="planaria-abort", daemon=True) for g in groups]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    if not groups:
+        return 0
+    with ThreadPoolExecutor(max_workers=len(groups), thread_name_prefix="planaria-abort") as pool:
+        aborts = [pool.submit(group.abort) for group in groups]
+    # (a group destroyed meanwhile, or aborted already: nothing left to do for it)
+    failures = [err for err in (a.exception() for a in aborts) if err is not None]
     for err in failures:
         log.warning("abort of one of the epoch's communicators: %s", err)
-    return len(threads) - len(failures)
+    return len(aborts) - len(failures)
 
 
 def group_options(backend: str):

@@ -10,7 +10,20 @@ one; any other store (a test's or the local launcher's TCPStore, which answers i
 microseconds) is read key by key."""
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
+
+FAST_POLL_S = 0.002
+"""How often a wait polls while what it waits for is due any moment."""
+
+
+def poll_pause(started: float, fast_for_s: float, slow_s: float) -> float:
+    """How long a wait that began at `started` (`time.monotonic()`) sleeps before its next
+    poll: FAST_POLL_S during its first `fast_for_s`, when a reconfiguration's next key
+    is due within milliseconds (a record after a stop, a rendezvous's peers), then
+    `slow_s`. A burst of reads at the one moment they pay, instead of fast polling
+    throughout (etcd reads cost CPU on every side)."""
+    return FAST_POLL_S if time.monotonic() - started < fast_for_s else slow_s
 
 
 def read_if_present(store, key: str) -> bytes | None:

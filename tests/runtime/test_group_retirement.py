@@ -1,11 +1,11 @@
-"""A stopped epoch's process groups are destroyed on a thread while the next epoch's
+"""An ended epoch's process groups are destroyed on a thread while the next epoch's
 world connects (`planaria.runtime.groups.GroupRetirement`).
 
 Two real processes over gloo, three epochs: each epoch's world and subgroups are held,
 taken out of torch's registry, and retired; the next world must connect and reduce
 correctly while the last one's destructors may still run, and once a retirement is
-waited for, the old epoch's connections must be closed (the process's sockets are
-back to what the store alone holds).
+waited for, the old epochs' connections must be closed (no socket opened after the
+store's is still open).
 """
 from __future__ import annotations
 
@@ -31,7 +31,9 @@ def _free_port() -> int:
 
 def _worker(rank: int, port: int, out) -> None:
     store = dist.TCPStore("127.0.0.1", port, 2, is_master=rank == 0, timeout=timedelta(seconds=60))
-    store_only = len(socket_inodes())
+    store.set(f"ready{rank}", "1")  # both connected to the store: its sockets are settled
+    store.wait(["ready0", "ready1"])
+    store_only = set(socket_inodes())
     retirement = GroupRetirement()
     sums, open_after_wait = [], []
     for epoch in range(3):
@@ -50,7 +52,7 @@ def _worker(rank: int, port: int, out) -> None:
         retirement.retire(held)  # the next epoch connects while these groups go
         assert held == []
     retirement.wait(timeout_s=30)
-    open_after_wait.append(len(socket_inodes()) - store_only)
+    open_after_wait.append(len(set(socket_inodes()) - store_only))  # opened since, still open
     out.put((rank, sums, open_after_wait, len(GroupRetirement.hold())))
 
 
