@@ -704,10 +704,15 @@ class Agent:
     def _alive_now(self) -> set[Worker]:
         """Workers under `alive/`, less those of nodes whose agent this node's probe found
         gone (a refused connection: seen a second after the node died, its lease expires
-        seconds later; `planaria.elastic.peer_probe` says why this is safe)."""
+        seconds later; `planaria.elastic.peer_probe` says why this is safe), and less this
+        node's own workers that exited. Their keys go when the loop reaps them, but the
+        loop is the leader's controller while it collects an epoch's statuses: a worker
+        of the leader's own node that exited then was waited for until the status
+        timeout (minutes), the whole job with it."""
         gone = set(self.probe.gone) if self.probe is not None else set()
+        exited = {w for w, proc in self.workers.items() if proc.poll() is not None}
         return {w for w in map(parse_worker_key, self.client.keys_with_prefix(self.prefix + keys.ALIVE))
-                if w[0] not in gone}
+                if w[0] not in gone and w not in exited}
 
     def _kill(self, worker: Worker) -> None:
         self.store.set(f"kill/{worker_key(worker)}", "1")

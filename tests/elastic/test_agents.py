@@ -378,3 +378,28 @@ def test_a_worker_exit_while_the_lease_was_lost_still_takes_the_node_out(etcd, t
     assert agent.client.get(agent.prefix + keys.alive(("lapsed", 0)))[0] is None
     assert agent._reap() is True
     assert agent._reap() is False  # counted once
+
+
+def test_the_leaders_own_exited_worker_is_not_alive_before_its_agent_reaps_it(etcd):
+    """While the leader's controller collects an epoch's statuses, its agent's loop does
+    not reap: a worker of its own node that exited then still has its `alive` key. The
+    controller's view of who is alive leaves it out all the same (else it waited for
+    that worker's status until the status timeout, minutes)."""
+    from types import SimpleNamespace
+
+    from planaria.elastic.agent import Agent
+
+    client = EtcdClient(EtcdSettings(endpoint=etcd.endpoint))
+    prefix = keys.run_prefix("own-exit")
+    for worker in (("node0", 0), ("node0", 1), ("node1", 0)):
+        client.put(prefix + keys.alive(worker), b"1")
+    exited = subprocess.Popen([sys.executable, "-c", "pass"])
+    exited.wait()
+    running = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        agent = SimpleNamespace(client=client, prefix=prefix, probe=None,
+                                workers={("node0", 0): exited, ("node0", 1): running})
+        assert Agent._alive_now(agent) == {("node0", 1), ("node1", 0)}
+    finally:
+        running.kill()
+        running.wait()
