@@ -14,7 +14,7 @@ import statistics
 import json
 import os
 import tempfile
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from planaria.chaos.faults import ETCD_KINDS, parse_fault
@@ -78,6 +78,10 @@ class Recovery:
     pause_s: float | None = None
     """The pause in training at the switch: from the last step committed before the new
     epoch to its first (a step's own time included)."""
+    switch_s: float | None = None
+    """What the switch took from training: `pause_s` less one step of the run away from
+    faults (`Report.own_step_s`), the step the pause contains. A planned leave's goal is
+    one step plus its copies at most (docs/chaos.md)."""
 
 
 @dataclass
@@ -339,7 +343,9 @@ def build_report(*, out_dir: Path, steps: int, outcome: str, faults: list[Inject
         memory_restores=sum(1 for ev in events if ev.source == "memory"),
         planned_leaves=sum(1 for ev in events if ev.reason == "leave"),
         interrupted=sum(1 for ev in events if ev.reason == "failure"),
-        ettr=ettr, wall_s=wall_s, recoveries=recoveries(faults, events, timings, logs),
+        ettr=ettr, wall_s=wall_s, recoveries=[
+            r if r.pause_s is None or own is None else replace(r, switch_s=r.pause_s - own)
+            for r in recoveries(faults, events, timings, logs)],
         reference_step_s=reference.get("step_s"), own_step_s=own, ettr_own_steps=ettr_own,
         losses=losses, reference_losses=ref_losses,
         max_val_loss_diff=max(val_diffs) if val_diffs else None, val_losses=step_val_losses(evals),
@@ -460,12 +466,13 @@ def recovery_table(recoveries: list[Recovery]):
     from rich.table import Table
 
     table = Table(title="recoveries", title_justify="left")
-    for column in ("fault", "step", "detect", "release", "plan", "transfer", "total", "pause", "source", "copies",
+    for column in ("fault", "step", "detect", "release", "plan", "transfer", "total", "pause", "switch", "source",
+                   "copies",
                    "moved", "plan shape", "step time"):
         table.add_column(column, justify="left" if column == "fault" else "right", no_wrap=True)
     for r in recoveries:
         table.add_row(r.fault, str(r.step), _fmt(r.detect_s, " s"), _fmt(r.release_s, " s"), _fmt(r.plan_s, " s"),
-                      _fmt(r.transfer_s, " s"), _fmt(r.total_s, " s"), _fmt(r.pause_s, " s"),
+                      _fmt(r.transfer_s, " s"), _fmt(r.total_s, " s"), _fmt(r.pause_s, " s"), _fmt(r.switch_s, " s"),
                       (f"{r.source} (-{r.rerun})" if r.rerun else r.source) or "-", str(r.transfers),
                       "-" if not r.bytes_moved else f"{r.bytes_moved / 2**20:.2f} MiB",
                       "-" if r.plan_shape is None else str(r.plan_shape),

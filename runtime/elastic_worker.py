@@ -323,7 +323,7 @@ class ElasticWorker:
             set_operation_timeout(None, timedelta(seconds=self.cfg.comm.timeout_s))
             self._mark(rendezvous_s=time.time())
             self._enter_epoch(plan, rank, record)
-            self.snapshots.begin_epoch(self.engine, epoch)
+            self.snapshots.begin_epoch(self.engine, epoch, self.coordinator.rendezvous_store(epoch))
             self._mark(transfer_s=time.time())
             if (t := self.engine.last_transfer) is not None:
                 self._mark(bytes_received=t.bytes_received, bytes_sent=t.bytes_sent, transfer_seconds=t.seconds)
@@ -465,7 +465,7 @@ class ElasticWorker:
         if self.metrics is not None:  # a failed epoch's committed steps too; never waiting on the lock
             self.metrics.close()
             self.metrics = None
-        self.snapshots.end_epoch()  # its exchange ends before its group goes with the world
+        held += self.snapshots.end_epoch()  # its exchange ends; its group goes with the epoch's
         if dist.is_initialized():
             try:
                 dist.destroy_process_group()

@@ -12,12 +12,18 @@ keep in their memory (Gemini, SOSP 2023, over Oobleck's replicas). Every
    group) to the workers `planaria.templates.snapshots.snapshot_placement` names on
    other nodes, and receives the ones placed on it, over a gloo group of the epoch's
    own (host memory moves over TCP even in an NCCL job; the training groups are never
-   touched from that thread). That thread, and the gloo threads of the group it makes,
-   run at idle priority (`SCHED_IDLE`): they take only CPU time training leaves (its
-   waits on peers, the pipeline's bubbles), so on a host whose cores training keeps
-   busy the exchange slows down, not the step;
+   touched from that thread). The group connects on a thread of its own while the
+   epoch's first steps train, on the epoch's rendezvous store and outside torch's
+   registry of groups: a failed epoch leaves a connection still in flight behind (it
+   ends on the abandoned store, or at its connect timeout) without waiting for it, and
+   nothing of it reaches the next epoch's groups. The connection, its gloo threads
+   and the exchange thread run at idle priority (`SCHED_IDLE`): they take only CPU
+   time training leaves (its waits on peers, the pipeline's bubbles), so on a host
+   whose cores training keeps busy the exchange slows down, not the step. A
+   connection still under way after `CONNECT_AT_IDLE_S` goes on at normal priority:
+   under training that left no CPU idle it starved past its peers' connect timeout;
 3. the commit of every later step carries, from every worker, whether its exchange is
-   still going on (`busy`: one more number in the commit's all-reduce, so all workers
+   still going on, or its group still connecting (`busy`: one more number in the commit's all-reduce, so all workers
    learn the same count). When none is, a round is taken at that step if one is due,
    and every round before it is known whole on every keeper; when some is, no round
    is taken at that step, anywhere: training never waits for an exchange, and a link
@@ -39,16 +45,16 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Iterable
 
 import torch
 import torch.distributed as dist
 
 from planaria.runtime.contract.exactly_once import CommitRecord, SnapshotHeld
-from planaria.runtime.groups import set_operation_timeout
 from planaria.runtime.transfer import by_dtype, layer_state_tensors
 from planaria.templates.snapshots import Shard, owners, snapshot_placement
 
@@ -111,8 +117,11 @@ class PeerSnapshots:
         self._inflight_step = -1
         self._spare: dict[Shard, FlatShard] = {}
         """Copies of forgotten rounds, written over by the next round's (one per shard)."""
-        self._group: dist.ProcessGroup | None = None
-        """The epoch's gloo group for the exchange (made on the exchange thread)."""
+        self._group: Future | None = None
+        """The epoch's gloo group for the exchange (`_connect`), being made on a thread."""
+        self._connecting: tuple[float, set[int], list[int]] = (0.0, set(), [])
+        """When the group began to connect, the process's threads then, and those given
+        normal priority since (`_hurry_connection`)."""
         self._epoch, self._first = -1, 0
         self._reported = -1
         self._broken = False
@@ -129,10 +138,11 @@ class PeerSnapshots:
         return self.every > 0
 
     # ------------------------------------------------------------- epochs
-    def begin_epoch(self, engine: "Engine", epoch: int) -> None:
+    def begin_epoch(self, engine: "Engine", epoch: int, store: dist.Store | None = None) -> None:
         """After the epoch's layers are in place (collective: every worker of the epoch
-        makes the snapshot group). Rounds of steps the plan runs again (it went back to
-        an older step) are of a timeline the job left: dropped."""
+        makes the snapshot group, over `store`: the epoch's rendezvous store, given up
+        when the epoch is; the world's when None). Rounds of steps the plan runs again
+        (it went back to an older step) are of a timeline the job left: dropped."""
         plan = engine.plan
         with self._lock:
             self.rounds = {s: r for s, r in self.rounds.items() if s < plan.first_iteration}
@@ -141,14 +151,17 @@ class PeerSnapshots:
         self.taken = self.skipped = 0
         if not self.enabled or len(plan.nodes()) < 2:
             return  # one node: its own copies only (nowhere else to keep them)
-        # Made on the exchange thread, so that gloo's threads for it start there and
-        # inherit its idle priority, and waited for here, on the training thread, while
-        # the epoch is entered. Not waiting (its connection off the pause, some 20-40 ms)
-        # was tried and undone: a peer that died while the group was still connecting, in
-        # the epoch's first steps on a busy machine, left the survivors' teardown waiting
-        # on a group that only its connect timeout would end; nothing releases a group
-        # being made on another thread, and none may be made across epochs.
-        self._group = self._pool.submit(self._connect).result()
+        # Not waited for: its connection (20-30 ms on 2 busy cores) is off the pause
+        # between two epochs; until it is up this worker is `busy` and no round is taken.
+        # Made through `dist.new_group` on another thread it had to be waited for at the
+        # epoch's end (no group may be made across epochs in torch's registry), and a peer
+        # killed while it connected left the survivors' teardown waiting until its
+        # connect timeout (a CI failure); made outside the registry, it can be left behind.
+        if store is None:
+            store = dist.distributed_c10d._get_default_store()
+        self._connecting = (time.monotonic(), _threads(), [])
+        self._group = _on_thread(self._connect, dist.PrefixStore("peer-snapshots/", store),
+                                 engine.rank, plan.world_size, name=f"peer-snapshots-connect-{epoch}")
         rank_of = plan.rank_of_worker()
         me = plan.worker(engine.rank)
         owner_of = owners(plan)
@@ -159,15 +172,45 @@ class PeerSnapshots:
                 if holder == me:
                     self._incoming.setdefault(rank_of[owner_of[shard]], []).append(shard)
 
-    def _connect(self) -> dist.ProcessGroup:
-        """The epoch's snapshot group (on the exchange thread: collective over the world)."""
-        group = dist.new_group(backend="gloo", timeout=timedelta(seconds=self.connect_timeout_s))
-        set_operation_timeout(group, timedelta(seconds=self.timeout_s))
+    def _connect(self, store: dist.Store, rank: int, size: int):
+        """The epoch's snapshot group: a gloo backend over every rank of the epoch (its
+        ranks are the plan's), made directly rather than through `dist.new_group`, so
+        that it is in no registry of torch's (module docstring). It connects under the
+        connect timeout, then takes the operations' timeout. On the calling thread, at
+        idle priority (`busy` raises it if it takes long); gloo's threads for the group
+        are left at idle priority."""
+        before = _threads()
+        _idle_priority()
+        group = dist.ProcessGroupGloo(store, rank, size, timedelta(seconds=self.connect_timeout_s))
+        group._set_default_timeout(timedelta(seconds=self.timeout_s))  # what torch's _set_pg_timeout calls
+        _idle_priority(_gloo_threads(_threads() - before))
         return group
 
-    def end_epoch(self) -> None:
-        """Before the epoch's groups go: the exchange in flight ends (whole, or failed on a
-        peer gone or released: its round then keeps only this worker's own shards)."""
+    def _hurry_connection(self) -> None:
+        """The group still connecting `CONNECT_AT_IDLE_S` after it began: its thread and
+        gloo's threads started since go on at normal priority (once)."""
+        began, before, hurried = self._connecting
+        if hurried or time.monotonic() - began < CONNECT_AT_IDLE_S:
+            return
+        threads = [self._group.thread_id] + _gloo_threads(_threads() - before)
+        hurried.extend(threads)
+        _normal_priority(threads)
+        self.log(f"peer snapshots' group of epoch {self._epoch} still connecting after {CONNECT_AT_IDLE_S} s at "
+                 "idle priority (no CPU left idle): it goes on at normal priority")
+
+    def end_epoch(self) -> list:
+        """As the epoch's groups go: the exchange in flight ends (whole, or failed on a
+        peer gone or released: its round then keeps only this worker's own shards); a
+        group still connecting is left behind (a peer gone, or an epoch that failed at
+        once: it fails on its own, and no exchange waits on it). Returns the group when
+        it connected, for the caller to retire with the epoch's others."""
+        connected = []
+        if self._group is not None and not self._group.done():
+            self.log(f"peer snapshots' group of epoch {self._epoch} not connected yet; left behind")
+        elif self._group is not None and self._group.exception() is not None:
+            self._log_failed_connect()
+        elif self._group is not None:
+            connected.append(self._group.result())
         if self._inflight is not None:
             try:
                 self._inflight.result()
@@ -175,16 +218,29 @@ class PeerSnapshots:
                 self.log(f"peer snapshot of step {self._inflight_step} not sent whole: "
                          f"{str(err).splitlines()[0][:200] if str(err) else type(err).__name__}")
             self._inflight = None
-        self._group = None  # destroyed with the epoch's world
+        self._group = None
         if self.enabled and self._epoch >= 0 and self._reported != self._epoch:
             self._reported = self._epoch  # once per epoch (an epoch that failed on entry ends here again)
             self.log(f"peer snapshots of epoch {self._epoch}: {self.taken} round(s) taken, {self.skipped} due "
-                     "but skipped (an exchange still going on)")
+                     "but skipped (an exchange still going on, or the group connecting)")
+        return connected
+
+    def _log_failed_connect(self) -> None:
+        err = self._group.exception()
+        self.log(f"peer snapshots' group of epoch {self._epoch} not made: "
+                 f"{str(err).splitlines()[0][:200] if str(err) else type(err).__name__}; "
+                 "no peer snapshots until the next epoch")
 
     # -------------------------------------------------------------- steps
     def busy(self) -> bool:
-        """Asked before each commit: is this worker's exchange still going on (or did it
-        fail in this epoch)? Never waits."""
+        """Asked before each commit: is this worker's exchange still going on, or its group
+        still connecting (or did either fail in this epoch)? Never waits."""
+        if self._group is not None and not self._group.done():
+            self._hurry_connection()
+            return True
+        if self._group is not None and self._group.exception() is not None:
+            self._log_failed_connect()
+            self._broken, self._group = True, None
         if self._inflight is not None and self._inflight.done():
             future, self._inflight = self._inflight, None
             try:
@@ -205,7 +261,7 @@ class PeerSnapshots:
             self.skipped += due
             if due and self.skipped == 1:
                 self.log(f"peer snapshot of step {step} skipped: {busy} worker(s) still sending the last "
-                         "one (a link too slow for the interval stretches it)")
+                         "one, or connecting (a link too slow for the interval stretches it)")
             return
         self._forget_before(step)
         if not due:
@@ -218,7 +274,7 @@ class PeerSnapshots:
             self.rounds[step] = current
         if self._group is not None and (self._outgoing or self._incoming):
             self._inflight_step = step
-            self._inflight = self._pool.submit(self._exchange, self._group, current,
+            self._inflight = self._pool.submit(self._exchange, self._group.result(), current,
                                                self._outgoing, self._incoming)
 
     def _forget_before(self, step: int) -> None:
@@ -251,7 +307,7 @@ class PeerSnapshots:
             return dict(found.shards)
 
     # ----------------------------------------------------------- exchange
-    def _exchange(self, group: dist.ProcessGroup, current: SnapshotRound, outgoing: dict[int, list[Shard]],
+    def _exchange(self, group, current: SnapshotRound, outgoing: dict[int, list[Shard]],
                   incoming: dict[int, list[Shard]]) -> None:
         """Send this worker's owned shards to their holders and receive the ones placed
         here: headers first (each message's dtypes and sizes), then the data. The round
@@ -261,33 +317,95 @@ class PeerSnapshots:
         headers = {(peer, i): torch.empty(_HEADER, dtype=torch.int64) for peer, shards in incoming.items()
                    for i in range(len(shards))}
         # Tags: message i of a pair carries its header as 8i, its flat tensors as 8i+1+j.
-        ops = [dist.P2POp(dist.isend, _header(flat), peer, group=group, tag=8 * i) for peer, i, flat in sends]
-        ops += [dist.P2POp(dist.irecv, h, peer, group=group, tag=8 * i) for (peer, i), h in headers.items()]
-        _wait_all(ops)
+        # The group's ranks are the plan's (its backend's own send and recv: it is in no
+        # registry for `dist.isend` to look it up in).
+        works = [group.send([_header(flat)], peer, 8 * i) for peer, i, flat in sends]
+        works += [group.recv([h], peer, 8 * i) for (peer, i), h in headers.items()]
+        _wait_all(works)
         buffers = {key: _buffers(h, self._spare.pop(incoming[key[0]][key[1]], None)) for key, h in headers.items()}
-        ops = [dist.P2POp(dist.isend, t, peer, group=group, tag=8 * i + 1 + j)
-               for peer, i, flat in sends for j, t in enumerate(flat)]
-        ops += [dist.P2POp(dist.irecv, t, peer, group=group, tag=8 * i + 1 + j)
-                for (peer, i), flat in buffers.items() for j, t in enumerate(flat)]
-        _wait_all(ops)
+        works = [group.send([t], peer, 8 * i + 1 + j) for peer, i, flat in sends for j, t in enumerate(flat)]
+        works += [group.recv([t], peer, 8 * i + 1 + j) for (peer, i), flat in buffers.items() for j, t in enumerate(flat)]
+        _wait_all(works)
         received = {incoming[peer][i]: flat for (peer, i), flat in buffers.items()}
         with self._lock:
             current.shards.update(received)
 
 
-def _idle_priority() -> None:
-    """The calling thread (and the threads it starts) runs only when a CPU is otherwise
-    idle: Linux's `SCHED_IDLE`, which applies to the calling thread alone. Elsewhere it
-    runs as it is (their calls of this kind would lower the whole process)."""
+CONNECT_AT_IDLE_S = 0.5
+"""How long the snapshot group connects at idle priority before it goes on at normal
+priority: many times its connection on two busy cores (20-30 ms), far below the
+connect timeout its peers wait under (`comm.connect_timeout_s`)."""
+
+
+def _idle_priority(threads: Iterable[int] = (0,)) -> None:
+    """`threads` (the calling one by default, and the threads it starts later) run only
+    when a CPU is otherwise idle: Linux's `SCHED_IDLE`, which applies to one thread at a
+    time. Elsewhere they run as they are (their calls of this kind would lower the whole
+    process)."""
+    for tid in threads:
+        try:
+            os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+        except (AttributeError, OSError):  # (or a thread that ended meanwhile)
+            pass
+
+
+def _normal_priority(threads: Iterable[int]) -> None:
+    """`threads` back to Linux's normal policy (what `_idle_priority` undoes)."""
+    for tid in threads:
+        try:
+            os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
+        except (AttributeError, OSError):
+            pass
+
+
+GLOO_THREADS = frozenset({"gloo_tcp_loop", "pt_gloo_runloop"})
+"""The names gloo gives the threads of a group: its transport's event loop, its work queue."""
+
+
+def _threads() -> set[int]:
+    """The ids of this process's threads (Linux's /proc; empty elsewhere)."""
     try:
-        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-    except (AttributeError, OSError):
-        pass
+        return {int(tid) for tid in os.listdir("/proc/self/task")}
+    except OSError:
+        return set()
 
 
-def _wait_all(ops: list) -> None:
-    for work in (dist.batch_isend_irecv(ops) if ops else []):
+def _gloo_threads(threads: Iterable[int]) -> list[int]:
+    """Those of `threads` that gloo started (by their names): a Python thread started
+    meanwhile elsewhere in the process is left as it is."""
+    found = []
+    for tid in threads:
+        try:
+            with open(f"/proc/self/task/{tid}/comm", encoding="utf-8") as f:
+                if f.read().strip() in GLOO_THREADS:
+                    found.append(tid)
+        except OSError:  # ended meanwhile
+            continue
+    return found
+
+
+def _wait_all(works: list) -> None:
+    for work in works:
         work.wait()
+
+
+def _on_thread(fn, *args, name: str) -> Future:
+    """`fn(*args)` on a new thread; its result, or what it raised, in the returned future,
+    whose `thread_id` is the thread's (Linux's id, for its priority). A thread of its
+    own, not the exchange pool's: a connection left behind by a failed epoch must not
+    hold up the next epoch's exchanges."""
+    future: Future = Future()
+
+    def run() -> None:
+        try:
+            future.set_result(fn(*args))
+        except BaseException as err:  # noqa: BLE001 - handed to whoever waits on the future
+            future.set_exception(err)
+
+    thread = threading.Thread(target=run, name=name, daemon=True)
+    thread.start()
+    future.thread_id = thread.native_id
+    return future
 
 
 def _header(flat: FlatShard) -> torch.Tensor:

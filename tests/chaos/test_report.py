@@ -52,6 +52,9 @@ def test_a_report_from_commit_logs_round_trips_and_draws(tmp_path):
     recovery, = report.recoveries
     assert recovery.detect_s == 0.5 and recovery.total_s == 1.5  # iteration 3 again at t0 + 7
     assert abs(recovery.rendezvous_s - 0.1) < 1e-9
+    # From step 4's commit (t0 + 4.01) to the next (t0 + 7), one step of 1 s of it training.
+    assert abs(recovery.pause_s - 2.99) < 1e-9 and report.own_step_s == 1.0
+    assert abs(recovery.switch_s - 1.99) < 1e-9
 
     write_report(report, tmp_path)
     again = load_report(tmp_path / "report.json")

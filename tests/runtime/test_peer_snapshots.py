@@ -14,6 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from planaria.runtime import peer_snapshots
 from planaria.runtime.contract.exactly_once import CommitRecord
@@ -47,14 +48,20 @@ def snapshots(monkeypatch):
 
     monkeypatch.setattr(PeerSnapshots, "_exchange", exchange)
     monkeypatch.setattr(peer_snapshots, "flatten_shard", lambda engine, layer, into=None: (torch.full((1,), layer),))
-    monkeypatch.setattr(peer_snapshots.dist, "new_group", lambda **kwargs: "group")
-    monkeypatch.setattr(peer_snapshots, "set_operation_timeout", lambda group, timeout: None)
+    monkeypatch.setattr(PeerSnapshots, "_connect", lambda self, store, rank, size: "group")
+    monkeypatch.setattr(peer_snapshots.dist.distributed_c10d, "_get_default_store", lambda: dist.HashStore())
     logs: list[str] = []
     s = PeerSnapshots(1, 2, timeout_s=10, connect_timeout_s=10, log=logs.append)
     engine = Engine(plan=PLAN, rank=PLAN.rank_of_worker()[ME], tp=SimpleNamespace(rank=0),
                     last_stepped=-1, last_commit=None)
-    s.begin_epoch(engine, 0)
+    begin(s, engine, 0)
     return SimpleNamespace(s=s, engine=engine, gates=gates, outcome=outcome, logs=logs)
+
+
+def begin(s: PeerSnapshots, engine, epoch: int) -> None:
+    """Enter `epoch` and wait for its group's connection (made on a thread)."""
+    s.begin_epoch(engine, epoch)
+    s._group.result(timeout=10)
 
 
 def step(t, iteration: int, busy: int | None = None) -> None:
@@ -135,7 +142,7 @@ def test_a_failed_exchange_ends_the_rounds_of_the_epoch_not_the_epoch(snapshots)
     assert t.s.busy() and len(t.gates) == 2  # still "busy": no round is taken any more
     assert any("not sent whole" in line for line in t.logs), t.logs
     t.s.end_epoch()
-    t.s.begin_epoch(t.engine, 1)  # a new epoch takes rounds again
+    begin(t.s, t.engine, 1)  # a new epoch takes rounds again
     assert not t.s.busy()
 
 
@@ -149,7 +156,7 @@ def test_rounds_the_next_plan_trains_again_are_dropped(snapshots):
     t.s.end_epoch()
     back = dataclasses.replace(PLAN, epoch=1, first_iteration=2)
     t.engine.plan = back
-    t.s.begin_epoch(t.engine, 1)  # the job went back to step 1: round 2 is of a timeline it left
+    begin(t.s, t.engine, 1)  # the job went back to step 1: round 2 is of a timeline it left
     assert sorted(kept(t)) == [1]
 
 
@@ -172,3 +179,123 @@ def test_a_copy_is_the_shards_bits_apart_from_it_and_reuses_a_forgotten_ones_mem
     again = peer_snapshots.flatten_shard(engine, 0, into=copy)
     assert all(a.data_ptr() == b.data_ptr() for a, b in zip(again, copy))
     assert all(torch.equal(a, b) for a, b in zip(again, peer_snapshots.flatten_shard(engine, 0)))
+
+
+def test_no_round_is_taken_until_the_group_is_connected_nor_is_one_left_behind_waited_for(monkeypatch):
+    """The epoch's snapshot group connects while its first steps train: until it is up
+    this worker is busy (its commits say so, and no worker takes a round). A peer gone
+    while it connects: the epoch's end does not wait for the connection (only its
+    timeout would end it), and the next epoch makes its own group."""
+    import time
+
+    released = threading.Event()
+    made: list[int] = []
+
+    def connect(self, store, rank, size):
+        if not made:
+            made.append(0)
+            released.wait(30)  # a connection that does not complete until the test says
+            raise RuntimeError("Connection refused")
+        made.append(1)
+        return "group"
+
+    monkeypatch.setattr(PeerSnapshots, "_connect", connect)
+    monkeypatch.setattr(PeerSnapshots, "_exchange", lambda *args: None)
+    monkeypatch.setattr(peer_snapshots, "flatten_shard", lambda engine, layer, into=None: (torch.full((1,), layer),))
+    logs: list[str] = []
+    s = PeerSnapshots(1, 2, timeout_s=10, connect_timeout_s=10, log=logs.append)
+    engine = Engine(plan=PLAN, rank=PLAN.rank_of_worker()[ME], tp=SimpleNamespace(rank=0),
+                    last_stepped=-1, last_commit=None)
+    t = SimpleNamespace(s=s, engine=engine)
+    s.begin_epoch(engine, 0, dist.HashStore())
+    step(t, 0)
+    step(t, 1)
+    assert s.busy() and s.held() == () and s.skipped == 2
+    started = time.monotonic()
+    assert s.end_epoch() == []
+    assert time.monotonic() - started < 2
+    assert any("not connected yet; left behind" in line for line in logs), logs
+    s.begin_epoch(engine, 1, dist.HashStore())
+    assert s._group.result(timeout=10) == "group" and made == [0, 1]
+    step(t, 2)
+    assert [h.step for h in s.held()] == [2]
+    assert s.end_epoch() == ["group"]  # for the worker to retire with the epoch's groups
+    released.set()
+
+
+def test_a_group_that_fails_to_connect_ends_the_rounds_of_its_epoch(monkeypatch):
+    def connect(self, store, rank, size):
+        raise RuntimeError("Connection refused")
+
+    monkeypatch.setattr(PeerSnapshots, "_connect", connect)
+    logs: list[str] = []
+    s = PeerSnapshots(1, 2, timeout_s=10, connect_timeout_s=10, log=logs.append)
+    engine = Engine(plan=PLAN, rank=PLAN.rank_of_worker()[ME], tp=SimpleNamespace(rank=0),
+                    last_stepped=-1, last_commit=None)
+    s.begin_epoch(engine, 0, dist.HashStore())
+    with pytest.raises(RuntimeError):
+        s._group.result(timeout=10)
+    assert s.busy() and s.busy()  # for the rest of the epoch
+    assert [line for line in logs if "not made: Connection refused" in line] == [logs[0]] and len(logs) == 1
+    assert s.end_epoch() == []
+
+
+def test_the_snapshot_group_is_real_gloo_outside_the_registry_and_its_threads_idle():
+    """Two ranks (threads of this process) make the group over one store: it carries a
+    round's messages between them, torch's registry of groups never sees it, and the
+    threads gloo started for it run at idle priority, and no other thread does."""
+    import os
+
+    before = peer_snapshots._threads()
+    store = dist.HashStore()
+    s = [PeerSnapshots(1, 2, timeout_s=10, connect_timeout_s=10) for _ in range(2)]
+    connecting = [peer_snapshots._on_thread(s[r]._connect, dist.PrefixStore("peer-snapshots/", store), r, 2,
+                                            name=f"connect-{r}") for r in range(2)]
+    groups = [c.result(timeout=30) for c in connecting]
+    assert not dist.is_initialized()
+    sent = SnapshotRoundFor(0, {(4, 0): (torch.arange(6, dtype=torch.float32), torch.ones(2, dtype=torch.float64))})
+    got = SnapshotRoundFor(0, {})
+    exchanges = [peer_snapshots._on_thread(s[0]._exchange, groups[0], sent, {1: [(4, 0)]}, {}, name="x0"),
+                 peer_snapshots._on_thread(s[1]._exchange, groups[1], got, {}, {0: [(4, 0)]}, name="x1")]
+    for e in exchanges:
+        e.result(timeout=30)
+    assert [t.tolist() for t in got.shards[(4, 0)]] == [list(map(float, range(6))), [1.0, 1.0]]
+    gloo = peer_snapshots._gloo_threads(peer_snapshots._threads() - before)
+    assert gloo, "no gloo thread found by name"
+    if hasattr(os, "SCHED_IDLE"):
+        assert {os.sched_getscheduler(tid) for tid in gloo} == {os.SCHED_IDLE}
+        assert os.sched_getscheduler(0) != os.SCHED_IDLE
+
+
+def SnapshotRoundFor(step: int, shards: dict) -> peer_snapshots.SnapshotRound:
+    return peer_snapshots.SnapshotRound(CommitRecord(step, 1.0, 1.0), 0, dict(shards))
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "SCHED_IDLE"), reason="Linux scheduling policies")
+def test_a_connection_starved_at_idle_priority_goes_on_at_normal_priority(monkeypatch):
+    """No CPU left idle by training: the group's connection, at idle priority, is raised
+    to normal priority once it has taken `CONNECT_AT_IDLE_S`, and then completes."""
+    import os
+    import time
+
+    def connect(self, store, rank, size):
+        peer_snapshots._idle_priority()
+        deadline = time.monotonic() + 20
+        while os.sched_getscheduler(0) == os.SCHED_IDLE:  # "starved" until raised
+            assert time.monotonic() < deadline, "never raised"
+            time.sleep(0.01)
+        return "group"
+
+    monkeypatch.setattr(PeerSnapshots, "_connect", connect)
+    logs: list[str] = []
+    s = PeerSnapshots(1, 2, timeout_s=10, connect_timeout_s=10, log=logs.append)
+    engine = Engine(plan=PLAN, rank=PLAN.rank_of_worker()[ME], tp=SimpleNamespace(rank=0),
+                    last_stepped=-1, last_commit=None)
+    started = time.monotonic()
+    s.begin_epoch(engine, 0, dist.HashStore())
+    while s.busy():  # as before each commit
+        assert time.monotonic() - started < 20
+        time.sleep(0.01)
+    assert time.monotonic() - started >= peer_snapshots.CONNECT_AT_IDLE_S
+    assert s._group.result() == "group"
+    assert sum("goes on at normal priority" in line for line in logs) == 1, logs
