@@ -72,6 +72,13 @@ class StoreCoordinator:
                                    "is the control plane alive?")
             time.sleep(poll_pause(started, FAST_FOR_S, POLL_S))
 
+    def prepared_record(self, epoch: int) -> EpochRecord | None:
+        """The next epoch's record as the controller prepared it before asking `epoch` to
+        stop (`keys.epoch_prepared`: a planned leave), or None. Its plan's first iteration
+        is a placeholder: the step after the one the stop came after."""
+        value = read_if_present(self.store, keys.epoch_prepared(epoch))
+        return None if value is None else EpochRecord.from_json(value)
+
     def rendezvous_store(self, epoch: int) -> dist.Store:
         """The epoch's process-group rendezvous, given up as soon as the control plane
         moves past the epoch: a peer that dies before it has registered would otherwise

@@ -232,31 +232,38 @@ class ElasticWorker:
         gc.freeze()
         epoch = -1
         wait_s = 4 * self.cfg.comm.timeout_s + 60
+        prepared: tuple[int, EpochRecord] | None = None
         while True:
             try:
-                epoch, record = self.coordinator.wait_for_epoch(epoch, wait_s)
+                epoch, record = prepared or self.coordinator.wait_for_epoch(epoch, wait_s)
             except JobEnded as end:
                 self._log(f"job ended: {end.outcome}")
                 if self.wandb is not None:
                     self.wandb.close()
                 return 0 if end.outcome == "ok" else 1
             if self.worker[0] in record.leaving:
-                return self._leave(epoch, record)
+                code = self._leave(epoch, record)
+                if code is not None:
+                    return code
+                prepared = None
+                continue
             if self.worker not in record.plan.rank_of_worker():
                 self._log(f"epoch {epoch}: not in the plan, waiting")
                 self.coordinator.mark_ready(epoch)  # out of any epoch: it can be planned in
                 continue
             try:
-                self._run_epoch(epoch, record)
+                prepared = self._run_epoch(epoch, record)
             except TornStep as err:
                 # No status: the control plane sees a worker gone, as if its node failed,
                 # and has its layers copied from their replicas (or a checkpoint).
                 self._log(f"epoch {epoch}: leaving the job: {err}")
                 return EXIT_TORN_STEP
 
-    def _leave(self, epoch: int, record: EpochRecord) -> int:
+    def _leave(self, epoch: int, record: EpochRecord) -> int | None:
         """This node leaves with notice: send the layers the new plan takes from this
-        worker (it holds their only copies), then exit."""
+        worker (it holds their only copies), then exit (the exit code). None when the
+        control plane gave the epoch up before the layers were across (a receiver
+        failed): this worker still holds them, and waits for the next epoch's word."""
         # The receivers first build the new epoch's groups and make its other copies (a
         # joiner builds its layers): a leaving worker waits for them as long as the leader
         # waits for a status. Its deadline bounds the wait: its agent stops it there.
@@ -264,9 +271,13 @@ class ElasticWorker:
         if handoff is not None and any(t.src == self.worker for t in handoff.transfers):
             try:
                 stats = exchange_handoff(self.engine, handoff, self.worker, stepped=self.engine.last_stepped >= 0)
-            except (RuntimeError, TimeoutError) as err:  # the leader sees it gone without its word
+            except (RuntimeError, TimeoutError) as err:
                 self._log(f"epoch {epoch}: handing layers over failed: {str(err).splitlines()[0][:300]}")
-                return 1
+                if self.coordinator.reconfigure_requested(epoch):
+                    self._log(f"epoch {epoch} was given up by the control plane; this node still holds its "
+                              "layers and waits for the next epoch")
+                    return None
+                return 1  # the leader sees it gone without its word
             self.coordinator.handed_off(epoch)  # before it exits: it is not a failure of the epoch
             self._log(f"epoch {epoch}: handed {stats.layers_sent} layer shard(s) over "
                       f"({stats.bytes_sent / 2**20:.2f} MiB in {stats.seconds:.2f} s)")
@@ -282,7 +293,13 @@ class ElasticWorker:
         # 0.03-0.05 s slower, two cores, four workers), then drops to the lowest priority.
         # On a host of its own neither changes anything.
         if record.plan.first_iteration < self.cfg.train.steps:  # (else no step is left to train)
-            self.coordinator.wait_until_trained(epoch, LEAVE_LINGER_S)
+            trained = self.coordinator.wait_until_trained(epoch, LEAVE_LINGER_S)
+            if not trained and self.coordinator.reconfigure_requested(epoch):
+                # Given up before it trained (a worker it needed failed): the next plan may
+                # need this worker's layers after all.
+                self._log(f"epoch {epoch} was given up by the control plane before it trained; this node "
+                          "still holds its layers and waits for the next epoch")
+                return None
         _lowest_priority()
         if self.engine is not None:
             self.engine.destroy()
@@ -294,12 +311,15 @@ class ElasticWorker:
                              self.backend, timedelta(seconds=timeout_s or self.cfg.comm.timeout_s))
         return handoff if handoff is not None and self.worker in handoff.participants() else None
 
-    def _run_epoch(self, epoch: int, record: EpochRecord) -> None:
+    def _run_epoch(self, epoch: int, record: EpochRecord) -> tuple[int, EpochRecord] | None:
+        """Train `epoch` until it ends; the next epoch and its record when the controller
+        prepared it before it asked this one to stop (a planned leave), else None."""
         plan = record.plan
         rank = plan.rank_of_worker()[self.worker]
         self._timing = EpochTiming(record_s=time.time())
         finished = False
         early_status: Future | None = None
+        next_record: Future | None = None
         if self._left_out(record):
             # The job went on without this worker (it was cut off, and declared failed): the
             # plan counts on none of its layers, which are of an older step. It joins as a
@@ -346,6 +366,9 @@ class ElasticWorker:
             # the pause at a planned leave or a join); it is out before the epoch is left.
             status = self._status(finished)
             early_status = self._publisher.submit(self.coordinator.publish_status, epoch, status)
+            # A leave's next epoch was prepared before the stop was asked for: read while
+            # the groups close, it spares the wait for every status and the plan.
+            next_record = self._publisher.submit(self.coordinator.prepared_record, epoch)
         except TornStep:
             raise  # past the status below: this worker's state must not be used
         except (RuntimeError, TimeoutError) as err:  # dist errors are RuntimeErrors
@@ -355,13 +378,22 @@ class ElasticWorker:
             if self.late_writer and self.engine is not None and self.engine.last_commit is not None:
                 self._write_late(epoch)  # (a worker that has committed nothing has nothing to write)
         finally:
-            self._leave_epoch()
+            self._leave_epoch(stopped=early_status is not None)
             self._watcher.done.set()
         if early_status is not None:
             early_status.result()  # (raises what the publication raised)
         else:
             self.coordinator.publish_status(epoch, self._status(finished))
-        self.coordinator.publish_timing(epoch, self._timing)  # for reports: after what the controller waits for
+        # For reports: after what the controller waits for (the same thread, in order).
+        self._publisher.submit(self.coordinator.publish_timing, epoch, self._timing)
+        prepared = None if next_record is None else next_record.result()
+        if prepared is None:
+            return None
+        # Every worker stopped after the same step (the commit agreed on it), this one's last.
+        first = self.engine.last_stepped + 1
+        self._log(f"epoch {epoch}: going on to epoch {epoch + 1}, prepared by the controller before the stop, "
+                  f"from iteration {first}")
+        return epoch + 1, replace(prepared, plan=replace(prepared.plan, first_iteration=first))
 
     def _write_late(self, epoch: int) -> None:
         """The fencing test's late writer (`writes_late`): this worker's layers, of its last
@@ -432,7 +464,8 @@ class ElasticWorker:
         # committed step from the logs.
         components = [Call(first_step), Call(lambda engine, ctx: self._record_commit(ctx.result, epoch)),
                       Call(lambda engine, ctx: self.checkpointer.after_step(engine, epoch)),
-                      Call(lambda engine, ctx: self.snapshots.after_step(engine, ctx.result.busy, ctx.last)),
+                      Call(lambda engine, ctx: self.snapshots.after_step(
+                          engine, ctx.result.busy, ctx.last or ctx.result.stop_requested)),
                       evaluation, *([] if write_metrics is None else [Call(write_metrics)]),
                       Call(self._corrupt), Every(self.cfg.audit.every, self._audit)]
         if not run_steps(self.engine, self.dataset, self.cfg.data.seed, first, self.cfg.train.steps, components,
@@ -453,19 +486,20 @@ class ElasticWorker:
             with open(log_path(self.out_dir, AUDIT, self.name), "a", encoding="utf-8") as f:
                 append(f, AuditEntry(step=step, **asdict(mismatch)))
 
-    def _leave_epoch(self) -> None:
+    def _leave_epoch(self, stopped: bool = False) -> None:
         """Tear this epoch's groups down: they leave torch's registry now, and their
         destructors run on a thread at once (`GroupRetirement`: 50-90 ms of every
         reconfiguration's pause, off the path to the status and the next epoch). Closing
         our sockets there, in parallel, still makes peers blocked on us fail within
-        milliseconds instead of at their timeout."""
+        milliseconds instead of at their timeout. `stopped`: at a step boundary all agreed
+        on (a peer snapshot exchange under way goes on: `PeerSnapshots.end_epoch`)."""
         held = GroupRetirement.hold()
         if self.engine is not None:
             self.engine.abandon_epoch()
         if self.metrics is not None:  # a failed epoch's committed steps too; never waiting on the lock
             self.metrics.close()
             self.metrics = None
-        held += self.snapshots.end_epoch()  # its exchange ends; its group goes with the epoch's
+        held += self.snapshots.end_epoch(stopped)  # its exchange ends; its group goes with the epoch's
         if dist.is_initialized():
             try:
                 dist.destroy_process_group()
@@ -496,13 +530,21 @@ class ElasticWorker:
                                  history=lambda after, before, after_epoch: self._metrics_history(
                                      after, before, after_epoch, epoch),
                                  wandb=self.wandb, log=self._log)
-        first_commit = True
+        first_commit_s: float | None = None
+        change_written = False
 
         def write(engine: Engine, ctx) -> None:
-            nonlocal first_commit
+            nonlocal first_commit_s, change_written
             at = self._last_commit[2]  # the commit's own time, logged before the evaluation
-            change = self._epoch_change(epoch, at) if first_commit else None
-            first_commit = False
+            first_commit_s = first_commit_s or at
+            # An epoch prepared before the stop trains before its record is published (the
+            # controller publishes it once the statuses are in): its change is written with
+            # the first step that finds the record.
+            change = None
+            if not change_written:
+                change = self._epoch_change(epoch, first_commit_s, absent=_NOT_PUBLISHED)
+                change_written = change is not _NOT_PUBLISHED
+                change = None if change is _NOT_PUBLISHED else change
             self.metrics.commit(step_metrics(ctx.result, at=at, workers=plan.world_size, mfu=self.mfu,
                                              val_loss=ctx.val_loss), change)
         return write
@@ -521,13 +563,14 @@ class ElasticWorker:
         changes = [change for e in range(after_epoch + 1, epoch) if (change := self._epoch_change(e)) is not None]
         return steps, changes
 
-    def _epoch_change(self, epoch: int, first_commit_s: float | None = None) -> EpochChange | None:
+    def _epoch_change(self, epoch: int, first_commit_s: float | None = None, absent=None) -> EpochChange | None:
         """Epoch `epoch`'s change as the control plane recorded it (`first_commit_s`: when
-        this worker committed its first step, for the epoch it writes); None if unrecorded."""
+        this worker committed its first step, for the epoch it writes); None if unrecorded
+        or unreadable, `absent` if its record is not published (yet)."""
         store = self.coordinator.store
         try:
             if not store.check([keys.epoch_record(epoch)]):
-                return None
+                return absent
             plan = EpochRecord.from_json(store.get(keys.epoch_record(epoch))).plan
             event = store.get(keys.epoch_event(epoch)) if epoch and store.check([keys.epoch_event(epoch)]) else None
         except Exception as err:  # the control plane is away (etcd down): a later writer writes it
@@ -591,6 +634,9 @@ class ElasticWorker:
     def _log(self, message: str) -> None:
         self.console.print(f"[{self.name}] {message}", markup=False)
 
+
+_NOT_PUBLISHED = object()
+"""`_epoch_change`'s answer for an epoch whose record is not published yet."""
 
 LEAVE_LINGER_S = 1.0
 """How long a leaving worker waits at most for the next epoch's first step before it

@@ -114,7 +114,7 @@ class PeerSnapshots:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="peer-snapshots",
                                         initializer=_idle_priority)
         self._inflight: Future | None = None
-        self._inflight_step = -1
+        self._inflight_step = self._inflight_epoch = -1
         self._spare: dict[Shard, FlatShard] = {}
         """Copies of forgotten rounds, written over by the next round's (one per shard)."""
         self._group: Future | None = None
@@ -198,12 +198,18 @@ class PeerSnapshots:
         self.log(f"peer snapshots' group of epoch {self._epoch} still connecting after {CONNECT_AT_IDLE_S} s at "
                  "idle priority (no CPU left idle): it goes on at normal priority")
 
-    def end_epoch(self) -> list:
+    def end_epoch(self, stopped: bool = False) -> list:
         """As the epoch's groups go: the exchange in flight ends (whole, or failed on a
         peer gone or released: its round then keeps only this worker's own shards); a
         group still connecting is left behind (a peer gone, or an epoch that failed at
         once: it fails on its own, and no exchange waits on it). Returns the group when
-        it connected, for the caller to retire with the epoch's others."""
+        it connected, for the caller to retire with the epoch's others.
+
+        `stopped`: the epoch stopped at a step boundary every worker agreed on, so its
+        peers are alive and the exchange completes: it goes on while the next epoch
+        begins (it holds its group), instead of adding its remaining time to the pause
+        (up to a step on two busy cores; a whole round of a large model's state over the
+        network). Until it ends, the next epoch counts this worker busy."""
         connected = []
         if self._group is not None and not self._group.done():
             self.log(f"peer snapshots' group of epoch {self._epoch} not connected yet; left behind")
@@ -211,7 +217,7 @@ class PeerSnapshots:
             self._log_failed_connect()
         elif self._group is not None:
             connected.append(self._group.result())
-        if self._inflight is not None:
+        if self._inflight is not None and not stopped:
             try:
                 self._inflight.result()
             except Exception as err:  # the epoch failed; its status says why
@@ -246,17 +252,20 @@ class PeerSnapshots:
             try:
                 future.result()
             except Exception as err:  # noqa: BLE001 - no more rounds this epoch; training goes on
-                self._broken = True
+                # (one that went on past the stop of an earlier epoch says nothing of this one's)
+                self._broken = self._broken or self._inflight_epoch == self._epoch
                 self.log(f"peer snapshot of step {self._inflight_step} not sent whole "
                          f"({str(err).splitlines()[0][:200] if str(err) else type(err).__name__}); "
                          "no more peer snapshots until the next epoch")
         return self._inflight is not None or self._broken
 
-    def after_step(self, engine: "Engine", busy: int, last: bool) -> None:
+    def after_step(self, engine: "Engine", busy: int, ends_epoch: bool) -> None:
         """After each committed step of this epoch (the step's commit record is the
-        engine's; `busy`: the workers whose exchange its commit found going on)."""
+        engine's; `busy`: the workers whose exchange its commit found going on;
+        `ends_epoch`: the job's last step, or one the workers agreed to stop after, where
+        no round is taken: it would be waited for as the epoch ends)."""
         step = engine.last_stepped
-        due = self.enabled and (step + 1) % self.every == 0 and not last
+        due = self.enabled and (step + 1) % self.every == 0 and not ends_epoch
         if busy:
             self.skipped += due
             if due and self.skipped == 1:
@@ -273,7 +282,7 @@ class PeerSnapshots:
         with self._lock:
             self.rounds[step] = current
         if self._group is not None and (self._outgoing or self._incoming):
-            self._inflight_step = step
+            self._inflight_step, self._inflight_epoch = step, self._epoch
             self._inflight = self._pool.submit(self._exchange, self._group.result(), current,
                                                self._outgoing, self._incoming)
 

@@ -105,6 +105,15 @@ def epoch_record(epoch: int) -> str:
     return _epoch(epoch) + "record"
 
 
+def epoch_prepared(epoch: int) -> str:
+    """The next epoch's record, prepared by the controller while `epoch` still trains,
+    before it asks it to stop for a planned leave. Its plan's `first_iteration` is a
+    placeholder: a worker that stopped at the agreed step boundary enters it from the
+    step after that one, without waiting for the controller; the controller then
+    publishes it as the next epoch's record (docs/spot.md)."""
+    return _epoch(epoch) + "prepared"
+
+
 def epoch_status(epoch: int, worker: Worker) -> str:
     return epoch_statuses(epoch) + worker_key(worker)
 

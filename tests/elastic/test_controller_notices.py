@@ -5,6 +5,7 @@ to the failure path, and a leaving worker that vanishes before its copies landed
 the new epoch instead of leaving its receivers waiting."""
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 
@@ -13,6 +14,7 @@ import torch.distributed as dist
 from planaria.elastic.controller import Controller, leave_window_s
 from planaria.runtime.config import load_config
 from planaria.runtime.contract import keys
+from planaria.runtime.contract.keys import worker_key
 from planaria.runtime.contract.epochs import EpochRecord, Progress
 from planaria.runtime.contract.membership import LeaveNotice
 from planaria.runtime.planning import build_planner, cost_model
@@ -72,6 +74,69 @@ def test_a_noticed_node_trains_on_then_leaves_within_its_window_handing_its_laye
     # Only what no staying worker holds comes from the leaving ones.
     staying_held = {(layer, 0) for w in members if w[0] not in last for layer in plan.layers_of(plan.rank_of_worker()[w])}
     assert all((t.layer, t.tp_rank) not in staying_held for t in handed)
+
+
+def test_a_leave_is_planned_while_the_epoch_trains_and_published_as_prepared():
+    """The next epoch is written as prepared before the stop is asked for (a worker that
+    stops enters it at once), and published as it was, from the step after the stop."""
+    notices: dict = {}
+    controller, store, logs, members, plan = job(notices)
+    notices["node3"] = notice(5.0)
+    seen = []
+
+    def workers() -> None:
+        store.wait([keys.epoch_reconfigure(0)])
+        seen.append(EpochRecord.from_json(store.get(keys.epoch_prepared(0))))  # there before the stop
+        report_statuses(store, plan, 7, members)
+
+    stopped = threading.Thread(target=workers)
+    stopped.start()
+    controller.poll(lambda: set(members), kill=lambda w: None)
+    stopped.join()
+    (prepared,) = seen
+    record = EpochRecord.from_json(store.get(keys.epoch_record(1)))
+    assert record.plan.first_iteration == 8 and record.plan.epoch == 1
+    assert record == EpochRecord(dataclasses.replace(prepared.plan, first_iteration=8),
+                                 transfers=prepared.transfers, leaving=("node3",))
+    assert "node3" not in record.plan.nodes() and not store.check([keys.epoch_reconfigure(1)])
+    (event,) = controller.events
+    assert event.reason == "leave" and event.left == ("node3",) and event.first_iteration == 8
+    assert any("planned before the stop" in line for line in logs), logs
+
+
+def test_a_worker_lost_during_a_prepared_leave_ends_the_prepared_epoch_at_once():
+    """A worker of the prepared plan dies while the epoch stops: workers that stopped may
+    be in the prepared epoch already, so it is published all the same, declared failed
+    first; the next epoch is planned from the stop's statuses, the leaving node's among
+    them (it still holds its layers: here the last stage's only other copy)."""
+    notices: dict = {}
+    controller, store, logs, members, plan = job(notices)
+    leaving = plan.pipelines[0].stages[-1].node
+    dead = next(w for w in members if w[0] == plan.pipelines[1].stages[-1].node)
+    notices[leaving] = notice(5.0)
+    alive = set(members)
+
+    def workers() -> None:
+        store.wait([keys.epoch_reconfigure(0)])
+        assert store.check([keys.epoch_prepared(0)])
+        alive.discard(dead)  # died before it reported
+        report_statuses(store, plan, 7, [w for w in members if w != dead])
+
+    stopped = threading.Thread(target=workers)
+    stopped.start()
+    controller.poll(lambda: set(alive), kill=lambda w: None)
+    stopped.join()
+    prepared = EpochRecord.from_json(store.get(keys.epoch_record(1)))
+    assert dead in prepared.plan.rank_of_worker()
+    assert store.get(keys.epoch_reconfigure(1)) == keys.FAILURE.encode()
+    assert any("ended at once" in line for line in logs), logs
+    assert controller.epoch == 2, logs
+    record = EpochRecord.from_json(store.get(keys.epoch_record(2)))
+    assert dead not in record.plan.rank_of_worker() and leaving not in record.plan.nodes()
+    assert record.plan.first_iteration == 8 and record.restore is None and record.snapshot is None
+    assert record.leaving == (leaving,) and any(t.src[0] == leaving for t in record.transfers)
+    (event,) = controller.events
+    assert event.epoch == 2 and event.failed == (worker_key(dead),) and event.left == (leaving,)
 
 
 def test_a_notice_too_close_to_act_on_is_left_to_the_failure_path():

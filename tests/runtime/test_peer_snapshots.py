@@ -69,7 +69,7 @@ def step(t, iteration: int, busy: int | None = None) -> None:
     mine = t.s.busy()
     t.engine.last_stepped = iteration
     t.engine.last_commit = CommitRecord(iteration, float(iteration), 1.0)
-    t.s.after_step(t.engine, int(mine) + (busy or 0), last=False)
+    t.s.after_step(t.engine, int(mine) + (busy or 0), ends_epoch=False)
 
 
 def kept(t) -> dict[int, list[int]]:
@@ -299,3 +299,45 @@ def test_a_connection_starved_at_idle_priority_goes_on_at_normal_priority(monkey
     assert time.monotonic() - started >= peer_snapshots.CONNECT_AT_IDLE_S
     assert s._group.result() == "group"
     assert sum("goes on at normal priority" in line for line in logs) == 1, logs
+
+
+def test_at_a_stop_the_exchange_under_way_goes_on_into_the_next_epoch(snapshots):
+    """A stop at a step boundary: the epoch's end does not wait for the exchange in
+    flight (its peers are alive; it completes), no round is taken at the stop's step, and
+    the next epoch counts this worker busy until the exchange is over. Its failure (a
+    leaving peer gone first) ends nothing of the next epoch's rounds."""
+    import time
+
+    t = snapshots
+    step(t, 0)  # round 0 in flight
+    t.engine.last_stepped, t.engine.last_commit = 1, CommitRecord(1, 1.0, 1.0)
+    t.s.after_step(t.engine, 1, ends_epoch=True)  # the stop's step: busy anyway, and no round
+    started = time.monotonic()
+    assert t.s.end_epoch(stopped=True) == ["group"]
+    assert time.monotonic() - started < 1 and len(t.gates) == 1
+    t.engine.plan = dataclasses.replace(PLAN, epoch=1, first_iteration=2)
+    begin(t.s, t.engine, 1)
+    assert t.s.busy()  # round 0's exchange still going on
+    release(t, 0)
+    wait_idle(t)
+    assert kept(t) == {0: [0, 1, 2, 3, 4]}  # whole, after the epoch it began in
+    step(t, 2)
+    release(t, 1)
+    wait_idle(t)
+    t.outcome["fail"] = True
+    step(t, 3)
+    assert t.s.end_epoch(stopped=True) == ["group"]
+    t.engine.plan = dataclasses.replace(PLAN, epoch=2, first_iteration=4)
+    begin(t.s, t.engine, 2)
+    release(t, 2)  # round 3's exchange fails in epoch 2: no word of epoch 2's own
+    wait_idle(t)
+    t.outcome["fail"] = False
+    step(t, 4)
+    assert 4 in kept(t)
+
+
+def test_no_round_is_taken_at_a_step_that_ends_the_epoch(snapshots):
+    t = snapshots
+    t.engine.last_stepped, t.engine.last_commit = 0, CommitRecord(0, 1.0, 1.0)
+    t.s.after_step(t.engine, 0, ends_epoch=True)
+    assert kept(t) == {} and t.gates == []
