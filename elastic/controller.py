@@ -500,8 +500,7 @@ class Controller:
         prepared (`keys.epoch_prepared`) before the stop is asked for: a worker that stops
         at the agreed step boundary enters it at once, instead of waiting for every
         status, this plan and its publication (30-40 ms of the pause with four workers on
-        two cores; with many workers, that many more statuses to wait for). The issue's
-        "plans the job without the leaving nodes at once, while they still train"."""
+        two cores; with many workers, that many more statuses to wait for)."""
         try:
             record = self._leave_plan(alive_now)
         except (JobFailed, ValueError):  # no plan now: the usual way says why, after the statuses

@@ -114,13 +114,17 @@ class _EpochWatcher(threading.Thread):
         self.requested, self.done, self._local = threading.Event(), threading.Event(), threading.Event()
 
     def run(self) -> None:
-        while not self.done.wait(self.period_s):
+        # Asked at once, then every period: an epoch can be over before it began (one that
+        # a planned leave prepared, given up during the stop: `Controller._publish_prepared`).
+        while True:
             try:
                 self._publish_progress()
                 reason = self.coordinator.epoch_over(self.epoch)
             except Exception:  # the store is unreachable: keep training, ask again later
-                continue
+                reason = None
             if reason is None:
+                if self.done.wait(self.period_s):
+                    return
                 continue
             self.requested.set()
             if reason == keys.FAILURE and self.release is not None:

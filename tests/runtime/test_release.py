@@ -230,3 +230,25 @@ def test_a_worker_that_leaves_its_epoch_or_builds_layers_after_the_release_is_le
         watcher.done.set()  # then out of the epoch
     watcher.join(timeout=10)
     assert exits == [] and not watcher.is_alive()
+
+
+def test_an_epoch_given_up_before_it_began_is_seen_at_once_not_a_period_later():
+    """A planned leave's prepared epoch can be declared failed before a worker enters it
+    (a worker it needed failed during the stop): the watcher asks as it starts, so the
+    worker never trains in it, whatever its period."""
+    from types import SimpleNamespace
+
+    from planaria.runtime.contract import keys
+    from planaria.runtime.coordination import StoreCoordinator
+    from planaria.runtime.elastic_worker import _EpochWatcher
+
+    store = dist.HashStore()
+    store.set(keys.epoch_reconfigure(1), keys.FAILURE)
+    released = []
+    release = SimpleNamespace(release=lambda: released.append(1) or "released")
+    watcher = _EpochWatcher(StoreCoordinator(store, ("node0", 0)), 1, release, lambda m: None,
+                            period_s=60, stuck_s=0)
+    watcher.start()
+    assert watcher.requested.wait(5) and released == [1]
+    watcher.done.set()
+    watcher.join(timeout=5)
