@@ -4,7 +4,7 @@
 #                # (ARGS="--notice 30": every removal announced 30 s ahead, docs/spot.md)
 #   make soak-net  # the soak on simulated hosts, network faults mixed in (root and iproute2)
 #   make train   # train configs/tiny.yaml in 2 processes, plan chosen by the planner (torchrun, CPU or GPU)
-#   make test    # the test suite (about 20 minutes on 2 CPU cores, as busy as the machine is)
+#   make test    # the test suite (10 to 20 minutes on 2 CPU cores, as fast and as busy as the machine is)
 #   make test-slow  # the longer scenarios kept out of it (30 to 40 minutes)
 PYTHON ?= python3
 NPROC ?= 2

@@ -390,7 +390,12 @@ class ElasticWorker:
             self.coordinator.publish_status(epoch, self._status(finished))
         # For reports: after what the controller waits for (the same thread, in order).
         self._publisher.submit(self.coordinator.publish_timing, epoch, self._timing)
-        prepared = None if next_record is None else next_record.result()
+        prepared = None
+        if next_record is not None:
+            try:
+                prepared = next_record.result()
+            except Exception as err:  # the store is away: the record is waited for as after any epoch
+                self._log(f"epoch {epoch}: the next epoch's prepared record could not be read ({err})")
         if prepared is None:
             return None
         # Every worker stopped after the same step (the commit agreed on it), this one's last.
