@@ -55,6 +55,7 @@ import torch
 import torch.distributed as dist
 
 from planaria.runtime.contract.exactly_once import CommitRecord, SnapshotHeld
+from planaria.runtime.release import shut_down_sockets, socket_inodes
 from planaria.runtime.transfer import by_dtype, layer_state_tensors
 from planaria.templates.snapshots import Shard, owners, snapshot_placement
 
@@ -120,6 +121,8 @@ class PeerSnapshots:
         self._group: Future | None = None
         """The epoch's gloo group for the exchange (`_connect`), being made on a thread."""
         self._connecting: tuple[float, set[int], list[int]] = (0.0, set(), [])
+        self._sockets: set[int] = set()
+        """The inodes of the epoch's group's connections (`_connect`)."""
         """When the group began to connect, the process's threads then, and those given
         normal priority since (`_hurry_connection`)."""
         self._epoch, self._first = -1, 0
@@ -160,8 +163,9 @@ class PeerSnapshots:
         if store is None:
             store = dist.distributed_c10d._get_default_store()
         self._connecting = (time.monotonic(), _threads(), [])
+        self._sockets = set()
         self._group = _on_thread(self._connect, dist.PrefixStore("peer-snapshots/", store),
-                                 engine.rank, plan.world_size, name=f"peer-snapshots-connect-{epoch}")
+                                 engine.rank, plan.world_size, self._sockets, name=f"peer-snapshots-connect-{epoch}")
         rank_of = plan.rank_of_worker()
         me = plan.worker(engine.rank)
         owner_of = owners(plan)
@@ -172,17 +176,19 @@ class PeerSnapshots:
                 if holder == me:
                     self._incoming.setdefault(rank_of[owner_of[shard]], []).append(shard)
 
-    def _connect(self, store: dist.Store, rank: int, size: int):
+    def _connect(self, store: dist.Store, rank: int, size: int, sockets: set[int]):
         """The epoch's snapshot group: a gloo backend over every rank of the epoch (its
         ranks are the plan's), made directly rather than through `dist.new_group`, so
         that it is in no registry of torch's (module docstring). It connects under the
         connect timeout, then takes the operations' timeout. On the calling thread, at
         idle priority (`busy` raises it if it takes long); gloo's threads for the group
-        are left at idle priority."""
-        before = _threads()
+        are left at idle priority. `sockets` receives the inodes of the sockets opened
+        meanwhile, the group's connections (`end_epoch` shuts them down after a failure)."""
+        before, opened = _threads(), set(socket_inodes())
         _idle_priority()
         group = dist.ProcessGroupGloo(store, rank, size, timedelta(seconds=self.connect_timeout_s))
         group._set_default_timeout(timedelta(seconds=self.timeout_s))  # what torch's _set_pg_timeout calls
+        sockets.update(set(socket_inodes()) - opened)
         _idle_priority(_gloo_threads(_threads() - before))
         return group
 
@@ -218,6 +224,7 @@ class PeerSnapshots:
         elif self._group is not None:
             connected.append(self._group.result())
         if self._inflight is not None and not stopped:
+            self._release_exchange()
             try:
                 self._inflight.result()
             except Exception as err:  # the epoch failed; its status says why
@@ -230,6 +237,22 @@ class PeerSnapshots:
             self.log(f"peer snapshots of epoch {self._epoch}: {self.taken} round(s) taken, {self.skipped} due "
                      "but skipped (an exchange still going on, or the group connecting)")
         return connected
+
+    def _release_exchange(self, grace_s: float = 0.2) -> None:
+        """After a failure, an exchange under way may wait on a live peer whose own exchange
+        failed on the dead one (it never sends the rest), while that peer's epoch end
+        waits on its exchange in turn: both until the operations' timeout (minutes), their
+        workers stuck in their epoch's end. One still going on after `grace_s` has its
+        group's connections shut down (as a release does), so that it fails at once, and
+        the peers' with it."""
+        try:
+            self._inflight.result(timeout=grace_s)
+        except Exception:  # done (whole or failed: said by the caller), or still going on
+            pass
+        if not self._inflight.done():
+            count = shut_down_sockets(self._sockets.__contains__)
+            self.log(f"peer snapshot of step {self._inflight_step} still being exchanged as the epoch failed; "
+                     f"its {count} connection(s) shut down")
 
     def _log_failed_connect(self) -> None:
         err = self._group.exception()

@@ -40,7 +40,7 @@ import logging
 import os
 import socket
 import threading
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from concurrent.futures import ThreadPoolExecutor
 
 import torch.distributed as dist
@@ -111,9 +111,14 @@ class SocketRelease:
         time, more than once."""
         with self._lock:
             self.released = True
-            count = sum(_shut_down(fd, inode, self.keep_ports)
-                        for inode, fd in socket_inodes().items() if inode not in self._before)
+            count = shut_down_sockets(lambda inode: inode not in self._before, self.keep_ports)
             return f"{count} connection(s) shut down"
+
+
+def shut_down_sockets(which: Callable[[int], bool], keep_ports: Collection[int] = ()) -> int:
+    """Shut down this process's connected TCP sockets whose inode `which` accepts (never a
+    listener, nor a connection to `keep_ports`); how many were."""
+    return sum(_shut_down(fd, inode, keep_ports) for inode, fd in socket_inodes().items() if which(inode))
 
 
 class CommunicatorAbort:

@@ -48,7 +48,7 @@ def snapshots(monkeypatch):
 
     monkeypatch.setattr(PeerSnapshots, "_exchange", exchange)
     monkeypatch.setattr(peer_snapshots, "flatten_shard", lambda engine, layer, into=None: (torch.full((1,), layer),))
-    monkeypatch.setattr(PeerSnapshots, "_connect", lambda self, store, rank, size: "group")
+    monkeypatch.setattr(PeerSnapshots, "_connect", lambda self, store, rank, size, sockets: "group")
     monkeypatch.setattr(peer_snapshots.dist.distributed_c10d, "_get_default_store", lambda: dist.HashStore())
     logs: list[str] = []
     s = PeerSnapshots(1, 2, timeout_s=10, connect_timeout_s=10, log=logs.append)
@@ -191,7 +191,7 @@ def test_no_round_is_taken_until_the_group_is_connected_nor_is_one_left_behind_w
     released = threading.Event()
     made: list[int] = []
 
-    def connect(self, store, rank, size):
+    def connect(self, store, rank, size, sockets):
         if not made:
             made.append(0)
             released.wait(30)  # a connection that does not complete until the test says
@@ -224,7 +224,7 @@ def test_no_round_is_taken_until_the_group_is_connected_nor_is_one_left_behind_w
 
 
 def test_a_group_that_fails_to_connect_ends_the_rounds_of_its_epoch(monkeypatch):
-    def connect(self, store, rank, size):
+    def connect(self, store, rank, size, sockets):
         raise RuntimeError("Connection refused")
 
     monkeypatch.setattr(PeerSnapshots, "_connect", connect)
@@ -249,7 +249,7 @@ def test_the_snapshot_group_is_real_gloo_outside_the_registry_and_its_threads_id
     before = peer_snapshots._threads()
     store = dist.HashStore()
     s = [PeerSnapshots(1, 2, timeout_s=10, connect_timeout_s=10) for _ in range(2)]
-    connecting = [peer_snapshots._on_thread(s[r]._connect, dist.PrefixStore("peer-snapshots/", store), r, 2,
+    connecting = [peer_snapshots._on_thread(s[r]._connect, dist.PrefixStore("peer-snapshots/", store), r, 2, set(),
                                             name=f"connect-{r}") for r in range(2)]
     groups = [c.result(timeout=30) for c in connecting]
     assert not dist.is_initialized()
@@ -278,7 +278,7 @@ def test_a_connection_starved_at_idle_priority_goes_on_at_normal_priority(monkey
     import os
     import time
 
-    def connect(self, store, rank, size):
+    def connect(self, store, rank, size, sockets):
         peer_snapshots._idle_priority()
         deadline = time.monotonic() + 20
         while os.sched_getscheduler(0) == os.SCHED_IDLE:  # "starved" until raised
@@ -341,3 +341,29 @@ def test_no_round_is_taken_at_a_step_that_ends_the_epoch(snapshots):
     t.engine.last_stepped, t.engine.last_commit = 0, CommitRecord(0, 1.0, 1.0)
     t.s.after_step(t.engine, 0, ends_epoch=True)
     assert kept(t) == {} and t.gates == []
+
+
+def test_after_a_failure_an_exchange_left_waiting_on_a_live_peer_is_released():
+    """The epoch failed while a worker's exchange waits for a live peer that will never
+    send (its own exchange failed on the dead worker): the epoch's end shuts the group's
+    connections down rather than wait out the operations' timeout."""
+    import time
+
+    store = dist.HashStore()
+    logs: list[str] = []
+    s = [PeerSnapshots(1, 2, timeout_s=120, connect_timeout_s=10, log=logs.append) for _ in range(2)]
+    sockets = [set(), set()]
+    connecting = [peer_snapshots._on_thread(s[r]._connect, dist.PrefixStore("peer-snapshots/", store), r, 2,
+                                            sockets[r], name=f"connect-{r}") for r in range(2)]
+    groups = [c.result(timeout=30) for c in connecting]
+    assert sockets[0] and sockets[1]
+    waiting = SnapshotRoundFor(0, {})
+    s[0]._group, s[0]._sockets, s[0]._epoch = connecting[0], sockets[0], 0
+    s[0]._inflight = s[0]._pool.submit(s[0]._exchange, groups[0], waiting, {}, {1: [(4, 0)]})
+    time.sleep(0.3)
+    assert not s[0]._inflight.done()  # rank 1 never sends
+    started = time.monotonic()
+    s[0].end_epoch()  # a failure: not `stopped`
+    assert time.monotonic() - started < 5
+    assert any("connection(s) shut down" in line for line in logs) and any("not sent whole" in line for line in logs), logs
+    assert waiting.shards == {}
