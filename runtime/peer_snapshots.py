@@ -23,8 +23,8 @@ keep in their memory (Gemini, SOSP 2023, over Oobleck's replicas). Every
    connection still under way after `CONNECT_AT_IDLE_S` goes on at normal priority:
    under training that left no CPU idle it starved past its peers' connect timeout;
 3. the commit of every later step carries, from every worker, whether its exchange is
-   still going on, or its group still connecting (`busy`: one more number in the commit's all-reduce, so all workers
-   learn the same count). When none is, a round is taken at that step if one is due,
+   still going on, or its group still connecting (`busy`: one more number in the
+   commit's all-reduce, so all workers learn the same count). When none is, a round is taken at that step if one is due,
    and every round before it is known whole on every keeper; when some is, no round
    is taken at that step, anywhere: training never waits for an exchange, and a link
    too slow for one round a step stretches the interval instead (`skipped` counts it).
@@ -121,10 +121,12 @@ class PeerSnapshots:
         self._group: Future | None = None
         """The epoch's gloo group for the exchange (`_connect`), being made on a thread."""
         self._connecting: tuple[float, set[int], list[int]] = (0.0, set(), [])
-        self._sockets: set[int] = set()
-        """The inodes of the epoch's group's connections (`_connect`)."""
         """When the group began to connect, the process's threads then, and those given
         normal priority since (`_hurry_connection`)."""
+        self._sockets: set[int] = set()
+        """The inodes of the epoch's group's connections (`_connect`); the exchange in
+        flight's group's in `_inflight_sockets`."""
+        self._inflight_sockets: set[int] = set()
         self._epoch, self._first = -1, 0
         self._reported = -1
         self._broken = False
@@ -250,7 +252,7 @@ class PeerSnapshots:
         except Exception:  # done (whole or failed: said by the caller), or still going on
             pass
         if not self._inflight.done():
-            count = shut_down_sockets(self._sockets.__contains__)
+            count = shut_down_sockets(self._inflight_sockets.__contains__)
             self.log(f"peer snapshot of step {self._inflight_step} still being exchanged as the epoch failed; "
                      f"its {count} connection(s) shut down")
 
@@ -305,7 +307,7 @@ class PeerSnapshots:
         with self._lock:
             self.rounds[step] = current
         if self._group is not None and (self._outgoing or self._incoming):
-            self._inflight_step, self._inflight_epoch = step, self._epoch
+            self._inflight_step, self._inflight_epoch, self._inflight_sockets = step, self._epoch, self._sockets
             self._inflight = self._pool.submit(self._exchange, self._group.result(), current,
                                                self._outgoing, self._incoming)
 

@@ -358,7 +358,7 @@ def test_after_a_failure_an_exchange_left_waiting_on_a_live_peer_is_released():
     groups = [c.result(timeout=30) for c in connecting]
     assert sockets[0] and sockets[1]
     waiting = SnapshotRoundFor(0, {})
-    s[0]._group, s[0]._sockets, s[0]._epoch = connecting[0], sockets[0], 0
+    s[0]._group, s[0]._inflight_sockets, s[0]._epoch = connecting[0], sockets[0], 0
     s[0]._inflight = s[0]._pool.submit(s[0]._exchange, groups[0], waiting, {}, {1: [(4, 0)]})
     time.sleep(0.3)
     assert not s[0]._inflight.done()  # rank 1 never sends
