@@ -478,13 +478,14 @@ class Controller:
             snapshot=None if snapshot is None else snapshot.step, rerun=resolution.first_iteration - first,
             moved_bytes=choice.moved_bytes, plan_shape=tuple(len(p.stages) for p in plan.pipelines),
             cut_off=tuple(cut_off), left=left, handed_off=sum(t.src in leaving for t in transfers))
+        self._account(event)
+
+    def _account(self, event: EpochEvent, note: str = "") -> None:
+        """Keep, publish and log a published epoch's account."""
         self.events.append(event)
         # For reports (the chaos harness reads them from the store, wherever the leader ran);
         # created only if absent, as the record is: the first account of the epoch stands.
-        self.store.compare_set(keys.epoch_event(plan.epoch), "", event.to_json())
-        self._log_event(event)
-
-    def _log_event(self, event: EpochEvent, note: str = "") -> None:
+        self.store.compare_set(keys.epoch_event(event.epoch), "", event.to_json())
         self.log(f"controller: epoch {event.epoch} ({event.reason}; failed {list(event.failed) or '-'}, joined "
                  f"{list(event.joined) or '-'}{f'; cut off {list(event.cut_off)}' if event.cut_off else ''}"
                  f"{f'; left {list(event.left)}' if event.left else ''}): pipelines of {list(event.plan_shape)} "
@@ -589,9 +590,7 @@ class Controller:
             transfers=len(record.transfers), moved_bytes=self._prepared_moves,
             plan_shape=tuple(len(p.stages) for p in plan.pipelines), left=record.leaving,
             handed_off=sum(t.src[0] in record.leaving for t in record.transfers))
-        self.events.append(event)
-        self.store.compare_set(keys.epoch_event(plan.epoch), "", event.to_json())
-        self._log_event(event, "; planned before the stop, while the epoch trained")
+        self._account(event, "; planned before the stop, while the epoch trained")
         return True
 
     def _reachable_nodes(self, nodes: list[str]) -> tuple[list[str], list[str]]:

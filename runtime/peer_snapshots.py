@@ -120,9 +120,9 @@ class PeerSnapshots:
         """Copies of forgotten rounds, written over by the next round's (one per shard)."""
         self._group: Future | None = None
         """The epoch's gloo group for the exchange (`_connect`), being made on a thread."""
-        self._connecting: tuple[float, set[int], list[int]] = (0.0, set(), [])
-        """When the group began to connect, the process's threads then, and those given
-        normal priority since (`_hurry_connection`)."""
+        self._connect_began, self._threads_before, self._hurried = 0.0, set(), False
+        """When the group began to connect, the process's threads then, and whether the
+        connection was given normal priority since (`_hurry_connection`)."""
         self._sockets: set[int] = set()
         """The inodes of the epoch's group's connections (`_connect`); the exchange in
         flight's group's in `_inflight_sockets`."""
@@ -164,7 +164,7 @@ class PeerSnapshots:
         # connect timeout (a CI failure); made outside the registry, it can be left behind.
         if store is None:
             store = dist.distributed_c10d._get_default_store()
-        self._connecting = (time.monotonic(), _threads(), [])
+        self._connect_began, self._threads_before, self._hurried = time.monotonic(), _threads(), False
         self._sockets = set()
         self._group = _on_thread(self._connect, dist.PrefixStore("peer-snapshots/", store),
                                  engine.rank, plan.world_size, self._sockets, name=f"peer-snapshots-connect-{epoch}")
@@ -197,12 +197,10 @@ class PeerSnapshots:
     def _hurry_connection(self) -> None:
         """The group still connecting `CONNECT_AT_IDLE_S` after it began: its thread and
         gloo's threads started since go on at normal priority (once)."""
-        began, before, hurried = self._connecting
-        if hurried or time.monotonic() - began < CONNECT_AT_IDLE_S:
+        if self._hurried or time.monotonic() - self._connect_began < CONNECT_AT_IDLE_S:
             return
-        threads = [self._group.thread_id] + _gloo_threads(_threads() - before)
-        hurried.extend(threads)
-        _normal_priority(threads)
+        self._hurried = True
+        _normal_priority([self._group.thread_id] + _gloo_threads(_threads() - self._threads_before))
         self.log(f"peer snapshots' group of epoch {self._epoch} still connecting after {CONNECT_AT_IDLE_S} s at "
                  "idle priority (no CPU left idle): it goes on at normal priority")
 
@@ -376,19 +374,19 @@ def _idle_priority(threads: Iterable[int] = (0,)) -> None:
     when a CPU is otherwise idle: Linux's `SCHED_IDLE`, which applies to one thread at a
     time. Elsewhere they run as they are (their calls of this kind would lower the whole
     process)."""
-    for tid in threads:
-        try:
-            os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
-        except (AttributeError, OSError):  # (or a thread that ended meanwhile)
-            pass
+    _set_policy(threads, "SCHED_IDLE")
 
 
 def _normal_priority(threads: Iterable[int]) -> None:
     """`threads` back to Linux's normal policy (what `_idle_priority` undoes)."""
+    _set_policy(threads, "SCHED_OTHER")
+
+
+def _set_policy(threads: Iterable[int], policy: str) -> None:
     for tid in threads:
         try:
-            os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
-        except (AttributeError, OSError):
+            os.sched_setscheduler(tid, getattr(os, policy), os.sched_param(0))
+        except (AttributeError, OSError):  # (not Linux, or a thread that ended meanwhile)
             pass
 
 
