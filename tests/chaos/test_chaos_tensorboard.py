@@ -83,6 +83,7 @@ def test_each_step_is_written_once_through_a_node_loss_beyond_the_replicas(tmp_p
     said = b" ".join(v["elastic/event"] for _, v in changes)
     assert b"node0.0" in said and b"node2.0" in said, said  # (one epoch change, or two if seen apart)
     # The writer moved: the files of the first epoch and of the restore are two processes'.
-    first = next(n for n, _, v in found if "train/loss" in v)
+    # (epoch 0's by its suffix: files begun in the same second sort by process id)
+    first = next(n for n, _, v in found if "train/loss" in v and n.endswith("-e0"))
     pid = re.compile(r"\.(\d+)\.\d+\.planaria-")  # events.out.tfevents.<time>.<host>.<pid>.<n>.planaria-...
     assert pid.search(first)[1] != pid.search(name)[1], (first, name)
