@@ -160,6 +160,9 @@ class Agent:
         self.lease = None
         self._stop = threading.Event()
         self._lease_lost = threading.Event()
+        self._lease_swap = threading.Lock()
+        """Held while a lease is declared lost or replaced: a refresh of the old lease that
+        fails as `_register` puts the new one in place must not mark the new one lost."""
         self._exited: set[Worker] = set()
         self._said_settling: float | None = None
         self._signal: int | None = None
@@ -212,7 +215,7 @@ class Agent:
                         raise
                     continue  # a signal cut short a wait for etcd
                 except LeaseExpired:  # seen by a write before the keep-alive thread saw it
-                    self._lease_lost.set()
+                    self._lost(self.lease)
                     continue
                 if outcome is not None:
                     return outcome
@@ -390,20 +393,25 @@ class Agent:
         as their own. A name held by a live agent is waited for one lease TTL and a half
         (an agent that died and is started again finds its old lease still running),
         then refused (`NodeNameTaken`)."""
-        self._lease_lost.clear()
-        self.lease = self.client.lease(self.lease_ttl_s)
+        lease = self.client.lease(self.lease_ttl_s)
         key = self.prefix + keys.node_registration(self.node)
         mine = NodeRegistration(self.nproc, self.agent_id).to_json().encode()
         deadline = time.monotonic() + 1.5 * self.lease_ttl_s + 1
-        while not self.client.put_if_absent(key, mine, lease=self.lease):
+        while not self.client.put_if_absent(key, mine, lease=lease):
             if self.client.get(key)[0] == mine:
                 break  # ours: the create's reply was lost and it was retried
             if time.monotonic() > deadline:
                 raise NodeNameTaken(f"refused: another live agent of run {self.run_id!r} is node "
                                     f"{self.node!r}; give each machine its own --node-rank (or --node)")
             time.sleep(0.5)
-            if not self.client.refresh(self.lease):  # kept alive while waiting: nobody else does yet
-                self.lease = self.client.lease(self.lease_ttl_s)
+            if not self.client.refresh(lease):  # kept alive while waiting: nobody else does yet
+                lease = self.client.lease(self.lease_ttl_s)
+        # The flag is cleared only once the new lease is in place: cleared first, a refresh
+        # of the old lease failing meanwhile (the keep-alive thread, the controller's
+        # `_still_leading`) set it again, and the node registered twice.
+        with self._lease_swap:
+            self.lease = lease
+            self._lease_lost.clear()
         for worker in self._running():
             self.client.put(self.prefix + keys.alive(worker), b"1", lease=self.lease)
         self._notice_posted = False  # a notice goes with its lease: posted again under the new one
@@ -415,15 +423,23 @@ class Agent:
         while not self._stop.wait(self.lease_ttl_s / 3):
             if self._lease_lost.is_set():
                 continue  # the main loop registers again
+            lease = self.lease
             try:
-                if not self.client.refresh(self.lease):
-                    self._lease_lost.set()
+                if not self.client.refresh(lease):
+                    self._lost(lease)
             except EtcdUnavailable as err:  # past --etcd-outage-limit: the main loop ends it
                 if self._signal is None:
                     self.log(str(err))
             except Exception as err:  # noqa: BLE001 - a dead keep-alive thread would let the
                 # lease expire and take a healthy node out of the job: say it, try again
                 self.log(f"keeping the lease alive failed ({type(err).__name__}: {err}); trying again")
+
+    def _lost(self, lease) -> None:
+        """`lease` expired: the main loop registers again, unless `_register` has replaced
+        it already (a refresh of the old lease that fails late says nothing of the new one)."""
+        with self._lease_swap:
+            if lease is self.lease:
+                self._lease_lost.set()
 
     # --------------------------------------------------------- reachability
     def _probe_addresses(self) -> dict[str, str]:
@@ -692,12 +708,13 @@ class Agent:
         """This agent's lease still exists and the leader key is still its own: asked by
         its controller before acting, since a node cut off for longer than its lease's TTL
         may have a successor already."""
+        lease = self.lease
         try:
-            alive = self.client.refresh(self.lease)
+            alive = self.client.refresh(lease)
         except LeaseExpired:
             alive = False
         if not alive:
-            self._lease_lost.set()
+            self._lost(lease)
             return False
         return self.client.get(self.prefix + keys.LEADER)[0] == self.node.encode()
 

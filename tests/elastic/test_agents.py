@@ -362,6 +362,30 @@ def test_two_agents_under_one_node_name_the_second_is_refused(etcd, tmp_path):
     second.client.revoke(second.lease)
 
 
+def test_a_late_failed_refresh_of_the_expired_lease_does_not_make_the_node_register_again(etcd, tmp_path):
+    """The lease expired (etcd was away); the agent registers under a new one. A refresh
+    of the old lease that fails only now (the keep-alive thread or the controller read
+    the lease before the swap) says nothing of the new one: the node registered twice
+    when it did (seen in CI as two "registering again" for one outage)."""
+    from planaria.elastic.agent import Agent
+
+    agent = Agent(node="late", nproc=1, settings=EtcdSettings(endpoint=etcd.endpoint), run_id="late",
+                  min_nodes=1, config=str(TINY), overrides=[f"output.dir={tmp_path}"], lease_ttl_s=2)
+    agent._register()
+    old = agent.lease
+    agent.client.revoke(old)  # as an expiry would
+    assert agent._still_leading() is False  # the controller's refresh finds it gone
+    assert agent._lease_lost.is_set()
+    agent._register()
+    assert agent.lease != old and not agent._lease_lost.is_set()
+    assert agent.client.refresh(old) is False
+    agent._lost(old)  # what a refresh of the old lease that read it before the swap does
+    assert not agent._lease_lost.is_set(), "a late failure of the old lease marked the new one lost"
+    agent._lost(agent.lease)
+    assert agent._lease_lost.is_set()  # the lease in force still counts
+    agent.client.revoke(agent.lease)
+
+
 def test_a_worker_exit_while_the_lease_was_lost_still_takes_the_node_out(etcd, tmp_path):
     """The worker's `alive/` key went with the expired lease (etcd was away) before the
     agent saw the exit: the exit still counts (the agent once looked only at the key,
