@@ -190,7 +190,8 @@ def drive(args, names: list[str]) -> int:
 
     import torch
 
-    from planaria.runtime.config import load_config, plan_from_config
+    from planaria.runtime.config.loading import load_config
+    from planaria.runtime.config.validation import plan_from_config
 
     print(f"command: {shlex.join([sys.executable, *sys.argv])}")
     print(f"torch {torch.__version__} | python {platform.python_version()} | {_cpu_name()} | "
@@ -234,8 +235,8 @@ def drive(args, names: list[str]) -> int:
 
 def one_repeat(args, name: str, cfg, plan, r: int, tmp: Path) -> dict:
     """Profile, predict, then train and measure (again if the machine was busy)."""
-    from planaria.runtime.measured_costs import profile_model
-    from planaria.runtime import pipeline_probe
+    from planaria.runtime.planning.measured_costs import profile_model
+    from planaria.runtime.planning import pipeline_probe
 
     _wait_quiet(args.quiet, args.wait_quiet)
     pipeline_probe.forget_measurements()  # fresh links for every repeat

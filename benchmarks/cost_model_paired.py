@@ -58,11 +58,12 @@ def worker(args) -> None:
     import torch
     import torch.distributed as dist
 
-    from planaria.runtime.config import load_config, plan_from_config
-    from planaria.runtime.data import build_dataset
-    from planaria.runtime.measured_costs import profile_model
-    from planaria.runtime.build import start_engine
-    from planaria.runtime import pipeline_probe
+    from planaria.runtime.config.loading import load_config
+    from planaria.runtime.config.validation import plan_from_config
+    from planaria.runtime.data.token_datasets import build_dataset
+    from planaria.runtime.planning.measured_costs import profile_model
+    from planaria.runtime.worker.build import start_engine
+    from planaria.runtime.planning import pipeline_probe
 
     cfg = load_config(CONFIG, CASES[args.case])
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])

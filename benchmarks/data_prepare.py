@@ -37,10 +37,10 @@ import time
 from pathlib import Path
 
 
-from planaria.runtime import prepare as prep
-from planaria.runtime.corpus import discover
-from planaria.runtime import shards
-from planaria.runtime.data import _stdlib_files
+from planaria.runtime.data import prepare as prep
+from planaria.runtime.data.corpus import discover
+from planaria.runtime.data import shards
+from planaria.runtime.data.token_datasets import _stdlib_files
 
 
 def make_corpus(root: Path, mib: int) -> int:

@@ -53,10 +53,10 @@ def _worker(rank: int, config: str, overrides: list[str], repeats: int, rendezvo
     import torch.distributed as dist
     from torch import nn
 
-    from planaria.runtime.config import load_config
-    from planaria.runtime.model import LayerModel, torch_dtypes
-    from planaria.runtime.pipeline import PlanSchedule, build_stages
-    from planaria.runtime.tensor_parallel import TensorParallel
+    from planaria.runtime.config.loading import load_config
+    from planaria.runtime.models.llama import LayerModel, torch_dtypes
+    from planaria.runtime.parallel.pipeline import PlanSchedule, build_stages
+    from planaria.runtime.models.tensor_parallel import TensorParallel
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=STAGES)

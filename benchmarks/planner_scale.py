@@ -167,7 +167,7 @@ def make_settings(args) -> PlannerSettings:
 
 def model_flops_per_token(shape: ModelShape) -> float:
     try:  # the formula `planaria plan` uses (imports torch)
-        from planaria.runtime.planning import model_flops_per_token as flops
+        from planaria.runtime.planning.job_plans import model_flops_per_token as flops
     except ImportError:  # the same formula, for a machine without torch
         return 6 * shape.parameters + 12 * shape.n_layers * shape.d_model * shape.seq_len // 2
     return flops(shape)
@@ -561,8 +561,9 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     plan_job_fn = cfg = None
     try:
-        from planaria.runtime.config import load_config, model_shape
-        from planaria.runtime.planning import cost_model as cost_model_fn, plan_job as plan_job_fn
+        from planaria.runtime.config.loading import load_config
+        from planaria.runtime.config.sections import model_shape
+        from planaria.runtime.planning.job_plans import cost_model as cost_model_fn, plan_job as plan_job_fn
 
         cfg = load_config(CONFIG, [f"train.global_batch={args.global_batch}",
                                    f"train.micro_batch={MICRO_BATCH}", f"train.dtype={DTYPE}",

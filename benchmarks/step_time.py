@@ -7,7 +7,7 @@
 Four runs of one training job (same layers from `LayerModel.build_layer`, same data,
 same AdamW(foreach=False), same microbatching), measured side by side in one call:
 
-  (a) plain PyTorch, one process: `planaria.runtime.reference.train_reference`;
+  (a) plain PyTorch, one process: `planaria.runtime.parallel.reference.train_reference`;
   (b) Planaria, one process, no pipeline: `python -m planaria.train`, step_time_s
       from metrics.jsonl;
   (c) `torch.distributed.pipelining` used directly, 2 stages under torchrun:
@@ -82,7 +82,7 @@ RUNS = {
 
 # ------------------------------------------------------------------ shared helpers
 def _load(config: str, overrides: list[str]):
-    from planaria.runtime.config import load_config
+    from planaria.runtime.config.loading import load_config
 
     return load_config(config, overrides)
 
@@ -148,11 +148,11 @@ def worker_reference(args) -> None:
     """(a): plain single-process PyTorch, the exactness tests' oracle."""
     import torch
 
-    from planaria.runtime.data import build_dataset
-    from planaria.runtime.model import LayerModel
-    from planaria.runtime.reference import train_reference
-    from planaria.runtime.model import torch_dtypes as dtypes
-    from planaria.runtime.optim import optimizer_settings
+    from planaria.runtime.data.token_datasets import build_dataset
+    from planaria.runtime.models.llama import LayerModel
+    from planaria.runtime.parallel.reference import train_reference
+    from planaria.runtime.models.llama import torch_dtypes as dtypes
+    from planaria.runtime.parallel.optim import optimizer_settings
 
     cfg = _load(args.config, args.overrides)
     dataset = build_dataset(cfg.data.source, seq_len=cfg.model.seq_len,
@@ -190,11 +190,11 @@ class DirectPipeline:
         from torch import nn
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
-        from planaria.runtime.data import build_dataset
-        from planaria.runtime.model import LayerModel
-        from planaria.runtime.tensor_parallel import TensorParallel
-        from planaria.runtime.model import torch_dtypes as dtypes
-        from planaria.runtime.optim import optimizer_settings
+        from planaria.runtime.data.token_datasets import build_dataset
+        from planaria.runtime.models.llama import LayerModel
+        from planaria.runtime.models.tensor_parallel import TensorParallel
+        from planaria.runtime.models.llama import torch_dtypes as dtypes
+        from planaria.runtime.parallel.optim import optimizer_settings
 
         self.cfg, self.rank = cfg, rank
         device = torch.device("cpu")
@@ -230,7 +230,7 @@ class DirectPipeline:
         """One optimizer step; (seconds, loss on the last stage)."""
         import torch
 
-        from planaria.runtime.optim import learning_rate
+        from planaria.runtime.parallel.optim import learning_rate
 
         cfg = self.cfg
         t0 = time.perf_counter()
@@ -286,9 +286,9 @@ def worker_paired_pp2(args) -> None:
     import torch
     import torch.distributed as dist
 
-    from planaria.runtime.build import start_engine
-    from planaria.runtime.config import plan_from_config
-    from planaria.runtime.data import build_dataset
+    from planaria.runtime.worker.build import start_engine
+    from planaria.runtime.config.validation import plan_from_config
+    from planaria.runtime.data.token_datasets import build_dataset
 
     cfg = _load(args.config, args.overrides)
     rank, world = _init_torchrun_group(cfg)
@@ -321,14 +321,14 @@ def worker_paired_single(args) -> None:
     import torch
     import torch.distributed as dist
 
-    from planaria.runtime import trainer
-    from planaria.runtime.build import start_engine
-    from planaria.runtime.optim import optimizer_settings
-    from planaria.runtime.model import torch_dtypes as dtypes
-    from planaria.runtime.config import plan_from_config
-    from planaria.runtime.data import build_dataset
-    from planaria.runtime.model import LayerModel
-    from planaria.runtime.reference import train_reference
+    from planaria.runtime.worker import trainer
+    from planaria.runtime.worker.build import start_engine
+    from planaria.runtime.parallel.optim import optimizer_settings
+    from planaria.runtime.models.llama import torch_dtypes as dtypes
+    from planaria.runtime.config.validation import plan_from_config
+    from planaria.runtime.data.token_datasets import build_dataset
+    from planaria.runtime.models.llama import LayerModel
+    from planaria.runtime.parallel.reference import train_reference
 
     cfg = _load(args.config, args.overrides)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -393,13 +393,13 @@ def worker_breakdown(args) -> None:
     import torch
     import torch.distributed as dist
 
-    from planaria.runtime import engine as engine_mod
-    from planaria.runtime import trainer
-    from planaria.runtime.optim import optimizer_settings
-    from planaria.runtime.model import torch_dtypes as dtypes
-    from planaria.runtime.config import plan_from_config
-    from planaria.runtime.data import build_dataset
-    from planaria.runtime.model import LayerModel
+    from planaria.runtime.parallel import engine as engine_mod
+    from planaria.runtime.worker import trainer
+    from planaria.runtime.parallel.optim import optimizer_settings
+    from planaria.runtime.models.llama import torch_dtypes as dtypes
+    from planaria.runtime.config.validation import plan_from_config
+    from planaria.runtime.data.token_datasets import build_dataset
+    from planaria.runtime.models.llama import LayerModel
 
     cfg = _load(args.config, args.overrides)
     plan = plan_from_config(cfg, world_size=1)
@@ -446,11 +446,11 @@ def worker_breakdown_reference(args) -> None:
     import torch
     import torch.nn.functional as F
 
-    from planaria.runtime import reference
-    from planaria.runtime.data import build_dataset
-    from planaria.runtime.model import LayerModel
-    from planaria.runtime.model import torch_dtypes as dtypes
-    from planaria.runtime.optim import optimizer_settings
+    from planaria.runtime.parallel import reference
+    from planaria.runtime.data.token_datasets import build_dataset
+    from planaria.runtime.models.llama import LayerModel
+    from planaria.runtime.models.llama import torch_dtypes as dtypes
+    from planaria.runtime.parallel.optim import optimizer_settings
 
     cfg = _load(args.config, args.overrides)
     sec = _Sections()

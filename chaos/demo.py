@@ -17,7 +17,7 @@ from rich.panel import Panel
 
 from planaria.chaos.faults import parse_fault
 from planaria.chaos.harness import ChaosSettings, run_chaos
-from planaria.runtime.config import load_config
+from planaria.runtime.config.loading import load_config
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"
 NODES = 4

@@ -35,7 +35,7 @@ from planaria.chaos.report import (InjectedFault, Report, build_report, CommitTa
                                    step_val_losses, verdict_table, write_json_atomically, write_report)
 from planaria.chaos.sources import (RandomFaults, TraceReplay, find_trace, random_kinds, read_trace,
                                     replay_schedule)
-from planaria.runtime.config import load_config
+from planaria.runtime.config.loading import load_config
 from planaria.runtime.contract import keys
 from planaria.runtime.contract.epochs import EpochEvent, EpochTiming
 from planaria.runtime.contract.logs import AUDIT, COMMITS, EVALS, log_paths

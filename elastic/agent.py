@@ -75,14 +75,15 @@ from planaria.elastic.peer_probe import PeerProbe, node_address
 from planaria.elastic.preemption import SOURCES, Notice, make_watcher, signal_notice
 from planaria.elastic.worker_output import (OutputSpec, Tail, WorkerStreams, close_files, open_streams, ranks_filter,
                                             start_tails, std_of)
-from planaria.runtime.config import ConfigError, load_config, status_timeout_s
+from planaria.runtime.config.loading import load_config
+from planaria.runtime.config.sections import ConfigError, status_timeout_s
 from planaria.runtime.contract import env as worker_env, keys
 from planaria.runtime.contract.exits import EXIT_STUCK_AFTER_RELEASE
 from planaria.runtime.contract.heartbeat import silent_for
 from planaria.runtime.contract.keys import parse_worker_key, worker_key
 from planaria.runtime.contract.membership import JobSpec, LeaveNotice, NodeRegistration
 from planaria.templates.plan import Worker
-from planaria.runtime.planning import build_planner, cost_model
+from planaria.runtime.planning.job_plans import build_planner, cost_model
 
 POLL_S = 0.1
 DEFAULT_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"

@@ -1,7 +1,7 @@
 """A job's keys in etcd, with the interface of a `torch.distributed.Store`.
 
 Every key lives in etcd under a prefix (`/planaria/<run>/`), so any surviving member of
-the etcd cluster serves it: the job's coordination keys (`planaria.runtime.coordination`),
+the etcd cluster serves it: the job's coordination keys (`planaria.runtime.worker.coordination`),
 which the controller and workers read and write over etcd exactly as over a TCPStore,
 and, through `planaria.elastic.etcd_store.EtcdStore`, the process groups' rendezvous.
 

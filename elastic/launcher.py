@@ -198,8 +198,8 @@ def run_planaria(args, parser=None) -> int:
     from planaria.elastic.etcd_client import EtcdSettings
     from planaria.elastic.etcd_server import EmbeddedEtcd
     from planaria.elastic.metrics import agent_port_env
-    from planaria.runtime.config import load_config
-    from planaria.runtime.hf_config import check_init_from
+    from planaria.runtime.config.loading import load_config
+    from planaria.runtime.config.hf_config import check_init_from
 
     config, *overrides = args.training_script_args or [None]
     if config is None:

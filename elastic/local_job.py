@@ -27,13 +27,13 @@ from planaria.elastic.controller import CheckpointPolicy, Controller
 from planaria.elastic.etcd_client import EtcdClient, EtcdSettings
 from planaria.elastic.etcd_server import EmbeddedEtcd, EmbeddedEtcdCluster
 from planaria.elastic.etcd_store import EtcdStore
-from planaria.runtime.config import load_config
-from planaria.runtime.config import status_timeout_s as default_status_timeout
+from planaria.runtime.config.loading import load_config
+from planaria.runtime.config.sections import status_timeout_s as default_status_timeout
 from planaria.runtime.contract import env as worker_env
 from planaria.runtime.contract.keys import run_prefix, worker_key
 from planaria.runtime.contract.membership import LeaveNotice
 from planaria.templates.plan import Worker
-from planaria.runtime.planning import build_planner, cost_model
+from planaria.runtime.planning.job_plans import build_planner, cost_model
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--nodes", type=int, default=4)
     parser.add_argument("--kill", default="node3.0:backward@3",
-                        help="NODE.LOCAL:PHASE@ITERATION (see planaria.runtime.fault_injection)")
+                        help="NODE.LOCAL:PHASE@ITERATION (see planaria.runtime.worker.fault_injection)")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--out", default=str(REPO / "runs" / "recover-in-place"))
     args = parser.parse_args()

@@ -100,7 +100,7 @@ def hardware(name: str, *, gpus_per_node: int | None = None) -> Hardware:
     socket's, a lower bound: a gloo message between two worker processes takes about
     ten times the socket's latency, and costs each worker time to post and complete.
     The profiled cost model (`planaria.templates.profiler`, `measure_links=True`, the
-    default of `planaria.runtime.measured_costs.profile_model` on CPU) replaces the links,
+    default of `planaria.runtime.planning.measured_costs.profile_model` on CPU) replaces the links,
     message overhead and commit time with gloo measured between two processes; this
     module cannot, as it does not import torch.
     """
@@ -268,7 +268,7 @@ def layer_activation_bytes(shape: ModelShape, index: int, *, tp: int, micro_batc
       reference block measures ~1.3x this estimate (see tests/runtime/test_measured_costs.py).
     - 24·sbh/t, split by tp: Q, K, V (6), attention output (2), MLP intermediates (16).
       Grouped-query attention keeps as much: its K and V are repeated to the query
-      heads before attention (runtime/model.py), and those copies are what it saves.
+      heads before attention (runtime/models/llama.py), and those copies are what it saves.
     Dropped: 5·a·s²·b/t, the attention score matrix, its softmax and dropout. Planaria
     calls scaled_dot_product_attention, whose flash/memory-efficient kernels keep only
     the output and a per-row logsumexp (a·s floats), never an s x s matrix.
@@ -329,7 +329,7 @@ def tp_communication_times(shape: ModelShape, index: int, hw: Hardware, *, tp: i
                            recompute: bool = False) -> tuple[float, float]:
     """(forward, backward) seconds of layer `index`'s tensor-parallel all-reduces.
 
-    Megatron's pattern as Planaria implements it (runtime/tensor_parallel.py):
+    Megatron's pattern as Planaria implements it (runtime/models/tensor_parallel.py):
     - embedding: one all-reduce of the output forward (float32: the gather is not
       autocast); its backward needs none.
     - block: forward, the attention and MLP row-parallel outputs (matmul outputs, bf16

@@ -168,7 +168,7 @@ class Hardware:
     action, so it is part of the stage time. 0 in the GPU presets (the host runs ahead
     of the device, so it hides behind compute); on CPU a few tenths of a millisecond,
     measured by running the runtime itself on known work
-    (`planaria.runtime.pipeline_probe`)."""
+    (`planaria.runtime.planning.pipeline_probe`)."""
 
     def __post_init__(self) -> None:
         for name in ("device_memory_bytes", "peak_flops", "gpus_per_node",

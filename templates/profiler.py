@@ -5,7 +5,7 @@ what autograd keeps for backward, and caches the measurements as JSON. It is the
 module of `planaria.templates` that imports torch; nothing else in the package imports
 it, so plans can still be made without torch. It knows nothing of Planaria's model:
 the caller passes a `build_layer` and a `make_input` (see
-`planaria.runtime.measured_costs.profile_model`).
+`planaria.runtime.planning.measured_costs.profile_model`).
 
 What is measured, for one microbatch at tp = 1 in this process:
 - forward and backward time: the mean of `repeats` runs after `warmup` discarded

@@ -81,7 +81,7 @@ master weight: `LayerCost.state_bytes`), a snapshot keeps the weight and the mom
 
 ROUNDS_KEPT = 2
 """Rounds a worker keeps at once: the newest one whole everywhere, and the one after it
-(`planaria.runtime.peer_snapshots`)."""
+(`planaria.runtime.state.peer_snapshots`)."""
 
 
 def snapshot_host_bytes(plan: Plan, copies: int, state_bytes: Callable[[int], int]) -> dict[str, int]:

@@ -41,11 +41,11 @@ def reference_run(overrides: list[str], config: Path = TINY):
     faster: a 120-step reference took 9 to 15 s in microbatches of one sequence."""
     import torch
 
-    from planaria.runtime.config import load_config
-    from planaria.runtime.data import build_dataset
-    from planaria.runtime.model import LayerModel
-    from planaria.runtime.reference import train_reference
-    from planaria.runtime.optim import optimizer_settings
+    from planaria.runtime.config.loading import load_config
+    from planaria.runtime.data.token_datasets import build_dataset
+    from planaria.runtime.models.llama import LayerModel
+    from planaria.runtime.parallel.reference import train_reference
+    from planaria.runtime.parallel.optim import optimizer_settings
 
     cfg = load_config(config, overrides)
     dataset = build_dataset(cfg.data.source, seq_len=cfg.model.seq_len,
@@ -60,7 +60,7 @@ def assert_final_parameters(directory: Path, reference) -> None:
     """The saved final model (`directory`, tp shards reassembled) equals the reference's."""
     import torch
 
-    from planaria.runtime.saved_model import load_full_model
+    from planaria.runtime.state.saved_model import load_full_model
 
     saved = load_full_model(directory)
     for index, layer in enumerate(reference.model):

@@ -51,7 +51,7 @@ def _schedule(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from planaria.runtime.trainer import main as train_main
+    from planaria.runtime.worker.trainer import main as train_main
 
     return train_main([args.config, *args.overrides])
 
@@ -59,13 +59,14 @@ def _train(args: argparse.Namespace) -> int:
 def _plan(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from planaria.runtime.config import ConfigError, load_config
-    from planaria.runtime.planning import cost_model, plan_job, print_report, profile_cache_dir, report_json
+    from planaria.runtime.config.loading import load_config
+    from planaria.runtime.config.sections import ConfigError
+    from planaria.runtime.planning.job_plans import cost_model, plan_job, print_report, profile_cache_dir, report_json
 
     try:
         cfg = load_config(args.config, args.overrides)
         if args.profile:  # measured on this machine: imports torch
-            from planaria.runtime.measured_costs import profiled_cost_model
+            from planaria.runtime.planning.measured_costs import profiled_cost_model
 
             costs = profiled_cost_model(cfg, hardware_name=args.hardware, gpus_per_node=args.gpus_per_node,
                                         cache_dir=profile_cache_dir(cfg))
@@ -88,8 +89,9 @@ def _plan(args: argparse.Namespace) -> int:
 def _export(args: argparse.Namespace) -> int:
     import torch
 
-    from planaria.runtime.config import ConfigError, load_config
-    from planaria.runtime.hf import export_hf, find_saved_model, parse_size
+    from planaria.runtime.config.loading import load_config
+    from planaria.runtime.config.sections import ConfigError
+    from planaria.runtime.state.hf_export import export_hf, find_saved_model, parse_size
 
     if args.overrides and args.config is None:
         print(f"planaria export: overrides {args.overrides} need --config CONFIG.yaml", file=sys.stderr)
@@ -154,7 +156,7 @@ def _chaos(args: argparse.Namespace) -> int:
     from planaria.chaos.faults import FaultSpecError, parse_fault
     from planaria.chaos.harness import ChaosSettings, ReferenceFailed, run_chaos
     from planaria.chaos.sources import parse_node_range, random_kinds
-    from planaria.runtime.config import ConfigError
+    from planaria.runtime.config.sections import ConfigError
 
     # A log file or pipe gets 120 columns: the recovery table's, unsqueezed.
     console = Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 120)
@@ -227,7 +229,7 @@ def _demo(args: argparse.Namespace) -> int:
 
     from planaria.chaos.demo import run_demo
     from planaria.chaos.faults import FaultSpecError
-    from planaria.runtime.config import ConfigError
+    from planaria.runtime.config.sections import ConfigError
 
     console = Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 120)
     try:
@@ -348,7 +350,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     from planaria.chaos.simulator.command import add_parser as add_simulate
     from planaria.elastic import status as job_status
-    from planaria.runtime.prepare import add_parser as add_data
+    from planaria.runtime.data.prepare import add_parser as add_data
 
     status = sub.add_parser("status", help="a running job's state from its etcd: epoch, plan, nodes, "
                                            "step rate, reconfigurations (reads only)")

@@ -142,8 +142,8 @@ def predict_ettr(report: dict, costs: dict[str, float], config: Path, overrides:
     """The ETTR the simulator predicts for the chaos run of `report` (run with `config`,
     `overrides`, on `nodes` nodes), with `costs` per fault kind and every step `step_s`
     long (default: the run's `quiet_step_s`); compare with `measured_ettr(report, step_s)`."""
-    from planaria.runtime.config import load_config
-    from planaria.runtime.planning import build_planner, cost_model
+    from planaria.runtime.config.loading import load_config
+    from planaria.runtime.planning.job_plans import build_planner, cost_model
 
     step_s = quiet_step_s(report) if step_s is None else step_s
     cfg = load_config(config, overrides)

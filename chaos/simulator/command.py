@@ -70,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
     from planaria.chaos.simulator.models import load_job
     from planaria.chaos.simulator.simulation_report import plot, print_table, summary, to_json
     from planaria.chaos.simulator.runner import Prices, run_simulation
-    from planaria.runtime.config import ConfigError
+    from planaria.runtime.config.sections import ConfigError
 
     try:
         if args.fault_tolerance < 0:

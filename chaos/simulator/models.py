@@ -65,7 +65,8 @@ def load_job(spec: str) -> SimJob:
     if path.suffix not in (".yaml", ".yml") or not path.is_file():
         raise ValueError(f"unknown model {spec!r}: give a preset ({', '.join(PRESETS)}) "
                          "or a Planaria config file (CONFIG.yaml)")
-    from planaria.runtime.config import load_config, model_shape  # torch: only for config files
+    from planaria.runtime.config.loading import load_config
+    from planaria.runtime.config.sections import model_shape  # torch: only for config files
 
     cfg = load_config(path, [])
     return SimJob(path.stem, model_shape(cfg.model), global_batch=cfg.train.global_batch,

@@ -3,7 +3,7 @@
 Part of the contract because the control plane (a node's agent, which never computes)
 writes the checkpoints' manifests and prunes old checkpoints, while the workers write
 the shard files. The tensors themselves are written and read by the runtime's
-`planaria.runtime.saved_model`.
+`planaria.runtime.state.saved_model`.
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The environment a Planaria launcher gives its workers: variable names, in one place.
 
 An agent (`planaria.elastic.agent`), the local launcher (`planaria.elastic.local_job`) and
-the chaos harness set them; the worker (`planaria.runtime.elastic_worker`, the fault
+the chaos harness set them; the worker (`planaria.runtime.worker.elastic_worker`, the fault
 injector, the heartbeat, the etcd store) reads them. torchrun's own variables (`RANK`,
 `LOCAL_RANK`, `MASTER_ADDR`, ...) are torchrun's and are not repeated here.
 """
@@ -18,7 +18,7 @@ DIE_WITH_AGENT = "PLANARIA_DIE_WITH_AGENT"
 HEARTBEAT_FILE = "PLANARIA_HEARTBEAT_FILE"
 """The file the worker's heartbeat thread touches every second (`heartbeat`)."""
 FAULTS = "PLANARIA_FAULTS"
-"""Faults to inject at phases of an iteration (`planaria.runtime.fault_injection`), for tests and chaos."""
+"""Faults to inject at phases of an iteration (`planaria.runtime.worker.fault_injection`), for tests and chaos."""
 CORRUPT = "PLANARIA_CORRUPT"
 """A bit to flip after a step ("node.local@iteration"), for the replica audit's tests."""
 DEBUG = "PLANARIA_DEBUG"

@@ -56,7 +56,7 @@ class CommitRecord(JsonRecord):
 @dataclass(frozen=True)
 class SnapshotHeld(JsonRecord):
     """Layer shards of one committed step kept in a worker's host memory (a peer
-    snapshot: `planaria.runtime.peer_snapshots`), or, in an epoch record, the step every
+    snapshot: `planaria.runtime.state.peer_snapshots`), or, in an epoch record, the step every
     worker restores from (`shards` empty there)."""
 
     commit: CommitRecord

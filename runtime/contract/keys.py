@@ -144,7 +144,7 @@ LEAVE = "leave"
 iteration, as for a join; the leaving nodes then hand their layers over and exit."""
 FAILURE = "failure"
 """A worker failed: the epoch's collectives are released at once on every survivor
-(`planaria.runtime.release`), however the failed peer behaves."""
+(`planaria.runtime.parallel.release`), however the failed peer behaves."""
 
 
 def epoch_trained(epoch: int) -> str:

@@ -1,4 +1,4 @@
-"""`python -m planaria.train CONFIG.yaml [section.key=value ...]` (see planaria.runtime.trainer)."""
-from planaria.runtime.trainer import main
+"""`python -m planaria.train CONFIG.yaml [section.key=value ...]` (see planaria.runtime.worker.trainer)."""
+from planaria.runtime.worker.trainer import main
 
 __all__ = ["main"]

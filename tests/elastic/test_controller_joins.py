@@ -5,10 +5,10 @@ from __future__ import annotations
 import torch.distributed as dist
 
 from planaria.elastic.controller import Controller
-from planaria.runtime.config import load_config
+from planaria.runtime.config.loading import load_config
 from planaria.runtime.contract import keys
 from planaria.runtime.contract.exactly_once import INCOMPLETE, CommitRecord, WorkerStatus
-from planaria.runtime.planning import build_planner, cost_model
+from planaria.runtime.planning.job_plans import build_planner, cost_model
 from tests.launch import TINY
 
 

@@ -10,10 +10,10 @@ import pytest
 import torch.distributed as dist
 
 from planaria.elastic.controller import Controller, Interrupted, StaleLeader
-from planaria.runtime.config import load_config
+from planaria.runtime.config.loading import load_config
 from planaria.runtime.contract import keys
 from planaria.runtime.contract.epochs import EpochRecord
-from planaria.runtime.planning import build_planner, cost_model
+from planaria.runtime.planning.job_plans import build_planner, cost_model
 from tests.launch import TINY
 
 

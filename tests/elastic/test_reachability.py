@@ -11,9 +11,9 @@ from hypothesis import given, settings, strategies as st
 from planaria.elastic.controller import Controller
 from planaria.elastic.peer_probe import PeerProbe, node_address
 from planaria.elastic.reachability import cut_pairs, reachable_group, reaches_all
-from planaria.runtime.config import load_config
+from planaria.runtime.config.loading import load_config
 from planaria.runtime.contract import keys
-from planaria.runtime.planning import build_planner, cost_model
+from planaria.runtime.planning.job_plans import build_planner, cost_model
 from tests.elastic.test_controller_joins import report_statuses
 from tests.launch import TINY
 

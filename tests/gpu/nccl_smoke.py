@@ -11,11 +11,12 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from planaria.runtime.build import start_engine
-from planaria.runtime.config import load_config, plan_from_config
+from planaria.runtime.worker.build import start_engine
+from planaria.runtime.config.loading import load_config
+from planaria.runtime.config.validation import plan_from_config
 from planaria.runtime.contract import env
-from planaria.runtime.data import dataset_for
-from planaria.runtime.release import CommunicatorAbort, group_options
+from planaria.runtime.data.token_datasets import dataset_for
+from planaria.runtime.parallel.release import CommunicatorAbort, group_options
 
 
 def world(store_dir: str, name: str) -> None:

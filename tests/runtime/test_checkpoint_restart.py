@@ -7,7 +7,7 @@ import pytest
 
 from planaria.runtime.contract.checkpoint_layout import complete_checkpoints
 from planaria.runtime.contract.logs import COMMITS, CommitEntry, read_logs
-from planaria.runtime.checkpoints import read_layer
+from planaria.runtime.state.checkpoints import read_layer
 from tests.launch import assert_final_parameters, read_metrics, reference_run, torchrun_train
 from tests.runtime.test_recovery import JOB, STEPS
 

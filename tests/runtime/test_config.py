@@ -8,8 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from planaria.runtime.config import ConfigError, load_config, plan_from_config, uses_planner
-from planaria.runtime.optim import optimizer_settings
+from planaria.runtime.config.loading import load_config
+from planaria.runtime.config.sections import ConfigError, uses_planner
+from planaria.runtime.config.validation import plan_from_config
+from planaria.runtime.parallel.optim import optimizer_settings
 from tests.launch import TINY
 
 
@@ -23,7 +25,7 @@ def refused(overrides: list[str], *, world_size: int | None = None) -> str:
 def test_the_configs_kernel_modes_are_the_dispatchers():
     """config.py writes them out so as not to import torch (an agent checks configs)."""
     import planaria.kernels
-    from planaria.runtime.config import KERNEL_MODES
+    from planaria.runtime.config.sections import KERNEL_MODES
 
     assert KERNEL_MODES == planaria.kernels.MODES
 

@@ -1,4 +1,4 @@
-"""Tests for planaria.runtime.data: sources, determinism, slicing, epochs, errors."""
+"""Tests for planaria.runtime.data.token_datasets: sources, determinism, slicing, epochs, errors."""
 from __future__ import annotations
 
 import math
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from planaria.runtime.data import TokenDataset, build_dataset
+from planaria.runtime.data.token_datasets import TokenDataset, build_dataset
 
 
 def _synthetic(seed=0, vocab=512, seq_len=32, num_samples=256):

@@ -15,11 +15,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from planaria.runtime.build import start_engine
-from planaria.runtime.checkpoints import load_layer, snapshot_layer
-from planaria.runtime.config import load_config, plan_from_config
-from planaria.runtime.data import dataset_for
-from planaria.runtime.loop import Call, Evaluation, Every, run_steps
+from planaria.runtime.worker.build import start_engine
+from planaria.runtime.state.checkpoints import load_layer, snapshot_layer
+from planaria.runtime.config.loading import load_config
+from planaria.runtime.config.validation import plan_from_config
+from planaria.runtime.data.token_datasets import dataset_for
+from planaria.runtime.parallel.loop import Call, Evaluation, Every, run_steps
 from tests.launch import TINY
 
 OVERRIDES = ["train.dtype=float64", "train.steps=4", "data.source=synthetic", "parallel.pp=1", "parallel.dp=1"]

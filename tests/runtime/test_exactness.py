@@ -9,11 +9,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from planaria.runtime.config import load_config
-from planaria.runtime.data import build_dataset
-from planaria.runtime.model import LayerModel
-from planaria.runtime.reference import train_reference
-from planaria.runtime.optim import optimizer_settings
+from planaria.runtime.config.loading import load_config
+from planaria.runtime.data.token_datasets import build_dataset
+from planaria.runtime.models.llama import LayerModel
+from planaria.runtime.parallel.reference import train_reference
+from planaria.runtime.parallel.optim import optimizer_settings
 from tests.launch import TINY, assert_final_parameters, cases_with_slow, read_metrics, torchrun_train
 
 STEPS = 6

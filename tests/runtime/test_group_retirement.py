@@ -1,5 +1,5 @@
 """An ended epoch's process groups are destroyed on a thread while the next epoch's
-world connects (`planaria.runtime.groups.GroupRetirement`).
+world connects (`planaria.runtime.parallel.groups.GroupRetirement`).
 
 Two real processes over gloo, three epochs: each epoch's world and subgroups are held,
 taken out of torch's registry, and retired; the next world must connect and reduce
@@ -17,8 +17,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from planaria.runtime.groups import GroupRetirement
-from planaria.runtime.release import socket_inodes
+from planaria.runtime.parallel.groups import GroupRetirement
+from planaria.runtime.parallel.release import socket_inodes
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(120)]
 

@@ -1,4 +1,4 @@
-"""Hugging Face LLaMA in and out (planaria.runtime.hf): logits equal to
+"""Hugging Face LLaMA in and out (planaria.runtime.models.hf_weights): logits equal to
 transformers.LlamaForCausalLM in float64 through `model.init_from` and through
 `planaria export hf`, a round trip under pp=2 x tp=2, and one-line refusals.
 
@@ -16,12 +16,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from planaria.runtime.config import ConfigError, ModelConfig, load_config
-from planaria.runtime.data import dataset_for
-from planaria.runtime.hf_config import check_init_from
-from planaria.runtime.hf import HFCheckpoint, export_hf, find_saved_model, from_hf_rows, to_hf_rows
-from planaria.runtime.model import LayerModel
-from planaria.runtime.tensor_parallel import TensorParallel
+from planaria.runtime.config.loading import load_config
+from planaria.runtime.config.sections import ConfigError, ModelConfig
+from planaria.runtime.data.token_datasets import dataset_for
+from planaria.runtime.config.hf_config import check_init_from
+from planaria.runtime.models.hf_weights import HFCheckpoint, from_hf_rows, to_hf_rows
+from planaria.runtime.state.hf_export import export_hf, find_saved_model
+from planaria.runtime.models.llama import LayerModel
+from planaria.runtime.models.tensor_parallel import TensorParallel
 from tests.launch import REPO, TINY, assert_final_parameters, read_metrics, reference_run, torchrun_train
 from tests.runtime.hf_helpers import float64_llama, random_llama
 

@@ -1,4 +1,4 @@
-"""The profiler on Planaria's real layers (planaria.runtime.measured_costs, planaria.templates.profiler)."""
+"""The profiler on Planaria's real layers (planaria.runtime.planning.measured_costs, planaria.templates.profiler)."""
 from __future__ import annotations
 
 import json
@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from planaria.runtime.config import load_config
-from planaria.runtime.measured_costs import model_shape, profile_model
+from planaria.runtime.config.loading import load_config
+from planaria.runtime.planning.measured_costs import model_shape, profile_model
 from planaria.templates.analytic import analytic_cost_model, hardware, tp_communication_times
 from planaria.templates.partition import pipeline_iteration_time
 from planaria.templates.profiler import measure_gloo_links, profile_layers
@@ -30,8 +30,8 @@ def test_model_shape_mirrors_the_config():
 
 
 def _layers(cfg):
-    from planaria.runtime.model import LayerModel
-    from planaria.runtime.tensor_parallel import TensorParallel
+    from planaria.runtime.models.llama import LayerModel
+    from planaria.runtime.models.tensor_parallel import TensorParallel
 
     model = LayerModel(cfg.model, seed=0)
     return [model.build_layer(i, TensorParallel(), torch.float32, torch.device("cpu"), pretrained=True)
@@ -180,7 +180,7 @@ def test_profile_measures_links_on_cpu_and_caches_them(tmp_path):
 def test_the_pipeline_runtime_costs_something_per_action():
     """Two processes measure the links, then run the real schedule runtime on known
     work; what the runtime adds beyond the work and the messages is its own, per action."""
-    from planaria.runtime.pipeline_probe import measure_links_and_runtime
+    from planaria.runtime.planning.pipeline_probe import measure_links_and_runtime
 
     links = measure_links_and_runtime(32 << 10, rounds=40)
     assert links.message_bytes == 32 << 10 and 1e-6 < links.latency_s < 0.05
@@ -193,7 +193,7 @@ def test_the_pipeline_runtime_costs_something_per_action():
 
 
 def test_the_action_overhead_is_what_the_step_leaves_after_work_messages_and_transfers():
-    from planaria.runtime.pipeline_probe import action_overhead
+    from planaria.runtime.planning.pipeline_probe import action_overhead
 
     link = dict(latency_s=1e-4, bandwidth=1e9, message_bytes=100_000, microbatches=4)
     transfers = 2 * (1e-4 + 1e-4)
@@ -225,7 +225,7 @@ def test_layers_are_profiled_with_the_trainers_wide_gradient_sums(tmp_path):
 def test_update_steps_on_the_wide_sums():
     """measure_update on gradients summed wide (main_grad, grad empty) rounds and steps
     on them, as the engine does; stepping on the empty grad would leave SGD's weights."""
-    from planaria.runtime.engine import accumulate_wide
+    from planaria.runtime.parallel.engine import accumulate_wide
     from planaria.templates.profiler import measure_update
 
     torch.manual_seed(0)
@@ -256,7 +256,7 @@ def test_worker_load_computes_beside_the_profile_and_stops_after():
     other workers are; they compute while the body runs and are gone after it."""
     import time
 
-    from planaria.runtime.measured_costs import worker_load
+    from planaria.runtime.planning.measured_costs import worker_load
 
     with worker_load(tiny(), 2, torch.device("cpu")) as pids:
         assert len(pids) == 2
@@ -279,7 +279,7 @@ def test_a_load_process_that_fails_to_start_is_reported_with_its_error(tmp_path)
     import sys
     import tempfile
 
-    from planaria.runtime.measured_costs import _wait_ready
+    from planaria.runtime.planning.measured_costs import _wait_ready
 
     with tempfile.TemporaryFile(mode="w+") as log:
         proc = subprocess.Popen([sys.executable, "-c", "import sys; sys.stderr.write('no such model'); sys.exit(3)"],

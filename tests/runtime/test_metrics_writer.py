@@ -19,8 +19,8 @@ from tensorboard.backend.event_processing.event_file_loader import EventFileLoad
 from tensorboard.util import tensor_util  # noqa: E402
 
 from planaria.runtime.contract.logs import COMMITS, CommitEntry, append, log_path  # noqa: E402
-from planaria.runtime.metrics_writer import (EVENT, LOCK, EpochChange, RunWriter, StepMetrics,  # noqa: E402
-                                             steps_from_logs)
+from planaria.runtime.worker.metrics_writer import LOCK, RunWriter
+from planaria.runtime.worker.step_metrics import EVENT, EpochChange, StepMetrics, steps_from_logs
 
 
 def events(directory: Path) -> list[tuple[int, dict]]:
@@ -181,8 +181,8 @@ def test_wandb_offline_runs_one_run_across_writers(tmp_path, monkeypatch):
     offline; W&B gets what the event files get. (Skipped where wandb is not installed: it
     is optional, and the suite does not install it.)"""
     pytest.importorskip("wandb")
-    from planaria.runtime.config import WandbConfig
-    from planaria.runtime.metrics_writer import WandbRun, job_key
+    from planaria.runtime.config.sections import WandbConfig
+    from planaria.runtime.worker.metrics_writer import WandbRun, job_key
 
     monkeypatch.setenv("WANDB_SILENT", "true")
     cfg = WandbConfig(enabled=True, mode="offline", project="planaria-test")

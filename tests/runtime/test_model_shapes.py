@@ -9,9 +9,10 @@ import pytest
 import torch
 
 from planaria.cli import main
-from planaria.runtime.config import ConfigError, load_config, model_shape
-from planaria.runtime.model import LayerModel
-from planaria.runtime.tensor_parallel import TensorParallel
+from planaria.runtime.config.loading import load_config
+from planaria.runtime.config.sections import ConfigError, model_shape
+from planaria.runtime.models.llama import LayerModel
+from planaria.runtime.models.tensor_parallel import TensorParallel
 from planaria.templates.analytic import layer_state_bytes
 from planaria.templates.costs import llama_ffn_dim
 from tests.launch import TINY
@@ -131,7 +132,7 @@ def test_plan_prints_and_checks_the_host_memory_of_peer_snapshots(capsys):
     job whose nodes have less, with both figures and what to change."""
     import dataclasses
 
-    from planaria.runtime.planning import cost_model, plan_job
+    from planaria.runtime.planning.job_plans import cost_model, plan_job
 
     assert main(["plan", str(CONFIGS / "llama3-8b.yaml"), "--nodes", "16", "--hardware", "h100"]) == 0
     assert "GiB of host memory per node" in capsys.readouterr().out

@@ -8,10 +8,10 @@ import pytest
 import torch
 from torch import nn
 
-from planaria.runtime.checkpoints import load_layer, snapshot_layer
-from planaria.runtime.engine import LayerState
-from planaria.runtime.optim import empty_adam_state
-from planaria.runtime.transfer import on_device
+from planaria.runtime.state.checkpoints import load_layer, snapshot_layer
+from planaria.runtime.parallel.engine import LayerState
+from planaria.runtime.parallel.optim import empty_adam_state
+from planaria.runtime.state.transfer import on_device
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
                                                                    reason="no CUDA device"))]

@@ -1,4 +1,4 @@
-"""A worker's peer snapshots over the steps (planaria.runtime.peer_snapshots), its exchange
+"""A worker's peer snapshots over the steps (planaria.runtime.state.peer_snapshots), its exchange
 held back or failing at will: what a restore may use, what is kept, and that a step never
 waits for an exchange.
 
@@ -16,9 +16,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from planaria.runtime import peer_snapshots
+from planaria.runtime.state import peer_snapshots
 from planaria.runtime.contract.exactly_once import CommitRecord
-from planaria.runtime.peer_snapshots import PeerSnapshots
+from planaria.runtime.state.peer_snapshots import PeerSnapshots
 from planaria.templates.layout import plan_from_layout
 
 PLAN = plan_from_layout(layout=[[1, 2]] * 2, n_blocks=3, tp=1, schedule="1f1b", virtual_stages=1,
@@ -163,7 +163,7 @@ def test_rounds_the_next_plan_trains_again_are_dropped(snapshots):
 def test_a_copy_is_the_shards_bits_apart_from_it_and_reuses_a_forgotten_ones_memory():
     """`flatten_shard` copies (a later step leaves the copy as it was), written into a
     forgotten copy's tensors when given one, and `load_flat` puts it back bit for bit."""
-    from planaria.runtime.transfer import layer_state_tensors, load_flat
+    from planaria.runtime.state.transfer import layer_state_tensors, load_flat
     from tests.runtime.test_optimizer_state import stepped_layer
 
     state = stepped_layer("cpu", seed=0)

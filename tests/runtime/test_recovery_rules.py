@@ -9,12 +9,12 @@ import time
 import pytest
 import torch
 
-from planaria.runtime.audit import _compare
+from planaria.runtime.state.audit import _compare
 from planaria.runtime.contract.checkpoint_layout import complete_checkpoints, prune, step_dir, write_manifest
 from planaria.runtime.contract.epochs import EpochRecord
 from planaria.runtime.contract.exactly_once import (INCOMPLETE, SYNCED, CommitRecord, InconsistentStatuses,
                                            WorkerStatus, resolve)
-from planaria.runtime.fault_injection import Fault, FaultInjector, flip_a_bit, parse_faults
+from planaria.runtime.worker.fault_injection import Fault, FaultInjector, flip_a_bit, parse_faults
 from planaria.templates.layout import plan_from_layout
 from planaria.templates.plan import Transfer, holders, missing_from, transfers_from
 
@@ -175,7 +175,7 @@ def test_a_rendezvous_is_given_up_when_the_control_plane_abandons_the_epoch():
 
     import torch.distributed as dist
 
-    from planaria.runtime.coordination import StoreCoordinator
+    from planaria.runtime.worker.coordination import StoreCoordinator
 
     store = dist.HashStore()
     store.set_timeout(timedelta(seconds=300))
@@ -198,7 +198,7 @@ def test_a_leaving_worker_waits_for_the_next_epochs_first_step_and_no_longer():
     import torch.distributed as dist
 
     from planaria.runtime.contract import keys
-    from planaria.runtime.coordination import StoreCoordinator
+    from planaria.runtime.worker.coordination import StoreCoordinator
 
     store = dist.HashStore()
     coordinator = StoreCoordinator(store, ("node2", 0))

@@ -1,4 +1,4 @@
-"""Releasing a collective blocked on a silent peer (`planaria.runtime.release`).
+"""Releasing a collective blocked on a silent peer (`planaria.runtime.parallel.release`).
 
 Real gloo groups in real processes: one peer stays alive with its sockets open and never
 enters the collective, as a frozen or cut-off peer does; the other's all-reduce must fail
@@ -20,9 +20,9 @@ import torch
 import torch.distributed as dist
 
 from planaria.runtime.contract import env
-from planaria.runtime.coordination import store_ports
-from planaria.runtime.release import (CommunicatorAbort, SocketRelease, abort_concurrently, epoch_release,
-                                      group_options)
+from planaria.runtime.worker.coordination import store_ports
+from planaria.runtime.parallel.release import (CommunicatorAbort, SocketRelease, abort_concurrently, epoch_release,
+                                               group_options)
 
 
 def _free_port() -> int:
@@ -202,8 +202,8 @@ def _watched_epoch(stuck_s: float):
     """An epoch watcher over a real store whose epoch 0 the control plane declared failed,
     with an exit that is recorded instead of taken."""
     from planaria.runtime.contract import keys
-    from planaria.runtime.coordination import StoreCoordinator
-    from planaria.runtime.elastic_worker import _EpochWatcher
+    from planaria.runtime.worker.coordination import StoreCoordinator
+    from planaria.runtime.worker.elastic_worker import _EpochWatcher
 
     store = dist.HashStore()
     store.set(keys.epoch_reconfigure(0), keys.FAILURE)
@@ -214,7 +214,7 @@ def _watched_epoch(stuck_s: float):
 
 
 def test_a_worker_still_blocked_after_the_release_exits_to_be_started_again():
-    from planaria.runtime.elastic_worker import EXIT_STUCK_AFTER_RELEASE
+    from planaria.runtime.worker.elastic_worker import EXIT_STUCK_AFTER_RELEASE
 
     watcher, exits = _watched_epoch(stuck_s=0.2)
     watcher.start()
@@ -239,8 +239,8 @@ def test_an_epoch_given_up_before_it_began_is_seen_at_once_not_a_period_later():
     from types import SimpleNamespace
 
     from planaria.runtime.contract import keys
-    from planaria.runtime.coordination import StoreCoordinator
-    from planaria.runtime.elastic_worker import _EpochWatcher
+    from planaria.runtime.worker.coordination import StoreCoordinator
+    from planaria.runtime.worker.elastic_worker import _EpochWatcher
 
     store = dist.HashStore()
     store.set(keys.epoch_reconfigure(1), keys.FAILURE)

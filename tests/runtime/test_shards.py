@@ -9,9 +9,10 @@ import os
 import numpy as np
 import pytest
 
-from planaria.runtime import shards
-from planaria.runtime.config import ConfigError, load_config
-from planaria.runtime.data import TokenDataset, build_dataset, dataset_for
+from planaria.runtime.data import shards
+from planaria.runtime.config.loading import load_config
+from planaria.runtime.config.sections import ConfigError
+from planaria.runtime.data.token_datasets import TokenDataset, build_dataset, dataset_for
 
 
 def _prepared(tmp_path, parts: list[np.ndarray], vocab_size: int, eos_id: int = 0, val=None):

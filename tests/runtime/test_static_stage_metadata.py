@@ -21,8 +21,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from planaria.runtime.model import LayerModel
-from planaria.runtime.tensor_parallel import TensorParallel
+from planaria.runtime.models.llama import LayerModel
+from planaria.runtime.models.tensor_parallel import TensorParallel
 from tests.launch import TINY, cases_with_slow
 
 JOB = [
@@ -56,7 +56,7 @@ def _modes(stages) -> set[str]:
 
 def _train(cfg, plan, rank: int, data, val) -> dict:
     """Two steps, a next epoch of the same plan, two more steps and an evaluation."""
-    from planaria.runtime.build import start_engine
+    from planaria.runtime.worker.build import start_engine
 
     engine = start_engine(cfg, plan, rank, torch.device("cpu"))
     given = _metadata_given(engine.stages)
@@ -74,9 +74,10 @@ def _train(cfg, plan, rank: int, data, val) -> dict:
 
 def _worker(rank: int, world_size: int, overrides: list[str], rendezvous: str, out) -> None:
     try:
-        from planaria.runtime.config import load_config, plan_from_config
-        from planaria.runtime.data import dataset_for
-        from planaria.runtime.engine import Engine
+        from planaria.runtime.config.loading import load_config
+        from planaria.runtime.config.validation import plan_from_config
+        from planaria.runtime.data.token_datasets import dataset_for
+        from planaria.runtime.parallel.engine import Engine
 
         torch.set_num_threads(1)
         dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world_size,
@@ -161,7 +162,7 @@ def test_examples_match_the_layers_outputs(fused, tp_size, dtypes):
     """The examples' shapes, dtypes and strides are what the layers return, run for real
     under the engine's autocast (with tp = 2, one rank's shards without their group: the
     sums over tp ranks are skipped, which changes no shape or dtype)."""
-    from planaria.runtime.config import load_config
+    from planaria.runtime.config.loading import load_config
 
     cfg = load_config(TINY, ["model.n_layers=2", "model.d_model=32", "model.vocab_size=128", "model.seq_len=16",
                              f"model.fused_head_loss={str(fused).lower()}"])

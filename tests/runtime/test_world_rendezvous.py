@@ -2,7 +2,7 @@
 
 torch names the world group from a per-process counter that a failed
 `init_process_group` advances and nothing resets; without
-`planaria.runtime.groups.forget_failed_world` the worker's next world would wait on
+`planaria.runtime.parallel.groups.forget_failed_world` the worker's next world would wait on
 other keys than its peers' until the connect timeout (found replaying the p3 trace:
 every epoch after a failed join timed out).
 """
@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from planaria.runtime.groups import forget_failed_world
+from planaria.runtime.parallel.groups import forget_failed_world
 
 
 def _free_port() -> int:

@@ -1,0 +1,176 @@
+"""How a worker talks to its control plane: a narrow interface over a key-value store.
+
+The runtime needs five things from whoever coordinates the job (docs/recovery.md):
+announce itself; wait for the next epoch's record (its plan, and what to do before it
+starts); a rendezvous store for that epoch's process groups; publish its status when
+an epoch ends; and learn, cheaply at every iteration, whether the control plane wants
+the job to stop at the next iteration boundary (a node joins). `StoreCoordinator`
+implements it over any `torch.distributed.Store`: a `TCPStore` that a test harness or
+local launcher owns, or the etcd-backed store of `planaria.elastic`.
+
+The keys and records are the contract's (`planaria.runtime.contract.keys`,
+`planaria.runtime.contract.epochs`): the controller writes and reads the same.
+"""
+from __future__ import annotations
+
+import os
+import time
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from planaria.runtime.worker.abandonable_store import AbandonableStore
+from planaria.runtime.contract import keys
+from planaria.runtime.contract.deadline import ReachableDeadline
+from planaria.runtime.contract.epochs import EpochRecord, EpochTiming, Progress
+from planaria.runtime.contract.exactly_once import CommitRecord, WorkerStatus
+from planaria.runtime.contract.membership import Announcement
+from planaria.runtime.contract.store_reads import poll_pause, read_if_present
+from planaria.templates.plan import Worker
+
+POLL_S = 0.02
+FAST_FOR_S = 0.25
+"""A wait for the next epoch polls every 2 ms (`store_reads.FAST_POLL_S`) for its first FAST_FOR_S: it starts
+as an epoch ends, and after a stop at a step boundary the next record follows within
+tens of milliseconds (it took 10 ms on average, half a poll, of a planned leave's pause
+of about 0.2 s). Later, and for a worker waiting as a spare, every POLL_S."""
+
+
+class JobEnded(Exception):
+    """The control plane ended the job (`done`); `outcome` says how."""
+
+    def __init__(self, outcome: str):
+        super().__init__(outcome)
+        self.outcome = outcome
+
+
+class StoreCoordinator:
+    """A worker's side of the control plane, over a `torch.distributed.Store`."""
+
+    def __init__(self, store: dist.Store, worker: Worker):
+        self.store = store
+        self.worker = worker
+        self._key = keys.worker_key(worker)
+        self._rendezvous_stores: dict[int, dist.Store] = {}
+
+    def announce(self) -> None:
+        self.store.set(keys.member(self.worker), Announcement(os.getpid()).to_json())
+
+    def wait_for_epoch(self, after: int, timeout_s: float) -> tuple[int, EpochRecord]:
+        """The first epoch newer than `after` and its record; JobEnded if the job ended
+        first, TimeoutError if nothing came within `timeout_s`."""
+        deadline = ReachableDeadline(timeout_s)
+        started = time.monotonic()
+        while True:
+            if (done := read_if_present(self.store, keys.DONE)) is not None:
+                raise JobEnded(done.decode())
+            if (current := read_if_present(self.store, keys.EPOCH)) is not None and int(current) > after:
+                epoch = int(current)
+                return epoch, EpochRecord.from_json(self.store.get(keys.epoch_record(epoch)))
+            if deadline.expired():
+                raise TimeoutError(f"worker {self._key}: no epoch after {after} within {timeout_s:.0f} s; "
+                                   "is the control plane alive?")
+            time.sleep(poll_pause(started, FAST_FOR_S, POLL_S))
+
+    def prepared_record(self, epoch: int) -> EpochRecord | None:
+        """The next epoch's record as the controller prepared it before asking `epoch` to
+        stop (`keys.epoch_prepared`: a planned leave), or None. Its plan's first iteration
+        is a placeholder: the step after the one the stop came after."""
+        value = read_if_present(self.store, keys.epoch_prepared(epoch))
+        return None if value is None else EpochRecord.from_json(value)
+
+    def rendezvous_store(self, epoch: int) -> dist.Store:
+        """The epoch's process-group rendezvous, given up as soon as the control plane
+        moves past the epoch: a peer that dies before it has registered would otherwise
+        hold everyone in the rendezvous until the store's timeout. One per epoch: the
+        world's and a planned leave's groups (`transfer.Handoff`) meet in the same."""
+        if epoch in self._rendezvous_stores:
+            return self._rendezvous_stores[epoch]
+        store = AbandonableStore(dist.PrefixStore(keys.epoch_rendezvous(epoch), self.store),
+                                 lambda: self.reconfigure_requested(epoch),
+                                 f"epoch {epoch} was abandoned by the control plane during its rendezvous")
+        # c10d holds the store by its C++ half only: a Python subclass collected while a
+        # process group still uses it has no methods left ("Not implemented").
+        self._rendezvous_stores[epoch] = store
+        return store
+
+    def mark_ready(self, epoch: int) -> None:
+        """This worker is in no epoch, waiting for one after `epoch` (`keys.ready`)."""
+        self.store.set(keys.ready(self.worker), str(epoch))
+
+    def handed_off(self, epoch: int) -> None:
+        self.store.set(keys.epoch_handed_off(epoch, self.worker), "1")
+
+    def publish_progress(self, progress: Progress) -> None:
+        self.store.set(keys.PROGRESS, progress.to_json())
+
+    def publish_status(self, epoch: int, status: WorkerStatus) -> None:
+        self.store.set(keys.epoch_status(epoch, self.worker), status.to_json())
+
+    def publish_timing(self, epoch: int, timing: EpochTiming) -> None:
+        self.store.set(keys.epoch_timing(epoch, self.worker), timing.to_json())
+
+    def report_checkpoint(self, iteration: int, epoch: int, shards: int, commit: CommitRecord) -> None:
+        """This worker's files of the checkpoint of `iteration`, committed in `epoch`, are on disk."""
+        self.store.set(keys.checkpoint_commit(iteration, epoch), commit.to_json())
+        self.store.add(keys.checkpoint_shards(iteration, epoch), shards)
+
+    def mark_trained(self, epoch: int) -> None:
+        """This epoch committed a step: the controller may now absorb joiners (it defers
+        a join until the epoch in force has made progress, so churn cannot livelock it).
+        The value is when (wall clock): the end of a recovery, for the agents' metrics."""
+        self.store.set(keys.epoch_trained(epoch), f"{time.time():.3f}")
+
+    def wait_until_trained(self, epoch: int, timeout_s: float) -> bool:
+        """Wait until `epoch` committed a step (`mark_trained`), or the control plane moved
+        past it or ended the job, or `timeout_s` passed; True for the first. Three reads
+        each 50 ms."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if read_if_present(self.store, keys.epoch_trained(epoch)) is not None:
+                return True
+            current = read_if_present(self.store, keys.EPOCH)
+            if (time.monotonic() >= deadline or (current is not None and int(current) > epoch)
+                    or read_if_present(self.store, keys.DONE) is not None):
+                return False
+            time.sleep(0.05)
+
+    def reconfigure_requested(self, epoch: int) -> bool:
+        return self.store.check([keys.epoch_reconfigure(epoch)])
+
+    def epoch_over(self, epoch: int) -> str | None:
+        """Why the control plane ended `epoch` (`keys.JOIN`, `keys.FAILURE`), or None."""
+        key = keys.epoch_reconfigure(epoch)
+        return self.store.get(key).decode() if self.store.check([key]) else None
+
+
+def store_ports(url: str) -> set[int]:
+    """The ports of the store's endpoints at `url` ("host:port", "tcp://host:port",
+    "etcd://host:port[,host:port...]/prefix"): connections to them are the control
+    plane's, which a release of an epoch's collectives leaves alone."""
+    rest = url.partition("://")[2] or url
+    hosts = rest.split("/", 1)[0]
+    return {int(port) for _, _, port in (h.rpartition(":") for h in hosts.split(",")) if port.isdigit()}
+
+
+def connect_store(url: str, timeout_s: float = 60.0) -> dist.Store:
+    """The job's store at `url`: "host:port" or "tcp://host:port" is a TCPStore; any other
+    scheme names a store registered under the `planaria.stores` entry point group
+    ("etcd://host:port/prefix" is `planaria.elastic`'s), so the runtime needs no import
+    of the control plane that provides it."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        scheme, rest = "tcp", url
+    if scheme == "tcp":
+        host, _, port = rest.rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"store address must be host:port, got {url!r}")
+        return dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout_s),
+                             wait_for_workers=False)
+    from importlib.metadata import entry_points
+
+    found = {ep.name: ep for ep in entry_points(group="planaria.stores")}
+    if scheme not in found:
+        raise ValueError(f"no store for {scheme}:// (known: tcp, {', '.join(sorted(found)) or 'none'}); "
+                         "is Planaria installed with its entry points (pip install -e .)?")
+    return found[scheme].load()(url, timeout_s)

@@ -1,0 +1,705 @@
+"""A training worker that survives the failure of others: the epoch loop (docs/recovery.md).
+
+`python -m planaria.train CONFIG [overrides]` runs this loop when its environment names
+a control plane (`PLANARIA_STORE=host:port` of a TCPStore or `etcd://host:port/prefix`,
+`PLANARIA_NODE`, `PLANARIA_LOCAL_RANK`),
+as `planaria.elastic`'s launchers and the tests' harness start workers. Per epoch:
+
+1. wait for the epoch's record (plan, roll-forward, transfers); a worker not in the
+   plan waits for the next one;
+2. join the epoch's process group through the epoch's rendezvous store;
+3. first epoch: build the engine; later epochs: roll forward if the record says so;
+   then `Engine.enter_epoch`, with the record's transfers or checkpoint (a worker
+   joining a running job receives its layers like any other);
+4. train from the plan's first iteration; the commit all-reduce also carries "the
+   control plane asked to stop here" (a node joins), so all stop after the same step,
+   and whether the peer snapshots' exchange is still going on; after each step, a peer
+   snapshot when one is due (`planaria.runtime.state.peer_snapshots`: a record may restore
+   from them in step 3 when a layer lost every replica);
+5. at the end, save the final parameters and report "finished", then wait: the job is
+   over only when the control plane says so (a late failure may still need this
+   worker's layers).
+
+A collective that fails (a peer's sockets closed: gloo reports it within about a
+second) or times out (`comm.timeout_s`) ends the epoch on this worker: it tears
+its process groups down at once, which closes its own sockets so that peers blocked on
+it fail too, then publishes its status (`planaria.runtime.contract.exactly_once`) and goes back
+to 1. Every committed step is appended to OUTPUT_DIR/commits-<node>.<local>.jsonl
+(`planaria.runtime.contract.logs` holds the logs' records). With `logging.tensorboard`,
+the plan's rank 0 of each epoch also writes the steps to the run's TensorBoard
+directory, each exactly once across epochs and writers (`planaria.runtime.worker.metrics_writer`).
+"""
+from __future__ import annotations
+
+import collections
+import contextlib
+import gc
+import statistics
+import logging
+import sys
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import asdict, replace
+import os
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from rich.console import Console
+from rich.markup import escape
+
+from planaria.runtime.state.saved_model import save_model_shards
+from planaria.runtime.state.checkpoints import AsyncCheckpointer, snapshot_layer
+from planaria.runtime.state.peer_snapshots import PeerSnapshots
+from planaria.runtime.state.transfer import Handoff, SnapshotSource, exchange_handoff
+from planaria.runtime.worker.build import build_engine
+from planaria.runtime.config.sections import Config, status_timeout_s
+from planaria.runtime.contract import env
+from planaria.runtime.contract.epochs import EpochEvent, EpochRecord, EpochTiming, Progress
+from planaria.runtime.contract.exits import EXIT_LEFT, EXIT_STUCK_AFTER_RELEASE, EXIT_TORN_STEP  # noqa: F401 (re-exported)
+from planaria.runtime.contract.logs import AuditEntry, CommitEntry, EvalEntry, append
+from planaria.runtime.contract import keys
+from planaria.runtime.worker.coordination import JobEnded, StoreCoordinator, connect_store, store_ports
+from planaria.runtime.data.token_datasets import dataset_for
+from planaria.runtime.parallel.engine import Engine, StepResult, TornStep
+from planaria.runtime.parallel.loop import Call, Evaluation, Every, run_steps
+from planaria.runtime.worker.metrics_writer import RunWriter, WandbRun
+from planaria.runtime.worker.step_metrics import EpochChange, MfuMeter, StepMetrics, step_metrics, steps_from_logs
+from planaria.runtime.parallel.optim import learning_rate, optimizer_settings
+from planaria.runtime.state.audit import audit_replicas
+from planaria.runtime.worker.fault_injection import FaultInjector, corruption_after_step, flip_a_bit, writes_late
+from planaria.runtime.parallel.groups import GroupRetirement, forget_failed_world, set_operation_timeout
+from planaria.runtime.parallel.release import epoch_release, group_options
+from planaria.runtime.contract.heartbeat import start_beating
+from planaria.runtime.contract.logs import AUDIT, COMMITS, EVALS, log_path
+
+
+
+class _StopRequested(Exception):
+    """The commit agreed to stop after this step (the control plane wants a new epoch)."""
+
+
+class _EpochWatcher(threading.Thread):
+    """Asks the control plane every `period_s` whether it ended this epoch, off the
+    training step: a step never waits on the store, and a store that is away (etcd down)
+    only means that no word is seen until it is back.
+
+    A join (`keys.JOIN`) sets `requested`: the commit of the current iteration carries
+    it, and every worker stops after the same step. A failure (`keys.FAILURE`) releases
+    the epoch's collectives at once (`release`), wherever the main thread is blocked:
+    a peer that stopped answering without closing anything holds nobody up past the
+    controller's decision. Runs from before the epoch's rendezvous to after its groups
+    are torn down, so that transfers and the rendezvous are released as steps are.
+
+    A release that does not free the main thread within `stuck_s` ends the process
+    (`EXIT_STUCK_AFTER_RELEASE`). It happens to a node cut off the network and back: by
+    the time the decision reaches it, its peers' sockets are gone (their resets made its
+    own unconnected, so there is nothing left to shut down), and gloo can wait on such a
+    pair until the operation's timeout. Meanwhile its agent, back on etcd, shows the
+    worker alive, the leader plans it in, and the whole job would wait for a worker that
+    never arrives. A fresh worker costs only this worker's layers, which the plan that
+    declared the epoch failed already does without."""
+
+    def __init__(self, coordinator: StoreCoordinator, epoch: int, release, log: Callable[[str], None],
+                 period_s: float = 0.2, stuck_s: float = 10.0, exit=os._exit,
+                 progress: Callable[[], Progress | None] | None = None):
+        super().__init__(daemon=True, name=f"epoch-watcher-{epoch}")
+        self.coordinator, self.epoch, self.period_s = coordinator, epoch, period_s
+        self.progress, self._published = progress, (None, 0.0)
+        self.release, self.log = release, log
+        self.stuck_s, self._exit = stuck_s, exit
+        self.requested, self.done, self._local = threading.Event(), threading.Event(), threading.Event()
+
+    def run(self) -> None:
+        # Asked at once, then every period: an epoch can be over before it began (one that
+        # a planned leave prepared, given up during the stop: `Controller._publish_prepared`).
+        while True:
+            try:
+                self._publish_progress()
+                reason = self.coordinator.epoch_over(self.epoch)
+            except Exception:  # the store is unreachable: keep training, ask again later
+                reason = None
+            if reason is None:
+                if self.done.wait(self.period_s):
+                    return
+                continue
+            self.requested.set()
+            if reason == keys.FAILURE and self.release is not None:
+                done = self.release.release()
+                self.log(f"epoch {self.epoch}: the control plane declared it failed; released "
+                         f"its collectives ({done})")
+                self._exit_if_stuck()
+            return
+
+    def _publish_progress(self, every_s: float = 1.0) -> None:
+        """The job's progress (`keys.PROGRESS`), at most every `every_s`, when it moved:
+        written from here, never from the step."""
+        if self.progress is None or time.monotonic() - self._published[1] < every_s:
+            return
+        progress = self.progress()
+        if progress is not None and progress != self._published[0]:
+            self.coordinator.publish_progress(progress)
+            self._published = (progress, time.monotonic())
+
+    @contextlib.contextmanager
+    def local_work(self):
+        """Around work of the main thread that waits on no peer (building a model's layers
+        can take minutes): a release does not free it, and it is not counted as stuck."""
+        self._local.set()
+        try:
+            yield
+        finally:
+            self._local.clear()
+
+    def _exit_if_stuck(self) -> None:
+        while self.stuck_s and not self.done.wait(self.stuck_s):
+            if not self._local.is_set():
+                self.log(f"epoch {self.epoch}: its collectives did not return {self.stuck_s:.0f} s "
+                         "after their release; this worker exits, to be started again as a new one")
+                self._exit(EXIT_STUCK_AFTER_RELEASE)
+                return
+
+
+def elastic_environment() -> tuple[str, str, int] | None:
+    """(store address, node, local rank) when this process was started by a Planaria
+    control plane, else None."""
+    return env.elastic_worker(os.environ)
+
+
+class ElasticWorker:
+    """One worker's epochs (module docstring)."""
+
+    def __init__(self, cfg: Config, coordinator: StoreCoordinator, console: Console,
+                 device: torch.device, backend: str, keep_ports: frozenset[int] = frozenset()):
+        """`keep_ports`: the control plane's store endpoints, whose connections a release
+        of an epoch's collectives leaves open."""
+        self.cfg = cfg
+        self.keep_ports = keep_ports
+        self.coordinator = coordinator
+        self.worker = coordinator.worker
+        self.name = f"{self.worker[0]}.{self.worker[1]}"
+        self.console = console
+        self.device, self.backend = device, backend
+        self.dataset = dataset_for(cfg)
+        self.val_dataset = dataset_for(cfg, "val") if cfg.eval.every else None
+        self.faults = FaultInjector.from_env(self.name)
+        self.corrupt_after = corruption_after_step(self.name)
+        self.late_writer = writes_late(self.name)
+        self.engine: Engine | None = None
+        self._trained_in: int | None = None
+        """The last epoch this worker trained in: the one that committed a step it rolls
+        forward (a later epoch may have failed before anyone trained in it)."""
+        self._timing = EpochTiming(record_s=0.0)
+        """This epoch's: when each of its phases ended on this worker."""
+        self._step_times: collections.deque[float] = collections.deque(maxlen=9)
+        self._last_commit: tuple[int, int, float] | None = None
+        self.out_dir = Path(cfg.output.dir)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.commits = open(log_path(self.out_dir, COMMITS, self.name), "a", encoding="utf-8")
+        self.evals = open(log_path(self.out_dir, EVALS, self.name), "a", encoding="utf-8") if cfg.eval.every else None
+        self.checkpointer = AsyncCheckpointer(cfg.checkpoint_dir, cfg.checkpoint.every,
+                                              coordinator.report_checkpoint, data_source=cfg.data.source)
+        self._publisher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="status")
+        """Publishes the status of a stop at a step boundary while the epoch is torn down."""
+        self._retired = GroupRetirement()
+        """Destroys each ended epoch's groups on a thread (`_leave_epoch`)."""
+        self.snapshots = PeerSnapshots(cfg.checkpoint.memory_every, cfg.checkpoint.memory_copies,
+                                       timeout_s=cfg.comm.timeout_s, connect_timeout_s=self._connect_timeout_s(),
+                                       log=self._log)
+        self.metrics: RunWriter | None = None
+        """The TensorBoard writer, while this worker is the plan's rank 0 (logging.tensorboard)."""
+        self.job_id = os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get(env.STORE, "")
+        """The same in every worker of the job: its run id (an agent's), else its store's address."""
+        w = cfg.logging.wandb
+        self.wandb = WandbRun(w, job=self.job_id, directory=Path(w.dir or cfg.output.dir)) if w.enabled else None
+        self.mfu = MfuMeter.for_job(cfg, device) if cfg.tensorboard_dir is not None else None
+
+    # ------------------------------------------------------------------ loop
+    def run(self) -> int:
+        try:
+            return self._run()
+        finally:  # a past epoch's groups go before the interpreter does
+            self._retired.wait(timeout_s=30)
+
+    def _run(self) -> int:
+        self.coordinator.announce()
+        # What the process holds before any epoch (torch and the other imports, the
+        # dataset: some 300,000 objects) lives as long as it does. Frozen out of the cyclic
+        # collector, it is not scanned again by the collection that ends every epoch
+        # (`_leave_epoch`), which took 0.3 to 1.4 s of every reconfiguration's pause
+        # with it (measured on 2 cores, four workers). Nothing built later is frozen: a
+        # layer dropped in a later epoch is collected as before.
+        gc.collect()
+        gc.freeze()
+        epoch = -1
+        wait_s = 4 * self.cfg.comm.timeout_s + 60
+        prepared: tuple[int, EpochRecord] | None = None
+        while True:
+            try:
+                epoch, record = prepared or self.coordinator.wait_for_epoch(epoch, wait_s)
+            except JobEnded as end:
+                self._log(f"job ended: {end.outcome}")
+                if self.wandb is not None:
+                    self.wandb.close()
+                return 0 if end.outcome == "ok" else 1
+            if self.worker[0] in record.leaving:
+                code = self._leave(epoch, record)
+                if code is not None:
+                    return code
+                prepared = None
+                continue
+            if self.worker not in record.plan.rank_of_worker():
+                self._log(f"epoch {epoch}: not in the plan, waiting")
+                self.coordinator.mark_ready(epoch)  # out of any epoch: it can be planned in
+                continue
+            try:
+                prepared = self._run_epoch(epoch, record)
+            except TornStep as err:
+                # No status: the control plane sees a worker gone, as if its node failed,
+                # and has its layers copied from their replicas (or a checkpoint).
+                self._log(f"epoch {epoch}: leaving the job: {err}")
+                return EXIT_TORN_STEP
+
+    def _leave(self, epoch: int, record: EpochRecord) -> int | None:
+        """This node leaves with notice: send the layers the new plan takes from this
+        worker (it holds their only copies), then exit (the exit code). None when the
+        control plane gave the epoch up before the layers were across (a receiver
+        failed): this worker still holds them, and waits for the next epoch's word."""
+        # The receivers first build the new epoch's groups and make its other copies (a
+        # joiner builds its layers): a leaving worker waits for them as long as the leader
+        # waits for a status. Its deadline bounds the wait: its agent stops it there.
+        handoff = self._handoff(epoch, record, timeout_s=status_timeout_s(self.cfg.comm))
+        if handoff is not None and any(t.src == self.worker for t in handoff.transfers):
+            try:
+                stats = exchange_handoff(self.engine, handoff, self.worker, stepped=self.engine.last_stepped >= 0)
+            except (RuntimeError, TimeoutError) as err:
+                self._log(f"epoch {epoch}: handing layers over failed: {str(err).splitlines()[0][:300]}")
+                if self.coordinator.reconfigure_requested(epoch):
+                    self._log(f"epoch {epoch} was given up by the control plane; this node still holds its "
+                              "layers and waits for the next epoch")
+                    return None
+                return 1  # the leader sees it gone without its word
+            self.coordinator.handed_off(epoch)  # before it exits: it is not a failure of the epoch
+            self._log(f"epoch {epoch}: handed {stats.layers_sent} layer shard(s) over "
+                      f"({stats.bytes_sent / 2**20:.2f} MiB in {stats.seconds:.2f} s)")
+        try:  # its shards of a checkpoint under way complete that checkpoint
+            self.checkpointer.flush()
+        except OSError as err:  # the checkpoint is passed over, as after any failed write
+            self._log(f"epoch {epoch}: a checkpoint write failed while leaving: {err}")
+        self._log(f"epoch {epoch}: this node leaves the job, as its notice asked")
+        # What is left (dropping the layers, the interpreter's exit) is of use to no one: on
+        # a host it shares with workers of the job (a test's cluster, or several nodes'
+        # workers on one machine) it must not take their CPU while they train the next
+        # epoch's first step. So it waits for that step first (its exit had made the step
+        # 0.03-0.05 s slower, two cores, four workers), then drops to the lowest priority.
+        # On a host of its own neither changes anything.
+        if record.plan.first_iteration < self.cfg.train.steps:  # (else no step is left to train)
+            trained = self.coordinator.wait_until_trained(epoch, LEAVE_LINGER_S)
+            if not trained and self.coordinator.reconfigure_requested(epoch):
+                # Given up before it trained (a worker it needed failed): the next plan may
+                # need this worker's layers after all.
+                self._log(f"epoch {epoch} was given up by the control plane before it trained; this node "
+                          "still holds its layers and waits for the next epoch")
+                return None
+        _lowest_priority()
+        if self.engine is not None:
+            self.engine.destroy()
+        return EXIT_LEFT
+
+    def _handoff(self, epoch: int, record: EpochRecord, timeout_s: float | None = None) -> Handoff | None:
+        """The record's transfers from leaving workers, when this worker takes part."""
+        handoff = Handoff.of(record.transfers, record.leaving, self.coordinator.rendezvous_store(epoch),
+                             self.backend, timedelta(seconds=timeout_s or self.cfg.comm.timeout_s))
+        return handoff if handoff is not None and self.worker in handoff.participants() else None
+
+    def _run_epoch(self, epoch: int, record: EpochRecord) -> tuple[int, EpochRecord] | None:
+        """Train `epoch` until it ends; the next epoch and its record when the controller
+        prepared it before it asked this one to stop (a planned leave), else None."""
+        plan = record.plan
+        rank = plan.rank_of_worker()[self.worker]
+        self._timing = EpochTiming(record_s=time.time())
+        finished = False
+        early_status: Future | None = None
+        next_record: Future | None = None
+        if self._left_out(record):
+            # The job went on without this worker (it was cut off, and declared failed): the
+            # plan counts on none of its layers, which are of an older step. It joins as a
+            # new worker would, and its old state is never used, nor reported: dropped
+            # before anything of the epoch can fail, so that its status says it holds
+            # nothing (a stale one would contradict the steps committed without it).
+            self._log(f"epoch {epoch}: this worker's layers are of step {self.engine.last_stepped}, "
+                      f"the job is at {plan.first_iteration}: it was left out; joining as a new worker")
+            self.engine.destroy()
+            self.engine = None
+        # Made before the epoch's first group: it releases what the epoch opens.
+        release = epoch_release(self.backend, self.keep_ports) if self.cfg.comm.release else None
+        self._watcher = _EpochWatcher(self.coordinator, epoch, release, self._log,
+                                      stuck_s=self.cfg.comm.release_stuck_s,
+                                      progress=self._progress if rank == 0 else None)
+        self._watcher.start()
+        try:
+            dist.init_process_group(self.backend, store=self.coordinator.rendezvous_store(epoch),
+                                    rank=rank, world_size=plan.world_size, timeout=timedelta(seconds=self._connect_timeout_s()),
+                                    pg_options=group_options(self.backend))
+            set_operation_timeout(None, timedelta(seconds=self.cfg.comm.timeout_s))
+            self._mark(rendezvous_s=time.time())
+            self._enter_epoch(plan, rank, record)
+            self.snapshots.begin_epoch(self.engine, epoch, self.coordinator.rendezvous_store(epoch))
+            self._mark(transfer_s=time.time())
+            if (t := self.engine.last_transfer) is not None:
+                self._mark(bytes_received=t.bytes_received, bytes_sent=t.bytes_sent, transfer_seconds=t.seconds)
+            self._log(f"epoch {epoch}: rank {rank} of {plan.world_size}, layers "
+                      f"{self.engine.held_layers()}, from iteration {plan.first_iteration}")
+            self._trained_in = epoch
+            self._train(epoch, plan.first_iteration)
+            self.checkpointer.flush()
+            if self.metrics is not None:  # the last steps, before the job can be declared over
+                self.metrics.flush(wait_s=30.0)
+            save_model_shards(self.engine, self.out_dir / "final", data_source=self.cfg.data.source)
+            finished = True
+        except _StopRequested:
+            self._log(f"epoch {epoch}: stopping after iteration {self.engine.last_stepped} "
+                      "as the control plane asked")
+            # A stop at a step boundary that every worker agreed on: no peer waits on this
+            # worker's sockets, and nothing the teardown does changes what it holds. Its
+            # status goes at once, from a thread of its own (a store round trip), so that
+            # the controller plans the next epoch while the groups close (about 0.1 s of
+            # the pause at a planned leave or a join); it is out before the epoch is left.
+            status = self._status(finished)
+            early_status = self._publisher.submit(self.coordinator.publish_status, epoch, status)
+            # A leave's next epoch was prepared before the stop was asked for: read while
+            # the groups close, it spares the wait for every status and the plan.
+            next_record = self._publisher.submit(self.coordinator.prepared_record, epoch)
+        except TornStep:
+            raise  # past the status below: this worker's state must not be used
+        except (RuntimeError, TimeoutError) as err:  # dist errors are RuntimeErrors
+            self._mark(failed_s=time.time(),
+                       error=str(err).splitlines()[0][:300] if str(err) else type(err).__name__)
+            self._log(f"epoch {epoch} failed on this worker: {self._timing.error}")
+            if self.late_writer and self.engine is not None and self.engine.last_commit is not None:
+                self._write_late(epoch)  # (a worker that has committed nothing has nothing to write)
+        finally:
+            self._leave_epoch(stopped=early_status is not None)
+            self._watcher.done.set()
+        if early_status is not None:
+            early_status.result()  # (raises what the publication raised)
+        else:
+            self.coordinator.publish_status(epoch, self._status(finished))
+        # For reports: after what the controller waits for (the same thread, in order).
+        self._publisher.submit(self.coordinator.publish_timing, epoch, self._timing)
+        prepared = None
+        if next_record is not None:
+            try:
+                prepared = next_record.result()
+            except Exception as err:  # the store is away: the record is waited for as after any epoch
+                self._log(f"epoch {epoch}: the next epoch's prepared record could not be read ({err})")
+        if prepared is None:
+            return None
+        # Every worker stopped after the same step (the commit agreed on it), this one's last.
+        first = self.engine.last_stepped + 1
+        self._log(f"epoch {epoch}: going on to epoch {epoch + 1}, prepared by the controller before the stop, "
+                  f"from iteration {first}")
+        return epoch + 1, replace(prepared, plan=replace(prepared.plan, first_iteration=first))
+
+    def _write_late(self, epoch: int) -> None:
+        """The fencing test's late writer (`writes_late`): this worker's layers, of its last
+        step, written and reported as epoch `epoch`'s shards of the next checkpoint."""
+        every = self.cfg.checkpoint.every
+        if not every:
+            return
+        iteration = ((self.engine.last_stepped + 1) // every + 1) * every - 1
+        shards = {(layer, self.engine.tp.rank): snapshot_layer(self.engine.shard(layer))
+                  for layer in self.engine.held_layers()}
+        self.checkpointer.write_now(iteration, epoch, shards, self.engine.last_commit, self.engine)
+        self._log(f"epoch {epoch}: wrote its layers of step {self.engine.last_stepped} as checkpoint "
+                  f"{iteration}'s, late (PLANARIA_LATE_WRITER)")
+
+    def _left_out(self, record: EpochRecord) -> bool:
+        """True when this worker's layers are of a step the job has left behind: neither
+        the plan's previous step nor one behind it that the record rolls forward."""
+        stepped = None if self.engine is None else self.engine.last_stepped
+        if stepped is None or record.restore is not None or record.snapshot is not None:
+            return False  # a restore replaces every layer
+        rolled = record.roll_forward is not None and record.roll_forward.iteration == stepped + 1
+        return stepped + 1 + int(rolled) != record.plan.first_iteration
+
+    def _mark(self, **phases) -> None:
+        """Note in this epoch's timing that phases ended (EpochTiming's fields)."""
+        self._timing = replace(self._timing, **phases)
+
+    def _enter_epoch(self, plan, rank: int, record: EpochRecord) -> None:
+        transfers = [t for t in record.transfers if t.src[0] not in record.leaving]
+        if record.restore is not None:
+            self._log(f"epoch {plan.epoch}: restoring from checkpoint {record.restore}")
+        if self.engine is None:
+            # A worker new to the job (its start, or a join) holds nothing: it builds its
+            # layers, receives them or loads them, in the same epoch as every other worker.
+            with self._watcher.local_work():
+                self.engine = self._new_engine()
+        elif (record.restore is None and record.roll_forward is not None
+              and self.engine.roll_forward(record.roll_forward)):
+            committed_in = plan.epoch - 1 if self._trained_in is None else self._trained_in
+            self._record_commit(record.roll_forward, committed_in, rolled_forward=True)
+            self.checkpointer.after_step(self.engine, committed_in)
+        snapshot = None
+        if record.snapshot is not None:
+            self._log(f"epoch {plan.epoch}: restoring from the peer snapshots of step {record.snapshot.step}")
+            snapshot = SnapshotSource(record.snapshot.commit, self.snapshots.shards_of(record.snapshot))
+        self.engine.enter_epoch(plan, rank, transfers=transfers, snapshot=snapshot,
+                                checkpoint=None if record.restore is None else Path(record.restore),
+                                handoff=self._handoff(plan.epoch, record))
+
+    def _train(self, epoch: int, first: int) -> None:
+        self._steps(epoch, first, self._watcher.requested.is_set)
+
+    def _steps(self, epoch: int, first: int, request) -> None:
+        evaluation = Evaluation(self.val_dataset, self.cfg.data.seed, self.cfg.eval.batches, self.cfg.eval.due,
+                                report=lambda step, val_loss: self._record_eval(step, val_loss, epoch))
+        # A failure during the evaluation after step first-1 (committed) lost it: every
+        # worker of the epoch evaluates it again, from the same parameters, the same value.
+        if first > 0 and self.cfg.eval.due(first - 1, self.cfg.train.steps):
+            evaluation.run(self.engine, first - 1)
+        write_metrics = self._metrics_component(epoch)  # after that evaluation: it may be written now
+
+        def first_step(engine: Engine, ctx) -> None:
+            if self._timing.first_step_s is None:
+                self._mark(first_step_s=time.time())
+                self.coordinator.mark_trained(epoch)
+
+        # The commit is logged before the evaluation: a failure during it never hides a
+        # committed step from the logs.
+        components = [Call(first_step), Call(lambda engine, ctx: self._record_commit(ctx.result, epoch)),
+                      Call(lambda engine, ctx: self.checkpointer.after_step(engine, epoch)),
+                      Call(lambda engine, ctx: self.snapshots.after_step(
+                          engine, ctx.result.busy, ctx.last or ctx.result.stop_requested)),
+                      evaluation, *([] if write_metrics is None else [Call(write_metrics)]),
+                      Call(self._corrupt), Every(self.cfg.audit.every, self._audit)]
+        if not run_steps(self.engine, self.dataset, self.cfg.data.seed, first, self.cfg.train.steps, components,
+                         request=request, busy=self.snapshots.busy):
+            raise _StopRequested()
+
+    def _corrupt(self, engine: Engine, ctx) -> None:
+        """The injected corruption of a test (PLANARIA_CORRUPT), after its step."""
+        if self.corrupt_after == ctx.step:
+            layer = engine.held_layers()[0]
+            flip_a_bit(next(engine.shard(layer).module.parameters()))
+            self._log(f"injected corruption: flipped a bit of layer {layer} after step {ctx.step}")
+
+    def _audit(self, engine: Engine, step: int) -> None:
+        """The replica audit (collective): mismatches printed and in audit-<worker>.jsonl."""
+        for mismatch in audit_replicas(engine, repair=self.cfg.audit.repair):
+            self.console.print(f"[bold red]replica audit after step {step}:[/] {escape(mismatch.describe())}")
+            with open(log_path(self.out_dir, AUDIT, self.name), "a", encoding="utf-8") as f:
+                append(f, AuditEntry(step=step, **asdict(mismatch)))
+
+    def _leave_epoch(self, stopped: bool = False) -> None:
+        """Tear this epoch's groups down: they leave torch's registry now, and their
+        destructors run on a thread at once (`GroupRetirement`: 50-90 ms of every
+        reconfiguration's pause, off the path to the status and the next epoch). Closing
+        our sockets there, in parallel, still makes peers blocked on us fail within
+        milliseconds instead of at their timeout. `stopped`: at a step boundary all agreed
+        on (a peer snapshot exchange under way goes on: `PeerSnapshots.end_epoch`)."""
+        held = GroupRetirement.hold()
+        if self.engine is not None:
+            self.engine.abandon_epoch()
+        if self.metrics is not None:  # a failed epoch's committed steps too; never waiting on the lock
+            self.metrics.close()
+            self.metrics = None
+        held += self.snapshots.end_epoch(stopped)  # its exchange ends; its group goes with the epoch's
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # a broken group may refuse; it is dropped all the same
+                pass
+        forget_failed_world()
+        gc.collect()
+        self._retired.retire(held)
+        if self.device.type == "cuda":
+            # After an abort NCCL's kernels have returned: wait for every stream, so that no
+            # work of the old epoch runs on into the next, then give the old groups' and
+            # the interrupted iteration's buffers back to the device.
+            with contextlib.suppress(RuntimeError):
+                torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
+
+    # --------------------------------------------------------------- metrics
+    def _metrics_component(self, epoch: int) -> Callable[[Engine, object], None] | None:
+        """The loop component that writes this epoch's steps to TensorBoard, when this
+        worker is the plan's rank 0 and logging.tensorboard is on; None otherwise."""
+        directory = self.cfg.tensorboard_dir
+        if directory is None or self.engine.rank != 0:
+            return None
+        plan = self.engine.plan
+        # `fresh`: nothing of the job was committed before this plan's first step (a plan
+        # that goes back after a failure never starts at 0: there is no step before it).
+        self.metrics = RunWriter(directory, job=self.job_id, epoch=epoch, fresh=plan.first_iteration == 0,
+                                 history=lambda after, before, after_epoch: self._metrics_history(
+                                     after, before, after_epoch, epoch),
+                                 wandb=self.wandb, log=self._log)
+        first_commit_s: float | None = None
+        change_written = False
+
+        def write(engine: Engine, ctx) -> None:
+            nonlocal first_commit_s, change_written
+            at = self._last_commit[2]  # the commit's own time, logged before the evaluation
+            first_commit_s = first_commit_s or at
+            # An epoch prepared before the stop trains before its record is published (the
+            # controller publishes it once the statuses are in): its change is written with
+            # the first step that finds the record.
+            change = None
+            if not change_written:
+                change = self._epoch_change(epoch, first_commit_s, absent=_NOT_PUBLISHED)
+                change_written = change is not _NOT_PUBLISHED
+                change = None if change is _NOT_PUBLISHED else change
+            self.metrics.commit(step_metrics(ctx.result, at=at, workers=plan.world_size, mfu=self.mfu,
+                                             val_loss=ctx.val_loss), change)
+        return write
+
+    def _metrics_history(self, after: int, before: int, after_epoch: int,
+                         epoch: int) -> tuple[list[StepMetrics], list[EpochChange]]:
+        """What the writer of `epoch` finds committed and not written when it takes over:
+        steps from the workers' commit logs, epoch changes from the control plane."""
+        settings = optimizer_settings(self.cfg.train)
+        steps, missing = steps_from_logs(self.out_dir, after, before,
+                                         tokens=self.cfg.train.global_batch * self.cfg.model.seq_len,
+                                         lr=lambda step: learning_rate(step, settings))
+        if missing:
+            self._log(f"metrics: steps {missing} were committed before this epoch but are in no commit log "
+                      f"in {self.out_dir}; they are not written (is output.dir shared by the nodes?)")
+        changes = [change for e in range(after_epoch + 1, epoch) if (change := self._epoch_change(e)) is not None]
+        return steps, changes
+
+    def _epoch_change(self, epoch: int, first_commit_s: float | None = None, absent=None) -> EpochChange | None:
+        """Epoch `epoch`'s change as the control plane recorded it (`first_commit_s`: when
+        this worker committed its first step, for the epoch it writes); None if unrecorded
+        or unreadable, `absent` if its record is not published (yet)."""
+        store = self.coordinator.store
+        try:
+            if not store.check([keys.epoch_record(epoch)]):
+                return absent
+            plan = EpochRecord.from_json(store.get(keys.epoch_record(epoch))).plan
+            event = store.get(keys.epoch_event(epoch)) if epoch and store.check([keys.epoch_event(epoch)]) else None
+        except Exception as err:  # the control plane is away (etcd down): a later writer writes it
+            self._log(f"metrics: epoch {epoch}'s account could not be read ({type(err).__name__}: {err})")
+            return None
+        if epoch == 0:
+            change = EpochChange(epoch=0, step=plan.first_iteration, reason="start", workers=plan.world_size,
+                                 time=first_commit_s or time.time())
+        elif event is not None:
+            change = EpochChange.of_event(EpochEvent.from_json(event), plan.world_size)
+        else:  # its leader died between the record and the account
+            change = EpochChange(epoch=epoch, step=plan.first_iteration, reason="unrecorded",
+                                 workers=plan.world_size, time=time.time())
+        return change if first_commit_s is None else replace(change, time=first_commit_s)
+
+    # --------------------------------------------------------------- helpers
+    def _status(self, finished: bool):
+        from planaria.runtime.contract.exactly_once import INCOMPLETE, WorkerStatus
+
+        if self.engine is None:
+            status = WorkerStatus(worker=self.worker, last_stepped=-1, state=INCOMPLETE, finished=finished)
+        else:
+            status = self.engine.status(self.worker, finished=finished)
+        return replace(status, snapshots=self.snapshots.held())
+
+    def _progress(self) -> Progress | None:
+        """The last committed step and the median of the recent step times (read by the
+        epoch watcher's thread: one tuple, replaced whole by the main thread)."""
+        if self._last_commit is None or not self._step_times:
+            return None
+        epoch, step, at = self._last_commit
+        return Progress(epoch=epoch, step=step, time_s=at, step_s=statistics.median(self._step_times))
+
+    def _record_commit(self, result, epoch: int, rolled_forward: bool = False) -> None:
+        if isinstance(result, StepResult):
+            self._step_times.append(result.step_time_s)
+        self._last_commit = (epoch, result.iteration, time.time())
+        append(self.commits, CommitEntry(
+            step=result.iteration, loss=result.loss, grad_norm=result.grad_norm, epoch=epoch,
+            time=time.time(), rolled_forward=rolled_forward,
+            step_time_s=result.step_time_s if isinstance(result, StepResult) else None))
+        if self.worker[1] == 0 and (result.iteration % self.cfg.train.log_every == 0
+                                    or result.iteration == self.cfg.train.steps - 1):
+            self._log(f"step {result.iteration + 1}/{self.cfg.train.steps} | loss {result.loss:.4f}"
+                      f"{' (rolled forward)' if rolled_forward else ''}")
+
+    def _record_eval(self, step: int, val_loss: float, epoch: int) -> None:
+        append(self.evals, EvalEntry(step=step, val_loss=val_loss, epoch=epoch, time=time.time()))
+        if self.worker[1] == 0:
+            self._log(f"step {step + 1}/{self.cfg.train.steps} | validation loss {val_loss:.4f}")
+
+    def _new_engine(self) -> Engine:
+        """An engine holding nothing yet, for this worker's next epoch."""
+        return build_engine(self.cfg, self.device, phase=self.faults, connect_timeout_s=self._connect_timeout_s())
+
+    def _connect_timeout_s(self) -> float:
+        """An epoch's process groups connect within this: a peer that died after the
+        rendezvous (a fault during a recovery) fails the epoch in seconds, not minutes."""
+        return min(self.cfg.comm.connect_timeout_s, self.cfg.comm.timeout_s)
+
+    def _log(self, message: str) -> None:
+        self.console.print(f"[{self.name}] {message}", markup=False)
+
+
+_NOT_PUBLISHED = object()
+"""`_epoch_change`'s answer for an epoch whose record is not published yet."""
+
+LEAVE_LINGER_S = 1.0
+"""How long a leaving worker waits at most for the next epoch's first step before it
+exits: its leave was planned at least `Controller.leave_overhead_s` (3 s) before its
+deadline, and the step takes a fraction of a second where nodes share a host."""
+
+
+def _lowest_priority() -> None:
+    """Every thread of this process at the lowest CPU priority (nice 19). On Linux a
+    priority is a thread's own, so each thread listed in /proc is set; elsewhere, or
+    where it is not allowed, nothing changes."""
+    try:
+        threads = [int(tid) for tid in os.listdir("/proc/self/task")]
+    except OSError:
+        threads = [0]
+    for tid in threads:
+        with contextlib.suppress(OSError):  # (a thread that ended meanwhile)
+            os.setpriority(os.PRIO_PROCESS, tid, 19)
+
+
+def _die_with_parent() -> None:
+    """SIGKILL this worker when its agent dies (Linux PR_SET_PDEATHSIG): a worker without
+    its agent would run on unseen by the control plane. Done here rather than in the
+    agent's preexec_fn, which is unsafe in a process with threads."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(1, int(signal.SIGKILL))  # 1 = PR_SET_PDEATHSIG
+    if os.getppid() == 1:  # the agent died before we asked
+        os._exit(1)
+
+
+def run_elastic(cfg: Config, console: Console, device: torch.device, backend: str) -> int:
+    address, node, local_rank = elastic_environment()
+    if os.environ.get(env.DIE_WITH_AGENT) == "1":
+        _die_with_parent()
+    heartbeat = start_beating()  # for the agent's watch on frozen workers (contract/heartbeat.py)
+    if not os.environ.get(env.DEBUG):
+        # A failed peer makes torch's schedule runtime log its whole action table as an
+        # error; here that is the expected start of a recovery, which the worker reports
+        # in one line. PLANARIA_DEBUG=1 keeps torch's dump.
+        logging.getLogger("torch.distributed.pipelining.schedules").setLevel(logging.CRITICAL)
+    # The control plane's warnings (etcd away, back) on this worker's lines, like its own.
+    logging.basicConfig(format=f"[{node}.{local_rank}] %(message)s", level=logging.WARNING)
+    store = connect_store(address, timeout_s=cfg.comm.timeout_s + 60)
+    coordinator = StoreCoordinator(store, (node, local_rank))
+    if backend == "nccl":  # read by torch as each NCCL group is made
+        for warning in env.nccl_recovery(os.environ, cfg.comm.timeout_s):
+            console.print(f"[{node}.{local_rank}] warning: {warning}", markup=False)
+    code = ElasticWorker(cfg, coordinator, console, device, backend,
+                         keep_ports=frozenset(store_ports(address))).run()
+    if heartbeat is not None:  # the job is over: leaving takes the interpreter's shutdown
+        heartbeat.stop()
+    return code
