@@ -5,10 +5,12 @@ Read with `ast`, not by importing: a test that imports the modules proves only w
 interpreter loaded on one machine, while this one sees every import statement, those
 inside functions too, and says which file and line breaks a rule.
 
-Two kinds of edge:
+Three kinds of edge:
 - *loaded*: an import at module level (class bodies and `try` blocks included, `if
   TYPE_CHECKING:` blocks not): it runs when the module is imported;
-- *deferred*: an import inside a function: it runs only if the function is called.
+- *deferred*: an import inside a function: it runs only if the function is called;
+- *typing*: an import under `if TYPE_CHECKING:`: it never runs, but the module still
+  names what it imports (in annotations), so it counts for the direction of the map.
 
 The rules:
 1. An agent (`planaria.elastic.agent`, which never computes) loads no module that imports
@@ -19,7 +21,10 @@ The rules:
    and the plan contract (`planaria.templates`), and no third-party library but pydantic.
 3. Packages import in one direction: templates and kernels import nothing of ours,
    runtime may import those two, elastic those three, chaos and the CLI everything.
-4. No cycle among the modules' loaded imports.
+4. Inside the runtime, every module lives in a room (`planaria.runtime.<room>`), and
+   rooms import in one direction too (`ROOMS`): config at the bottom, then models and
+   data, the parallel engine, the planning and the layer state on it, the worker on top.
+5. No cycle among the modules' loaded imports.
 """
 from __future__ import annotations
 
@@ -49,6 +54,19 @@ ALLOWED = {
     "planaria.cli": {"planaria.templates", "planaria.kernels", "planaria.runtime", "planaria.elastic",
                      "planaria.train", "planaria.chaos"},
 }
+RUNTIME = "planaria.runtime"
+ROOMS = {
+    "contract": set(),
+    "config": set(),
+    "models": {"config"},
+    "data": {"config"},
+    "parallel": {"models", "config"},
+    "planning": {"parallel", "models", "config"},
+    "state": {"parallel", "models", "config"},
+    "worker": {"state", "planning", "parallel", "data", "models", "config"},
+}
+"""Which rooms of the runtime each room may import (docs/design.md, "Map"); a room may
+import itself, and every room the contract (what crosses a process boundary)."""
 
 
 @dataclass(frozen=True)
@@ -58,6 +76,8 @@ class Import:
     library's top-level name."""
     line: int
     loaded: bool
+    typing: bool = False
+    """Under `if TYPE_CHECKING:`: never run (so never loaded), but a dependency all the same."""
 
 
 def package_dirs() -> dict[str, Path]:
@@ -87,6 +107,7 @@ class _Visitor(ast.NodeVisitor):
         self.module, self.is_package, self.known = module, is_package, known
         self.imports: list[Import] = []
         self._depth = 0  # > 0 inside a function
+        self._typing = False  # inside an `if TYPE_CHECKING:` block
 
     def visit_FunctionDef(self, node):
         self._depth += 1
@@ -99,9 +120,13 @@ class _Visitor(ast.NodeVisitor):
     def visit_If(self, node):
         test = ast.unparse(node.test)
         if test in ("TYPE_CHECKING", "typing.TYPE_CHECKING"):
+            self._typing = True  # never runs: recorded as typing only
+            for child in node.body:
+                self.visit(child)
+            self._typing = False
             for child in node.orelse:
                 self.visit(child)
-            return  # never runs
+            return
         self.generic_visit(node)
 
     def visit_Import(self, node):
@@ -129,17 +154,21 @@ class _Visitor(ast.NodeVisitor):
         if ours:  # `import planaria.x.y.name` where name is not a module: the module holding it
             while target not in self.known and "." in target:
                 target = target.rsplit(".", 1)[0]
-        self.imports.append(Import(target if ours else target.split(".")[0], line, self._depth == 0))
+        loaded = self._depth == 0 and not self._typing
+        self.imports.append(Import(target if ours else target.split(".")[0], line, loaded, self._typing))
+
+
+def imports_of(name: str, source: str, *, is_package: bool, known: set[str]) -> list[Import]:
+    visitor = _Visitor(name, is_package, known)
+    visitor.visit(ast.parse(source, name))
+    return visitor.imports
 
 
 def parse_graph() -> tuple[dict[str, list[Import]], dict[str, Path]]:
     found = modules()
     known = set(found)
-    graph = {}
-    for name, path in found.items():
-        visitor = _Visitor(name, path.name == "__init__.py", known)
-        visitor.visit(ast.parse(path.read_text(), str(path)))
-        graph[name] = visitor.imports
+    graph = {name: imports_of(name, path.read_text(), is_package=path.name == "__init__.py", known=known)
+             for name, path in found.items()}
     return graph, found
 
 
@@ -200,7 +229,7 @@ def test_an_agent_loads_no_module_that_imports_torch():
     closure = loaded_closure(AGENTS)
     assert "planaria.elastic.controller" in closure and "planaria.runtime.contract.keys" in closure
     # Deferred imports count too: of torch itself, or of a module of ours that loads it.
-    offending = [where(m, i) for m in sorted(closure) for i in GRAPH[m] if loads_torch(i.target)]
+    offending = [where(m, i) for m in sorted(closure) for i in GRAPH[m] if not i.typing and loads_torch(i.target)]
     assert offending == [], ("modules an agent loads must contain no import of torch, Triton or the kernels "
                              "(move the code that needs them to a module only workers import):\n"
                              + "\n".join(offending))
@@ -229,6 +258,67 @@ def test_imports_run_in_the_direction_of_the_map():
             if target != source and target not in ALLOWED[source]:
                 offending.append(f"{where(module, imp)} ({source} may not import {target})")
     assert offending == []
+
+
+def room_of(module: str) -> str | None:
+    """The runtime room a module lives in (`planaria.runtime.<room>...`), None outside the runtime."""
+    if not module.startswith(RUNTIME + "."):
+        return None
+    return module[len(RUNTIME) + 1:].split(".")[0]
+
+
+def room_violations(graph: dict[str, list[Import]]) -> list[str]:
+    """Imports between rooms of the runtime against `ROOMS` (loaded, deferred or typing)."""
+    offending = []
+    for module, imports in sorted(graph.items()):
+        source = room_of(module)
+        if source is None:
+            continue
+        for imp in imports:
+            target = room_of(imp.target)
+            if target is None or target in (source, "contract"):
+                continue
+            if target not in ROOMS[source]:
+                offending.append(f"{module} line {imp.line} imports {imp.target} "
+                                 f"(the {source} room may not import the {target} room)")
+    return offending
+
+
+def test_every_runtime_module_lives_in_a_room():
+    flat = [m for m in GRAPH if m.startswith(RUNTIME + ".") and room_of(m) not in ROOMS]
+    assert flat == [], ("runtime/ holds rooms, not modules: put these in the room whose concern they are "
+                        f"(docs/design.md, \"Map\"): {flat}")
+    assert {room_of(m) for m in GRAPH} >= set(ROOMS)
+
+
+def test_rooms_import_in_the_direction_of_the_map():
+    assert room_violations(GRAPH) == []
+
+
+def test_a_planted_import_against_the_rooms_is_found():
+    # The rule must be able to fail: an import of the layer state planted in the model,
+    # at module level, in a function and under TYPE_CHECKING, is reported each time.
+    known = set(GRAPH)
+    planted = """
+from typing import TYPE_CHECKING
+from planaria.runtime.state.transfer import exchange_layers
+def f():
+    from planaria.runtime.worker import trainer
+if TYPE_CHECKING:
+    from planaria.runtime.parallel.engine import Engine
+"""
+    graph = dict(GRAPH)
+    graph["planaria.runtime.models.llama"] = imports_of("planaria.runtime.models.llama", planted,
+                                                       is_package=False, known=known)
+    found = [v for v in room_violations(graph) if v.startswith("planaria.runtime.models.llama ")]
+    assert [line.split(" imports ")[1].split(" ")[0] for line in found] == [
+        "planaria.runtime.state.transfer", "planaria.runtime.worker.trainer", "planaria.runtime.parallel.engine"]
+    # ... and a cycle between two rooms is one import against the map, whichever way it runs.
+    graph = dict(GRAPH)
+    graph["planaria.runtime.config.sections"] = imports_of(
+        "planaria.runtime.config.sections", "from planaria.runtime.models.llama import LayerModel\n",
+        is_package=False, known=known)
+    assert len([v for v in room_violations(graph) if v.startswith("planaria.runtime.config.sections ")]) == 1
 
 
 def test_no_import_cycle():

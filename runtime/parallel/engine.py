@@ -7,8 +7,9 @@ over replica groups, the commit all-reduce, clipping, and the optimizer step.
 Everything that depends on the plan (process groups, stages, schedule) is built in
 `_build_epoch` from the plan alone, so `enter_epoch` can tear it down and build the
 next epoch's in the same process while keeping the layers it still owns, with their
-optimizer state untouched, and receiving the others from replicas
-(`planaria.runtime.state.transfer`) or loading them from a checkpoint. How the engine
+optimizer state untouched; the others come from a `LayerSource` (received from their
+replicas, loaded from a checkpoint, restored from peer snapshots: the kinds are
+`planaria.runtime.state.layer_sources`, which this room never imports). How the engine
 computes (dtypes, clipping, wide gradient sums, timeouts) is fixed for its life by its
 `EngineSettings`.
 
@@ -17,6 +18,10 @@ the last iteration it stepped with its commit record, and whether the gradients 
 next one are synced. A `phase` callback, when given, is called as each phase of an
 iteration starts (forward and backward once per microbatch and chunk, then "sync",
 "commit", "committed", "step"); fault injection and progress tracking hook in there.
+
+One class over one epoch's state, a little over 500 lines: what stands apart from that
+state is elsewhere (the gradient sync: `grad_sync`; a stage's schedule: `pipeline`; where
+layers come from: `planaria.runtime.state.layer_sources`).
 """
 from __future__ import annotations
 
@@ -25,45 +30,19 @@ import math
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from pathlib import Path
-from typing import Callable
+from typing import Callable, Protocol
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from planaria.runtime.contract.checkpoint_layout import read_manifest
-from planaria.runtime.state.checkpoints import load_layer, read_layer
 from planaria.runtime.contract.exactly_once import INCOMPLETE, SYNCED, CommitRecord, WorkerStatus
+from planaria.runtime.parallel.grad_sync import accumulate_wide, sync_gradients
 from planaria.runtime.parallel.groups import EpochGroups
 from planaria.runtime.models.llama import LayerModel
 from planaria.runtime.parallel.optim import OptimizerSettings, build_optimizer, learning_rate, set_learning_rate
-from planaria.runtime.parallel.pipeline import PlanSchedule, build_stages
-from planaria.runtime.models.tensor_parallel import sum_over_head_replicas
-from planaria.runtime.state.transfer import (Handoff, SnapshotSource, TransferStats, exchange_handoff,
-                                             exchange_layers, restore_from_snapshots)
-from planaria.templates.plan import Plan, Transfer
-
-
-def accumulate_wide(module: nn.Module, dtype: torch.dtype) -> None:
-    """Sum `module`'s gradients over microbatches in `dtype`, in each parameter's
-    `main_grad` (None until the first microbatch's gradient arrives).
-
-    A post-accumulate hook moves each microbatch's gradient there as soon as autograd
-    has put it in `p.grad`, which is left empty for the next microbatch. The profiler
-    registers the same hook, so that the cost model times backward as training runs it.
-    """
-    def move(p: torch.Tensor) -> None:
-        if p.main_grad is None:
-            p.main_grad = p.grad.to(dtype)
-        else:
-            p.main_grad.add_(p.grad)
-        p.grad = None
-
-    for p in module.parameters():
-        p.main_grad = None
-        p.register_post_accumulate_grad_hook(move)
+from planaria.runtime.parallel.pipeline import PlanSchedule, stage_schedule
+from planaria.templates.plan import Plan
 
 
 @dataclass
@@ -129,6 +108,21 @@ class EngineSettings:
         return self.grad_accum_dtype if self.grad_accum_dtype != self.param_dtype else None
 
 
+class LayerSource(Protocol):
+    """Where an epoch's layers come from besides those this worker keeps: `enter_epoch`
+    calls `fill` once the epoch's groups are built (`planaria.runtime.state.layer_sources`
+    has the kinds: replicas, a checkpoint, peer snapshots)."""
+
+    restores: bool
+    """The layers come as they were after an earlier step (a checkpoint, a peer
+    snapshot): the engine holds none of its own until they are in, and `fill` says
+    which step they are of (`Engine.resume_at`)."""
+
+    def fill(self, engine: "Engine") -> None:
+        """Install the plan's layers this rank lacks (`Engine.install_shards`); collective
+        with every other worker's `fill` of the same plan."""
+
+
 class Engine:
     """Runs iterations of one Plan on one worker. Process groups are passed, never global.
 
@@ -158,39 +152,24 @@ class Engine:
         self.synced = False
         """The gradients of iteration last_stepped + 1 are fully synced."""
         self._shards: dict[int, LayerState] = {}
-        self.last_transfer: TransferStats | None = None
         self.tp = None  # one TensorParallel for the engine's life: layers keep it
         self._tied = dict(model.tied_parameters())
         """Layer -> the name of its copy of the tied weight (tied embeddings)."""
 
     def enter_epoch(self, plan: Plan, rank: int, world: dist.ProcessGroup | None = None, *,
-                    transfers: list[Transfer] | None = None,
-                    checkpoint: Path | None = None,
-                    snapshot: SnapshotSource | None = None,
-                    handoff: Handoff | None = None) -> TransferStats | None:
+                    layers: LayerSource | None = None) -> None:
         """Move to `plan` as `rank` of `world` (None: the default group), from wherever
         this engine is (new, or at the end of an epoch that finished or failed): the
-        epoch's groups built; then its layers, which come from one of three places:
+        epoch's groups built; then the layers this rank lacks filled by `layers`
+        (received from their holders, loaded from a checkpoint, restored from peer
+        snapshots), or, with no source, only a new job's layers built from their seeds.
 
-        - `checkpoint`: every layer of the plan loaded from that directory (parameters,
-          optimizer state, the step count and commit record of its iteration);
-        - `transfers`: the layers this rank lacks received from their holders
-          (parameters and optimizer state), collective with every other worker's
-          `enter_epoch` of the same plan;
-        - `snapshot` (with `transfers`): every layer of the plan as it was at the peer
-          snapshot's step, from this worker's own kept copies or sent by the transfers'
-          sources from theirs (`restore_from_snapshots`); the live layers are dropped;
-        - otherwise none: only a new job's layers, built from their seeds;
-        - and `handoff` (with `transfers`): the layers that only leaving workers hold,
-          received from them over the handoff's own group (`exchange_handoff`).
-
-        After a checkpoint or transfers, a barrier; only then are the layers the plan no
+        After a source filled them, a barrier; only then are the layers the plan no
         longer gives this rank dropped: once the barrier completed anywhere, every worker
         had its layers, so a failure at any earlier point leaves every layer with the
         holders it had (`held()` says which). Layers still missing are built from their
-        seeds, which is allowed only before the first step. Returns the transfer's
-        figures (None without transfers)."""
-        restoring = checkpoint is not None or snapshot is not None
+        seeds, which is allowed only before the first step."""
+        restoring = layers is not None and layers.restores
         if not restoring:
             self._check_continues(plan)
         self.abandon_epoch()
@@ -201,24 +180,14 @@ class Engine:
             # layers (never a mix of the old step's and the restored one's).
             self._shards.clear()
         self._build_epoch(plan, world)
-        stats = None
-        if checkpoint is not None:
-            self._load_checkpoint(checkpoint)
-        elif snapshot is not None:
-            stats = self._restore_snapshot(snapshot, transfers or [])
-        elif transfers is not None:
-            stats = exchange_layers(self, transfers, stepped=self.last_stepped >= 0)
-            if handoff is not None:
-                stats += exchange_handoff(self, handoff, plan.worker(rank), stepped=self.last_stepped >= 0)
-        if restoring or transfers is not None:
+        if layers is not None:
+            layers.fill(self)
             dist.barrier(group=self.groups.world)
         for index in [i for i in self._shards if i not in set(plan.layers_of(rank))]:
             self.drop_shard(index)
         self._add_fresh_layers()
         self.iteration, self.synced = plan.first_iteration, False
         self._build_pipeline()
-        self.last_transfer = stats
-        return stats
 
     def _check_continues(self, plan: Plan) -> None:
         """A plan must start right after this worker's last step; a new engine (no step
@@ -318,28 +287,15 @@ class Engine:
         self._step(record)
         return True
 
-    def _load_checkpoint(self, directory: Path) -> None:
-        manifest = read_manifest(directory)
-        iteration = manifest["iteration"]
-        if self.plan.first_iteration != iteration + 1:
+    def resume_at(self, commit: CommitRecord) -> None:
+        """The layers just installed are as they were after the step of `commit` (a
+        checkpoint's or a peer snapshot's): the engine goes on from the step after it.
+        A `LayerSource` that restores says so once every layer is in."""
+        if self.plan.first_iteration != commit.iteration + 1:
             raise RuntimeError(f"the plan of epoch {self.plan.epoch} starts at iteration "
-                               f"{self.plan.first_iteration}; the checkpoint {directory} is of {iteration}")
-        for index in self.plan.layers_of(self.rank):
-            state = self._build_shard(index)
-            load_layer(state, read_layer(directory, index, self.tp.rank))
-            self._shards[index] = state
-        self.last_stepped, self.iteration, self.synced = iteration, iteration + 1, False
-        self.last_commit = CommitRecord(iteration, manifest["loss"], manifest["grad_norm"])
-
-    def _restore_snapshot(self, source: SnapshotSource, transfers: list[Transfer]) -> TransferStats:
-        step = source.commit.iteration
-        if self.plan.first_iteration != step + 1:
-            raise RuntimeError(f"the plan of epoch {self.plan.epoch} starts at iteration "
-                               f"{self.plan.first_iteration}; the snapshot is of {step}")
-        stats = restore_from_snapshots(self, transfers, source)
-        self.last_stepped, self.iteration, self.synced = step, step + 1, False
-        self.last_commit = source.commit
-        return stats
+                               f"{self.plan.first_iteration}, but the layers restored are of {commit.iteration}")
+        self.last_stepped, self.iteration, self.synced = commit.iteration, commit.iteration + 1, False
+        self.last_commit = commit
 
     def held(self) -> tuple[tuple[int, int], ...]:
         """(layer, tp rank) shards whose state at `last_stepped` this worker holds."""
@@ -351,29 +307,11 @@ class Engine:
                             holds=self.held(), finished=finished)
 
     def _build_schedule(self, tp, forward_only: bool = False):
-        stage = self.plan.stage_of(self.rank)
-        num_stages = len(self.pipeline.stages)
-        chunks = [
-            (c * num_stages + self.info.stage,
-             nn.Sequential(*(self._shards[i].module for i in range(start, stop))))
-            for c, (start, stop) in enumerate(stage.chunks)
-        ]
-        stages = build_stages(chunks, num_stages * self.plan.virtual_stages,
-                              self.groups.pipeline, self.device,
-                              examples=self._stage_examples(stage.chunks, tp, forward_only))
-        total = self.plan.total_microbatches
-
-        last = self.model.num_layers - 1
-        head = self._shards[last].module if last in self._shards else None  # only the last stage's loss runs
-
-        def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-            # Scaled by the iteration's total microbatches, all pipelines together, so
-            # the summed gradient is the full batch's mean whatever the split.
-            return self.model.loss(output, target, tp, head=head) / total
-
-        schedule = PlanSchedule(stages, self.plan.schedule, self.pipeline.num_microbatches, loss_fn,
-                                forward_only=forward_only)
-        return schedule, stages
+        """This rank's stages over the layers it holds and their schedule (`stage_schedule`)."""
+        chunks = self.plan.stage_of(self.rank).chunks
+        return stage_schedule(self.plan, self.rank, {index: state.module for index, state in self._shards.items()},
+                              self.model, tp, self.groups.pipeline, self.device,
+                              examples=self._stage_examples(chunks, tp, forward_only), forward_only=forward_only)
 
     def _stage_examples(self, chunks, tp, forward_only: bool):
         """Each chunk's input and output of one microbatch, for `build_stages`'s static
@@ -499,78 +437,10 @@ class Engine:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.settings.autocast_dtype)
 
-    def _local_grad(self, p: torch.Tensor) -> torch.Tensor:
-        """A parameter's gradient as summed so far: `main_grad` when gradients accumulate
-        wide, else `grad` (zeros for a parameter this iteration did not reach)."""
-        if self.grad_accum_dtype is not None:
-            if p.main_grad is None:
-                p.main_grad = torch.zeros_like(p, dtype=self.grad_accum_dtype)
-            return p.main_grad
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-        return p.grad
-
-    def _local_grads(self, layer: int) -> list[torch.Tensor]:
-        return [self._local_grad(p) for p in self._shards[layer].module.parameters()]
-
     def _sync_gradients(self) -> None:
-        """Sum each layer's gradient over its replica group, one bucket per distinct group,
-        then replicated key/value heads' over the tp ranks holding them, and the tied
-        weight's over its own group; then, when gradients accumulate wide, round them into
-        `grad` once. The sums commute (gradients are linear in the microbatches), so each
-        runs once per step, not once per microbatch."""
-        for bucket in self.groups.buckets:
-            if bucket.group is None:
-                continue
-            grads = [self._local_grad(p) for layer in bucket.layers
-                     for name, p in self._shards[layer].module.named_parameters()
-                     if name != self._tied.get(layer)]  # summed over the tied group instead
-            flat = _flatten_dense_tensors(grads)
-            dist.all_reduce(flat, group=bucket.group)
-            for grad, synced in zip(grads, _unflatten_dense_tensors(flat, grads)):
-                grad.copy_(synced)
-        self._sync_kv_head_replicas()
-        self._sync_tied()
-        if self.grad_accum_dtype is not None:
-            for state in self._shards.values():
-                for p, wide in zip(state.module.parameters(), self._local_grads(state.index)):
-                    p.grad = wide.to(p.dtype)
-
-    def _sync_kv_head_replicas(self) -> None:
-        """Where tp exceeds the key/value heads, each tp rank holding a head computed only
-        its own query heads' part of wk's and wv's gradients: sum those over the head's
-        replicas, for all of this rank's layers at once (`sum_over_head_replicas`).
-
-        One collective over the stage's tp group per step, after the replica-group buckets.
-        It cannot deadlock: the tp peers of a stage hold the same layers, so they all call
-        it (or all skip it) at the same point of the same sequence, and none waits in it
-        for a collective of another group, since every rank has finished its buckets (whose
-        order is consistent across replica groups already) before entering it. After the
-        buckets, a head's replicas in every pipeline hold the same per-tp-rank sums, and
-        the gathered, fixed-order sum then gives every holder the same bits."""
-        grads = [self._local_grad(self._shards[index].module.get_parameter(name))
-                 for index in sorted(self._shards)
-                 for name in self.model.replicated_kv_heads(index, self.tp.size)]
-        sum_over_head_replicas(grads, self.model.cfg.kv_heads, self.tp)
-
-    def _sync_tied(self) -> None:
-        """The tied weight's gradient: each rank of the tied group adds its local copies'
-        gradients (both, on a rank holding the embedding and the head), one all-reduce sums
-        those over the group, and every copy takes the total. The copies then see the same
-        gradient, clip coefficient and update as one shared weight: they stay bit-identical."""
-        if self.groups.tied is None:
-            return
-        copies = [self._local_grad(self._shards[layer].module.get_parameter(name))
-                  for layer, name in self._tied.items() if layer in self._shards]
-        # Usually the rank holds one copy, summed in place; a rank holding both (the
-        # embedding and the head in one stage) adds the second into the first.
-        total = copies[0]
-        for grad in copies[1:]:
-            total.add_(grad)
-        if self.groups.tied.group is not None:
-            dist.all_reduce(total, group=self.groups.tied.group)
-        for grad in copies[1:]:
-            grad.copy_(total)
+        """Sum this step's gradients over every group that shares a weight (`grad_sync`)."""
+        sync_gradients({index: state.module for index, state in self._shards.items()}, self.groups,
+                       model=self.model, tp=self.tp, tied=self._tied, wide=self.grad_accum_dtype)
 
     def _commit(self, losses: list[torch.Tensor], stop: bool = False,
                 busy: bool = False) -> tuple[float, float, bool, int]:

@@ -1,4 +1,5 @@
-"""Execute one pipeline's schedule with `torch.distributed.pipelining`.
+"""Execute one pipeline's schedule with `torch.distributed.pipelining`: a rank's stages
+over its layers, and the schedule that runs them (`stage_schedule`).
 
 Planaria's schedules are data (`planaria.templates.schedules`): per-rank lists of
 compute actions, checked by a simulator before anything runs. Here they are handed
@@ -9,7 +10,8 @@ and the tests check a schedule without processes.
 """
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Callable
 
 import torch
 import torch.distributed as dist
@@ -18,7 +20,12 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import (_Action, _add_send_recv, _ComputationType,
                                                    _PipelineScheduleRuntime)
 
+from planaria.templates.plan import Plan
 from planaria.templates.schedules import build_schedule
+
+if TYPE_CHECKING:
+    from planaria.runtime.models.llama import LayerModel
+    from planaria.runtime.models.tensor_parallel import TensorParallel
 
 MIN_TORCH = (2, 10)
 """The oldest torch whose schedule runtime Planaria's pipelines are tested on (pyproject.toml)."""
@@ -96,6 +103,31 @@ def build_stages(chunks: list[tuple[int, nn.Module]], num_model_stages: int,
         stages.append(PipelineStage(module, stage_index, num_model_stages, device, input_args=inputs,
                                     output_args=outputs, group=group))
     return stages
+
+
+def stage_schedule(plan: Plan, rank: int, layers: Mapping[int, nn.Module], model: LayerModel, tp: TensorParallel,
+                   group: dist.ProcessGroup, device: torch.device, *,
+                   examples: list[tuple[torch.Tensor, torch.Tensor]] | None, forward_only: bool = False,
+                   ) -> tuple[PlanSchedule, list[PipelineStage]]:
+    """The stages of `rank` in its pipeline of `plan` and their schedule: one stage per
+    chunk of its layers' modules (`layers`: index -> module), with the chunks' static
+    metadata `examples` (None: torch infers it), and the loss of the model's last layer
+    scaled by the iteration's total microbatches, all pipelines together, so that the
+    summed gradient is the full batch's mean whatever the split."""
+    info = plan.rank_info(rank)
+    pipeline = plan.pipelines[info.pipeline]
+    num_stages = len(pipeline.stages)
+    chunks = [(c * num_stages + info.stage, nn.Sequential(*(layers[i] for i in range(start, stop))))
+              for c, (start, stop) in enumerate(plan.stage_of(rank).chunks)]
+    stages = build_stages(chunks, num_stages * plan.virtual_stages, group, device, examples=examples)
+    total = plan.total_microbatches
+    head = layers.get(model.num_layers - 1)  # only the last stage's loss runs
+
+    def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return model.loss(output, target, tp, head=head) / total
+
+    schedule = PlanSchedule(stages, plan.schedule, pipeline.num_microbatches, loss_fn, forward_only=forward_only)
+    return schedule, stages
 
 
 def _check_output(stage_index: int, example: torch.Tensor):

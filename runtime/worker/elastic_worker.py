@@ -9,7 +9,7 @@ as `planaria.elastic`'s launchers and the tests' harness start workers. Per epoc
    plan waits for the next one;
 2. join the epoch's process group through the epoch's rendezvous store;
 3. first epoch: build the engine; later epochs: roll forward if the record says so;
-   then `Engine.enter_epoch`, with the record's transfers or checkpoint (a worker
+   then `Engine.enter_epoch`, with the record's transfers, peer snapshot or checkpoint (a worker
    joining a running job receives its layers like any other);
 4. train from the plan's first iteration; the commit all-reduce also carries "the
    control plane asked to stop here" (a node joins), so all stop after the same step,
@@ -34,133 +34,49 @@ from __future__ import annotations
 import collections
 import contextlib
 import gc
-import statistics
 import logging
+import os
+import statistics
 import sys
-import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, replace
-import os
-import time
 from datetime import timedelta
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.distributed as dist
 from rich.console import Console
 from rich.markup import escape
 
-from planaria.runtime.state.saved_model import save_model_shards
-from planaria.runtime.state.checkpoints import AsyncCheckpointer, snapshot_layer
-from planaria.runtime.state.peer_snapshots import PeerSnapshots
-from planaria.runtime.state.transfer import Handoff, SnapshotSource, exchange_handoff
-from planaria.runtime.worker.build import build_engine
 from planaria.runtime.config.sections import Config, status_timeout_s
 from planaria.runtime.contract import env
-from planaria.runtime.contract.epochs import EpochEvent, EpochRecord, EpochTiming, Progress
-from planaria.runtime.contract.exits import EXIT_LEFT, EXIT_STUCK_AFTER_RELEASE, EXIT_TORN_STEP  # noqa: F401 (re-exported)
-from planaria.runtime.contract.logs import AuditEntry, CommitEntry, EvalEntry, append
-from planaria.runtime.contract import keys
-from planaria.runtime.worker.coordination import JobEnded, StoreCoordinator, connect_store, store_ports
+from planaria.runtime.contract.epochs import EpochRecord, EpochTiming, Progress
+from planaria.runtime.contract.exits import EXIT_TORN_STEP
+from planaria.runtime.contract.heartbeat import start_beating
+from planaria.runtime.contract.logs import AUDIT, COMMITS, EVALS, AuditEntry, CommitEntry, EvalEntry, append, log_path
 from planaria.runtime.data.token_datasets import dataset_for
 from planaria.runtime.parallel.engine import Engine, StepResult, TornStep
-from planaria.runtime.parallel.loop import Call, Evaluation, Every, run_steps
-from planaria.runtime.worker.metrics_writer import RunWriter, WandbRun
-from planaria.runtime.worker.step_metrics import EpochChange, MfuMeter, StepMetrics, step_metrics, steps_from_logs
-from planaria.runtime.parallel.optim import learning_rate, optimizer_settings
-from planaria.runtime.state.audit import audit_replicas
-from planaria.runtime.worker.fault_injection import FaultInjector, corruption_after_step, flip_a_bit, writes_late
 from planaria.runtime.parallel.groups import GroupRetirement, forget_failed_world, set_operation_timeout
+from planaria.runtime.parallel.loop import Call, Evaluation, Every, run_steps
 from planaria.runtime.parallel.release import epoch_release, group_options
-from planaria.runtime.contract.heartbeat import start_beating
-from planaria.runtime.contract.logs import AUDIT, COMMITS, EVALS, log_path
+from planaria.runtime.state.audit import audit_replicas
+from planaria.runtime.state.checkpoints import AsyncCheckpointer, snapshot_layer
+from planaria.runtime.state.layer_sources import FromCheckpoint, FromReplicas, FromSnapshots
+from planaria.runtime.state.peer_snapshots import PeerSnapshots
+from planaria.runtime.state.saved_model import save_model_shards
+from planaria.runtime.state.transfer import Handoff, SnapshotSource, TransferStats
+from planaria.runtime.worker.build import build_engine
+from planaria.runtime.worker.coordination import JobEnded, StoreCoordinator, connect_store, store_ports
+from planaria.runtime.worker.epoch_metrics import EpochMetrics
+from planaria.runtime.worker.epoch_watcher import EpochWatcher
+from planaria.runtime.worker.fault_injection import FaultInjector, corruption_after_step, flip_a_bit, writes_late
+from planaria.runtime.worker.leaving import leave
 
 
 
 class _StopRequested(Exception):
     """The commit agreed to stop after this step (the control plane wants a new epoch)."""
-
-
-class _EpochWatcher(threading.Thread):
-    """Asks the control plane every `period_s` whether it ended this epoch, off the
-    training step: a step never waits on the store, and a store that is away (etcd down)
-    only means that no word is seen until it is back.
-
-    A join (`keys.JOIN`) sets `requested`: the commit of the current iteration carries
-    it, and every worker stops after the same step. A failure (`keys.FAILURE`) releases
-    the epoch's collectives at once (`release`), wherever the main thread is blocked:
-    a peer that stopped answering without closing anything holds nobody up past the
-    controller's decision. Runs from before the epoch's rendezvous to after its groups
-    are torn down, so that transfers and the rendezvous are released as steps are.
-
-    A release that does not free the main thread within `stuck_s` ends the process
-    (`EXIT_STUCK_AFTER_RELEASE`). It happens to a node cut off the network and back: by
-    the time the decision reaches it, its peers' sockets are gone (their resets made its
-    own unconnected, so there is nothing left to shut down), and gloo can wait on such a
-    pair until the operation's timeout. Meanwhile its agent, back on etcd, shows the
-    worker alive, the leader plans it in, and the whole job would wait for a worker that
-    never arrives. A fresh worker costs only this worker's layers, which the plan that
-    declared the epoch failed already does without."""
-
-    def __init__(self, coordinator: StoreCoordinator, epoch: int, release, log: Callable[[str], None],
-                 period_s: float = 0.2, stuck_s: float = 10.0, exit=os._exit,
-                 progress: Callable[[], Progress | None] | None = None):
-        super().__init__(daemon=True, name=f"epoch-watcher-{epoch}")
-        self.coordinator, self.epoch, self.period_s = coordinator, epoch, period_s
-        self.progress, self._published = progress, (None, 0.0)
-        self.release, self.log = release, log
-        self.stuck_s, self._exit = stuck_s, exit
-        self.requested, self.done, self._local = threading.Event(), threading.Event(), threading.Event()
-
-    def run(self) -> None:
-        # Asked at once, then every period: an epoch can be over before it began (one that
-        # a planned leave prepared, given up during the stop: `Controller._publish_prepared`).
-        while True:
-            try:
-                self._publish_progress()
-                reason = self.coordinator.epoch_over(self.epoch)
-            except Exception:  # the store is unreachable: keep training, ask again later
-                reason = None
-            if reason is None:
-                if self.done.wait(self.period_s):
-                    return
-                continue
-            self.requested.set()
-            if reason == keys.FAILURE and self.release is not None:
-                done = self.release.release()
-                self.log(f"epoch {self.epoch}: the control plane declared it failed; released "
-                         f"its collectives ({done})")
-                self._exit_if_stuck()
-            return
-
-    def _publish_progress(self, every_s: float = 1.0) -> None:
-        """The job's progress (`keys.PROGRESS`), at most every `every_s`, when it moved:
-        written from here, never from the step."""
-        if self.progress is None or time.monotonic() - self._published[1] < every_s:
-            return
-        progress = self.progress()
-        if progress is not None and progress != self._published[0]:
-            self.coordinator.publish_progress(progress)
-            self._published = (progress, time.monotonic())
-
-    @contextlib.contextmanager
-    def local_work(self):
-        """Around work of the main thread that waits on no peer (building a model's layers
-        can take minutes): a release does not free it, and it is not counted as stuck."""
-        self._local.set()
-        try:
-            yield
-        finally:
-            self._local.clear()
-
-    def _exit_if_stuck(self) -> None:
-        while self.stuck_s and not self.done.wait(self.stuck_s):
-            if not self._local.is_set():
-                self.log(f"epoch {self.epoch}: its collectives did not return {self.stuck_s:.0f} s "
-                         "after their release; this worker exits, to be started again as a new one")
-                self._exit(EXIT_STUCK_AFTER_RELEASE)
-                return
 
 
 def elastic_environment() -> tuple[str, str, int] | None:
@@ -209,13 +125,7 @@ class ElasticWorker:
         self.snapshots = PeerSnapshots(cfg.checkpoint.memory_every, cfg.checkpoint.memory_copies,
                                        timeout_s=cfg.comm.timeout_s, connect_timeout_s=self._connect_timeout_s(),
                                        log=self._log)
-        self.metrics: RunWriter | None = None
-        """The TensorBoard writer, while this worker is the plan's rank 0 (logging.tensorboard)."""
-        self.job_id = os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get(env.STORE, "")
-        """The same in every worker of the job: its run id (an agent's), else its store's address."""
-        w = cfg.logging.wandb
-        self.wandb = WandbRun(w, job=self.job_id, directory=Path(w.dir or cfg.output.dir)) if w.enabled else None
-        self.mfu = MfuMeter.for_job(cfg, device) if cfg.tensorboard_dir is not None else None
+        self.metrics = EpochMetrics(cfg, coordinator.store, device, self.out_dir, self._log)
 
     # ------------------------------------------------------------------ loop
     def run(self) -> int:
@@ -242,8 +152,7 @@ class ElasticWorker:
                 epoch, record = prepared or self.coordinator.wait_for_epoch(epoch, wait_s)
             except JobEnded as end:
                 self._log(f"job ended: {end.outcome}")
-                if self.wandb is not None:
-                    self.wandb.close()
+                self.metrics.close()
                 return 0 if end.outcome == "ok" else 1
             if self.worker[0] in record.leaving:
                 code = self._leave(epoch, record)
@@ -264,50 +173,14 @@ class ElasticWorker:
                 return EXIT_TORN_STEP
 
     def _leave(self, epoch: int, record: EpochRecord) -> int | None:
-        """This node leaves with notice: send the layers the new plan takes from this
-        worker (it holds their only copies), then exit (the exit code). None when the
-        control plane gave the epoch up before the layers were across (a receiver
-        failed): this worker still holds them, and waits for the next epoch's word."""
+        """This node leaves with notice (`leaving.leave`): the exit code, or None when the
+        control plane gave the epoch up and this worker waits for the next one."""
         # The receivers first build the new epoch's groups and make its other copies (a
         # joiner builds its layers): a leaving worker waits for them as long as the leader
         # waits for a status. Its deadline bounds the wait: its agent stops it there.
         handoff = self._handoff(epoch, record, timeout_s=status_timeout_s(self.cfg.comm))
-        if handoff is not None and any(t.src == self.worker for t in handoff.transfers):
-            try:
-                stats = exchange_handoff(self.engine, handoff, self.worker, stepped=self.engine.last_stepped >= 0)
-            except (RuntimeError, TimeoutError) as err:
-                self._log(f"epoch {epoch}: handing layers over failed: {str(err).splitlines()[0][:300]}")
-                if self.coordinator.reconfigure_requested(epoch):
-                    self._log(f"epoch {epoch} was given up by the control plane; this node still holds its "
-                              "layers and waits for the next epoch")
-                    return None
-                return 1  # the leader sees it gone without its word
-            self.coordinator.handed_off(epoch)  # before it exits: it is not a failure of the epoch
-            self._log(f"epoch {epoch}: handed {stats.layers_sent} layer shard(s) over "
-                      f"({stats.bytes_sent / 2**20:.2f} MiB in {stats.seconds:.2f} s)")
-        try:  # its shards of a checkpoint under way complete that checkpoint
-            self.checkpointer.flush()
-        except OSError as err:  # the checkpoint is passed over, as after any failed write
-            self._log(f"epoch {epoch}: a checkpoint write failed while leaving: {err}")
-        self._log(f"epoch {epoch}: this node leaves the job, as its notice asked")
-        # What is left (dropping the layers, the interpreter's exit) is of use to no one: on
-        # a host it shares with workers of the job (a test's cluster, or several nodes'
-        # workers on one machine) it must not take their CPU while they train the next
-        # epoch's first step. So it waits for that step first (its exit had made the step
-        # 0.03-0.05 s slower, two cores, four workers), then drops to the lowest priority.
-        # On a host of its own neither changes anything.
-        if record.plan.first_iteration < self.cfg.train.steps:  # (else no step is left to train)
-            trained = self.coordinator.wait_until_trained(epoch, LEAVE_LINGER_S)
-            if not trained and self.coordinator.reconfigure_requested(epoch):
-                # Given up before it trained (a worker it needed failed): the next plan may
-                # need this worker's layers after all.
-                self._log(f"epoch {epoch} was given up by the control plane before it trained; this node "
-                          "still holds its layers and waits for the next epoch")
-                return None
-        _lowest_priority()
-        if self.engine is not None:
-            self.engine.destroy()
-        return EXIT_LEFT
+        return leave(self.engine, handoff, epoch, record, me=self.worker, coordinator=self.coordinator,
+                     checkpointer=self.checkpointer, steps=self.cfg.train.steps, log=self._log)
 
     def _handoff(self, epoch: int, record: EpochRecord, timeout_s: float | None = None) -> Handoff | None:
         """The record's transfers from leaving workers, when this worker takes part."""
@@ -336,7 +209,7 @@ class ElasticWorker:
             self.engine = None
         # Made before the epoch's first group: it releases what the epoch opens.
         release = epoch_release(self.backend, self.keep_ports) if self.cfg.comm.release else None
-        self._watcher = _EpochWatcher(self.coordinator, epoch, release, self._log,
+        self._watcher = EpochWatcher(self.coordinator, epoch, release, self._log,
                                       stuck_s=self.cfg.comm.release_stuck_s,
                                       progress=self._progress if rank == 0 else None)
         self._watcher.start()
@@ -346,18 +219,18 @@ class ElasticWorker:
                                     pg_options=group_options(self.backend))
             set_operation_timeout(None, timedelta(seconds=self.cfg.comm.timeout_s))
             self._mark(rendezvous_s=time.time())
-            self._enter_epoch(plan, rank, record)
+            moved = self._enter_epoch(plan, rank, record)
             self.snapshots.begin_epoch(self.engine, epoch, self.coordinator.rendezvous_store(epoch))
             self._mark(transfer_s=time.time())
-            if (t := self.engine.last_transfer) is not None:
-                self._mark(bytes_received=t.bytes_received, bytes_sent=t.bytes_sent, transfer_seconds=t.seconds)
+            if moved is not None:
+                self._mark(bytes_received=moved.bytes_received, bytes_sent=moved.bytes_sent,
+                           transfer_seconds=moved.seconds)
             self._log(f"epoch {epoch}: rank {rank} of {plan.world_size}, layers "
                       f"{self.engine.held_layers()}, from iteration {plan.first_iteration}")
             self._trained_in = epoch
             self._train(epoch, plan.first_iteration)
             self.checkpointer.flush()
-            if self.metrics is not None:  # the last steps, before the job can be declared over
-                self.metrics.flush(wait_s=30.0)
+            self.metrics.flush(wait_s=30.0)  # the last steps, before the job can be declared over
             save_model_shards(self.engine, self.out_dir / "final", data_source=self.cfg.data.source)
             finished = True
         except _StopRequested:
@@ -430,7 +303,9 @@ class ElasticWorker:
         """Note in this epoch's timing that phases ended (EpochTiming's fields)."""
         self._timing = replace(self._timing, **phases)
 
-    def _enter_epoch(self, plan, rank: int, record: EpochRecord) -> None:
+    def _enter_epoch(self, plan, rank: int, record: EpochRecord) -> TransferStats | None:
+        """Enter the record's epoch (rolled forward first when it says so); what the
+        layers' source moved between workers, if anything."""
         transfers = [t for t in record.transfers if t.src[0] not in record.leaving]
         if record.restore is not None:
             self._log(f"epoch {plan.epoch}: restoring from checkpoint {record.restore}")
@@ -444,13 +319,16 @@ class ElasticWorker:
             committed_in = plan.epoch - 1 if self._trained_in is None else self._trained_in
             self._record_commit(record.roll_forward, committed_in, rolled_forward=True)
             self.checkpointer.after_step(self.engine, committed_in)
-        snapshot = None
-        if record.snapshot is not None:
+        if record.restore is not None:
+            layers = FromCheckpoint(Path(record.restore))
+        elif record.snapshot is not None:
             self._log(f"epoch {plan.epoch}: restoring from the peer snapshots of step {record.snapshot.step}")
-            snapshot = SnapshotSource(record.snapshot.commit, self.snapshots.shards_of(record.snapshot))
-        self.engine.enter_epoch(plan, rank, transfers=transfers, snapshot=snapshot,
-                                checkpoint=None if record.restore is None else Path(record.restore),
-                                handoff=self._handoff(plan.epoch, record))
+            layers = FromSnapshots(SnapshotSource(record.snapshot.commit, self.snapshots.shards_of(record.snapshot)),
+                                   transfers)
+        else:
+            layers = FromReplicas(transfers, self._handoff(plan.epoch, record))
+        self.engine.enter_epoch(plan, rank, layers=layers)
+        return layers.stats
 
     def _train(self, epoch: int, first: int) -> None:
         self._steps(epoch, first, self._watcher.requested.is_set)
@@ -462,7 +340,9 @@ class ElasticWorker:
         # worker of the epoch evaluates it again, from the same parameters, the same value.
         if first > 0 and self.cfg.eval.due(first - 1, self.cfg.train.steps):
             evaluation.run(self.engine, first - 1)
-        write_metrics = self._metrics_component(epoch)  # after that evaluation: it may be written now
+        # After that evaluation: it may be written now.
+        write_metrics = self.metrics.component(epoch, self.engine.plan, self.engine.rank,
+                                               committed_at=lambda: self._last_commit[2])
 
         def first_step(engine: Engine, ctx) -> None:
             if self._timing.first_step_s is None:
@@ -505,9 +385,7 @@ class ElasticWorker:
         held = GroupRetirement.hold()
         if self.engine is not None:
             self.engine.abandon_epoch()
-        if self.metrics is not None:  # a failed epoch's committed steps too; never waiting on the lock
-            self.metrics.close()
-            self.metrics = None
+        self.metrics.end_epoch()
         held += self.snapshots.end_epoch(stopped)  # its exchange ends; its group goes with the epoch's
         if dist.is_initialized():
             try:
@@ -524,76 +402,6 @@ class ElasticWorker:
             with contextlib.suppress(RuntimeError):
                 torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
-
-    # --------------------------------------------------------------- metrics
-    def _metrics_component(self, epoch: int) -> Callable[[Engine, object], None] | None:
-        """The loop component that writes this epoch's steps to TensorBoard, when this
-        worker is the plan's rank 0 and logging.tensorboard is on; None otherwise."""
-        directory = self.cfg.tensorboard_dir
-        if directory is None or self.engine.rank != 0:
-            return None
-        plan = self.engine.plan
-        # `fresh`: nothing of the job was committed before this plan's first step (a plan
-        # that goes back after a failure never starts at 0: there is no step before it).
-        self.metrics = RunWriter(directory, job=self.job_id, epoch=epoch, fresh=plan.first_iteration == 0,
-                                 history=lambda after, before, after_epoch: self._metrics_history(
-                                     after, before, after_epoch, epoch),
-                                 wandb=self.wandb, log=self._log)
-        first_commit_s: float | None = None
-        change_written = False
-
-        def write(engine: Engine, ctx) -> None:
-            nonlocal first_commit_s, change_written
-            at = self._last_commit[2]  # the commit's own time, logged before the evaluation
-            first_commit_s = first_commit_s or at
-            # An epoch prepared before the stop trains before its record is published (the
-            # controller publishes it once the statuses are in): its change is written with
-            # the first step that finds the record.
-            change = None
-            if not change_written:
-                change = self._epoch_change(epoch, first_commit_s, absent=_NOT_PUBLISHED)
-                change_written = change is not _NOT_PUBLISHED
-                change = None if change is _NOT_PUBLISHED else change
-            self.metrics.commit(step_metrics(ctx.result, at=at, workers=plan.world_size, mfu=self.mfu,
-                                             val_loss=ctx.val_loss), change)
-        return write
-
-    def _metrics_history(self, after: int, before: int, after_epoch: int,
-                         epoch: int) -> tuple[list[StepMetrics], list[EpochChange]]:
-        """What the writer of `epoch` finds committed and not written when it takes over:
-        steps from the workers' commit logs, epoch changes from the control plane."""
-        settings = optimizer_settings(self.cfg.train)
-        steps, missing = steps_from_logs(self.out_dir, after, before,
-                                         tokens=self.cfg.train.global_batch * self.cfg.model.seq_len,
-                                         lr=lambda step: learning_rate(step, settings))
-        if missing:
-            self._log(f"metrics: steps {missing} were committed before this epoch but are in no commit log "
-                      f"in {self.out_dir}; they are not written (is output.dir shared by the nodes?)")
-        changes = [change for e in range(after_epoch + 1, epoch) if (change := self._epoch_change(e)) is not None]
-        return steps, changes
-
-    def _epoch_change(self, epoch: int, first_commit_s: float | None = None, absent=None) -> EpochChange | None:
-        """Epoch `epoch`'s change as the control plane recorded it (`first_commit_s`: when
-        this worker committed its first step, for the epoch it writes); None if unrecorded
-        or unreadable, `absent` if its record is not published (yet)."""
-        store = self.coordinator.store
-        try:
-            if not store.check([keys.epoch_record(epoch)]):
-                return absent
-            plan = EpochRecord.from_json(store.get(keys.epoch_record(epoch))).plan
-            event = store.get(keys.epoch_event(epoch)) if epoch and store.check([keys.epoch_event(epoch)]) else None
-        except Exception as err:  # the control plane is away (etcd down): a later writer writes it
-            self._log(f"metrics: epoch {epoch}'s account could not be read ({type(err).__name__}: {err})")
-            return None
-        if epoch == 0:
-            change = EpochChange(epoch=0, step=plan.first_iteration, reason="start", workers=plan.world_size,
-                                 time=first_commit_s or time.time())
-        elif event is not None:
-            change = EpochChange.of_event(EpochEvent.from_json(event), plan.world_size)
-        else:  # its leader died between the record and the account
-            change = EpochChange(epoch=epoch, step=plan.first_iteration, reason="unrecorded",
-                                 workers=plan.world_size, time=time.time())
-        return change if first_commit_s is None else replace(change, time=first_commit_s)
 
     # --------------------------------------------------------------- helpers
     def _status(self, finished: bool):
@@ -642,28 +450,6 @@ class ElasticWorker:
 
     def _log(self, message: str) -> None:
         self.console.print(f"[{self.name}] {message}", markup=False)
-
-
-_NOT_PUBLISHED = object()
-"""`_epoch_change`'s answer for an epoch whose record is not published yet."""
-
-LEAVE_LINGER_S = 1.0
-"""How long a leaving worker waits at most for the next epoch's first step before it
-exits: its leave was planned at least `Controller.leave_overhead_s` (3 s) before its
-deadline, and the step takes a fraction of a second where nodes share a host."""
-
-
-def _lowest_priority() -> None:
-    """Every thread of this process at the lowest CPU priority (nice 19). On Linux a
-    priority is a thread's own, so each thread listed in /proc is set; elsewhere, or
-    where it is not allowed, nothing changes."""
-    try:
-        threads = [int(tid) for tid in os.listdir("/proc/self/task")]
-    except OSError:
-        threads = [0]
-    for tid in threads:
-        with contextlib.suppress(OSError):  # (a thread that ended meanwhile)
-            os.setpriority(os.PRIO_PROCESS, tid, 19)
 
 
 def _die_with_parent() -> None:

@@ -29,6 +29,7 @@ from rich.console import Console
 from planaria.runtime.state.saved_model import save_model_shards
 from planaria.runtime.contract.checkpoint_layout import complete_checkpoints
 from planaria.runtime.state.checkpoints import save_checkpoint
+from planaria.runtime.state.layer_sources import FromCheckpoint
 from planaria.runtime.worker.build import build_engine, describe, plan_for_world
 from planaria.runtime.config.loading import load_config
 from planaria.runtime.config.sections import Config, ConfigError, uses_planner
@@ -147,7 +148,7 @@ def train(cfg: Config, plan, rank: int, device: torch.device, console: Console,
     if resume is not None:
         plan = replace(plan, first_iteration=resume[0] + 1)
     engine = build_engine(cfg, device, phase=_fault_injector(rank))
-    engine.enter_epoch(plan, rank, checkpoint=None if resume is None else resume[1])
+    engine.enter_epoch(plan, rank, layers=None if resume is None else FromCheckpoint(resume[1]))
     log = _MetricsLog(out_dir / METRICS, cfg.train.log_every, append=resume is not None) if rank == 0 else None
     if rank == 0:
         console.print(describe(cfg, plan))

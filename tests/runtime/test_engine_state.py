@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from planaria.runtime.worker.build import start_engine
 from planaria.runtime.state.checkpoints import load_layer, snapshot_layer
+from planaria.runtime.state.layer_sources import FromReplicas
 from planaria.runtime.config.loading import load_config
 from planaria.runtime.config.validation import plan_from_config
 from planaria.runtime.data.token_datasets import dataset_for
@@ -63,7 +64,7 @@ def test_a_shard_moved_out_and_back_in_trains_on_bit_for_bit(world):
     # The pipeline still holds the old module: both move to a next epoch of the same plan,
     # which rebuilds it from the shards held.
     for engine in (moved, kept):
-        engine.enter_epoch(replace(engine.plan, epoch=1, first_iteration=1), 0, transfers=[])
+        engine.enter_epoch(replace(engine.plan, epoch=1, first_iteration=1), 0, layers=FromReplicas([]))
     losses = [[e.train_step(i, data, cfg.data.seed).loss for i in (1, 2)] for e in (moved, kept)]
     assert losses[0] == losses[1]
     assert all(torch.equal(a, b) for a, b in zip(parameters(moved), parameters(kept)))

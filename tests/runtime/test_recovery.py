@@ -14,7 +14,7 @@ import pytest
 
 from planaria.elastic.local_job import LocalJob
 from planaria.runtime.contract.logs import AUDIT, COMMITS, AuditEntry, CommitEntry, read_logs
-from planaria.runtime.worker.elastic_worker import EXIT_TORN_STEP
+from planaria.runtime.contract.exits import EXIT_TORN_STEP
 from tests.launch import TINY, assert_final_parameters, cases_with_slow, reference_run
 
 STEPS = 6

@@ -203,18 +203,18 @@ def _watched_epoch(stuck_s: float):
     with an exit that is recorded instead of taken."""
     from planaria.runtime.contract import keys
     from planaria.runtime.worker.coordination import StoreCoordinator
-    from planaria.runtime.worker.elastic_worker import _EpochWatcher
+    from planaria.runtime.worker.epoch_watcher import EpochWatcher
 
     store = dist.HashStore()
     store.set(keys.epoch_reconfigure(0), keys.FAILURE)
     exits = []
-    watcher = _EpochWatcher(StoreCoordinator(store, ("node0", 0)), 0, SocketRelease(), lambda m: None,
+    watcher = EpochWatcher(StoreCoordinator(store, ("node0", 0)), 0, SocketRelease(), lambda m: None,
                             period_s=0.01, stuck_s=stuck_s, exit=exits.append)
     return watcher, exits
 
 
 def test_a_worker_still_blocked_after_the_release_exits_to_be_started_again():
-    from planaria.runtime.worker.elastic_worker import EXIT_STUCK_AFTER_RELEASE
+    from planaria.runtime.contract.exits import EXIT_STUCK_AFTER_RELEASE
 
     watcher, exits = _watched_epoch(stuck_s=0.2)
     watcher.start()
@@ -240,13 +240,13 @@ def test_an_epoch_given_up_before_it_began_is_seen_at_once_not_a_period_later():
 
     from planaria.runtime.contract import keys
     from planaria.runtime.worker.coordination import StoreCoordinator
-    from planaria.runtime.worker.elastic_worker import _EpochWatcher
+    from planaria.runtime.worker.epoch_watcher import EpochWatcher
 
     store = dist.HashStore()
     store.set(keys.epoch_reconfigure(1), keys.FAILURE)
     released = []
     release = SimpleNamespace(release=lambda: released.append(1) or "released")
-    watcher = _EpochWatcher(StoreCoordinator(store, ("node0", 0)), 1, release, lambda m: None,
+    watcher = EpochWatcher(StoreCoordinator(store, ("node0", 0)), 1, release, lambda m: None,
                             period_s=60, stuck_s=0)
     watcher.start()
     assert watcher.requested.wait(5) and released == [1]

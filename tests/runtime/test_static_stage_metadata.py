@@ -23,6 +23,7 @@ import torch.multiprocessing as mp
 
 from planaria.runtime.models.llama import LayerModel
 from planaria.runtime.models.tensor_parallel import TensorParallel
+from planaria.runtime.state.layer_sources import FromReplicas
 from tests.launch import TINY, cases_with_slow
 
 JOB = [
@@ -62,7 +63,7 @@ def _train(cfg, plan, rank: int, data, val) -> dict:
     given = _metadata_given(engine.stages)
     losses = [engine.train_step(i, data, cfg.data.seed).loss for i in (0, 1)]
     modes = _modes(engine.stages)
-    engine.enter_epoch(replace(engine.plan, epoch=1, first_iteration=2), rank, transfers=[])
+    engine.enter_epoch(replace(engine.plan, epoch=1, first_iteration=2), rank, layers=FromReplicas([]))
     given = given and _metadata_given(engine.stages)
     losses += [engine.train_step(i, data, cfg.data.seed).loss for i in (2, 3)]
     val_loss = engine.evaluate(val, cfg.data.seed, 1)

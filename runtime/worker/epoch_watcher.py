@@ -1,0 +1,98 @@
+"""The control plane's word on an epoch, watched off the training step: a worker learns
+that its epoch is over (a join or leave: stop at the next step boundary; a failure:
+release the epoch's blocked collectives) without any step waiting on the store, and
+publishes the job's progress from the same thread.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import time
+from typing import Callable
+
+from planaria.runtime.contract import keys
+from planaria.runtime.contract.epochs import Progress
+from planaria.runtime.contract.exits import EXIT_STUCK_AFTER_RELEASE
+from planaria.runtime.worker.coordination import StoreCoordinator
+
+
+class EpochWatcher(threading.Thread):
+    """Asks the control plane every `period_s` whether it ended this epoch, off the
+    training step: a step never waits on the store, and a store that is away (etcd down)
+    only means that no word is seen until it is back.
+
+    A join (`keys.JOIN`) sets `requested`: the commit of the current iteration carries
+    it, and every worker stops after the same step. A failure (`keys.FAILURE`) releases
+    the epoch's collectives at once (`release`), wherever the main thread is blocked:
+    a peer that stopped answering without closing anything holds nobody up past the
+    controller's decision. Runs from before the epoch's rendezvous to after its groups
+    are torn down, so that transfers and the rendezvous are released as steps are.
+
+    A release that does not free the main thread within `stuck_s` ends the process
+    (`EXIT_STUCK_AFTER_RELEASE`). It happens to a node cut off the network and back: by
+    the time the decision reaches it, its peers' sockets are gone (their resets made its
+    own unconnected, so there is nothing left to shut down), and gloo can wait on such a
+    pair until the operation's timeout. Meanwhile its agent, back on etcd, shows the
+    worker alive, the leader plans it in, and the whole job would wait for a worker that
+    never arrives. A fresh worker costs only this worker's layers, which the plan that
+    declared the epoch failed already does without."""
+
+    def __init__(self, coordinator: StoreCoordinator, epoch: int, release, log: Callable[[str], None],
+                 period_s: float = 0.2, stuck_s: float = 10.0, exit=os._exit,
+                 progress: Callable[[], Progress | None] | None = None):
+        super().__init__(daemon=True, name=f"epoch-watcher-{epoch}")
+        self.coordinator, self.epoch, self.period_s = coordinator, epoch, period_s
+        self.progress, self._published = progress, (None, 0.0)
+        self.release, self.log = release, log
+        self.stuck_s, self._exit = stuck_s, exit
+        self.requested, self.done, self._local = threading.Event(), threading.Event(), threading.Event()
+
+    def run(self) -> None:
+        # Asked at once, then every period: an epoch can be over before it began (one that
+        # a planned leave prepared, given up during the stop: `Controller._publish_prepared`).
+        while True:
+            try:
+                self._publish_progress()
+                reason = self.coordinator.epoch_over(self.epoch)
+            except Exception:  # the store is unreachable: keep training, ask again later
+                reason = None
+            if reason is None:
+                if self.done.wait(self.period_s):
+                    return
+                continue
+            self.requested.set()
+            if reason == keys.FAILURE and self.release is not None:
+                done = self.release.release()
+                self.log(f"epoch {self.epoch}: the control plane declared it failed; released "
+                         f"its collectives ({done})")
+                self._exit_if_stuck()
+            return
+
+    def _publish_progress(self, every_s: float = 1.0) -> None:
+        """The job's progress (`keys.PROGRESS`), at most every `every_s`, when it moved:
+        written from here, never from the step."""
+        if self.progress is None or time.monotonic() - self._published[1] < every_s:
+            return
+        progress = self.progress()
+        if progress is not None and progress != self._published[0]:
+            self.coordinator.publish_progress(progress)
+            self._published = (progress, time.monotonic())
+
+    @contextlib.contextmanager
+    def local_work(self):
+        """Around work of the main thread that waits on no peer (building a model's layers
+        can take minutes): a release does not free it, and it is not counted as stuck."""
+        self._local.set()
+        try:
+            yield
+        finally:
+            self._local.clear()
+
+    def _exit_if_stuck(self) -> None:
+        while self.stuck_s and not self.done.wait(self.stuck_s):
+            if not self._local.is_set():
+                self.log(f"epoch {self.epoch}: its collectives did not return {self.stuck_s:.0f} s "
+                         "after their release; this worker exits, to be started again as a new one")
+                self._exit(EXIT_STUCK_AFTER_RELEASE)
+                return
