@@ -67,9 +67,11 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from planaria.elastic.controller import CheckpointPolicy, Controller, StepDown
+from planaria.elastic.controller import Controller
+from planaria.elastic.controller_errors import StepDown
 from planaria.elastic.etcd_client import EtcdClient, EtcdSettings, EtcdUnavailable, LeaseExpired
 from planaria.elastic.etcd_kv import EtcdKeyValue
+from planaria.elastic.job_checkpoints import CheckpointPolicy
 from planaria.elastic.metrics import PORT_ENV, MetricsServer, port_number, serve as serve_metrics
 from planaria.elastic.peer_probe import PeerProbe, node_address
 from planaria.elastic.preemption import SOURCES, Notice, make_watcher, signal_notice

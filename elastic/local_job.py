@@ -23,10 +23,11 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from planaria.elastic.controller import CheckpointPolicy, Controller
+from planaria.elastic.controller import Controller
 from planaria.elastic.etcd_client import EtcdClient, EtcdSettings
 from planaria.elastic.etcd_server import EmbeddedEtcd, EmbeddedEtcdCluster
 from planaria.elastic.etcd_store import EtcdStore
+from planaria.elastic.job_checkpoints import CheckpointPolicy
 from planaria.runtime.config.loading import load_config
 from planaria.runtime.config.sections import status_timeout_s as default_status_timeout
 from planaria.runtime.contract import env as worker_env

@@ -27,7 +27,7 @@ from planaria.chaos.simulator.calibration import Calibration
 from planaria.chaos.simulator.simulation import Outcome, Running
 from planaria.templates.costs import CostModel
 from planaria.templates.placement import layers_held
-from planaria.elastic.controller import leave_window_s
+from planaria.elastic.leave_planning import leave_window_s
 from planaria.templates.plan import Plan
 from planaria.templates.planner import PlanChoice, Planner
 
@@ -160,7 +160,7 @@ class PlanariaPolicy:
         """The notice covers a planned leave: two iterations (the one under way, then the
         one the stop comes after) and the control plane's share; the copies come after,
         from the leaving nodes, within what is left (the runtime's own estimate,
-        `Controller._leave_needs_s`, takes the same two steps and a margin)."""
+        `PlannedLeaves.needs_s`, takes the same two steps and a margin)."""
         need = 2 * current.iteration_s + self.cal.control_s + self.cal.regroup_s
         return self.job.notice_s > 0 and self.job.notice_s >= need
 

@@ -89,7 +89,7 @@ def notice(node: str) -> str:
 
 
 def ready(worker: Worker) -> str:
-    """A worker out of every epoch, waiting for one after the value (`Controller._ready`)."""
+    """A worker out of every epoch, waiting for one after the value (`EpochHistory.out_of_their_epochs`)."""
     return f"ready/{worker_key(worker)}"
 
 

@@ -22,7 +22,7 @@ from planaria.templates.plan import Worker
 
 LEAVE_LINGER_S = 1.0
 """How long a leaving worker waits at most for the next epoch's first step before it
-exits: its leave was planned at least `Controller.leave_overhead_s` (3 s) before its
+exits: its leave was planned at least `PlannedLeaves.overhead_s` (3 s) before its
 deadline, and the step takes a fraction of a second where nodes share a host."""
 
 

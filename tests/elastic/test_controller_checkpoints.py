@@ -8,7 +8,8 @@ import json
 
 import torch.distributed as dist
 
-from planaria.elastic.controller import CheckpointPolicy, Controller
+from planaria.elastic.controller import Controller
+from planaria.elastic.job_checkpoints import CheckpointPolicy
 from planaria.runtime.contract.checkpoint_layout import (complete_checkpoints, epoch_dir, read_checkpoint_manifest,
                                                          shard_dir, shard_filename, step_dir, write_manifest)
 from planaria.runtime.contract.exactly_once import CommitRecord
@@ -85,7 +86,7 @@ def test_a_checkpoint_a_failure_left_incomplete_does_not_hold_back_later_ones(tm
         complete_in_store(store, k, shards, epoch=1)
         controller._complete_checkpoints()
         assert complete_checkpoints(policy.directory)[-1][0] == k
-    assert controller.completed_checkpoints == [19, 29]
+    assert controller.checkpoints.completed == [19, 29]
 
 
 def test_a_shard_counted_twice_does_not_complete_a_checkpoint_whose_file_is_missing(tmp_path):
@@ -173,7 +174,8 @@ def test_a_lost_layer_comes_from_the_newest_whole_peer_snapshot_of_the_jobs_own_
                      held(9, every_shard, epoch=3))  # another timeline's: never counts
         statuses[(node, 0)] = WorkerStatus(worker=(node, 0), last_stepped=9, state="incomplete",
                                            commit=CommitRecord(9, 10.0, 0.5), holds=own, snapshots=snapshots)
-    choice, transfers, restore, snapshot, first = controller._next_plan(survivors, statuses, 10)
+    choice, transfers, restore, snapshot, first = controller.epoch_planner.with_sources(survivors, statuses, 10,
+                                                                                         controller.plan)
     assert restore is None and snapshot.step == 8 and snapshot.commit.loss == 9.0 and first == 9
     assert choice.plan.first_iteration == 9 and transfers
     keeps = {w: {tuple(s) for h in st.snapshots if h.step == 8 and h.epoch == 0 for s in h.shards}
@@ -184,5 +186,6 @@ def test_a_lost_layer_comes_from_the_newest_whole_peer_snapshot_of_the_jobs_own_
     write_shards(policy, 9, plan)  # a checkpoint of step 9, newer than the snapshot: it wins
     complete_in_store(store, 9, plan.num_layers * plan.tp)
     controller._complete_checkpoints()
-    choice, transfers, restore, snapshot, first = controller._next_plan(survivors, statuses, 10)
+    choice, transfers, restore, snapshot, first = controller.epoch_planner.with_sources(survivors, statuses, 10,
+                                                                                         controller.plan)
     assert snapshot is None and restore == step_dir(policy.directory, 9) and first == 10 and transfers == []

@@ -9,7 +9,8 @@ import time
 import pytest
 import torch.distributed as dist
 
-from planaria.elastic.controller import Controller, Interrupted, StaleLeader
+from planaria.elastic.controller import Controller
+from planaria.elastic.controller_errors import Interrupted, StaleLeader
 from planaria.runtime.config.loading import load_config
 from planaria.runtime.contract import keys
 from planaria.runtime.contract.epochs import EpochRecord

@@ -11,7 +11,8 @@ import time
 
 import torch.distributed as dist
 
-from planaria.elastic.controller import Controller, leave_window_s
+from planaria.elastic.controller import Controller
+from planaria.elastic.leave_planning import leave_window_s
 from planaria.runtime.config.loading import load_config
 from planaria.runtime.contract import keys
 from planaria.runtime.contract.keys import worker_key
@@ -49,7 +50,7 @@ def notice(in_s: float) -> LeaveNotice:
 def test_a_noticed_node_trains_on_then_leaves_within_its_window_handing_its_layers_over():
     notices: dict = {}
     controller, store, logs, members, plan = job(notices)
-    needs = 2 * STEP_S + controller.leave_overhead_s
+    needs = 2 * STEP_S + controller.leaves.overhead_s
     # Both holders of the last stage: nobody else has its layers.
     last = [p.stages[-1].node for p in plan.pipelines]
     notices.update({node: notice(leave_window_s(needs) + 30) for node in last})
