@@ -86,6 +86,8 @@ from planaria.runtime.planning.job_plans import build_planner, cost_model
 
 
 class Agent:
+    """One node's agent: its loop, and the parts it holds (the module docstring lists them)."""
+
     def __init__(self, *, node: str, nproc: int, settings: EtcdSettings, run_id: str, min_nodes: int,
                  config: str, overrides: list[str], lease_ttl_s: int = 5, hardware: str = "h100",
                  log_dir: Path | None = None, outage_limit_s: float = math.inf, max_restarts: int = 0,
