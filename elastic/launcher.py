@@ -194,7 +194,7 @@ def _check_options(args, parser) -> None:
 
 
 def run_planaria(args, parser=None) -> int:
-    from planaria.elastic.agent import parse_signals
+    from planaria.elastic.agent_options import parse_signals
     from planaria.elastic.etcd_client import EtcdSettings
     from planaria.elastic.etcd_server import EmbeddedEtcd
     from planaria.elastic.metrics import agent_port_env

@@ -343,23 +343,24 @@ def test_two_agents_under_one_node_name_the_second_is_refused(etcd, tmp_path):
     """Two machines given the same --node-rank: the second agent must not count the first
     one's workers as its own. It waits out a lease (the first might be a dead agent of
     this machine) and is refused, naming what to do; the first is not disturbed."""
-    from planaria.elastic.agent import Agent, NodeNameTaken
+    from planaria.elastic.agent import Agent
+    from planaria.elastic.node_membership import NodeNameTaken
 
     settings = EtcdSettings(endpoint=etcd.endpoint)
     first, second = (Agent(node="twin", nproc=1, settings=settings, run_id="twins", min_nodes=1,
                            config=str(TINY), overrides=[f"output.dir={tmp_path}"], lease_ttl_s=1)
                      for _ in range(2))
     first._register()
-    threading.Thread(target=first._keep_alive, daemon=True).start()
+    threading.Thread(target=first.membership.keep_alive, args=(first._stop, lambda: False), daemon=True).start()
     started = time.monotonic()
     with pytest.raises(NodeNameTaken, match="give each machine its own --node-rank"):
         second._register()
     assert time.monotonic() - started >= 1.5  # waited for the name, in case it was free soon
-    assert first.client.refresh(first.lease)  # the first agent's claim stands
+    assert first.client.refresh(first.membership.lease)  # the first agent's claim stands
     first._stop.set()
-    first.client.revoke(first.lease)  # the first agent leaves: the name is free
+    first.client.revoke(first.membership.lease)  # the first agent leaves: the name is free
     second._register()
-    second.client.revoke(second.lease)
+    second.client.revoke(second.membership.lease)
 
 
 def test_a_late_failed_refresh_of_the_expired_lease_does_not_make_the_node_register_again(etcd, tmp_path):
@@ -371,19 +372,20 @@ def test_a_late_failed_refresh_of_the_expired_lease_does_not_make_the_node_regis
 
     agent = Agent(node="late", nproc=1, settings=EtcdSettings(endpoint=etcd.endpoint), run_id="late",
                   min_nodes=1, config=str(TINY), overrides=[f"output.dir={tmp_path}"], lease_ttl_s=2)
+    membership = agent.membership
     agent._register()
-    old = agent.lease
+    old = membership.lease
     agent.client.revoke(old)  # as an expiry would
-    assert agent._still_leading() is False  # the controller's refresh finds it gone
-    assert agent._lease_lost.is_set()
+    assert membership.still_leading() is False  # the controller's refresh finds it gone
+    assert membership.lost.is_set()
     agent._register()
-    assert agent.lease != old and not agent._lease_lost.is_set()
+    assert membership.lease != old and not membership.lost.is_set()
     assert agent.client.refresh(old) is False
-    agent._lost(old)  # what a refresh of the old lease that read it before the swap does
-    assert not agent._lease_lost.is_set(), "a late failure of the old lease marked the new one lost"
-    agent._lost(agent.lease)
-    assert agent._lease_lost.is_set()  # the lease in force still counts
-    agent.client.revoke(agent.lease)
+    membership.mark_lost(old)  # what a refresh of the old lease that read it before the swap does
+    assert not membership.lost.is_set(), "a late failure of the old lease marked the new one lost"
+    membership.mark_lost(membership.lease)
+    assert membership.lost.is_set()  # the lease in force still counts
+    agent.client.revoke(membership.lease)
 
 
 def test_a_worker_exit_while_the_lease_was_lost_still_takes_the_node_out(etcd, tmp_path):
@@ -395,36 +397,33 @@ def test_a_worker_exit_while_the_lease_was_lost_still_takes_the_node_out(etcd, t
     agent = Agent(node="lapsed", nproc=1, settings=EtcdSettings(endpoint=etcd.endpoint), run_id="lapsed",
                   min_nodes=1, config=str(TINY), overrides=[f"output.dir={tmp_path}"], lease_ttl_s=2)
     agent._register()
-    worker = ("lapsed", 0)
-    agent.workers[worker] = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
-    agent.client.put(agent.prefix + keys.alive(("lapsed", 0)), b"1", lease=agent.lease)
-    agent.workers[worker].wait()
-    agent.client.revoke(agent.lease)  # as an expiry would: the key is gone
+    worker, supervisor = ("lapsed", 0), agent.supervisor
+    supervisor.workers[worker] = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+    agent.client.put(agent.prefix + keys.alive(("lapsed", 0)), b"1", lease=agent.membership.lease)
+    supervisor.workers[worker].wait()
+    agent.client.revoke(agent.membership.lease)  # as an expiry would: the key is gone
     assert agent.client.get(agent.prefix + keys.alive(("lapsed", 0)))[0] is None
-    assert agent._reap() is True
-    assert agent._reap() is False  # counted once
+    assert supervisor.reap() is True
+    assert supervisor.reap() is False  # counted once
 
 
-def test_the_leaders_own_exited_worker_is_not_alive_before_its_agent_reaps_it(etcd):
+def test_the_leaders_own_exited_worker_is_not_alive_before_its_agent_reaps_it(etcd, tmp_path):
     """While the leader's controller collects an epoch's statuses, its agent's loop does
     not reap: a worker of its own node that exited then still has its `alive` key. The
     controller's view of who is alive leaves it out all the same (else it waited for
     that worker's status until the status timeout, minutes)."""
-    from types import SimpleNamespace
-
     from planaria.elastic.agent import Agent
 
-    client = EtcdClient(EtcdSettings(endpoint=etcd.endpoint))
-    prefix = keys.run_prefix("own-exit")
+    agent = Agent(node="node0", nproc=2, settings=EtcdSettings(endpoint=etcd.endpoint), run_id="own-exit",
+                  min_nodes=1, config=str(TINY), overrides=[f"output.dir={tmp_path}"])
     for worker in (("node0", 0), ("node0", 1), ("node1", 0)):
-        client.put(prefix + keys.alive(worker), b"1")
+        agent.client.put(agent.prefix + keys.alive(worker), b"1")
     exited = subprocess.Popen([sys.executable, "-c", "pass"])
     exited.wait()
     running = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
-        agent = SimpleNamespace(client=client, prefix=prefix, probe=None,
-                                workers={("node0", 0): exited, ("node0", 1): running})
-        assert Agent._alive_now(agent) == {("node0", 1), ("node1", 0)}
+        agent.supervisor.workers.update({("node0", 0): exited, ("node0", 1): running})
+        assert agent._alive_now() == {("node0", 1), ("node1", 0)}  # (no probe: it starts with `run`)
     finally:
         running.kill()
         running.wait()
