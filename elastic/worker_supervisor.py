@@ -194,10 +194,13 @@ class WorkerSupervisor:
                 # neither leave nor restart.
                 ended = self.store.check([keys.DONE])  # etcd away: asked again next tick
                 self._exited.add(worker)
-                if not ended:
-                    self.log(f"worker {worker_key(worker)} exited with code {proc.returncode}"
-                             f"{self._reported_error(worker)}")
-                    exited = True
+                error = self._reported_error(worker)
+                # After the job ended an exit is no failure of the node, but an exception a
+                # worker reported is still said: it may be what ended the job (its own
+                # node's leader saw the worker gone before this loop reaped it).
+                if not ended or error:
+                    self.log(f"worker {worker_key(worker)} exited with code {proc.returncode}{error}")
+                exited = exited or not ended
             key = self.prefix + keys.alive(worker)
             if self.client.get(key)[0] is not None:
                 self.client.delete(key)
