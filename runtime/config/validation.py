@@ -176,7 +176,7 @@ def plan_from_config(cfg: Config, world_size: int | None = None) -> Plan:
 
     With pp > 0 and dp = 0, dp is as many pipelines as `world_size` holds (1 if unknown).
     Configs that leave the plan to the planner (`uses_planner`) go through
-    `planaria.runtime.planning.job_plans.plan_for_world` instead.
+    `planaria.runtime.worker.build.plan_for_world` instead.
     """
     m, t, p = cfg.model, cfg.train, cfg.parallel
     if uses_planner(cfg):

@@ -52,7 +52,7 @@ class EpochRecord(JsonRecord):
     leaving: tuple[str, ...] = ()
     """Nodes that leave with notice (`keys.LEAVE`): in no plan any more, their workers
     send the layers whose only holders they are (the `transfers` from them, over a group
-    of their own: `planaria.runtime.state.transfer.hand_off`), then exit."""
+    of their own: `planaria.runtime.state.transfer.exchange_handoff`), then exit."""
 
 
 Reason = Literal["failure", "join", "leave"]

@@ -29,7 +29,7 @@ How a blocked operation is released depends on the backend:
   process, all at once from a thread each (`abort_concurrently` says why not torch's
   `_abort_process_group`, which aborts them one by one), with torch's own error
   handling told to abort communicators and leave the process alone
-  (`planaria.runtime.contract.env.NCCL_RECOVERY_ENV`, docs/gpu.md).
+  (`planaria.runtime.contract.env.NCCL_RECOVERY`, docs/gpu.md).
 
 Nothing here runs on the step's path: a release is built when an epoch starts (one
 listing of the process's descriptors) and used only when an epoch fails.
