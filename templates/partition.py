@@ -36,7 +36,7 @@ time, after the commit), and the commit all-reduce (`CostModel.commit_time()`). 
 exact `v = 1` search below does not see the update term (it would need a second
 bottleneck); the interleaved searches do, through `objective`.
 
-For uniform stages and no sends these equal `templates.schedules.simulate`'s makespan
+For uniform stages and no sends these equal `templates.schedule_simulator.simulate`'s makespan
 exactly, for every shape the builders accept (zb1f1b: with backward = 2·forward);
 the tests check it. For non-uniform stages they are the usual flow-shop approximation:
 the bottleneck sets the steady-state pace and the fill/drain costs the other stages'

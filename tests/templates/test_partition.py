@@ -23,7 +23,8 @@ from planaria.templates.partition import (
     pipeline_iteration_time,
 )
 from planaria.templates.plan import PipelinePlan, StagePlan
-from planaria.templates.schedules import SCHEDULES, build_schedule, check_schedule_shape, simulate
+from planaria.templates.schedule_simulator import simulate
+from planaria.templates.schedules import SCHEDULES, build_schedule, check_schedule_shape
 
 GIB = 1 << 30
 

@@ -13,14 +13,13 @@ import pytest
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
+from planaria.templates.schedule_simulator import ScheduleDeadlock, simulate
 from planaria.templates.schedules import (
     SCHEDULES,
     Action,
-    ScheduleDeadlock,
     build_schedule,
     check_schedule_shape,
     format_schedule,
-    simulate,
 )
 
 
