@@ -56,7 +56,8 @@ from dataclasses import dataclass, field, replace
 
 from planaria.templates.costs import CostModel
 from planaria.templates.packing import most_microbatches, pack, pack_short_batch
-from planaria.templates.partition import InfeasiblePartition, StagePartition, partition_layers
+from planaria.templates.partition import partition_layers
+from planaria.templates.partition_cost import InfeasiblePartition, StagePartition
 from planaria.templates.placement import moved_bytes, place_nodes
 from planaria.templates.plan import PipelinePlan, Plan, StagePlan
 from planaria.templates.schedules import check_schedule_shape

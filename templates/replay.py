@@ -26,7 +26,7 @@ import statistics
 from dataclasses import dataclass
 
 from planaria.templates.costs import CostModel
-from planaria.templates.partition import StagePartition
+from planaria.templates.partition_cost import StagePartition
 from planaria.templates.schedule_simulator import ScheduleDeadlock, replay
 from planaria.templates.schedules import (
     BACKWARD,

@@ -21,7 +21,7 @@ from planaria.chaos.simulator.models import SimJob
 from planaria.chaos.simulator.policies import (CheckpointPolicy, Job, PlanariaPolicy, RedundancyPolicy,
                                                checkpoint_seconds, redundancy_costs)
 from planaria.templates.analytic import analytic_cost_model, hardware
-from planaria.templates.partition import InfeasiblePartition
+from planaria.templates.partition_cost import InfeasiblePartition
 from planaria.templates.planner import Planner, PlannerSettings
 
 POLICIES = ("planaria", "checkpoint", "redundancy")

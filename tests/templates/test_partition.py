@@ -14,12 +14,12 @@ import pytest
 
 from planaria.templates import partition as partition_module
 from planaria.templates.costs import CostModel, Hardware, LayerCost, ModelShape
-from planaria.templates.partition import (
+from planaria.templates.partition import partition_layers
+from planaria.templates.partition_cost import (
     InfeasiblePartition,
     StagePartition,
     evaluate_partition,
     in_flight_microbatches,
-    partition_layers,
     pipeline_iteration_time,
 )
 from planaria.templates.plan import PipelinePlan, StagePlan

@@ -19,11 +19,11 @@ from hypothesis import strategies as st
 
 from planaria.templates.analytic import analytic_cost_model, hardware
 from planaria.templates.costs import CostModel, Hardware, LayerCost, ModelShape
-from planaria.templates.partition import (
+from planaria.templates.partition import partition_layers
+from planaria.templates.partition_cost import (
     InfeasiblePartition,
     evaluate_partition,
     in_flight_microbatches,
-    partition_layers,
     pipeline_iteration_time,
 )
 from planaria.templates.plan import Plan
