@@ -6,7 +6,7 @@ planner's search needs a closed form. Where it has none (the interleaved schedul
 whose every chunk hop crosses ranks, and to a lesser degree 1f1b), a message that
 stalls delays the rank waiting for it too, and the iteration's expected time is above
 the formula's. On CPU with gloo such stalls are common (1 to 5 ms on 5 to 15% of
-messages, measured by `planaria.templates.profiler.measure_gloo_links` as the quantiles
+messages, measured by `planaria.templates.gloo_links.measure_gloo_links` as the quantiles
 `Hardware.message_overhead_quantiles`).
 
 `replay_iteration_time` replays the schedule's action lists (`build_schedule`) action by

@@ -1,4 +1,5 @@
-"""The profiler on Planaria's real layers (planaria.runtime.planning.measured_costs, planaria.templates.profiler)."""
+"""The profiler on Planaria's real layers (planaria.runtime.planning.measured_costs;
+planaria.templates.profiler, .gloo_links and .profile_cache)."""
 from __future__ import annotations
 
 import json
@@ -10,8 +11,9 @@ import torch
 from planaria.runtime.config.loading import load_config
 from planaria.runtime.planning.measured_costs import model_shape, profile_model
 from planaria.templates.analytic import analytic_cost_model, hardware, tp_communication_times
+from planaria.templates.gloo_links import measure_gloo_links
 from planaria.templates.partition_cost import pipeline_iteration_time
-from planaria.templates.profiler import measure_gloo_links, profile_layers
+from planaria.templates.profiler import profile_layers
 
 TINY = Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml"
 
