@@ -95,7 +95,8 @@ from pathlib import Path
 
 from planaria.templates.analytic import analytic_cost_model, hardware
 from planaria.templates.costs import ModelShape
-from planaria.templates.planner import Planner, PlannerSettings
+from planaria.templates.job_templates import PlannerSettings
+from planaria.templates.planner import Planner
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "configs" / "gpt3-175b.yaml"

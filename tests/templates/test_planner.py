@@ -27,7 +27,8 @@ from planaria.templates.partition_cost import (
     pipeline_iteration_time,
 )
 from planaria.templates.plan import Plan
-from planaria.templates.planner import Planner, PlannerSettings
+from planaria.templates.job_templates import PlannerSettings
+from planaria.templates.planner import Planner
 
 PROPERTY = settings(max_examples=60, deadline=None, derandomize=True,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
