@@ -94,7 +94,7 @@ class Prediction:
 def predict(plan, costs) -> Prediction:
     """The plan's iteration time from the cost model, through StagePartition.iteration_time."""
     from planaria.templates.costs import CostModel
-    from planaria.templates.partition import evaluate_partition
+    from planaria.templates.partition_cost import evaluate_partition
     from planaria.templates.replay import replay_iteration_time
 
     if len(plan.pipelines) != 1:

@@ -45,7 +45,8 @@ from dataclasses import dataclass
 
 from planaria.templates.analytic import analytic_cost_model, hardware
 from planaria.templates.costs import ModelShape
-from planaria.templates.planner import Planner, PlannerSettings
+from planaria.templates.job_templates import PlannerSettings
+from planaria.templates.planner import Planner
 
 DEFAULT_SAMPLES = "8,16,32,64,128,200,256,512,1024"
 

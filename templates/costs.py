@@ -150,7 +150,7 @@ class Hardware:
     touches, so it is part of the stage time. Negligible where the runtime posts
     messages asynchronously on a separate stream (NCCL on GPUs: 0 in the presets);
     about 0.1 ms with gloo on CPU, where the worker's own thread posts and completes
-    every message (measured by `planaria.templates.profiler.measure_gloo_links`)."""
+    every message (measured by `planaria.templates.gloo_links.measure_gloo_links`)."""
     message_overhead_quantiles: tuple[float, ...] = ()
     """The spread of `message_overhead_s`: equally likely values (quantiles of the
     measured per-message costs, their mean `message_overhead_s`). Empty where not

@@ -6,11 +6,11 @@ planner's search needs a closed form. Where it has none (the interleaved schedul
 whose every chunk hop crosses ranks, and to a lesser degree 1f1b), a message that
 stalls delays the rank waiting for it too, and the iteration's expected time is above
 the formula's. On CPU with gloo such stalls are common (1 to 5 ms on 5 to 15% of
-messages, measured by `planaria.templates.profiler.measure_gloo_links` as the quantiles
+messages, measured by `planaria.templates.gloo_links.measure_gloo_links` as the quantiles
 `Hardware.message_overhead_quantiles`).
 
 `replay_iteration_time` replays the schedule's action lists (`build_schedule`) action by
-action, as `templates.schedules.simulate` does, with each action taking its chunk's
+action, as `templates.schedule_simulator.simulate` does, with each action taking its chunk's
 compute plus the runtime's own work per action (`Hardware.action_overhead_s`) plus one
 drawn message cost per boundary side it touches, and each hop to the
 other rank arriving a one-way transfer later. The mean makespan over many draws, plus
@@ -26,16 +26,15 @@ import statistics
 from dataclasses import dataclass
 
 from planaria.templates.costs import CostModel
-from planaria.templates.partition import StagePartition
+from planaria.templates.partition_cost import StagePartition
+from planaria.templates.schedule_simulator import ScheduleDeadlock, replay
 from planaria.templates.schedules import (
     BACKWARD,
     BACKWARD_INPUT,
     BACKWARD_WEIGHT,
     FORWARD,
     Action,
-    ScheduleDeadlock,
     build_schedule,
-    replay,
 )
 
 
@@ -101,7 +100,7 @@ def _messages(action: Action, num_model_stages: int, num_ranks: int) -> int:
 def _makespan(schedule: dict[int, list[Action]], num_model_stages: int, num_ranks: int,
               durations: list[dict[str, float]], hops: list[float], draw,
               action_overhead: float = 0.0) -> float:
-    """One replay (`templates.schedules.replay`), with drawn message costs and transfers."""
+    """One replay (`templates.schedule_simulator.replay`), with drawn message costs and transfers."""
     def duration(action: Action) -> float:
         messages = _messages(action, num_model_stages, num_ranks)
         return (durations[action.stage][action.kind] + action_overhead

@@ -34,7 +34,8 @@ from pathlib import Path
 
 
 def _schedule(args: argparse.Namespace) -> int:
-    from planaria.templates.schedules import ScheduleDeadlock, build_schedule, format_schedule, simulate
+    from planaria.templates.schedule_simulator import ScheduleDeadlock, simulate
+    from planaria.templates.schedules import build_schedule, format_schedule
 
     try:
         schedule = build_schedule(args.name, args.stages, args.virtual_stages, args.microbatches)

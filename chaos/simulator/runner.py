@@ -21,8 +21,9 @@ from planaria.chaos.simulator.models import SimJob
 from planaria.chaos.simulator.policies import (CheckpointPolicy, Job, PlanariaPolicy, RedundancyPolicy,
                                                checkpoint_seconds, redundancy_costs)
 from planaria.templates.analytic import analytic_cost_model, hardware
-from planaria.templates.partition import InfeasiblePartition
-from planaria.templates.planner import Planner, PlannerSettings
+from planaria.templates.job_templates import PlannerSettings
+from planaria.templates.partition_cost import InfeasiblePartition
+from planaria.templates.planner import Planner
 
 POLICIES = ("planaria", "checkpoint", "redundancy")
 

@@ -21,8 +21,9 @@ from rich.table import Table
 from planaria.runtime.config.sections import Config, model_shape
 from planaria.templates.analytic import analytic_cost_model, hardware
 from planaria.templates.costs import CostModel, ModelShape
-from planaria.templates.partition import pipeline_iteration_time
-from planaria.templates.planner import Planner, PlanChoice, PlannerSettings
+from planaria.templates.job_templates import PlannerSettings
+from planaria.templates.partition_cost import pipeline_iteration_time
+from planaria.templates.planner import Planner, PlanChoice
 from planaria.templates.snapshots import snapshot_host_bytes
 
 

@@ -66,7 +66,7 @@ def profile_model(cfg: Config, *, device: torch.device | str | None = None,
     and the update rounds them. `statistic`: "mean" or "median" of the
     timed repeats (the profiler's docstring says why the mean). `measure_links`
     (default: for "cpu" on a CPU device) measures gloo between two processes and uses
-    it for the links, message overhead and commit (`profiler.measure_gloo_links`), and
+    it for the links, message overhead and commit (`gloo_links.measure_gloo_links`), and
     the pipeline runtime's own cost per action
     (`pipeline_probe.measure_links_and_runtime`).
     `concurrent_workers`: how many of the job's workers compute at once on this machine

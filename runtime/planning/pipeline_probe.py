@@ -1,6 +1,6 @@
 """What the pipeline runtime itself costs a worker per action, measured on known work.
 
-Owns `measure_links_and_runtime`: the gloo links of `templates.profiler` and, in the same
+Owns `measure_links_and_runtime`: the gloo links of `templates.gloo_links` and, in the same
 two processes, the cost model's `Hardware.action_overhead_s` on CPU. The profile times
 layers on their own and messages on their own (raw `isend`/`irecv` between two
 processes). A training step also runs `torch.distributed.pipelining`'s schedule runtime
@@ -35,7 +35,7 @@ import time
 import torch
 from torch import nn
 
-from planaria.templates.profiler import (
+from planaria.templates.gloo_links import (
     GlooLinks,
     fixed_work,
     measure_pair_links,
@@ -47,7 +47,7 @@ from planaria.templates.profiler import (
 def measure_links_and_runtime(message_bytes: int = 32 << 10, *, rounds: int = 300,
                               compute_s: float = 1e-3, probe_rounds: int = 40,
                               microbatches: int = 8, timeout_s: float = 120.0) -> GlooLinks:
-    """`templates.profiler.measure_gloo_links`'s links, and the pipeline runtime's own
+    """`templates.gloo_links.measure_gloo_links`'s links, and the pipeline runtime's own
     cost per action (`GlooLinks.action_overhead_s`, module docstring), measured by the
     same two fresh processes. About ten seconds; cached for the life of the process."""
     if microbatches < 1 or probe_rounds < 1 or rounds < 1 or compute_s <= 0:

@@ -27,7 +27,7 @@ from planaria.runtime.contract.membership import Announcement, JobSpec, LeaveNot
 from planaria.runtime.contract.record import RecordError
 from planaria.templates.layout import plan_from_layout
 from planaria.templates.plan import Transfer
-from tests.templates.test_plan import layout_args
+from tests.templates.plan_cases import layout_args
 
 FAST = settings(max_examples=80, deadline=None)
 

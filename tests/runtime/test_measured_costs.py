@@ -1,4 +1,5 @@
-"""The profiler on Planaria's real layers (planaria.runtime.planning.measured_costs, planaria.templates.profiler)."""
+"""The profiler on Planaria's real layers (planaria.runtime.planning.measured_costs;
+planaria.templates.profiler, .gloo_links and .profile_cache)."""
 from __future__ import annotations
 
 import json
@@ -10,8 +11,9 @@ import torch
 from planaria.runtime.config.loading import load_config
 from planaria.runtime.planning.measured_costs import model_shape, profile_model
 from planaria.templates.analytic import analytic_cost_model, hardware, tp_communication_times
-from planaria.templates.partition import pipeline_iteration_time
-from planaria.templates.profiler import measure_gloo_links, profile_layers
+from planaria.templates.gloo_links import measure_gloo_links
+from planaria.templates.partition_cost import pipeline_iteration_time
+from planaria.templates.profiler import profile_layers
 
 TINY = Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml"
 
@@ -136,7 +138,7 @@ def test_bfloat16_excludes_the_weight_casts():
 
 
 def test_update_is_measured_for_every_layer_and_enters_the_iteration_time(tmp_path):
-    from planaria.templates.partition import evaluate_partition
+    from planaria.templates.partition_cost import evaluate_partition
 
     profiled = profile_model(tiny(), cache_dir=tmp_path)
     assert all(l.optimizer_s > 0 for l in profiled.layers)

@@ -5,8 +5,9 @@ import pytest
 
 from planaria.templates.analytic import analytic_cost_model, hardware
 from planaria.templates.costs import ModelShape
+from planaria.templates.job_templates import PlannerSettings
 from planaria.templates.placement import moved_bytes, place_nodes
-from planaria.templates.planner import Planner, PlannerSettings
+from planaria.templates.planner import Planner
 
 
 @pytest.fixture(scope="module")

@@ -1,15 +1,14 @@
-"""The plan contract: exact JSON round trip, derived views, validation that names the
-problem, and `transfers` / `missing_layers` when a job moves from one plan to the next."""
+"""The plan contract: exact JSON round trip, derived views, and validation that names the
+problem. (`transfers` / `missing_layers`, when a job moves from one plan to the next:
+`test_plan_transfers.py`.)"""
 
 from __future__ import annotations
 
 import json
-from collections import Counter
 from dataclasses import replace
 
 import pytest
 from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from planaria.templates.layout import plan_from_layout
 from planaria.templates.plan import (
@@ -17,68 +16,14 @@ from planaria.templates.plan import (
     Plan,
     PlanError,
     StagePlan,
-    Transfer,
-    missing_layers,
-    transfers,
 )
+from tests.templates.plan_cases import good_plan, layout_args
 
 FAST = settings(max_examples=60, deadline=None)
 
 
-# ---------------------------------------------------------------- strategies / helpers
-def _cut(draw, total: int, parts: int) -> list[int]:
-    """`total` split into `parts` positive integers."""
-    if parts == 1:
-        return [total]
-    cuts = sorted(draw(st.sets(st.integers(1, total - 1), min_size=parts - 1, max_size=parts - 1)))
-    bounds = [0, *cuts, total]
-    return [b - a for a, b in zip(bounds, bounds[1:])]
-
-
-@st.composite
-def layout_args(draw, tp=None, v=None, n_blocks=None, num_stages_total=None):
-    """Keyword arguments for `plan_from_layout` describing a random valid job."""
-    tp = draw(st.integers(1, 2)) if tp is None else tp
-    v = draw(st.integers(1, 2)) if v is None else v
-    schedule = "interleaved" if v > 1 else draw(st.sampled_from(["1f1b", "gpipe"]))
-    n_blocks = draw(st.integers(v, 12)) if n_blocks is None else n_blocks
-    max_stages = min(4, n_blocks) // v  # 1..4 model stages per pipeline
-    if num_stages_total is None:
-        num_pipelines = draw(st.integers(1, 4))
-        stage_counts = [draw(st.integers(1, max_stages)) for _ in range(num_pipelines)]
-    else:  # a fixed number of nodes, split among pipelines
-        stage_counts, left = [], num_stages_total
-        while left:
-            stage_counts.append(draw(st.integers(1, min(max_stages, left))))
-            left -= stage_counts[-1]
-    layout = [_cut(draw, n_blocks, s * v) for s in stage_counts]
-    micro_batch = draw(st.integers(1, 4))
-    counts = [draw(st.integers(1, 4)) for _ in layout]
-    explicit = draw(st.booleans())
-    return dict(
-        layout=layout,
-        n_blocks=n_blocks,
-        tp=tp,
-        schedule=schedule,
-        virtual_stages=v,
-        global_batch=sum(counts) * micro_batch,
-        micro_batch=micro_batch,
-        microbatches=counts if explicit else None,
-        epoch=draw(st.integers(0, 5)),
-        first_iteration=draw(st.integers(0, 1000)),
-    )
-
-
 def all_ranks(plan: Plan) -> list[int]:
     return [r for p in plan.pipelines for s in p.stages for r in s.ranks]
-
-
-def relabel(plan: Plan, names: dict[str, str]) -> Plan:
-    """The same plan with stage nodes renamed."""
-    return replace(plan, pipelines=tuple(
-        replace(p, stages=tuple(replace(s, node=names[s.node]) for s in p.stages))
-        for p in plan.pipelines
-    ))
 
 
 def replace_stage(plan: Plan, p: int, s: int, **changes) -> Plan:
@@ -87,44 +32,6 @@ def replace_stage(plan: Plan, p: int, s: int, **changes) -> Plan:
     stages[s] = replace(stages[s], **changes)
     pipelines[p] = replace(pipelines[p], stages=tuple(stages))
     return replace(plan, pipelines=tuple(pipelines))
-
-
-def holders(plan: Plan) -> dict[tuple[int, int], set[tuple[str, int]]]:
-    return {key: {plan.worker(r) for r in ranks} for key, ranks in plan.replica_groups().items()}
-
-
-def good_plan(**overrides) -> Plan:
-    """2 pipelines x 2 stages, tp=2, 4 blocks (6 layers), 4 microbatches."""
-    args = dict(n_blocks=4, tp=2, schedule="1f1b", virtual_stages=1,
-                global_batch=8, micro_batch=2)
-    args.update(overrides)
-    return plan_from_layout([[2, 2], [2, 2]], **args)
-
-
-def check_transfer_contract(old: Plan, new: Plan) -> list[Transfer]:
-    """Properties every `transfers` result must have; returns the transfers."""
-    result = transfers(old, new)
-    alive = set(new.rank_of_worker())
-    old_h, new_h = holders(old), holders(new)
-    lost = set(missing_layers(old, new))
-    for t in result:
-        key = (t.layer, t.tp_rank)
-        assert t.dst in new_h[key], f"{t} sends a shard the receiver does not need"
-        assert t.dst not in old_h[key], f"{t} sends a shard the receiver already holds"
-        assert t.src in old_h[key], f"{t} comes from a worker that does not hold it"
-        assert t.src in alive, f"{t} comes from a worker that is gone"
-        assert t.src[1] == t.dst[1] == t.tp_rank
-        assert key not in lost
-    received = Counter((t.layer, t.tp_rank, t.dst) for t in result)
-    needed = {
-        (key[0], key[1], dst)
-        for key, dsts in new_h.items() for dst in dsts
-        if dst not in old_h[key] and key not in lost
-    }
-    assert set(received) == needed, "every lacking shard with a live holder is sent"
-    assert all(n == 1 for n in received.values()), "no shard is sent twice to one worker"
-    assert lost == {key for key, hs in old_h.items() if not hs & alive}
-    return result
 
 
 # ---------------------------------------------------------------- 1. JSON round trip
@@ -394,155 +301,3 @@ def test_plan_from_layout_names_the_layout_problem():
         plan_from_layout([], **args)
     with pytest.raises(PlanError, match=r"needs schedule 'interleaved'"):
         plan_from_layout([[1, 3]], **{**args, "virtual_stages": 2})
-
-
-# ---------------------------------------------------------------- 4. transfers
-BATCH = dict(n_blocks=4, tp=1, virtual_stages=1, global_batch=4, micro_batch=1)
-
-
-def old_plan() -> Plan:
-    """2 pipelines x 2 stages on node0..node3; 6 layers: node0/node2 hold 0-2, node1/node3 3-5."""
-    plan = plan_from_layout([[2, 2], [2, 2]], schedule="1f1b", **BATCH)
-    assert [s.node for p in plan.pipelines for s in p.stages] == ["node0", "node1", "node2", "node3"]
-    return plan
-
-
-def stage(node: str, rank: int, start: int, stop: int) -> StagePlan:
-    return StagePlan(node=node, ranks=(rank,), chunks=((start, stop),))
-
-
-def plan_of(*pipelines: tuple[StagePlan, ...], epoch: int = 1) -> Plan:
-    counts = [2] * len(pipelines) if len(pipelines) == 2 else [4 // len(pipelines)] * len(pipelines)
-    counts[-1] += 4 - sum(counts)
-    offsets = [sum(counts[:i]) for i in range(len(counts))]
-    return Plan(
-        epoch=epoch, first_iteration=100, num_layers=6, tp=1, schedule="1f1b", virtual_stages=1,
-        global_batch=4, micro_batch=1,
-        pipelines=tuple(PipelinePlan("manual", stages, c, o)
-                        for stages, c, o in zip(pipelines, counts, offsets)),
-    )
-
-
-def test_transfers_after_a_node_dies():
-    old = old_plan()
-    # node1 (second half of pipeline 0) died: node0 now runs the whole model alone
-    new = plan_of(
-        (stage("node0", 0, 0, 6),),
-        (stage("node2", 1, 0, 3), stage("node3", 2, 3, 6)),
-    )
-    result = check_transfer_contract(old, new)
-    assert sorted(result, key=lambda t: t.layer) == [
-        Transfer(layer=layer, tp_rank=0, src=("node3", 0), dst=("node0", 0)) for layer in (3, 4, 5)
-    ]
-    assert all(t.src != ("node1", 0) for t in result)
-    assert missing_layers(old, new) == []
-
-
-def test_transfers_spread_sources_over_surviving_replicas():
-    old = old_plan()
-    # node1 died; node3 takes a whole pipeline and needs layers 0-2, held by node0 and node2
-    new = plan_of(
-        (stage("node0", 0, 0, 3), stage("node2", 1, 3, 6)),
-        (stage("node3", 2, 0, 6),),
-    )
-    result = check_transfer_contract(old, new)
-    to_node3 = [t for t in result if t.dst == ("node3", 0)]
-    assert sorted(t.layer for t in to_node3) == [0, 1, 2]
-    senders = Counter(t.src for t in to_node3)
-    assert set(senders) == {("node0", 0), ("node2", 0)}, "both replicas send"
-    assert max(senders.values()) - min(senders.values()) <= 1
-    # node2 switches to layers 3-5, whose only survivor is node3
-    assert sorted((t.layer, t.src) for t in result if t.dst == ("node2", 0)) == [
-        (layer, ("node3", 0)) for layer in (3, 4, 5)
-    ]
-    assert all(t.src != ("node1", 0) for t in result)
-
-
-def test_a_fresh_node_loads_from_all_replicas_evenly():
-    old = plan_from_layout([[4], [4]], schedule="gpipe", **BATCH)  # node0, node1: all 6 layers
-    new = plan_of(
-        (stage("node0", 0, 0, 6),),
-        (stage("node1", 1, 0, 6),),
-        (stage("spare", 2, 0, 6),),
-    )
-    result = check_transfer_contract(old, new)
-    assert {t.dst for t in result} == {("spare", 0)}
-    assert sorted(t.layer for t in result) == list(range(6))
-    assert Counter(t.src for t in result) == {("node0", 0): 3, ("node1", 0): 3}
-
-
-def test_nothing_moves_when_the_plan_is_unchanged():
-    old = old_plan()
-    assert transfers(old, replace(old, epoch=1)) == []
-    assert missing_layers(old, replace(old, epoch=1)) == []
-
-
-def test_layers_whose_holders_all_died_are_missing_not_transferred():
-    old = old_plan()
-    # node1 and node3 both died: nobody holds layers 3-5 any more
-    new = plan_of(
-        (stage("node0", 0, 0, 3), stage("node2", 1, 3, 6)),
-    )
-    assert missing_layers(old, new) == [(3, 0), (4, 0), (5, 0)]
-    assert transfers(old, new) == []
-    check_transfer_contract(old, new)
-
-    # partial loss: node0's copy of layers 0-2 is still sent where needed
-    new = plan_of((stage("node2", 0, 0, 6),))
-    result = check_transfer_contract(old, new)
-    assert result == []  # node2 already has 0-2, and 3-5 are gone
-    assert missing_layers(old, new) == [(3, 0), (4, 0), (5, 0)]
-
-
-def test_transfers_with_tensor_parallelism_keep_shards_on_their_tp_rank():
-    args = dict(n_blocks=4, tp=2, schedule="1f1b", virtual_stages=1, global_batch=4, micro_batch=1)
-    old = plan_from_layout([[2, 2], [2, 2]], **args)
-    new = relabel(plan_from_layout([[4], [2, 2]], **args),
-                  {"node0": "node0", "node1": "node2", "node2": "node3"})
-    result = check_transfer_contract(old, new)
-    assert sorted((t.layer, t.tp_rank, t.src, t.dst) for t in result) == [
-        (layer, t, ("node3", t), ("node0", t)) for layer in (3, 4, 5) for t in (0, 1)
-    ]
-
-
-def test_transfers_refuse_incompatible_plans():
-    old = good_plan()
-    with pytest.raises(PlanError, match="different tp or num_layers"):
-        transfers(old, good_plan(tp=1))
-    with pytest.raises(PlanError, match="different tp or num_layers"):
-        transfers(old, plan_from_layout([[3, 3], [3, 3]], n_blocks=6, tp=2, schedule="1f1b",
-                                        virtual_stages=1, global_batch=8, micro_batch=2))
-
-
-@st.composite
-def plan_pairs(draw):
-    """Two plans of the same job over the same nodes (renamed), the new one maybe on fewer."""
-    tp = draw(st.integers(1, 2))
-    n_blocks = draw(st.integers(2, 8))
-    nodes = draw(st.integers(1, 6))
-    old = plan_from_layout(**draw(layout_args(tp=tp, n_blocks=n_blocks, num_stages_total=nodes)))
-    survivors = draw(st.integers(1, nodes))
-    new = plan_from_layout(**draw(layout_args(tp=tp, n_blocks=n_blocks,
-                                              num_stages_total=survivors)))
-    names = [f"node{i}" for i in range(nodes)]
-    chosen = draw(st.permutations(names))[:survivors]
-    new = relabel(new, {f"node{i}": chosen[i] for i in range(survivors)})
-    return old, new
-
-
-@settings(max_examples=80, deadline=None)
-@given(plan_pairs())
-def test_transfers_property(pair):
-    old, new = pair
-    result = check_transfer_contract(old, new)
-    if set(new.rank_of_worker()) == set(old.rank_of_worker()):
-        assert missing_layers(old, new) == []
-    # sources are balanced per shard: a source is only chosen when no other live holder
-    # of that shard had sent fewer so far
-    load: Counter = Counter()
-    alive = set(new.rank_of_worker())
-    old_h = holders(old)
-    for t in result:
-        candidates = [w for w in old_h[(t.layer, t.tp_rank)] if w in alive]
-        assert load[t.src] == min(load[w] for w in candidates)
-        load[t.src] += 1

@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 
 from planaria.templates.costs import CostModel, Hardware, LayerCost, ModelShape
-from planaria.templates.partition import evaluate_partition
+from planaria.templates.partition_cost import evaluate_partition
 from planaria.templates.replay import replay_iteration_time
 
 GIB = 1 << 30

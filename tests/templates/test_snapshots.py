@@ -13,9 +13,10 @@ import itertools
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from planaria.templates.planner import Planner, PlannerSettings
+from planaria.templates.job_templates import PlannerSettings
+from planaria.templates.planner import Planner
 from planaria.templates.snapshots import lost_with, owners, snapshot_placement
-from tests.templates.test_planner import instances
+from tests.templates.planner_cases import instances
 
 PROPERTY = settings(max_examples=25, deadline=None)
 
