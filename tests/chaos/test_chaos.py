@@ -18,8 +18,6 @@ from planaria.chaos.hosts import remove_stale, unavailable as hosts_unavailable
 from planaria.runtime.contract.checkpoint_layout import complete_checkpoints, read_checkpoint_manifest, shard_dir
 from tests.launch import TINY
 
-pytest.importorskip("pyetcd")
-
 
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory):
