@@ -14,9 +14,15 @@ import pytest
 
 from planaria.cli import main as chaos_main
 from planaria.chaos.faults import FaultSpec, FaultSpecError, parse_fault, validate
-from planaria.chaos.hosts import remove_stale, unavailable as hosts_unavailable
+from planaria.chaos.hosts import remove_stale
 from planaria.runtime.contract.checkpoint_layout import complete_checkpoints, read_checkpoint_manifest, shard_dir
 from tests.launch import TINY
+
+
+AS_ROOT = pytest.mark.skipif(os.geteuid() != 0,
+                             reason="simulated hosts need root (network namespaces and veth links)")
+"""The runs on simulated hosts (`--hosts`). Root is the one reason to skip them: as root,
+a missing `ip` (iproute2, which .ci/setup installs) is a broken set-up, and fails them."""
 
 
 @pytest.fixture(scope="module")
@@ -132,7 +138,7 @@ def test_silent_peers_cost_seconds_not_the_collective_timeout(tmp_path, cache):
 @pytest.mark.slow  # ~2 min; every network fault kind runs on hosts in the default suite (below)
 @pytest.mark.multiprocess
 @pytest.mark.timeout(600)
-@pytest.mark.skipif(hosts_unavailable() is not None, reason=hosts_unavailable() or "")
+@AS_ROOT
 def test_nodes_as_hosts_talk_over_their_own_addresses(tmp_path, cache):
     """--hosts: every node and the etcd member in a network namespace of its own, with
     only `lo` and its link to the others: the job can train only over those addresses.
@@ -147,7 +153,7 @@ def test_nodes_as_hosts_talk_over_their_own_addresses(tmp_path, cache):
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(600)
-@pytest.mark.skipif(hosts_unavailable() is not None, reason=hosts_unavailable() or "")
+@AS_ROOT
 def test_every_network_fault_kind_in_one_run(tmp_path, cache):
     """--hosts, 4 nodes, 3 etcd members, one run of every network fault kind in turn:
 
@@ -232,7 +238,7 @@ def assert_fenced(run, worker: str) -> None:
 @pytest.mark.slow  # ~1.5 min; every network fault kind is in the one run above, in the default suite
 @pytest.mark.multiprocess
 @pytest.mark.timeout(600)
-@pytest.mark.skipif(hosts_unavailable() is not None, reason=hosts_unavailable() or "")
+@AS_ROOT
 def test_an_isolated_node_is_fenced_then_comes_back_as_a_new_one(tmp_path, cache):
     """--hosts: node1's packets vanish for 10 s, alone (the run above has the same
     fault among others): fenced, then back as a new worker; nothing lost."""
@@ -248,7 +254,7 @@ def test_an_isolated_node_is_fenced_then_comes_back_as_a_new_one(tmp_path, cache
 @pytest.mark.slow  # ~3 min; every network fault kind is in one run in the default suite
 @pytest.mark.multiprocess
 @pytest.mark.timeout(900)
-@pytest.mark.skipif(hosts_unavailable() is not None, reason=hosts_unavailable() or "")
+@AS_ROOT
 def test_a_slow_link_an_etcd_minority_and_a_partition_on_six_nodes(tmp_path, cache):
     """--hosts, 6 nodes, 3 etcd members, f=1: node1's link at 1 Mbit/s for 8 s (slower
     steps, no reconfiguration); etcd member 0 cut off from the other two for 8 s (the
@@ -271,7 +277,7 @@ def test_a_slow_link_an_etcd_minority_and_a_partition_on_six_nodes(tmp_path, cac
 @pytest.mark.slow  # the default suite's time (~15 min on 2 cores): `make test-slow`
 @pytest.mark.multiprocess
 @pytest.mark.timeout(600)
-@pytest.mark.skipif(hosts_unavailable() is not None, reason=hosts_unavailable() or "")
+@AS_ROOT
 def test_a_partition_trains_on_its_larger_side_then_on_every_node_again(tmp_path, cache):
     """--hosts: nodes 4 and 5 cannot reach the other four for 20 s (several lease TTLs), and
     both sides still reach etcd: no lease lapses, no worker dies. The agents' probes see
@@ -290,7 +296,7 @@ def test_a_partition_trains_on_its_larger_side_then_on_every_node_again(tmp_path
 @pytest.mark.slow  # the default suite's time (~15 min on 2 cores): `make test-slow`
 @pytest.mark.multiprocess
 @pytest.mark.timeout(600)
-@pytest.mark.skipif(hosts_unavailable() is not None, reason=hosts_unavailable() or "")
+@AS_ROOT
 def test_a_slow_link_slows_the_job_and_is_not_taken_for_a_failure(tmp_path, cache):
     """--hosts: node1's link limited to 1 Mbit/s for 10 s. Every step waits for it (its
     activations and gradients cross it), so the steps that end meanwhile are many times
@@ -306,7 +312,7 @@ def test_a_slow_link_slows_the_job_and_is_not_taken_for_a_failure(tmp_path, cach
 @pytest.mark.slow  # the default suite's time (~15 min on 2 cores): `make test-slow`
 @pytest.mark.multiprocess
 @pytest.mark.timeout(600)
-@pytest.mark.skipif(hosts_unavailable() is not None, reason=hosts_unavailable() or "")
+@AS_ROOT
 def test_an_etcd_member_cut_off_from_the_others_changes_nothing(tmp_path, cache):
     """--hosts, 3 etcd members: member 0, the one every agent talks to first, is cut off
     from the other two for 10 s. It still accepts connections but, a minority, serves
