@@ -276,11 +276,9 @@ def worker_breakdown(args) -> None:
 
     from planaria.runtime.parallel import engine as engine_mod
     from planaria.runtime.worker import trainer
-    from planaria.runtime.parallel.optim import optimizer_settings
-    from planaria.runtime.models.llama import torch_dtypes as dtypes
+    from planaria.runtime.worker.build import start_engine
     from planaria.runtime.config.validation import plan_from_config
     from planaria.runtime.data.token_datasets import build_dataset
-    from planaria.runtime.models.llama import LayerModel
 
     cfg = load(args.config, args.overrides)
     plan = plan_from_config(cfg, world_size=1)
@@ -297,11 +295,9 @@ def worker_breakdown(args) -> None:
         dataset = build_dataset(cfg.data.source, seq_len=cfg.model.seq_len,
                                 vocab_size=cfg.model.vocab_size, seed=cfg.data.seed)
         dataset.batch = sec.wrap("data batch", dataset.batch)
-        param_dtype, autocast_dtype = dtypes(cfg.train.dtype)
-        model = LayerModel(cfg.model, seed=cfg.train.seed)
-        engine = E(plan, model, optimizer_settings(cfg.train), rank=0, device=torch.device("cpu"),
-                   param_dtype=param_dtype, autocast_dtype=autocast_dtype,
-                   grad_clip=cfg.train.grad_clip)
+        # The trainer's own Engine (its dtypes, clipping and wide gradient sums), its
+        # methods wrapped above.
+        engine = start_engine(cfg, plan, 0, torch.device("cpu"))
         # Inside the schedule: the stage's forward and backward chunks, the model's own
         # forward within them, and the loss; the rest of schedule.step is the runtime's.
         for stage in engine.stages:
