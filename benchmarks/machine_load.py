@@ -1,7 +1,7 @@
 """How busy a shared machine is while a benchmark measures on it: the CPU time other
 processes take, a wait for a quiet moment before a run, and the CPU's name for the
-report. Shared by step_time.py and the cost-model benchmarks; Linux's /proc, read
-defensively (without it the shares are nan and nothing waits)."""
+report. Shared by step_time.py, planner_scale.py and the cost-model benchmarks; Linux's
+/proc, read defensively (without it the shares are nan and nothing waits)."""
 from __future__ import annotations
 
 import os

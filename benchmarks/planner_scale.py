@@ -93,6 +93,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
+from machine_load import busy_seconds  # beside this file (the script's folder is first on sys.path)
 from planaria.templates.analytic import analytic_cost_model, hardware
 from planaria.templates.costs import ModelShape
 from planaria.templates.planner import Planner, PlannerSettings
@@ -127,16 +128,6 @@ def loadavg() -> str:
         return Path("/proc/loadavg").read_text().split()[0]
     except OSError:
         return "n/a"
-
-
-def busy_seconds() -> float:
-    """CPU seconds all CPUs have spent busy since boot (/proc/stat); nan without it."""
-    try:
-        fields = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
-    except OSError:
-        return float("nan")
-    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in fields[:8])
-    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
 
 
 def git_state() -> str:
