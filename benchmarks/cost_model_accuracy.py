@@ -54,7 +54,7 @@ from planaria.chaos.report import write_json_atomically
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from step_time import _busy_seconds, _children_seconds, _cpu_name, _wait_quiet  # noqa: E402
+from machine_load import busy_seconds, children_seconds, cpu_name, wait_quiet  # noqa: E402
 
 CONFIG = REPO / "configs" / "tiny.yaml"
 COMMON = ["data.source=synthetic", "train.dtype=float32", "train.recompute=false",
@@ -147,11 +147,11 @@ def measure(overrides: list[str], steps: int, warmup: int, out_dir: Path,
             timeout: float) -> tuple[float, float, list[float]]:
     """(median step time after the warm-up, share of the CPUs others used, all step times)."""
     cmd = train_command(overrides, steps, out_dir)
-    busy0, ours0, t0 = _busy_seconds(), _children_seconds(), time.perf_counter()
+    busy0, ours0, t0 = busy_seconds(), children_seconds(), time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=_env(),
                           cwd=REPO)
     wall = time.perf_counter() - t0
-    foreign = (_busy_seconds() - busy0 - (_children_seconds() - ours0)) / (wall * (os.cpu_count() or 1))
+    foreign = (busy_seconds() - busy0 - (children_seconds() - ours0)) / (wall * (os.cpu_count() or 1))
     if proc.returncode != 0:
         raise RuntimeError(f"{shlex.join(cmd)} exited {proc.returncode}\n--- stdout\n"
                            f"{proc.stdout[-3000:]}\n--- stderr\n{proc.stderr[-6000:]}")
@@ -194,7 +194,7 @@ def drive(args, names: list[str]) -> int:
     from planaria.runtime.config.validation import plan_from_config
 
     print(f"command: {shlex.join([sys.executable, *sys.argv])}")
-    print(f"torch {torch.__version__} | python {platform.python_version()} | {_cpu_name()} | "
+    print(f"torch {torch.__version__} | python {platform.python_version()} | {cpu_name()} | "
           f"{os.cpu_count()} logical CPUs | every worker OMP_NUM_THREADS=1")
     cases = {}
     for name in names:
@@ -238,14 +238,14 @@ def one_repeat(args, name: str, cfg, plan, r: int, tmp: Path) -> dict:
     from planaria.runtime.planning.measured_costs import profile_model
     from planaria.runtime.planning import pipeline_probe
 
-    _wait_quiet(args.quiet, args.wait_quiet)
+    wait_quiet(args.quiet, args.wait_quiet)
     pipeline_probe.forget_measurements()  # fresh links for every repeat
     costs = profile_model(cfg, num_threads=1, concurrent_workers=WORLD)
     before = predict_before(plan, profile_model(cfg, num_threads=1, statistic="median",
                                                 repeats=5, measure_links=False))
     pred = predict(plan, costs)
     for attempt in range(args.retries + 1):
-        waited = _wait_quiet(args.quiet, args.wait_quiet)
+        waited = wait_quiet(args.quiet, args.wait_quiet)
         out_dir = tmp / f"{name.replace(' ', '_')}-{r}-{attempt}"
         try:
             measured, foreign, times = measure(CASES[name], args.steps, args.warmup, out_dir,

@@ -48,7 +48,7 @@ from planaria.chaos.report import write_json_atomically
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from cost_model_accuracy import CASES, CONFIG, REPO, WORLD, predict  # noqa: E402
-from step_time import _busy_seconds, _children_seconds, _cpu_name  # noqa: E402
+from machine_load import busy_seconds, children_seconds, cpu_name  # noqa: E402
 
 
 def worker(args) -> None:
@@ -111,14 +111,14 @@ def run_case(args, name: str, tmp: Path) -> dict:
            "--case", name, "--rounds", str(args.rounds), "--steps", str(args.steps),
            "--warmup", str(args.warmup), "--worker-out", str(out)]
     print(f"[{name}] {shlex.join(cmd)}", flush=True)
-    busy0, ours0, t0 = _busy_seconds(), _children_seconds(), time.perf_counter()
+    busy0, ours0, t0 = busy_seconds(), children_seconds(), time.perf_counter()
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=env,
                           cwd=REPO)
     wall = time.perf_counter() - t0
     if proc.returncode != 0:
         raise RuntimeError(f"{name}: the job exited {proc.returncode}\n{proc.stderr[-4000:]}")
-    foreign = (_busy_seconds() - busy0 - (_children_seconds() - ours0)) / (wall * (os.cpu_count() or 1))
+    foreign = (busy_seconds() - busy0 - (children_seconds() - ours0)) / (wall * (os.cpu_count() or 1))
     rounds = json.loads(out.read_text())
     errors = sorted(r["predicted_s"] / r["measured_s"] - 1 for r in rounds)
     idle_errors = [r["predicted_idle_s"] / r["measured_s"] - 1 for r in rounds]
@@ -186,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     print(f"command: {shlex.join([sys.executable, *sys.argv])}")
-    print(f"torch {torch.__version__} | python {platform.python_version()} | {_cpu_name()} | "
+    print(f"torch {torch.__version__} | python {platform.python_version()} | {cpu_name()} | "
           f"{os.cpu_count()} logical CPUs | every worker OMP_NUM_THREADS=1")
     with tempfile.TemporaryDirectory(prefix="planaria-costpair-") as tmp:
         results = {name: run_case(args, name, Path(tmp)) for name in names}

@@ -105,9 +105,8 @@ from planner_references import (  # noqa: E402
     compare_with_naive,
     compare_with_sync_aware,
 )
+from machine_load import busy_seconds, cpu_name  # noqa: E402
 from planner_scale_report import (  # noqa: E402
-    busy_seconds,
-    cpu_name,
     git_state,
     loadavg,
     ms,

@@ -1,5 +1,5 @@
-"""The machine's state and the formatting of `planner_scale.py`: CPU name, load, busy
-time from /proc/stat, the git state, quantiles, tables, plan summaries and cProfile.
+"""The report of `planner_scale.py`: the machine's load, the git state, quantiles,
+tables, plan summaries and cProfile (the CPU's name and busy time: `machine_load`).
 
 A module of the benchmark script, imported from the benchmarks folder as
 `cost_model_accuracy.py` imports `step_time.py`.
@@ -10,8 +10,6 @@ import contextlib
 import cProfile
 import io
 import math
-import os
-import platform
 import pstats
 import subprocess
 from collections import Counter
@@ -20,34 +18,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
-def cpu_name() -> str:
-    with contextlib.suppress(OSError, subprocess.SubprocessError):
-        out = subprocess.run(["lscpu"], check=False, capture_output=True, text=True, timeout=10).stdout
-        for line in out.splitlines():
-            if line.startswith("Model name:"):
-                return line.split(":", 1)[1].strip()
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.processor() or "unknown CPU"
-
-
 def loadavg() -> str:
     try:
         return Path("/proc/loadavg").read_text().split()[0]
     except OSError:
         return "n/a"
-
-
-def busy_seconds() -> float:
-    """CPU seconds all CPUs have spent busy since boot (/proc/stat); nan without it."""
-    try:
-        fields = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
-    except OSError:
-        return float("nan")
-    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in fields[:8])
-    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
 
 
 def git_state() -> str:

@@ -30,7 +30,12 @@ time until the job is back where it was (the first commit of an iteration it had
 committed before the kill), and, for Planaria, until it trains again (the new epoch's
 layers in place: what remains of the first is the interrupted iteration, one whole step
 on the survivors). The fault-free step time (median between commits before the kill)
-is given beside them. For Planaria, the first is split into:
+is given beside them, and the steps re-run, counted on both sides the same way from
+the steps the job logged (Planaria: the workers' commit logs; torchrun: metrics.jsonl):
+the last step committed before the kill, minus the first step the resumed job commits,
+plus one; 0 when the resumed job's first step is a new one. The step interrupted by the
+kill was never committed, so it is in neither count; a roll-forward (a survivor applying
+a step its peers committed, without computing it) is not a re-run. For Planaria, the first is split into:
   detection     the kill until the controller sees the process gone;
   statuses      until every survivor reported its status (their collectives failed);
   planning      the exactly-once rule, the planner, the transfers;
@@ -101,6 +106,7 @@ def run_planaria(job_args: list[str], steps: int, kill_after: int, out: Path) ->
     t_kill = killed["time"]
     before = max(e.step for e in _commits(out) if e.time <= t_kill)
     after = [e for e in _commits(out) if e.time > t_kill]
+    resumed = [e.step for e in after if e.epoch >= 1 and not e.rolled_forward]
     back = min(e.time for e in after if e.step > before)
     rendezvous = max(t.rendezvous_s for t in timings)
     transfer = max(t.transfer_s for t in timings)
@@ -110,7 +116,8 @@ def run_planaria(job_args: list[str], steps: int, kill_after: int, out: Path) ->
     received = sum(t.bytes_received for t in timings)
     seconds = max(t.transfer_seconds or 0.0 for t in timings)
     return {
-        "first_step_s": first - t_kill, "back_s": back - t_kill, "steps_rerun": 0,
+        "first_step_s": first - t_kill, "back_s": back - t_kill,
+        "steps_rerun": steps_rerun(before, resumed),
         "training_s": transfer - t_kill, "step_s": _step_before([(e.step, e.time) for e in _commits(out)], t_kill),
         "detection_s": event.detected_s - t_kill, "statuses_s": event.statuses_s - event.detected_s,
         "planning_s": event.published_s - event.statuses_s, "rendezvous_s": rendezvous - event.published_s,
@@ -118,6 +125,15 @@ def run_planaria(job_args: list[str], steps: int, kill_after: int, out: Path) ->
         "bytes_moved": received, "transfer_bandwidth": received / seconds if seconds else 0.0,
         "first_iteration": event.first_iteration, "last_committed_before_kill": before,
     }
+
+
+def steps_rerun(before: int, resumed: list[int]) -> int:
+    """The steps committed before the kill and committed again after it: `before` (the
+    last step committed before the kill) minus the first of `resumed` (the steps the
+    resumed job committed), plus one; 0 when the resumed job starts past `before`."""
+    if not resumed:
+        raise RuntimeError("the job committed no step after the kill")
+    return max(0, before - min(resumed) + 1)
 
 
 def _step_before(commits: list[tuple[int, float]], t_kill: float) -> float:
@@ -181,11 +197,11 @@ def run_torchrun(job_args: list[str], steps: int, kill_after: int, out: Path) ->
     restarted = [r for r in after if r["step"] <= before] or after  # re-run steps come first
     first = min(r["time"] for r in restarted)
     back = min(r["time"] for r in after if r["step"] > before)
-    resumed_from = min(r["step"] for r in restarted) - 1
+    rerun = steps_rerun(before, [r["step"] for r in after])
     return {"first_step_s": first - t_kill, "back_s": back - t_kill,
             "step_s": _step_before([(r["step"], r["time"]) for r in records], t_kill),
-            "steps_rerun": before - resumed_from, "last_committed_before_kill": before,
-            "checkpoint_iteration": resumed_from}
+            "steps_rerun": rerun, "last_committed_before_kill": before,
+            "checkpoint_iteration": before - rerun}
 
 
 def main(argv: list[str] | None = None) -> int:

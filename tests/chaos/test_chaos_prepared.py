@@ -14,8 +14,6 @@ import pytest
 
 from tests.launch import TINY
 
-pytest.importorskip("pyetcd")
-
 
 @pytest.mark.slow  # the default suite's time (~15 min on 2 cores): `make test-slow`
 @pytest.mark.multiprocess

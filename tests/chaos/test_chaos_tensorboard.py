@@ -13,15 +13,11 @@ import sys
 from collections import Counter
 
 import pytest
+from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+from tensorboard.util import tensor_util
 
 from planaria.chaos.report import read_commits, read_evals
 from tests.launch import TINY
-
-pytest.importorskip("pyetcd")
-pytest.importorskip("tensorboard")
-
-from tensorboard.backend.event_processing.event_file_loader import EventFileLoader  # noqa: E402
-from tensorboard.util import tensor_util  # noqa: E402
 
 STEPS = 14
 

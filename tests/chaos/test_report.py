@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 from planaria.chaos.plot import plot_report
-from planaria.chaos.report import InjectedFault, build_report, format_epoch_event, load_report, write_report
+from planaria.chaos.report import InjectedFault, build_report, load_report, write_report
+from planaria.chaos.report_tables import format_epoch_event
 from planaria.runtime.contract.epochs import EpochEvent, EpochTiming
 from planaria.runtime.contract.logs import CommitEntry
 

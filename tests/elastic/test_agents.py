@@ -18,8 +18,6 @@ from planaria.runtime.contract import keys
 from tests.launch import TINY, reference_run
 from tests.runtime.test_recovery import JOB, check_against_reference
 
-pytest.importorskip("pyetcd")
-
 
 class Job:
     def __init__(self, etcd, tmp_path, nodes: int, overrides: list[str], run_id: str,

@@ -19,7 +19,6 @@ from tests.elastic.test_agents import OVERRIDES, Job
 from tests.launch import reference_run
 from tests.runtime.test_recovery import JOB, check_against_reference
 
-pytest.importorskip("pyetcd")
 
 STEPS = 90
 OUTAGE_S = 6.0

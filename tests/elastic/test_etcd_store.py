@@ -13,8 +13,6 @@ import torch.distributed as dist
 from planaria.elastic.etcd_client import EtcdClient, EtcdSettings, EtcdUnavailable
 from planaria.elastic.etcd_store import EtcdStore
 
-pytest.importorskip("pyetcd")
-
 
 @pytest.fixture
 def store(etcd, request):

@@ -26,7 +26,6 @@ from tests.elastic.test_status import wait_for
 from tests.launch import TINY
 from tests.runtime.test_recovery import JOB
 
-pytest.importorskip("pyetcd")
 
 ALERTS = Path(__file__).resolve().parents[2] / "examples" / "prometheus-alerts.yaml"
 

@@ -207,7 +207,6 @@ def test_a_node_told_by_its_cloud_leaves_at_a_step_boundary_and_nothing_is_lost(
     leave window is about 13 s here): node3 leaves at a step boundary (a planned leave: nobody failed, no step
     trained twice) and its agent exits 0, long before the deadline; the job finishes
     with the losses of a run without faults."""
-    pytest.importorskip("pyetcd")
     from tests.elastic.test_agents import JOB, OVERRIDES, Job
     from tests.launch import reference_run
     from tests.runtime.test_recovery import check_against_reference

@@ -9,8 +9,6 @@ from planaria.elastic.local_job import LocalJob
 from tests.launch import TINY, reference_run
 from tests.runtime.test_recovery import JOB, check_against_reference
 
-pytest.importorskip("pyetcd")
-
 
 @pytest.mark.slow  # agents over etcd recover in the default suite: tests/elastic/test_agents.py, test_launcher.py
 @pytest.mark.multiprocess

@@ -12,8 +12,6 @@ from torch.distributed.elastic.rendezvous import RendezvousConnectionError, Rend
 from planaria.elastic.etcd_client import EtcdClient, EtcdSettings
 from planaria.elastic.rendezvous import Etcd3RendezvousBackend
 
-pytest.importorskip("pyetcd")
-
 
 @pytest.fixture
 def backend(etcd, request):

@@ -13,8 +13,6 @@ from tests.elastic.test_status import status_json, wait_for
 from tests.launch import TINY
 from tests.runtime.test_recovery import JOB
 
-pytest.importorskip("pyetcd")
-
 
 def _states(view: dict) -> dict[str, str]:
     return {n["name"]: n["state"] for n in view["nodes"]}

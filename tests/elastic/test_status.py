@@ -9,11 +9,7 @@ import subprocess
 import sys
 import time
 
-import pytest
-
 from planaria.chaos.cluster import LocalCluster
-
-pytest.importorskip("pyetcd")
 
 
 def status_json(cluster: LocalCluster, started: bool = True) -> dict:

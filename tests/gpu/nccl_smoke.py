@@ -1,5 +1,10 @@
 """The single-GPU smoke of tests/gpu/test_nccl_smoke.py, in a process of its own (an
-aborted communicator must not share the test runner's process). Prints one JSON line."""
+aborted communicator must not share the test runner's process). Prints one JSON line.
+
+Besides the release's whole time it records when each group's abort began and ended
+(`abort_spans`, seconds from the release's start) and, on the rebuilt world, how long
+one group's abort takes alone (`one_abort_s`): what tells aborts side by side from
+aborts one after another, where the whole time alone cannot (docs/gpu.md)."""
 from __future__ import annotations
 
 import json
@@ -16,6 +21,7 @@ from planaria.runtime.config.loading import load_config
 from planaria.runtime.config.validation import plan_from_config
 from planaria.runtime.contract import env
 from planaria.runtime.data.token_datasets import dataset_for
+from planaria.runtime.parallel import release
 from planaria.runtime.parallel.release import CommunicatorAbort, group_options
 
 
@@ -32,6 +38,36 @@ def all_reduce_ok(group=None) -> bool:
     return bool(torch.equal(value, torch.ones(4, device="cuda")))
 
 
+class TimedGroup:
+    """A process group whose `abort()` notes when it began and ended (time.monotonic())."""
+
+    def __init__(self, group: dist.ProcessGroup):
+        self.group = group
+        self.span: tuple[float, float] | None = None
+
+    def abort(self) -> None:
+        began = time.monotonic()
+        try:
+            self.group.abort()
+        finally:
+            self.span = (began, time.monotonic())
+
+
+def timed_release() -> tuple[str, float, list[tuple[float, float]]]:
+    """`CommunicatorAbort().release()` on the registry's groups, each timed: (what it
+    said, its whole time, each group's abort span from the release's start)."""
+    groups = [TimedGroup(group) for group in release.registered_groups()]
+    real = release.registered_groups
+    release.registered_groups = lambda: groups  # the release's own code path, groups timed
+    try:
+        started = time.monotonic()
+        said = CommunicatorAbort().release()
+        whole = time.monotonic() - started
+    finally:
+        release.registered_groups = real
+    return said, whole, [(g.span[0] - started, g.span[1] - started) for g in groups if g.span is not None]
+
+
 def main(config: str) -> None:
     import os
 
@@ -43,9 +79,7 @@ def main(config: str) -> None:
         # an epoch's groups: the world and three more (pipeline, data parallel, tied)
         subs = [dist.new_group([0], pg_options=group_options("nccl")) for _ in range(3)]
         found["first_world"] = all_reduce_ok() and all(all_reduce_ok(sub) for sub in subs)
-        started = time.monotonic()
-        found["abort"] = CommunicatorAbort().release()
-        found["abort_s"] = time.monotonic() - started
+        found["abort"], found["abort_s"], found["abort_spans"] = timed_release()
         try:
             all_reduce_ok()
             found["after_abort"] = "completed"
@@ -65,7 +99,17 @@ def main(config: str) -> None:
         found["losses"] = [engine.train_step(i, data, cfg.data.seed).loss for i in range(3)]
         found["memory_mib"] = torch.cuda.max_memory_allocated() / 2**20
         engine.destroy()
-        dist.destroy_process_group()
+        # One group's abort alone, the measure of the release's four: its communicator
+        # connected first, as the release's were.
+        probe = dist.new_group([0], pg_options=group_options("nccl"))
+        found["probe_ok"] = all_reduce_ok(probe)
+        started = time.monotonic()
+        probe.abort()
+        found["one_abort_s"] = time.monotonic() - started
+        try:
+            dist.destroy_process_group()
+        except Exception as err:
+            found["destroy_after_probe"] = str(err).splitlines()[0][:200]
     found["device"] = torch.cuda.get_device_name(0)
     found["torch"] = torch.__version__
     found["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))

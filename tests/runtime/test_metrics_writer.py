@@ -12,13 +12,10 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+from tensorboard.util import tensor_util
 
-pytest.importorskip("tensorboard")
-
-from tensorboard.backend.event_processing.event_file_loader import EventFileLoader  # noqa: E402
-from tensorboard.util import tensor_util  # noqa: E402
-
-from planaria.runtime.contract.logs import COMMITS, CommitEntry, append, log_path  # noqa: E402
+from planaria.runtime.contract.logs import COMMITS, CommitEntry, append, log_path
 from planaria.runtime.worker.metrics_writer import LOCK, RunWriter
 from planaria.runtime.worker.step_metrics import EVENT, EpochChange, StepMetrics, steps_from_logs
 
