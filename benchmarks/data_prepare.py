@@ -38,8 +38,8 @@ from pathlib import Path
 
 
 from planaria.runtime.data import prepare as prep
-from planaria.runtime.data.corpus import discover
 from planaria.runtime.data import shards
+from planaria.runtime.data.corpus import discover
 from planaria.runtime.data.token_datasets import _stdlib_files
 
 

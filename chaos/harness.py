@@ -28,8 +28,8 @@ from rich.console import Console
 
 from planaria.chaos.cluster import LocalCluster
 from planaria.chaos.faults import ETCD_KINDS, NETWORK_KINDS, FaultSpec, FaultSpecError, validate
-from planaria.chaos.progress import RunProgress
 from planaria.chaos.plot import plot_report
+from planaria.chaos.progress import RunProgress
 from planaria.chaos.report import (InjectedFault, Report, build_report, CommitTail, read_commits, read_evals,
                                    step_losses, step_val_losses, write_json_atomically, write_report)
 from planaria.chaos.report_tables import format_epoch_event, recovery_notes, recovery_table, verdict_table

@@ -83,8 +83,8 @@ from planaria.runtime.config.sections import ConfigError, status_timeout_s
 from planaria.runtime.contract import keys
 from planaria.runtime.contract.keys import parse_worker_key, worker_key
 from planaria.runtime.contract.membership import JobSpec
-from planaria.templates.plan import Worker
 from planaria.runtime.planning.job_plans import build_planner, cost_model
+from planaria.templates.plan import Worker
 
 
 class Agent:

@@ -33,8 +33,8 @@ from planaria.runtime.config.sections import status_timeout_s as default_status_
 from planaria.runtime.contract import env as worker_env
 from planaria.runtime.contract.keys import run_prefix, worker_key
 from planaria.runtime.contract.membership import LeaveNotice
-from planaria.templates.plan import Worker
 from planaria.runtime.planning.job_plans import build_planner, cost_model
+from planaria.templates.plan import Worker
 
 
 @dataclass(frozen=True)

@@ -34,8 +34,8 @@ from planaria.chaos.faults import parse_fault
 from planaria.chaos.report import QUIET_S, ettr_against, own_step_s
 from planaria.chaos.simulator.availability import Availability, Change, with_boot_delay
 from planaria.chaos.simulator.calibration import Calibration
-from planaria.chaos.simulator.simulation import simulate
 from planaria.chaos.simulator.policies import Job, PlanariaPolicy
+from planaria.chaos.simulator.simulation import simulate
 from planaria.chaos.sources import NODE_LOSSES
 
 

@@ -25,9 +25,9 @@ from dataclasses import dataclass, replace
 
 from planaria.chaos.simulator.calibration import Calibration
 from planaria.chaos.simulator.simulation import Outcome, Running
+from planaria.elastic.leave_planning import leave_window_s
 from planaria.templates.costs import CostModel
 from planaria.templates.placement import layers_held
-from planaria.elastic.leave_planning import leave_window_s
 from planaria.templates.plan import Plan
 from planaria.templates.planner import PlanChoice, Planner
 

@@ -16,10 +16,10 @@ from dataclasses import dataclass, field
 
 from planaria.chaos.simulator.availability import Availability, with_boot_delay
 from planaria.chaos.simulator.calibration import Calibration, young_daly_interval
-from planaria.chaos.simulator.simulation import SimResult, simulate
 from planaria.chaos.simulator.models import SimJob
 from planaria.chaos.simulator.policies import (CheckpointPolicy, Job, PlanariaPolicy, RedundancyPolicy,
                                                checkpoint_seconds, redundancy_costs)
+from planaria.chaos.simulator.simulation import SimResult, simulate
 from planaria.templates.analytic import analytic_cost_model, hardware
 from planaria.templates.job_templates import PlannerSettings
 from planaria.templates.partition_cost import InfeasiblePartition

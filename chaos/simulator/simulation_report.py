@@ -6,8 +6,8 @@ import json
 import math
 from pathlib import Path
 
-from planaria.chaos.simulator.simulation import ACCOUNTS, SimResult
 from planaria.chaos.simulator.runner import POLICIES, Simulation
+from planaria.chaos.simulator.simulation import ACCOUNTS, SimResult
 
 
 def policy_summary(sim: Simulation, result: SimResult, target_tokens: float) -> dict:

@@ -18,8 +18,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from planaria.runtime.contract.checkpoint_layout import complete_checkpoints
 from planaria.runtime.config.sections import Config, ConfigError, ModelConfig, normalized_rope_scaling
+from planaria.runtime.contract.checkpoint_layout import complete_checkpoints
 
 ARCHITECTURE = "LlamaForCausalLM"
 MODEL_TYPE = "llama"

@@ -36,8 +36,8 @@ from typing import Iterator
 
 import numpy as np
 
-from planaria.runtime.data import shards
 from planaria.runtime.contract.checkpoint_layout import atomic_write_bytes
+from planaria.runtime.data import shards
 from planaria.runtime.data.corpus import (BPE_EOS, PrepareError, Unit, discover, documents, find_eos, load_tokenizer,
                                           train_bpe)
 

@@ -42,8 +42,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from planaria.runtime.data import shards
 from planaria.runtime.config.sections import ConfigError
+from planaria.runtime.data import shards
 
 __all__ = ["TokenDataset", "build_dataset", "dataset_for", "SYNTHETIC", "STDLIB"]
 

@@ -52,9 +52,9 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from planaria.runtime.config.sections import ConfigError, ModelConfig
 from planaria.runtime.config.hf_config import (SAFETENSORS, SAFETENSORS_INDEX, check_shape, full_shape, hf_name,
                                                read_weight_map)
+from planaria.runtime.config.sections import ConfigError, ModelConfig
 from planaria.runtime.models.llama import LayerModel
 from planaria.runtime.models.tensor_parallel import TensorParallel
 

@@ -37,9 +37,9 @@ import torch.distributed as dist
 from torch import nn
 
 from planaria.runtime.contract.exactly_once import INCOMPLETE, SYNCED, CommitRecord, WorkerStatus
+from planaria.runtime.models.llama import LayerModel
 from planaria.runtime.parallel.grad_sync import accumulate_wide, sync_gradients
 from planaria.runtime.parallel.groups import EpochGroups
-from planaria.runtime.models.llama import LayerModel
 from planaria.runtime.parallel.optim import OptimizerSettings, build_optimizer, learning_rate, set_learning_rate
 from planaria.runtime.parallel.pipeline import PlanSchedule, stage_schedule
 from planaria.templates.plan import Plan

@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
-from planaria.runtime.parallel.release import group_options, registered_groups
 from planaria.runtime.models.tensor_parallel import TensorParallel
+from planaria.runtime.parallel.release import group_options, registered_groups
 from planaria.templates.plan import Plan
 
 

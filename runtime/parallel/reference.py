@@ -18,8 +18,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from planaria.runtime.models.llama import LayerModel
-from planaria.runtime.parallel.optim import OptimizerSettings, learning_rate
 from planaria.runtime.models.tensor_parallel import TensorParallel
+from planaria.runtime.parallel.optim import OptimizerSettings, learning_rate
 
 
 @dataclass

@@ -22,11 +22,11 @@ from pathlib import Path
 import torch
 
 from planaria.runtime.config.sections import Config, ModelConfig, model_shape
-from planaria.runtime.parallel.engine import accumulate_wide
 from planaria.runtime.models.llama import LayerModel, torch_dtypes
+from planaria.runtime.models.tensor_parallel import TensorParallel
+from planaria.runtime.parallel.engine import accumulate_wide
 from planaria.runtime.parallel.optim import build_optimizer, optimizer_settings
 from planaria.runtime.planning.pipeline_probe import measure_links_and_runtime
-from planaria.runtime.models.tensor_parallel import TensorParallel
 from planaria.templates.analytic import hardware
 from planaria.templates.costs import CostModel
 from planaria.templates.profiler import profile_layers

@@ -28,11 +28,11 @@ from typing import TYPE_CHECKING, Callable
 import torch
 import torch.distributed as dist
 
-from planaria.runtime.state.saved_model import _atomic_torch_save, read_shard_file
 from planaria.runtime.contract.checkpoint_layout import (epoch_dir, prune, shard_filename, step_dir,
                                                          write_manifest, write_model_record)
 from planaria.runtime.contract.exactly_once import CommitRecord
 from planaria.runtime.parallel.optim import empty_adam_state
+from planaria.runtime.state.saved_model import _atomic_torch_save, read_shard_file
 
 if TYPE_CHECKING:
     from planaria.runtime.parallel.engine import Engine, LayerState

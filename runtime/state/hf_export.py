@@ -19,11 +19,11 @@ from typing import Iterator
 import torch
 from safetensors.torch import save_file
 
+from planaria.runtime.config.hf_config import (SAFETENSORS, SAFETENSORS_INDEX, full_shape, hf_config_from_model,
+                                               hf_name)
 from planaria.runtime.config.sections import ConfigError, ModelConfig
 from planaria.runtime.contract.checkpoint_layout import (MANIFEST, atomic_rename_dir, complete_checkpoints, read_manifest,
                                                         read_model_record)
-from planaria.runtime.config.hf_config import (SAFETENSORS, SAFETENSORS_INDEX, full_shape, hf_config_from_model,
-                                               hf_name)
 from planaria.runtime.models.hf_weights import rotary_heads, to_hf_rows
 from planaria.runtime.models.llama import LayerModel
 from planaria.runtime.state.saved_model import full_layers, recorded_model

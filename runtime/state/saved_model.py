@@ -22,9 +22,9 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
+from planaria.runtime.config.sections import ConfigError, ModelConfig
 from planaria.runtime.contract.checkpoint_layout import (MANIFEST, atomic_write, atomic_write_bytes, read_manifest, shard_dir,
                                                read_model_record, shard_filename, write_model_record)
-from planaria.runtime.config.sections import ConfigError, ModelConfig
 from planaria.runtime.models.llama import LayerModel
 
 

@@ -18,8 +18,8 @@ import torch.distributed as dist
 
 from planaria.kernels import describe as describe_kernels
 from planaria.runtime.config.sections import Config, ConfigError, parameter_count
-from planaria.runtime.parallel.engine import Engine, EngineSettings
 from planaria.runtime.models.llama import LayerModel, torch_dtypes
+from planaria.runtime.parallel.engine import Engine, EngineSettings
 from planaria.runtime.parallel.optim import optimizer_settings
 from planaria.runtime.planning.job_plans import plan_job, profile_cache_dir
 from planaria.runtime.planning.measured_costs import profiled_cost_model

@@ -19,13 +19,13 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from planaria.runtime.worker.abandonable_store import AbandonableStore
 from planaria.runtime.contract import keys
 from planaria.runtime.contract.deadline import ReachableDeadline
 from planaria.runtime.contract.epochs import EpochRecord, EpochTiming, Progress
 from planaria.runtime.contract.exactly_once import CommitRecord, WorkerStatus
 from planaria.runtime.contract.membership import Announcement
 from planaria.runtime.contract.store_reads import poll_pause, read_if_present
+from planaria.runtime.worker.abandonable_store import AbandonableStore
 from planaria.templates.plan import Worker
 
 POLL_S = 0.02

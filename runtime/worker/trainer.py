@@ -26,23 +26,23 @@ import torch
 import torch.distributed as dist
 from rich.console import Console
 
-from planaria.runtime.state.saved_model import save_model_shards
-from planaria.runtime.contract.checkpoint_layout import complete_checkpoints
-from planaria.runtime.state.checkpoints import save_checkpoint
-from planaria.runtime.state.layer_sources import FromCheckpoint
-from planaria.runtime.worker.build import build_engine, describe, plan_for_world
+from planaria.runtime.config.hf_config import check_init_from
 from planaria.runtime.config.loading import load_config
 from planaria.runtime.config.sections import Config, ConfigError, uses_planner
 from planaria.runtime.config.validation import plan_from_config
-from planaria.runtime.data.token_datasets import TokenDataset, dataset_for
-from planaria.runtime.worker.elastic_worker import elastic_environment, run_elastic
+from planaria.runtime.contract.checkpoint_layout import complete_checkpoints
 from planaria.runtime.contract.logs import METRICS, MetricsEntry, append as append_entry
+from planaria.runtime.data.token_datasets import TokenDataset, dataset_for
 from planaria.runtime.parallel.engine import StepResult
 from planaria.runtime.parallel.loop import Call, Evaluation, Every, StepContext, run_steps
+from planaria.runtime.state.checkpoints import save_checkpoint
+from planaria.runtime.state.layer_sources import FromCheckpoint
+from planaria.runtime.state.saved_model import save_model_shards
+from planaria.runtime.worker.build import build_engine, describe, plan_for_world
+from planaria.runtime.worker.elastic_worker import elastic_environment, run_elastic
+from planaria.runtime.worker.fault_injection import FaultInjector
 from planaria.runtime.worker.metrics_writer import RunWriter, WandbRun
 from planaria.runtime.worker.step_metrics import MfuMeter, step_metrics
-from planaria.runtime.worker.fault_injection import FaultInjector
-from planaria.runtime.config.hf_config import check_init_from
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from planaria.cli import main as chaos_main
 from planaria.chaos.faults import FaultSpec, FaultSpecError, parse_fault, validate
+from planaria.cli import main as chaos_main
 from tests.launch import TINY
 
 

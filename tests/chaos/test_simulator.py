@@ -8,12 +8,12 @@ import random
 
 import pytest
 
-from planaria.cli import main
 from planaria.chaos.simulator.availability import Availability, Change, load_availability, synthetic
 from planaria.chaos.simulator.calibration import Calibration, young_daly_interval
-from planaria.chaos.simulator.simulation import Outcome, Running, simulate
 from planaria.chaos.simulator.models import PRESETS
 from planaria.chaos.simulator.runner import run_simulation
+from planaria.chaos.simulator.simulation import Outcome, Running, simulate
+from planaria.cli import main
 
 JOB = PRESETS["gpt3-2.7b"]
 

@@ -10,10 +10,10 @@ import torch.distributed as dist
 
 from planaria.elastic.controller import Controller
 from planaria.elastic.job_checkpoints import CheckpointPolicy
+from planaria.runtime.config.loading import load_config
 from planaria.runtime.contract.checkpoint_layout import (complete_checkpoints, epoch_dir, read_checkpoint_manifest,
                                                          shard_dir, shard_filename, step_dir, write_manifest)
 from planaria.runtime.contract.exactly_once import CommitRecord
-from planaria.runtime.config.loading import load_config
 from planaria.runtime.planning.job_plans import build_planner, cost_model
 from tests.launch import TINY
 

@@ -15,8 +15,8 @@ from planaria.elastic.controller import Controller
 from planaria.elastic.leave_planning import leave_window_s
 from planaria.runtime.config.loading import load_config
 from planaria.runtime.contract import keys
-from planaria.runtime.contract.keys import worker_key
 from planaria.runtime.contract.epochs import EpochRecord, Progress
+from planaria.runtime.contract.keys import worker_key
 from planaria.runtime.contract.membership import LeaveNotice
 from planaria.runtime.planning.job_plans import build_planner, cost_model
 from tests.elastic.test_controller_joins import report_statuses

@@ -16,13 +16,13 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from planaria.runtime.worker.build import start_engine
 from planaria.runtime.config.loading import load_config
 from planaria.runtime.config.validation import plan_from_config
 from planaria.runtime.contract import env
 from planaria.runtime.data.token_datasets import dataset_for
 from planaria.runtime.parallel import release
 from planaria.runtime.parallel.release import CommunicatorAbort, group_options
+from planaria.runtime.worker.build import start_engine
 
 
 def world(store_dir: str, name: str) -> None:

@@ -15,13 +15,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from planaria.runtime.worker.build import start_engine
-from planaria.runtime.state.checkpoints import load_layer, snapshot_layer
-from planaria.runtime.state.layer_sources import FromReplicas
 from planaria.runtime.config.loading import load_config
 from planaria.runtime.config.validation import plan_from_config
 from planaria.runtime.data.token_datasets import dataset_for
 from planaria.runtime.parallel.loop import Call, Evaluation, Every, run_steps
+from planaria.runtime.state.checkpoints import load_layer, snapshot_layer
+from planaria.runtime.state.layer_sources import FromReplicas
+from planaria.runtime.worker.build import start_engine
 from tests.launch import TINY
 
 OVERRIDES = ["train.dtype=float64", "train.steps=4", "data.source=synthetic", "parallel.pp=1", "parallel.dp=1"]

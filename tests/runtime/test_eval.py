@@ -12,8 +12,8 @@ from planaria.runtime.config.loading import load_config
 from planaria.runtime.config.sections import ConfigError
 from planaria.runtime.data.token_datasets import dataset_for
 from planaria.runtime.models.llama import LayerModel
-from planaria.runtime.parallel.reference import train_reference
 from planaria.runtime.parallel.optim import optimizer_settings
+from planaria.runtime.parallel.reference import train_reference
 from tests.launch import TINY, read_metrics, reference_run, torchrun_train
 
 STEPS = 5

@@ -12,8 +12,8 @@ import torch
 from planaria.runtime.config.loading import load_config
 from planaria.runtime.data.token_datasets import build_dataset
 from planaria.runtime.models.llama import LayerModel
-from planaria.runtime.parallel.reference import train_reference
 from planaria.runtime.parallel.optim import optimizer_settings
+from planaria.runtime.parallel.reference import train_reference
 from tests.launch import TINY, assert_final_parameters, cases_with_slow, read_metrics, torchrun_train
 
 STEPS = 6

@@ -16,14 +16,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from planaria.runtime.config.hf_config import check_init_from
 from planaria.runtime.config.loading import load_config
 from planaria.runtime.config.sections import ConfigError, ModelConfig
 from planaria.runtime.data.token_datasets import dataset_for
-from planaria.runtime.config.hf_config import check_init_from
 from planaria.runtime.models.hf_weights import HFCheckpoint, from_hf_rows, to_hf_rows
-from planaria.runtime.state.hf_export import export_hf, find_saved_model
 from planaria.runtime.models.llama import LayerModel
 from planaria.runtime.models.tensor_parallel import TensorParallel
+from planaria.runtime.state.hf_export import export_hf, find_saved_model
 from tests.launch import REPO, TINY, assert_final_parameters, read_metrics, reference_run, torchrun_train
 from tests.runtime.hf_helpers import float64_llama, random_llama
 

@@ -8,9 +8,9 @@ import pytest
 import torch
 from torch import nn
 
-from planaria.runtime.state.checkpoints import load_layer, snapshot_layer
 from planaria.runtime.parallel.engine import LayerState
 from planaria.runtime.parallel.optim import empty_adam_state
+from planaria.runtime.state.checkpoints import load_layer, snapshot_layer
 from planaria.runtime.state.transfer import on_device
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),

@@ -16,8 +16,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from planaria.runtime.state import peer_snapshots
 from planaria.runtime.contract.exactly_once import CommitRecord
+from planaria.runtime.state import peer_snapshots
 from planaria.runtime.state.peer_snapshots import PeerSnapshots
 from planaria.templates.layout import plan_from_layout
 

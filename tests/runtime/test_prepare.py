@@ -22,10 +22,10 @@ import torch
 import torch.nn.functional as F
 
 from planaria.cli import build_parser
+from planaria.runtime.config.loading import load_config
 from planaria.runtime.data import corpus as inputs
 from planaria.runtime.data import prepare as prep
 from planaria.runtime.data import shards
-from planaria.runtime.config.loading import load_config
 from planaria.runtime.data.token_datasets import _stdlib_files, build_dataset, dataset_for
 from planaria.runtime.models.llama import LayerModel
 from planaria.runtime.parallel.reference import build_reference_model

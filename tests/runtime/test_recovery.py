@@ -13,8 +13,8 @@ from __future__ import annotations
 import pytest
 
 from planaria.elastic.local_job import LocalJob
-from planaria.runtime.contract.logs import AUDIT, COMMITS, AuditEntry, CommitEntry, read_logs
 from planaria.runtime.contract.exits import EXIT_TORN_STEP
+from planaria.runtime.contract.logs import AUDIT, COMMITS, AuditEntry, CommitEntry, read_logs
 from tests.launch import TINY, assert_final_parameters, cases_with_slow, reference_run
 
 STEPS = 6

@@ -9,11 +9,11 @@ import time
 import pytest
 import torch
 
-from planaria.runtime.state.audit import _compare
 from planaria.runtime.contract.checkpoint_layout import complete_checkpoints, prune, step_dir, write_manifest
 from planaria.runtime.contract.epochs import EpochRecord
 from planaria.runtime.contract.exactly_once import (INCOMPLETE, SYNCED, CommitRecord, InconsistentStatuses,
                                            WorkerStatus, resolve)
+from planaria.runtime.state.audit import _compare
 from planaria.runtime.worker.fault_injection import Fault, FaultInjector, flip_a_bit, parse_faults
 from planaria.templates.layout import plan_from_layout
 from planaria.templates.plan import Transfer, holders, missing_from, transfers_from

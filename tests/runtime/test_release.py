@@ -20,9 +20,9 @@ import torch
 import torch.distributed as dist
 
 from planaria.runtime.contract import env
-from planaria.runtime.worker.coordination import store_ports
 from planaria.runtime.parallel.release import (CommunicatorAbort, SocketRelease, abort_concurrently, epoch_release,
                                                group_options)
+from planaria.runtime.worker.coordination import store_ports
 
 
 def _free_port() -> int:

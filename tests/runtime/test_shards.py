@@ -9,9 +9,9 @@ import os
 import numpy as np
 import pytest
 
-from planaria.runtime.data import shards
 from planaria.runtime.config.loading import load_config
 from planaria.runtime.config.sections import ConfigError
+from planaria.runtime.data import shards
 from planaria.runtime.data.token_datasets import TokenDataset, build_dataset, dataset_for
 
 

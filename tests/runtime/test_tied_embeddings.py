@@ -14,12 +14,12 @@ import json
 import pytest
 import torch
 
-from planaria.runtime.state.saved_model import load_full_model
 from planaria.runtime.config.loading import load_config
 from planaria.runtime.config.sections import parameter_count
 from planaria.runtime.models.llama import LayerModel
-from planaria.runtime.parallel.reference import build_reference_model
 from planaria.runtime.models.tensor_parallel import TensorParallel
+from planaria.runtime.parallel.reference import build_reference_model
+from planaria.runtime.state.saved_model import load_full_model
 from tests.launch import (TINY, assert_final_parameters, cases_with_slow, read_metrics, reference_run,
                           torchrun_train)
 from tests.runtime import test_recovery as recovery
