@@ -81,7 +81,7 @@ from planaria.elastic.worker_supervisor import WorkerSupervisor
 from planaria.runtime.config.loading import load_config
 from planaria.runtime.config.sections import ConfigError, status_timeout_s
 from planaria.runtime.contract import keys
-from planaria.runtime.contract.keys import parse_worker_key, worker_key
+from planaria.runtime.contract.keys import parse_worker_key
 from planaria.runtime.contract.membership import JobSpec
 from planaria.runtime.planning.job_plans import build_planner, cost_model
 from planaria.templates.plan import Worker
@@ -152,7 +152,6 @@ class Agent:
 
     def log(self, message: str) -> None:
         print(f"[agent {self.node}] {message}", flush=True)
-
 
     # ------------------------------------------------------------------ run
     def run(self) -> int:
@@ -422,7 +421,7 @@ class Agent:
                 if w[0] not in gone and w not in exited}
 
     def _kill(self, worker: Worker) -> None:
-        self.store.set(f"kill/{worker_key(worker)}", "1")
+        self.store.set(keys.kill_request(worker), "1")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -217,7 +217,7 @@ class WorkerSupervisor:
     # ------------------------------------------------------------ stopping
     def serve_kill_requests(self) -> None:
         for worker in self.running():
-            if self.store.check([f"kill/{worker_key(worker)}"]):
+            if self.store.check([keys.kill_request(worker)]):
                 self.workers[worker].send_signal(signal.SIGKILL)
 
     def stop(self, signum: int) -> None:

@@ -70,6 +70,11 @@ def alive(worker: Worker) -> str:
     return f"{ALIVE}{worker_key(worker)}"
 
 
+def kill_request(worker: Worker) -> str:
+    """Set by the leader's controller: the worker's agent SIGKILLs it (a hung worker)."""
+    return f"kill/{worker_key(worker)}"
+
+
 def worker_key(worker: Worker) -> str:
     """A worker's name in keys and logs: "node.local"."""
     return f"{worker[0]}.{worker[1]}"

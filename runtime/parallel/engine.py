@@ -287,13 +287,18 @@ class Engine:
         self._step(record)
         return True
 
-    def resume_at(self, commit: CommitRecord) -> None:
-        """The layers just installed are as they were after the step of `commit` (a
-        checkpoint's or a peer snapshot's): the engine goes on from the step after it.
-        A `LayerSource` that restores says so once every layer is in."""
-        if self.plan.first_iteration != commit.iteration + 1:
+    def check_restore(self, step: int, what: str) -> None:
+        """A restore of `what` (a checkpoint, a peer snapshot) must be of the step right
+        before the plan's first: a `LayerSource` that restores asks before it reads any
+        layer (a mismatch is the caller's error, not a torn restore)."""
+        if self.plan.first_iteration != step + 1:
             raise RuntimeError(f"the plan of epoch {self.plan.epoch} starts at iteration "
-                               f"{self.plan.first_iteration}, but the layers restored are of {commit.iteration}")
+                               f"{self.plan.first_iteration}; {what} is of {step}")
+
+    def resume_at(self, commit: CommitRecord) -> None:
+        """The layers just installed are as they were after the step of `commit` (checked
+        by `check_restore`): the engine goes on from the step after it. A `LayerSource`
+        that restores says so once every layer is in."""
         self.last_stepped, self.iteration, self.synced = commit.iteration, commit.iteration + 1, False
         self.last_commit = commit
 

@@ -28,7 +28,7 @@ from planaria.runtime.contract.exactly_once import CommitRecord
 from planaria.runtime.state.checkpoints import load_layer, read_layer
 from planaria.runtime.state.transfer import (Handoff, SnapshotSource, TransferStats, exchange_handoff,
                                              exchange_layers, restore_from_snapshots)
-from planaria.templates.plan import Plan, Transfer
+from planaria.templates.plan import Transfer
 
 if TYPE_CHECKING:
     from planaria.runtime.parallel.engine import Engine
@@ -63,7 +63,7 @@ class FromSnapshots:
     stats: TransferStats | None = field(default=None, init=False)
 
     def fill(self, engine: Engine) -> None:
-        _check_resumes(engine.plan, self.snapshot.commit.iteration, "the snapshot")
+        engine.check_restore(self.snapshot.commit.iteration, "the snapshot")
         self.stats = restore_from_snapshots(engine, self.transfers, self.snapshot)
         engine.resume_at(self.snapshot.commit)
 
@@ -79,7 +79,7 @@ class FromCheckpoint:
     def fill(self, engine: Engine) -> None:
         manifest = read_manifest(self.directory)
         step = manifest["iteration"]
-        _check_resumes(engine.plan, step, f"the checkpoint {self.directory}")
+        engine.check_restore(step, f"the checkpoint {self.directory}")
         shards = {}
         for index in engine.plan.layers_of(engine.rank):
             shards[index] = engine.empty_shard(index)
@@ -87,10 +87,3 @@ class FromCheckpoint:
         engine.install_shards(shards)
         engine.resume_at(CommitRecord(step, manifest["loss"], manifest["grad_norm"]))
 
-
-def _check_resumes(plan: Plan, step: int, what: str) -> None:
-    """A restore must be of the step right before the plan's first (checked before any
-    layer is read: a mismatch is the caller's error, not a torn restore)."""
-    if plan.first_iteration != step + 1:
-        raise RuntimeError(f"the plan of epoch {plan.epoch} starts at iteration "
-                           f"{plan.first_iteration}; {what} is of {step}")
