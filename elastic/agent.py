@@ -97,7 +97,10 @@ class Agent:
                  local_addr: str | None = None, preemption: str = "signal", preemption_grace_s: float = 30.0,
                  preemption_endpoint: str | None = None, notice_signals: str = "SIGTERM",
                  max_nodes: int | None = None, join_timeout_s: float = 600.0, last_call_s: float = 0.0,
-                 monitor_interval_s: float = POLL_S, output: OutputSpec | None = None):
+                 monitor_interval_s: float = POLL_S, output: OutputSpec | None = None,
+                 client: EtcdClient | None = None):
+        """`client`: how this agent reaches etcd; None: a client of its own, from `settings`
+        (the scale harness, `planaria.chaos.scale`, gives one that it can cut off)."""
         self.node, self.nproc, self.min_nodes = node, nproc, min_nodes
         self.max_nodes = max_nodes
         """The most nodes a plan uses; the others wait as spares (`Spares.max_nodes`)."""
@@ -119,7 +122,7 @@ class Agent:
         # well within the lease's TTL: a third of it, as often as the lease is renewed.
         settings = dataclasses.replace(settings, timeout_s=min(settings.timeout_s, max(1.0, lease_ttl_s / 3)))
         self.settings = settings
-        self.client = EtcdClient(settings, on_outage=self.log)
+        self.client = client or EtcdClient(settings, on_outage=self.log)
         self.outage_limit_s = outage_limit_s
         self.prefix = keys.run_prefix(run_id)
         self.store = EtcdKeyValue(self.client, self.prefix)
@@ -176,27 +179,31 @@ class Agent:
         self.supervisor.start()
         self.client.retry_s = self.outage_limit_s  # from now on, etcd outages are waited out
         try:
-            while True:
-                if self._signal is not None:
-                    return self._stop_on_signal(self._signal)
-                try:
-                    outcome = self._tick()
-                except EtcdUnavailable:
-                    if self._signal is None:
-                        raise
-                    continue  # a signal cut short a wait for etcd
-                except LeaseExpired:  # seen by a write before the keep-alive thread saw it
-                    self.membership.mark_lost(self.membership.lease)
-                    continue
-                if outcome is not None:
-                    return outcome
-                time.sleep(self.monitor_interval_s)
+            return self._loop()
         finally:
             self._stop.set()
             self.probe.stop()
             if self.metrics is not None:
                 self.metrics.stop()
             self.supervisor.finish_tails()
+
+    def _loop(self) -> int:
+        """Look at the node and the job every monitor interval until the agent's exit code."""
+        while True:
+            if self._signal is not None:
+                return self._stop_on_signal(self._signal)
+            try:
+                outcome = self._tick()
+            except EtcdUnavailable:
+                if self._signal is None:
+                    raise
+                continue  # a signal cut short a wait for etcd
+            except LeaseExpired:  # seen by a write before the keep-alive thread saw it
+                self.membership.mark_lost(self.membership.lease)
+                continue
+            if outcome is not None:
+                return outcome
+            time.sleep(self.monitor_interval_s)
 
     def _serve_metrics(self, address: str) -> MetricsServer | None:
         """The Prometheus endpoint on this node's address (where the other nodes reach it,

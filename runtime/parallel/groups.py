@@ -103,6 +103,26 @@ class EpochGroups:
         self._owned.clear()
 
 
+def creation_order(plan: Plan, tied_layers: tuple[int, ...] = ()) -> list[tuple[int, ...]]:
+    """The ranks of every group `EpochGroups.build` creates, in the order it creates them
+    (every rank creates each one: `dist.new_group` is collective over the world). What
+    the epoch's bootstrap store sees follows from it (the scale harness replays it)."""
+    made: list[tuple[int, ...]] = []
+
+    def record(ranks: tuple[int, ...]) -> None:
+        made.append(tuple(ranks))
+
+    for ranks in plan.pipeline_groups():
+        record(ranks)
+    if plan.tp > 1:
+        for ranks in plan.tensor_parallel_groups():
+            record(ranks)
+    _build_buckets(plan, -1, record)
+    if tied_layers:
+        _build_tied_group(plan, -1, record, tied_layers)
+    return made
+
+
 def set_operation_timeout(group: dist.ProcessGroup | None, timeout) -> None:
     """The timeout of a connected group's operations. A group connects (gloo: a full mesh
     of sockets) under the timeout it was created with; on a peer that died after the

@@ -1,0 +1,129 @@
+"""The control plane at scale: etcd's requests and bytes, and the time of each
+reconfiguration, for N simulated nodes of G workers (`planaria.chaos.scale`).
+
+    python benchmarks/control_plane_scale.py --nodes 8 64 256 1024 --gpus-per-node 8
+
+For each N, on a fresh three-member etcd: the job starts (epoch 0 everywhere), a quiet
+window measures the steady state, then each fault in turn (a node killed, a node
+joining, a planned leave, the leader's node killed, a node cut off by a partition) is
+measured from the fault to the next epoch's first step: when it was detected, when the
+statuses were in, when the record was published, when every worker held it and had
+bootstrapped its groups, and what etcd served meanwhile (its own counters: requests
+and bytes, which this machine's load cannot distort). A Markdown table goes to stdout,
+the raw figures to --json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+import time
+from dataclasses import asdict
+
+from planaria.chaos.scale.scale_run import Reconfiguration, ScaleHarness
+
+FAULTS = ("kill", "join", "leave", "kill-leader", "partition")
+
+
+def _non_leader(harness: ScaleHarness, skip: int = 0) -> int:
+    leader = harness.leader()
+    live = [i for i, a in enumerate(harness.agents) if a in harness.live() and a is not leader]
+    return live[-1 - skip]
+
+
+def run_faults(harness: ScaleHarness, faults, log) -> list[Reconfiguration]:
+    changes = []
+    for fault in faults:
+        if fault == "kill":
+            victim = _non_leader(harness)
+            change = harness.reconfigure(lambda: harness.kill_node(victim), "node killed")
+        elif fault == "join":
+            change = harness.reconfigure(harness.add_node, "node joins")
+        elif fault == "leave":
+            victim = _non_leader(harness)
+            # A notice just inside the controller's window (`PlannedLeaves.leaving`): acted
+            # on at once, rather than a training-long wait for its deadline to come near.
+            grace = 2 * harness.step_s + 5.0
+            change = harness.reconfigure(lambda: harness.notice(victim, grace), "planned leave")
+        elif fault == "kill-leader":
+            change = harness.reconfigure(harness.kill_leader, "leader's node killed")
+        elif fault == "partition":
+            victim = _non_leader(harness)
+            heals = []
+            change = harness.reconfigure(lambda: heals.append(harness.partition([victim])), "node cut off")
+            heals[0]()
+        else:
+            raise ValueError(f"unknown fault {fault!r}; choose from {', '.join(FAULTS)}")
+        log(f"  {change.kind}: epoch {change.epoch}, {change.etcd.total} requests, "
+            f"bootstrapped {change.bootstrapped_s:.2f} s after the fault")
+        changes.append(change)
+        time.sleep(harness.step_s * 3)  # the new epoch trains a few steps: a join is deferred until it has
+    return changes
+
+
+def measure(nodes: int, args, log) -> dict:
+    with ScaleHarness(nodes=nodes, gpus_per_node=args.gpus_per_node, config=args.config, step_s=args.step_s,
+                      backend=args.backend, log=log) as harness:
+        started = time.monotonic()
+        cpu = time.process_time()
+        harness.start(timeout_s=args.timeout)
+        log(f"{nodes} nodes x {args.gpus_per_node}: epoch 0 bootstrapped in {time.monotonic() - started:.1f} s")
+        time.sleep(args.step_s * 3)
+        quiet, window = harness.steady(args.steady_s)
+        log(f"  steady: {quiet.total / window:.1f} requests/s ({dict(quiet.requests)} in {window:.1f} s)")
+        changes = run_faults(harness, args.faults, log)
+        return {"nodes": nodes, "gpus_per_node": args.gpus_per_node, "steady_window_s": window,
+                "steady": {"requests": dict(quiet.requests), "received_bytes": quiet.received_bytes,
+                           "sent_bytes": quiet.sent_bytes},
+                "harness_cpu_s": time.process_time() - cpu, "wall_s": time.monotonic() - started,
+                "changes": [{**asdict(c), "etcd": {"requests": dict(c.etcd.requests),
+                                                   "received_bytes": c.etcd.received_bytes,
+                                                   "sent_bytes": c.etcd.sent_bytes}} for c in changes]}
+
+
+def table(results: list[dict]) -> str:
+    lines = ["| nodes x GPUs | steady req/s (per node) | steady KB/s | fault | requests (per node) | "
+             "MB | detected | statuses | published | all hold record | all bootstrapped | largest write |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        n, window = r["nodes"], r["steady_window_s"]
+        steady = sum(r["steady"]["requests"].values()) / window
+        kb = (r["steady"]["received_bytes"] + r["steady"]["sent_bytes"]) / window / 1e3
+        for i, c in enumerate(r["changes"]):
+            total = sum(c["etcd"]["requests"].values())
+            mb = (c["etcd"]["received_bytes"] + c["etcd"]["sent_bytes"]) / 1e6
+            head = (f"| {n} x {r['gpus_per_node']} | {steady:.0f} ({steady / n:.1f}) | {kb:.0f} |" if i == 0
+                    else "| | | |")
+            lines.append(f"{head} {c['kind']} | {total} ({total / n:.1f}) | {mb:.2f} | {c['detected_s']:.2f} | "
+                         f"{c['statuses_s']:.2f} | {c['published_s']:.2f} | {c['records_held_s']:.2f} | "
+                         f"{c['bootstrapped_s']:.2f} | {c['largest_write'] / 1024:.0f} KiB |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--nodes", type=int, nargs="+", default=[8, 64])
+    parser.add_argument("--gpus-per-node", type=int, default=8)
+    parser.add_argument("--config", default="configs/llama3-70b.yaml")
+    parser.add_argument("--backend", choices=("nccl", "gloo"), default="nccl",
+                        help="whose bootstrap the simulated workers replay (default nccl: a GPU job's)")
+    parser.add_argument("--step-s", type=float, default=2.0, help="a simulated step's length")
+    parser.add_argument("--steady-s", type=float, default=20.0, help="the quiet window")
+    parser.add_argument("--faults", nargs="*", default=list(FAULTS), choices=FAULTS)
+    parser.add_argument("--timeout", type=float, default=900.0, help="per phase")
+    parser.add_argument("--json", help="write the raw figures here")
+    args = parser.parse_args(argv)
+    # A stopped run still stops its etcd members and removes their data (the harness's exit).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    log = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
+    results = [measure(n, args, log) for n in args.nodes]
+    if args.json:
+        with open(args.json, "w") as out:
+            json.dump(results, out, indent=1)
+    print(table(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

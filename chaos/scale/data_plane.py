@@ -1,0 +1,81 @@
+"""The data plane of simulated workers: where an epoch's steps meet, in memory.
+
+A real epoch's workers meet in every step's collectives, and the commit all-reduce
+carries a stop request, so that all of them stop after the same iteration (docs/recovery.md).
+Simulated workers meet here instead: `StepBarrier.step` returns once every rank of the
+epoch arrived for the iteration, with the OR of their stop requests, and blocks, like a
+collective, while a rank is missing (dead, or cut off) until that rank's own collectives
+are released (`release`: what the epoch watcher does on a failure). None of it touches
+the control plane: it is what the harness simulates, not what it measures.
+"""
+from __future__ import annotations
+
+import threading
+
+
+class Released(RuntimeError):
+    """This rank's collectives of the epoch were released (the control plane ended it)."""
+
+
+class StepBarrier:
+    """The commit all-reduce of one epoch's `world` ranks."""
+
+    def __init__(self, world: int):
+        self.world = world
+        self._cond = threading.Condition()
+        self._arrived: dict[int, set[int]] = {}
+        self._stop: dict[int, bool] = {}
+        self._released: set[int] = set()
+        self._blocked = False
+
+    def step(self, rank: int, iteration: int, stop: bool) -> bool:
+        """Wait for every rank at `iteration`; True when any asked to stop after it."""
+        with self._cond:
+            arrived = self._arrived.setdefault(iteration, set())
+            arrived.add(rank)
+            self._stop[iteration] = self._stop.get(iteration, False) or stop
+            self._cond.notify_all()
+            while True:
+                if rank in self._released:
+                    raise Released(f"rank {rank}: released at iteration {iteration}")
+                if len(arrived) >= self.world and not self._blocked:
+                    return self._stop[iteration]
+                self._cond.wait(0.5)
+
+    def release(self, rank: int) -> str:
+        with self._cond:
+            self._released.add(rank)
+            self._cond.notify_all()
+        return "released the simulated step"
+
+    def block(self) -> None:
+        """No step completes any more (a partition across the epoch's groups)."""
+        with self._cond:
+            self._blocked = True
+
+
+class DataPlane:
+    """The step barriers of every epoch, made by the first rank that asks."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._epochs: dict[int, StepBarrier] = {}
+
+    def epoch(self, epoch: int, world: int) -> StepBarrier:
+        with self._lock:
+            return self._epochs.setdefault(epoch, StepBarrier(world))
+
+    def block_all(self) -> None:
+        with self._lock:
+            for barrier in self._epochs.values():
+                barrier.block()
+
+
+class RankRelease:
+    """What `EpochWatcher` calls on a failure (`release.release()`), for one rank."""
+
+    def __init__(self, barrier: StepBarrier, rank: int):
+        self.barrier, self.rank = barrier, rank
+
+    def release(self) -> str:
+        return self.barrier.release(self.rank)

@@ -1,0 +1,262 @@
+"""The scale harness's run: a real three-member etcd, N simulated nodes of G workers, the
+faults, and what each costs (the package docstring says what is real and what is not).
+
+    with ScaleHarness(nodes=64, gpus_per_node=8, config="configs/llama3-70b.yaml") as h:
+        h.start()                      # epoch 0 published and bootstrapped everywhere
+        quiet = h.steady(10.0)         # etcd's requests and bytes while nothing changes
+        change = h.reconfigure(lambda: h.kill_node(3), "kill a node")
+
+The harness itself makes no request to etcd: what it needs of the job it reads from the
+agents' memory (the leader's controller, the workers' `Observer`), and etcd's counters
+over HTTP, so that every request counted is the control plane's.
+"""
+from __future__ import annotations
+
+import os
+import resource
+import shutil
+import tempfile
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from planaria.chaos.scale.cutoff import CutClient, Killed, WriteSizes
+from planaria.chaos.scale.data_plane import DataPlane
+from planaria.chaos.scale.etcd_metrics import EtcdCounts, scrape
+from planaria.chaos.scale.sim_node import SimulatedAgent
+from planaria.chaos.scale.sim_worker import Observer
+from planaria.elastic.etcd_client import EtcdClient, EtcdSettings
+from planaria.elastic.etcd_server import EmbeddedEtcdCluster
+from planaria.elastic.peer_probe import PERIOD_S
+from planaria.runtime.contract.epochs import EpochEvent
+
+HARNESS_OVERRIDES = ["train.steps=100000000", "checkpoint.every=0"]
+"""A job that never ends on its own, and writes no checkpoint (nothing of the disk is
+measured here)."""
+
+
+@dataclass
+class Reconfiguration:
+    """One fault and what it cost (seconds from the fault; counts from etcd's counters)."""
+
+    kind: str
+    epoch: int
+    nodes: int
+    workers: int
+    detected_s: float
+    statuses_s: float
+    planned_s: float
+    published_s: float
+    records_held_s: float
+    bootstrapped_s: float
+    first_step_s: float
+    etcd: EtcdCounts
+    largest_write: int
+    controller_cpu_s: float = 0.0
+    notes: dict = field(default_factory=dict)
+
+
+class ScaleHarness:
+    """N simulated nodes of G workers on a real etcd cluster (module docstring)."""
+
+    def __init__(self, *, nodes: int, gpus_per_node: int = 8, config: str = "configs/llama3-70b.yaml",
+                 overrides: list[str] | None = None, step_s: float = 1.0, backend: str = "nccl",
+                 lease_ttl_s: int = 5, etcd_members: int = 3, log_dir: Path | None = None,
+                 log: Callable[[str], None] = print):
+        self.n0, self.gpus = nodes, gpus_per_node
+        self.config, self.overrides = config, [*HARNESS_OVERRIDES, *(overrides or [])]
+        self.step_s, self.backend, self.lease_ttl_s = step_s, backend, lease_ttl_s
+        self.run_id = f"scale-{uuid.uuid4().hex[:8]}"
+        self._temporary = log_dir is None
+        self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="planaria-scale-"))
+        self.etcd = EmbeddedEtcdCluster(etcd_members, log_dir=self.log_dir)
+        self.plane, self.observer, self.sizes = DataPlane(), Observer(), WriteSizes()
+        self.agents: list[SimulatedAgent] = []
+        self.log = log
+        self._clients: list[EtcdClient] = []
+
+    # -------------------------------------------------------------- life
+    def __enter__(self) -> "ScaleHarness":
+        _raise_open_files()
+        _quiet_killed_threads()
+        self.etcd.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        for agent in self.agents:
+            agent.kill()
+        for client in self._clients:
+            try:
+                client.close()
+            except Exception:  # noqa: BLE001 - closing what is already gone
+                pass
+        self.etcd.stop()
+        if self._temporary:
+            shutil.rmtree(self.log_dir, ignore_errors=True)
+
+    @property
+    def endpoints(self) -> list[str]:
+        return [m.endpoint for m in self.etcd.members]
+
+    def counts(self) -> EtcdCounts:
+        return scrape(self.endpoints)
+
+    def add_node(self) -> SimulatedAgent:
+        """A node (its agent and G workers), started; it joins when the leader plans it in."""
+        index = len(self.agents)
+        settings = EtcdSettings(endpoint=self.etcd.endpoint, retry_s=30.0)
+        client = EtcdClient(settings, on_outage=lambda line: None)
+        self._clients.append(client)
+        agent = SimulatedAgent(
+            node=f"node{index}", nproc=self.gpus, client=CutClient(client, self.sizes), plane=self.plane,
+            observer=self.observer, step_s=self.step_s, backend=self.backend, log_dir=self.log_dir / f"node{index}",
+            settings=settings, run_id=self.run_id, min_nodes=self.n0, config=self.config,
+            overrides=self.overrides, lease_ttl_s=self.lease_ttl_s)
+        self.agents.append(agent)
+        return agent.start()
+
+    def start(self, timeout_s: float = 600.0) -> float:
+        """Every node started, epoch 0 published and bootstrapped by every worker of its
+        plan; the seconds it took."""
+        started = time.time()
+        for _ in range(self.n0):
+            self.add_node()
+        self._wait(lambda: self._bootstrapped(0), timeout_s, "epoch 0 to be bootstrapped")
+        return time.time() - started
+
+    # ------------------------------------------------------------ faults
+    def live(self) -> list[SimulatedAgent]:
+        return [a for a in self.agents if a.exit_code is None and not a.cut_client.killed.is_set()]
+
+    def leader(self) -> SimulatedAgent | None:
+        return next((a for a in self.live() if a.controller is not None and a.controller.plan is not None), None)
+
+    def kill_node(self, index: int) -> None:
+        """Node `index` dies; the others' probes find it gone within a probe period, as a
+        refused connection tells a real probe."""
+        agent = self.agents[index]
+        agent.kill()
+
+        def seen() -> None:
+            for other in self.live():
+                other.probe.gone = sorted({*other.probe.gone, agent.node})
+        threading.Timer(PERIOD_S, seen).start()
+
+    def kill_leader(self) -> int:
+        leader = self.leader()
+        index = self.agents.index(leader)
+        self.kill_node(index)
+        return index
+
+    def notice(self, index: int, grace_s: float = 120.0) -> None:
+        self.agents[index].notice(grace_s)
+
+    def partition(self, cut: list[int]) -> Callable[[], None]:
+        """The nodes `cut` and the others cannot reach each other (etcd reaches both);
+        the epoch's steps across the cut stop. The heal, returned."""
+        inside = {self.agents[i].node for i in cut}
+        outside = {a.node for a in self.live()} - inside
+        for agent in self.live():
+            agent.probe.unreachable = sorted(outside if agent.node in inside else inside)
+        self.plane.block_all()
+
+        def heal() -> None:
+            for agent in self.live():
+                agent.probe.unreachable = []
+        return heal
+
+    # ------------------------------------------------------- measurement
+    def steady(self, window_s: float) -> tuple[EtcdCounts, float]:
+        """etcd's counts over `window_s` while nothing changes, and the window's length."""
+        before, started = self.counts(), time.monotonic()
+        time.sleep(window_s)
+        return self.counts() - before, time.monotonic() - started
+
+    def reconfigure(self, fault: Callable[[], None], kind: str, timeout_s: float = 600.0) -> Reconfiguration:
+        """Cause `fault`, wait until the next epoch is published, held, bootstrapped and
+        trained by every worker of its plan, and measure it."""
+        leader = self.leader()
+        epoch = leader.controller.epoch if leader is not None else 0
+        before, largest_before = self.counts(), self.sizes.largest
+        self.sizes.largest = 0
+        cpu = _thread_cpu()
+        fault_s = time.time()
+        fault()
+        self._wait(lambda: self._trained(epoch + 1), timeout_s, f"epoch {epoch + 1} to train ({kind})")
+        counts = self.counts() - before
+        event = self._event(epoch + 1)
+        plan = self.leader().controller.plan
+        workers = set(plan.rank_of_worker())
+        held = self.observer.held.get(epoch + 1, {})
+        booted = self.observer.bootstrapped.get(epoch + 1, {})
+        change = Reconfiguration(
+            kind=kind, epoch=epoch + 1, nodes=len(plan.nodes()), workers=len(workers),
+            detected_s=event.detected_s - fault_s, statuses_s=event.statuses_s - fault_s,
+            planned_s=event.planned_s - fault_s, published_s=event.published_s - fault_s,
+            records_held_s=max(held[w] for w in workers) - fault_s,
+            bootstrapped_s=max(booted[w] for w in workers) - fault_s,
+            first_step_s=self.observer.trained[epoch + 1] - fault_s, etcd=counts,
+            largest_write=self.sizes.largest, controller_cpu_s=_thread_cpu() - cpu)
+        self.sizes.largest = max(self.sizes.largest, largest_before)
+        return change
+
+    def _event(self, epoch: int) -> EpochEvent:
+        for agent in self.live():
+            if agent.controller is not None:
+                for event in agent.controller.events:
+                    if event.epoch == epoch:
+                        return event
+        raise RuntimeError(f"no leader holds the event of epoch {epoch}")
+
+    def _plan(self, epoch: int):
+        leader = self.leader()
+        if leader is None or leader.controller.epoch < epoch:
+            return None
+        return leader.controller.plan if leader.controller.epoch == epoch else None
+
+    def _bootstrapped(self, epoch: int) -> bool:
+        plan = self._plan(epoch)
+        return plan is not None and set(plan.rank_of_worker()) <= set(self.observer.bootstrapped.get(epoch, {}))
+
+    def _trained(self, epoch: int) -> bool:
+        return self._bootstrapped(epoch) and epoch in self.observer.trained
+
+    def _wait(self, done: Callable[[], bool], timeout_s: float, what: str) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not done():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the scale harness waited {timeout_s:.0f} s for {what}; "
+                                   f"the agents' last lines: {self._last_lines()}")
+            time.sleep(0.05)
+
+    def _last_lines(self) -> list[str]:
+        return [f"{a.node}: {a.lines[-1]}" for a in self.agents if a.lines][-8:]
+
+
+def _thread_cpu() -> float:
+    """CPU seconds of this whole process (every agent, controller and worker)."""
+    return time.process_time()
+
+
+def _quiet_killed_threads() -> None:
+    """A thread of a killed node ends on `Killed`: the node's death, not an error to print."""
+    previous = threading.excepthook
+
+    def hook(args) -> None:
+        if not issubclass(args.exc_type, Killed):
+            previous(args)
+    threading.excepthook = hook
+
+
+def _raise_open_files() -> None:
+    """Thousands of connections and threads in one process: as many files as allowed."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    os.environ.setdefault("OMP_NUM_THREADS", "1")

@@ -1,0 +1,157 @@
+"""A simulated node: the real agent, whose workers are simulated and whose network the
+harness describes.
+
+`SimulatedAgent` is `planaria.elastic.agent.Agent` with three parts swapped, none of
+which talks to etcd on its own: the supervisor starts `SimulatedWorker`s in threads
+instead of processes (`SimulatedSupervisor`: every request the real one makes, it makes:
+the `alive/` keys, the kill requests it serves, the reaping), the reachability probe is
+told by the harness which nodes are gone or cut off instead of connecting to them
+(`SimulatedProbe`), and the loop runs in a thread of the harness's process, without
+signal handlers or a metrics endpoint. Its etcd client is a `CutClient`: the node's
+death cuts it, and every thread of the node (the loop, the lease's keep-alive, the
+workers and their watchers) ends at its next request.
+"""
+from __future__ import annotations
+
+import signal
+import threading
+from pathlib import Path
+
+from planaria.chaos.scale.cutoff import CutClient, Killed
+from planaria.chaos.scale.sim_worker import Observer, SimulatedProcess, SimulatedWorker
+from planaria.chaos.scale.data_plane import DataPlane
+from planaria.elastic.agent import Agent
+from planaria.elastic.etcd_store import EtcdStore
+from planaria.elastic.worker_supervisor import WorkerSupervisor
+from planaria.templates.plan import Worker
+
+
+class SimulatedProbe:
+    """What `PeerProbe` would find, as the harness says (`gone`: nodes whose agent died,
+    seen by a probe within its period; `unreachable`: nodes across a cut)."""
+
+    def __init__(self, node: str):
+        self.node = node
+        self.address = f"simulated:{node}"
+        self.gone: list[str] = []
+        self.unreachable: list[str] = []
+        self.never_reached: list[str] = []
+
+    def set_peers(self, peers: dict[str, str]) -> None:
+        pass
+
+    def stop(self) -> None:
+        pass
+
+
+class SimulatedSupervisor(WorkerSupervisor):
+    """`WorkerSupervisor` whose workers are `SimulatedWorker` threads."""
+
+    def __init__(self, *, make_worker, **kwargs):
+        super().__init__(**kwargs)
+        self.make_worker = make_worker
+
+    def _spawn(self, worker: Worker) -> None:
+        cut, simulated = self.make_worker(worker)
+        self.workers[worker] = SimulatedProcess(simulated, cut, name=f"worker-{worker[0]}.{worker[1]}")
+        self.client.put(self.prefix + f"alive/{worker[0]}.{worker[1]}", b"1", lease=self.lease())
+
+    def kill_frozen(self) -> None:
+        pass  # a simulated worker has no heartbeat file (a file of the node's disk, not a request)
+
+
+class SimulatedAgent(Agent):
+    """The real agent of a simulated node (module docstring)."""
+
+    def __init__(self, *, node: str, nproc: int, client, plane: DataPlane, observer: Observer,
+                 step_s: float, backend: str, log_dir: Path, quiet: bool = True, **agent):
+        self.cut_client = client
+        self.quiet = quiet
+        self.lines: list[str] = []
+        super().__init__(node=node, nproc=nproc, client=client, log_dir=log_dir, **agent)
+        self.probe = SimulatedProbe(node)
+        self.plane, self.observer, self.step_s, self.backend = plane, observer, step_s, backend
+        old = self.supervisor
+        self.supervisor = SimulatedSupervisor(
+            make_worker=self._make_worker, node=node, nproc=nproc, store=self.store,
+            lease=lambda: self.membership.lease, store_url=self.store_url, etcd_env={}, run_id=self.run_id,
+            config=self.config, overrides=self.overrides, comm=self.cfg.comm, max_restarts=old.max_restarts,
+            shutdown_timeout_s=0.0, log_dir=log_dir, output=None, log=self.log)
+        self.exit_code: int | None = None
+        self.thread: threading.Thread | None = None
+
+    def log(self, message: str) -> None:
+        self.lines.append(message)
+        if not self.quiet:
+            super().log(message)
+
+    def _make_worker(self, worker: Worker):
+        """A worker of this node: its own cut-off switch over the node's connection."""
+        client = CutClient(self.cut_client._client, self.cut_client._sizes)
+        # Dies with its node: the node's cut cuts it too.
+        client.killed = _Either(client.killed, self.cut_client.killed)
+        store = EtcdStore(client, self.prefix)
+        simulated = SimulatedWorker(store, worker, plane=self.plane, observer=self.observer, step_s=self.step_s,
+                                    total_steps=self.cfg.train.steps, backend=self.backend, log=self.log)
+        return client.cut, simulated
+
+    # ---------------------------------------------------------------- life
+    def start(self) -> "SimulatedAgent":
+        self.thread = threading.Thread(target=self._run, daemon=True, name=f"agent-{self.node}")
+        self.thread.start()
+        return self
+
+    def _run(self) -> None:
+        try:
+            self.exit_code = self._simulated_run()
+        except Killed:
+            self.exit_code = -9
+        except Exception as err:  # noqa: BLE001 - said, and the node is gone as a crash would leave it
+            self.lines.append(f"agent failed: {type(err).__name__}: {err}")
+            self.exit_code = 1
+
+    def _simulated_run(self) -> int:
+        """`Agent.run` without signals, metrics or a real probe."""
+        refused = self._check_job_config() or self._check_not_ended()
+        if refused:
+            self.log(refused)
+            return 2
+        self._register()
+        threading.Thread(target=self._keep_alive, daemon=True, name=f"lease-{self.node}").start()
+        self.supervisor.start()
+        self.client.retry_s = self.outage_limit_s
+        try:
+            return self._loop()
+        finally:
+            self._stop.set()
+
+    def _keep_alive(self) -> None:
+        try:
+            self.membership.keep_alive(self._stop, lambda: False)
+        except Killed:
+            pass
+
+    def kill(self) -> None:
+        """The node dies: no request of it goes out any more; its lease lapses."""
+        self.cut_client.cut()
+        self._stop.set()
+        for process in list(self.supervisor.workers.values()):
+            process.kill()
+
+    def notice(self, grace_s: float) -> None:
+        """A preemption notice, as the signal would bring it (`PreemptionNotices.on_signal`)."""
+        self.notices.grace_s = grace_s
+        self.notices.on_signal(signal.SIGTERM)
+
+
+class _Either:
+    """An event that is set when either of two is (`is_set` and `set` only)."""
+
+    def __init__(self, own: threading.Event, other: threading.Event):
+        self.own, self.other = own, other
+
+    def is_set(self) -> bool:
+        return self.own.is_set() or self.other.is_set()
+
+    def set(self) -> None:
+        self.own.set()
