@@ -353,7 +353,9 @@ class Agent:
         if not self.membership.settled():
             return
         try:
-            if self.controller.plan is None:  # waiting for the first epoch's nodes
+            # Waiting for the first epoch's nodes; unless epoch 0 could not be published
+            # (the job ended then, and `poll` says so).
+            if self.controller.plan is None and self.controller.outcome is None:
                 if not self.controller.resume():
                     self._start_job()
                 return
@@ -387,7 +389,8 @@ class Agent:
         if (self.max_nodes is None or len(nodes) < self.max_nodes) and now - self._min_reached_at < self.last_call_s:
             return
         self.controller.start(sorted(w for w in alive if w[0] in nodes))
-        self.log(f"epoch 0 published for {len(nodes)} nodes")
+        if self.controller.outcome is None:
+            self.log(f"epoch 0 published for {len(nodes)} nodes")
 
     def _leading(self) -> bool:
         """Campaign for `leader` (`Membership.campaign`): a controller while this agent

@@ -131,13 +131,15 @@ def agent_parser() -> argparse.ArgumentParser:
 
 def etcd_settings(args: argparse.Namespace) -> EtcdSettings:
     """etcd's endpoint, TLS and credentials: the options given, else PLANARIA_ETCD_*
-    (the password only from PLANARIA_ETCD_PASSWORD)."""
+    (the password, and etcd's request limits, only from PLANARIA_ETCD_PASSWORD,
+    PLANARIA_ETCD_MAX_REQUEST_BYTES and PLANARIA_ETCD_MAX_TXN_OPS)."""
     given = {"ca_cert": args.etcd_ca_cert, "cert_cert": args.etcd_cert,
              "cert_key": args.etcd_key, "user": args.etcd_user}
     from_env = EtcdSettings.from_env(args.etcd)
     return EtcdSettings(endpoint=args.etcd, retry_s=args.etcd_retry, **{
         name: value if value is not None else getattr(from_env, name) for name, value in given.items()},
-        password=from_env.password)
+        password=from_env.password, max_request_bytes=from_env.max_request_bytes,
+        max_txn_ops=from_env.max_txn_ops)
 
 
 def output_spec(args: argparse.Namespace) -> OutputSpec | None:

@@ -23,7 +23,8 @@ reads and writes the job's store (keys in `planaria.runtime.contract.keys`, reco
    others wait until they do), preferring the one that moves the least layer state,
    then the transfers from the workers of that group that hold each layer.
 4. Publish the record of epoch e+1, then move `epoch` to e+1: workers only ever see a
-   complete record.
+   complete record. A record over etcd's request limit fails the job before anything
+   of it is written (`record_limits`; over half the limit, a warning first).
 
 A failure during a reconfiguration is one more failure: the epoch that was being
 entered ends the same way, and its statuses say what each worker holds.
@@ -34,8 +35,8 @@ way has a module of its own in `planaria.elastic`: the next epoch's plan and its
 sources (`epoch_planning`), a planned leave and its prepared epoch (`leave_planning`), a
 split network (`reachability`), the nodes that wait as spares (`spare_nodes`), the job's
 checkpoints and where a lost layer comes back from (`job_checkpoints`), the history of
-published epochs that fencing is decided from (`epoch_history`), and how a controller
-stops (`controller_errors`).
+published epochs that fencing is decided from (`epoch_history`), an epoch record against
+etcd's request limit (`record_limits`), and how a controller stops (`controller_errors`).
 """
 from __future__ import annotations
 
@@ -50,6 +51,7 @@ from planaria.elastic.epoch_planning import EpochPlanner
 from planaria.elastic.job_checkpoints import CheckpointPolicy, JobCheckpoints
 from planaria.elastic.leave_planning import PlannedLeaves
 from planaria.elastic.reachability import Partitions
+from planaria.elastic.record_limits import RecordLimit
 from planaria.elastic.spare_nodes import Spares
 from planaria.runtime.contract import keys
 from planaria.runtime.contract.checkpoint_layout import read_checkpoint_manifest
@@ -94,6 +96,7 @@ class Controller:
         leader's own (it wins a tie between two sides of a partition)."""
         self.checkpoints = JobCheckpoints(store, checkpoints, total_steps, log)
         self.history = EpochHistory(store, log)
+        self.record_limit = RecordLimit(store, log)
         self.epoch_planner = EpochPlanner(planner, self.spares, self.checkpoints, self.history, log)
         self.leading = leading
         """Asked before this controller acts on what it saw (publishes an epoch, has a
@@ -138,7 +141,7 @@ class Controller:
             self.spares.idle_at_start(idle, len(plan.nodes()), len(nodes))
         found = self.checkpoints.on_disk()
         if not found:
-            self._publish(EpochRecord(plan))
+            self._publish_first(EpochRecord(plan))
             return plan
         iteration, path = found[-1]
         manifest = read_checkpoint_manifest(path)
@@ -151,8 +154,16 @@ class Controller:
         plan = replace(plan, first_iteration=iteration + 1)
         self.checkpoints.completed = [k for k, _ in found]
         self.log(f"controller: resuming from the checkpoint of iteration {iteration} ({path})")
-        self._publish(EpochRecord(plan, restore=str(path)))
+        self._publish_first(EpochRecord(plan, restore=str(path)))
         return plan
+
+    def _publish_first(self, record: EpochRecord) -> None:
+        """Publish epoch 0, or end the job when its record cannot be (over etcd's limit)."""
+        try:
+            self._publish(record)
+        except JobFailed as err:
+            self.log(f"controller: the job cannot start: {err}")
+            self._end(f"{keys.JOB_FAILED}{err}")
 
     def resume(self) -> bool:
         """Take over a running job (a new leader): the newest published epoch and its plan
@@ -478,8 +489,10 @@ class Controller:
         compare-and-set on the absent key), then `epoch` moved to it from the epoch this
         controller knows (a second compare-and-set). A leader that lost its leadership
         without knowing it can thus neither overwrite its successor's record nor move
-        the job to an epoch of its own; it steps down (`StaleLeader`)."""
+        the job to an epoch of its own; it steps down (`StaleLeader`). A record that etcd
+        would refuse for its size fails the job (`JobFailed`) before either is written."""
         epoch, text = record.plan.epoch, record.to_json()
+        self.record_limit.check(keys.epoch_record(epoch), record, text)
         written = _text(self.store.compare_set(keys.epoch_record(epoch), "", text))
         if written != text:
             raise StaleLeader(f"epoch {epoch} was published by another leader; this one steps down")

@@ -10,6 +10,12 @@ when it starts and once when etcd answers again (`on_outage`), and `back_at` tel
 the last one ended. TLS (CA, client certificate and key) and username/password are
 passed through; files that do not exist are refused up front.
 
+Every write and every transaction is checked against etcd's request limits before it is
+sent (`planaria.elastic.etcd_limits`: 1.5 MiB a request, 128 operations a transaction,
+unless the settings give the values etcd was started with): one over them raises
+`EtcdLimitExceeded` at once, naming the key, the size, the limit and the etcd flag,
+instead of etcd's bare refusal after the fact. It is never retried.
+
 `EtcdSettings.to_env` / `from_env` carry the settings from an agent to the workers it
 starts (`PLANARIA_ETCD_*`, not on the command line where `ps` shows them), so that a
 worker reaches etcd exactly as its agent does.
@@ -27,15 +33,22 @@ from typing import Callable
 
 from tenacity import Retrying, retry_if_exception, stop_after_delay, wait_exponential
 
+from planaria.elastic.etcd_limits import MAX_REQUEST_BYTES, MAX_TXN_OPS, EtcdLimitExceeded, EtcdLimits
 from planaria.runtime.contract import env
 
 _OUTAGE_REPORT_S = 1.0
 """An error that lasts this long is an outage worth a line (a blip is not)."""
 _GRPC_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 200), ("grpc.min_reconnect_backoff_ms", 200),
-                 ("grpc.max_reconnect_backoff_ms", 1000)]
+                 ("grpc.max_reconnect_backoff_ms", 1000), ("grpc.max_receive_message_length", -1)]
 """gRPC backs off its reconnections up to 120 s by default: after a long etcd outage a
 channel would stay down for many seconds after etcd is back. Our own retries pace the
-attempts, so the channel may try again within a second."""
+attempts, so the channel may try again within a second.
+
+gRPC also refuses, by default, an answer over 4 MiB ("Received message larger than
+max"), and the controller reads every status of an epoch in one range read: 2.8 MiB
+of them at 1,024 nodes of 8 workers (LLaMA 3 70B), 8.3 MiB at 4,096, and more with the
+keys. etcd sends answers of any size (its own send limit is 2 GiB), so the client
+takes them whole (-1: no cap); what the job writes bounds them."""
 
 
 class LeaseExpired(RuntimeError):
@@ -62,6 +75,10 @@ class EtcdSettings:
     """Per request."""
     retry_s: float = 30.0
     """How long transient errors are retried before giving up."""
+    max_request_bytes: int = MAX_REQUEST_BYTES
+    """etcd's `--max-request-bytes`: give the value etcd was started with, if not its default."""
+    max_txn_ops: int = MAX_TXN_OPS
+    """etcd's `--max-txn-ops`: give the value etcd was started with, if not its default."""
 
     def __post_init__(self) -> None:
         for part in self.endpoint.split(","):
@@ -78,21 +95,50 @@ class EtcdSettings:
             raise ValueError("etcd client TLS needs both cert_cert and cert_key, or neither")
         if (self.user is None) != (self.password is None):
             raise ValueError("etcd authentication needs both user and password, or neither")
+        EtcdLimits(self.max_request_bytes, self.max_txn_ops)  # refuse impossible limits now, not at a write
+
+    @property
+    def limits(self) -> EtcdLimits:
+        """The request limits every write is checked against before it is sent."""
+        return EtcdLimits(self.max_request_bytes, self.max_txn_ops, user=self.user)
 
     _ENV = {"ca_cert": env.ETCD_CA_CERT, "cert_cert": env.ETCD_CERT, "cert_key": env.ETCD_KEY,
             "user": env.ETCD_USER, "password": env.ETCD_PASSWORD}
+    _LIMITS_ENV = {"max_request_bytes": (env.ETCD_MAX_REQUEST_BYTES, MAX_REQUEST_BYTES),
+                   "max_txn_ops": (env.ETCD_MAX_TXN_OPS, MAX_TXN_OPS)}
 
     def to_env(self) -> dict[str, str]:
-        """TLS and credentials as environment variables, for `from_env`."""
-        return {var: getattr(self, name) for name, var in self._ENV.items()
-                if getattr(self, name) is not None}
+        """TLS, credentials and limits other than etcd's defaults as environment variables,
+        for `from_env`."""
+        found = {var: getattr(self, name) for name, var in self._ENV.items() if getattr(self, name) is not None}
+        return found | {var: str(getattr(self, name)) for name, (var, default) in self._LIMITS_ENV.items()
+                        if getattr(self, name) != default}
 
     @classmethod
     def from_env(cls, endpoint: str, environ=os.environ, **others) -> "EtcdSettings":
-        """Settings for `endpoint` with the TLS and credentials `to_env` put in `environ`."""
+        """Settings for `endpoint` with the TLS, credentials and limits `to_env` put in `environ`."""
         given = {name: environ[var] for name, var in cls._ENV.items() if var in environ}
-        return cls(endpoint=endpoint, **given, **others)
+        return cls(endpoint=endpoint, **given, **_limits_from(environ, cls._LIMITS_ENV), **others)
 
+
+def _limits_from(environ, names: dict[str, tuple[str, int]]) -> dict[str, int]:
+    """{setting: value} of the limits set in `environ`; a value that is no integer is an
+    error naming the variable."""
+    found = {}
+    for name, (var, _) in names.items():
+        if var in environ:
+            try:
+                found[name] = int(environ[var])
+            except ValueError:
+                raise ValueError(f"{var}={environ[var]!r} must be an integer: the value etcd was started "
+                                 f"with (--{name.replace('_', '-')})") from None
+    return found
+
+
+_LIMIT_REFUSALS = {"etcdserver: request is too large": "--max-request-bytes",
+                   "etcdserver: too many operations in txn request": "--max-txn-ops"}
+"""etcd's refusals of a request over its limits, and the flag that sets each limit: seen
+only when etcd's limits are lower than the client was told (the client checks first)."""
 
 _SERVER_TIMEOUTS = ("context deadline exceeded", "etcdserver: request timed out", "etcdserver: no leader",
                     "etcdserver: leader changed")
@@ -144,6 +190,7 @@ class EtcdClient:
         import pyetcd
 
         self.settings = settings
+        self.limits = settings.limits
         self.retry_s = settings.retry_s
         self.on_outage = on_outage or logging.getLogger("planaria.etcd").warning
         self.abort = threading.Event()
@@ -198,6 +245,13 @@ class EtcdClient:
             if "requested lease not found" in str(err):
                 raise LeaseExpired(f"{what}: this client's lease expired (etcd was out of reach for "
                                    "longer than its TTL)") from err
+            for refusal, flag in _LIMIT_REFUSALS.items():
+                if refusal in str(err):
+                    raise EtcdLimitExceeded(
+                        f"{what}: etcd at {self.endpoint} refused it ({refusal}): its {flag} is lower than this "
+                        f"client was told ({self.limits.max_request_bytes} bytes a request, "
+                        f"{self.limits.max_txn_ops} operations a transaction); give Planaria etcd's values "
+                        "(EtcdSettings, PLANARIA_ETCD_MAX_REQUEST_BYTES / PLANARIA_ETCD_MAX_TXN_OPS)") from err
             raise
 
     def _aborted(self, state) -> bool:
@@ -247,7 +301,10 @@ class EtcdClient:
         value, meta = self._call(f"get {key}", self._client.get, key)
         return value, (meta.version if meta is not None else 0)
 
-    def put(self, key: str, value: bytes, lease=None) -> None:
+    def put(self, key: str, value: bytes, lease=None, *, why: str | None = None) -> None:
+        """Write `value` (`why`: what makes it big, for the error if it is over etcd's limit)."""
+        size = self.limits.request_bytes([key.encode(), value], ops=1)
+        self.limits.check(f"put {key}", key, size, why=why)
         self._call(f"put {key}", self._client.put, key, value, lease=lease)
 
     def delete(self, key: str) -> bool:
@@ -256,8 +313,11 @@ class EtcdClient:
     def count_prefix(self, prefix: str) -> int:
         return len(self.keys_with_prefix(prefix))
 
-    def put_if_absent(self, key: str, value: bytes, lease=None) -> bool:
-        return bool(self._call(f"create {key}", self._client.put_if_not_exists, key, value, lease=lease))
+    def put_if_absent(self, key: str, value: bytes, lease=None, *, why: str | None = None) -> bool:
+        t = self.ops
+        ok, _ = self.transaction(f"create {key}", key, compare=[t.create(key) == 0],
+                                 success=[t.put(key, value, lease=lease)], why=why)
+        return bool(ok)
 
     def atomic_add(self, key: str, amount: int) -> int:
         """Add to an integer kept as decimal text; a compare-and-swap loop on its version.
@@ -271,33 +331,38 @@ class EtcdClient:
             if self._swap(key, version, str(new).encode()):
                 return new
 
-    def compare_and_set(self, key: str, expected: bytes, desired: bytes) -> bytes:
+    def compare_and_set(self, key: str, expected: bytes, desired: bytes, *, why: str | None = None) -> bytes:
         """c10d's compare_set: set `desired` if the value is `expected` (or the key is absent
         and `expected` is empty); return the value after."""
-        t = self._client.transactions
-        if expected:
-            compare = [t.value(key) == expected]
-        else:
-            compare = [t.version(key) == 0]
-        ok, _ = self._call(f"compare-and-set {key}", self._client.transaction, compare=compare,
-                           success=[t.put(key, desired)], failure=[])
+        ok, _ = self.transaction(f"compare-and-set {key}", key, *self._compare_and_set_ops(key, expected, desired),
+                                 why=why)
         return desired if ok else (self.get(key)[0] or b"")
 
+    def compare_and_set_bytes(self, key: str, expected: bytes, desired: bytes) -> int:
+        """The size of `compare_and_set`'s request, as checked against etcd's limit: for a
+        check before the write, where the caller knows what makes it big."""
+        return self.limits.txn_bytes(*self._compare_and_set_ops(key, expected, desired), [])
+
+    def _compare_and_set_ops(self, key: str, expected: bytes, desired: bytes) -> tuple[list, list]:
+        t = self.ops
+        compare = [t.value(key) == expected] if expected else [t.version(key) == 0]
+        return compare, [t.put(key, desired)]
+
     def set_if_revision(self, key: str, revision: int | None, value: bytes, *, lease=None,
-                        clear_prefix: str | None = None) -> tuple[bool, bytes | None, int]:
+                        clear_prefix: str | None = None, why: str | None = None) -> tuple[bool, bytes | None, int]:
         """Put `value` (bound to `lease`, if given) if the key's mod revision is `revision`
         (None: if it is absent), in one transaction that also reads the key back:
         (succeeded, value now, mod revision now; None and 0 when absent). Creating it
         (`revision` None) deletes the keys under `clear_prefix` in the same transaction."""
         from pyetcd.utils import prefix_range_end
 
-        t = self._client.transactions
+        t = self.ops
         compare = [t.version(key) == 0] if revision is None else [t.mod(key) == revision]
         success = [t.put(key, value, lease=lease), t.get(key)]
         if revision is None and clear_prefix:
             success.insert(0, t.delete(clear_prefix, range_end=prefix_range_end(clear_prefix.encode())))
-        ok, responses = self._call(f"compare-and-set {key}", self._client.transaction, compare=compare,
-                                   success=success, failure=[t.get(key)])
+        ok, responses = self.transaction(f"compare-and-set {key}", key, compare=compare, success=success,
+                                         failure=[t.get(key)], why=why)
         found = responses[-1]
         if not found:
             return ok, None, 0
@@ -310,10 +375,26 @@ class EtcdClient:
         return value, (meta.mod_revision if meta is not None else 0)
 
     def _swap(self, key: str, version: int, value: bytes) -> bool:
-        t = self._client.transactions
-        ok, _ = self._call(f"swap {key}", self._client.transaction, compare=[t.version(key) == version],
-                           success=[t.put(key, value)], failure=[])
+        t = self.ops
+        ok, _ = self.transaction(f"swap {key}", key, compare=[t.version(key) == version], success=[t.put(key, value)])
         return ok
+
+    # -- transactions -----------------------------------------------------------------
+    @property
+    def ops(self):
+        """The compares and operations of a `transaction` (`pyetcd.transactions`:
+        `ops.put(key, value)`, `ops.version(key) == 0`, ...)."""
+        return self._client.transactions
+
+    def transaction(self, what: str, key: str, compare: list, success: list, failure: list = (), *,
+                    why: str | None = None):
+        """One etcd transaction of `ops` compares and operations: (succeeded, responses).
+        Checked against etcd's limits before it is sent (`EtcdLimitExceeded`); `what` says
+        what it does and `key` which key it is for, in errors; `why` what makes it big."""
+        failure = list(failure)
+        largest = max(len(compare), len(success), len(failure))  # etcd limits each branch
+        self.limits.check(what, key, self.limits.txn_bytes(compare, success, failure), largest, why=why)
+        return self._call(what, self._client.transaction, compare=compare, success=success, failure=failure)
 
     # -- leases -----------------------------------------------------------------------
     def lease(self, ttl_s: int):

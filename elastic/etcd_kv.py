@@ -13,6 +13,9 @@ What each operation maps to:
   control plane's polls, which a reconfiguration waits on;
 - `add`: a compare-and-swap loop on the key's version (etcd has no atomic increment);
 - `compare_set`: one transaction comparing the value.
+Every write is checked against etcd's request limits before it is sent (`limits`;
+`EtcdLimitExceeded` over them): `compare_set_bytes` tells a writer the size of a
+`compare_set` beforehand, for a check where it knows what makes the value big.
 Waiting is polling, every 2 ms for a wait's first 0.1 s (a rendezvous's keys come within
 milliseconds of each other), then every 10 ms: a rendezvous touches few keys, and
 polling needs no watch stream to keep alive.
@@ -26,6 +29,7 @@ import time
 from datetime import timedelta
 
 from planaria.elastic.etcd_client import EtcdClient
+from planaria.elastic.etcd_limits import EtcdLimits
 from planaria.runtime.contract.store_reads import poll_pause
 
 _POLL_S = 0.01
@@ -94,6 +98,16 @@ class EtcdKeyValue:
 
     def compare_set(self, key: str, expected, desired) -> bytes:
         return self.client.compare_and_set(self._key(key), _bytes(expected), _bytes(desired))
+
+    def compare_set_bytes(self, key: str, expected, desired) -> int:
+        """The size of `compare_set(key, expected, desired)`'s request, as checked against
+        `limits.max_request_bytes` when it is sent."""
+        return self.client.compare_and_set_bytes(self._key(key), _bytes(expected), _bytes(desired))
+
+    @property
+    def limits(self) -> EtcdLimits:
+        """etcd's request limits, which every write is checked against before it is sent."""
+        return self.client.limits
 
     def delete_key(self, key: str) -> bool:
         return self.client.delete(self._key(key))

@@ -80,7 +80,8 @@ class Etcd3RendezvousBackend(RendezvousBackend):
         if self._lease is None or not self.client.refresh(self._lease):
             self._lease = self.client.lease(self.ttl_s)
         return self.client.set_if_revision(self.key, token, encoded, lease=self._lease,
-                                           clear_prefix=self.store_prefix)
+                                           clear_prefix=self.store_prefix,
+                                           why="torchrun's rendezvous state, which grows with the nodes that join")
 
     def _call(self, fn, *args):
         try:

@@ -33,6 +33,10 @@ ETCD_USER = "PLANARIA_ETCD_USER"
 ETCD_PASSWORD = "PLANARIA_ETCD_PASSWORD"
 """etcd's TLS files and credentials, for workers that reach the store in etcd (never on
 the command line, where `ps` shows them)."""
+ETCD_MAX_REQUEST_BYTES = "PLANARIA_ETCD_MAX_REQUEST_BYTES"
+ETCD_MAX_TXN_OPS = "PLANARIA_ETCD_MAX_TXN_OPS"
+"""etcd's `--max-request-bytes` and `--max-txn-ops`, for an etcd started with other values
+than its defaults: the client checks every request against them before sending it."""
 
 
 NCCL_RECOVERY = {

@@ -82,6 +82,16 @@ dist.destroy_process_group()
 """
 
 
+def test_a_read_under_a_prefix_may_answer_more_than_grpcs_default_4_mib(store):
+    """The controller reads every status of an epoch at once: 8.3 MiB of them at 4,096
+    nodes of 8 workers (`tests/elastic/test_etcd_limits.py`). gRPC refuses answers over
+    4 MiB unless told otherwise."""
+    for i in range(5):
+        store.set(f"status/{i}", bytes([i]) * 2**20)
+    found = store.items_under("status/")
+    assert sorted(found) == [f"status/{i}" for i in range(5)] and sum(map(len, found.values())) == 5 * 2**20
+
+
 @pytest.mark.multiprocess
 @pytest.mark.timeout(120)
 def test_gloo_process_group_rendezvous_through_etcd(etcd):
