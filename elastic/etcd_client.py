@@ -15,6 +15,9 @@ sent (`planaria.elastic.etcd_limits`: 1.5 MiB a request, 128 operations a transa
 unless the settings give the values etcd was started with): one over them raises
 `EtcdLimitExceeded` at once, naming the key, the size, the limit and the etcd flag,
 instead of etcd's bare refusal after the fact. It is never retried.
+Streams (`etcd_watch`'s watches) outlive any one call: `stream_targets` gives them the
+client's channels, one per member, to pick from, and the channels ping their member
+while a call is open (`keepalive_s`) so that a stream on a frozen or cut-off member ends.
 
 `EtcdSettings.to_env` / `from_env` carry the settings from an agent to the workers it
 starts (`PLANARIA_ETCD_*`, not on the command line where `ps` shows them), so that a
@@ -29,17 +32,20 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from tenacity import Retrying, retry_if_exception, stop_after_delay, wait_exponential
 
 from planaria.elastic.etcd_limits import MAX_REQUEST_BYTES, MAX_TXN_OPS, EtcdLimitExceeded, EtcdLimits
 from planaria.runtime.contract import env
 
+if TYPE_CHECKING:
+    import grpc
+
 _OUTAGE_REPORT_S = 1.0
 """An error that lasts this long is an outage worth a line (a blip is not)."""
-_GRPC_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 200), ("grpc.min_reconnect_backoff_ms", 200),
-                 ("grpc.max_reconnect_backoff_ms", 1000), ("grpc.max_receive_message_length", -1)]
+_RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 200), ("grpc.min_reconnect_backoff_ms", 200),
+                      ("grpc.max_reconnect_backoff_ms", 1000), ("grpc.max_receive_message_length", -1)]
 """gRPC backs off its reconnections up to 120 s by default: after a long etcd outage a
 channel would stay down for many seconds after etcd is back. Our own retries pace the
 attempts, so the channel may try again within a second.
@@ -49,6 +55,23 @@ max"), and the controller reads every status of an epoch in one range read: 2.8 
 of them at 1,024 nodes of 8 workers (LLaMA 3 70B), 8.3 MiB at 4,096, and more with the
 keys. etcd sends answers of any size (its own send limit is 2 GiB), so the client
 takes them whole (-1: no cap); what the job writes bounds them."""
+
+
+def _grpc_options(settings: "EtcdSettings") -> list[tuple[str, int]]:
+    """The channels' options: fast reconnection, and keepalive pings while a call is open.
+
+    A watch stream (`etcd_watch`) is open for hours with nothing to carry: without pings,
+    a member that froze or whose network vanished without a reset leaves it silent for as
+    long as TCP holds. gRPC pings only while a call is open (not on an idle channel, which
+    etcd would take for abuse), and needs `ping_timeout_ms` besides `keepalive_timeout_ms`
+    to act on a missing answer (measured: with the latter alone a SIGSTOPped member's
+    stream stayed open); `max_pings_without_data` 0 keeps pinging a stream that carries
+    nothing."""
+    keepalive_ms = int(settings.keepalive_s * 1000)
+    answer_ms = keepalive_ms // 2  # not timeout_s: a test's 0.2 s would close live connections
+    return [*_RECONNECT_OPTIONS, ("grpc.keepalive_time_ms", keepalive_ms),
+            ("grpc.keepalive_timeout_ms", answer_ms), ("grpc.http2.ping_timeout_ms", answer_ms),
+            ("grpc.http2.max_pings_without_data", 0)]
 
 
 class LeaseExpired(RuntimeError):
@@ -79,6 +102,10 @@ class EtcdSettings:
     """etcd's `--max-request-bytes`: give the value etcd was started with, if not its default."""
     max_txn_ops: int = MAX_TXN_OPS
     """etcd's `--max-txn-ops`: give the value etcd was started with, if not its default."""
+    keepalive_s: float = 10.0
+    """While a call (a watch) is open, its member is pinged this often and must answer
+    within half that: a stream on a frozen or cut-off member ends within 1.5 times it.
+    etcd refuses pings more often than every 5 s (its `--grpc-keepalive-min-time`)."""
 
     def __post_init__(self) -> None:
         for part in self.endpoint.split(","):
@@ -95,6 +122,10 @@ class EtcdSettings:
             raise ValueError("etcd client TLS needs both cert_cert and cert_key, or neither")
         if (self.user is None) != (self.password is None):
             raise ValueError("etcd authentication needs both user and password, or neither")
+        if self.keepalive_s < 5.0:
+            raise ValueError(f"etcd keepalive_s must be at least 5 s (etcd's default "
+                             f"--grpc-keepalive-min-time closes connections that ping more often), "
+                             f"got {self.keepalive_s}")
         EtcdLimits(self.max_request_bytes, self.max_txn_ops)  # refuse impossible limits now, not at a write
 
     @property
@@ -207,11 +238,11 @@ class EtcdClient:
             self._client = pyetcd.client(host=host, port=int(port), ca_cert=settings.ca_cert,
                                          cert_key=settings.cert_key, cert_cert=settings.cert_cert,
                                          timeout=settings.timeout_s, user=settings.user,
-                                         password=settings.password, grpc_options=_GRPC_OPTIONS)
+                                         password=settings.password, grpc_options=_grpc_options(settings))
         else:
             creds = _credentials(settings)
             endpoints = [pyetcd.Endpoint(host, int(port), secure=creds is not None, creds=creds,
-                                         opts=_GRPC_OPTIONS) for host, _, port in parts]
+                                         opts=_grpc_options(settings)) for host, _, port in parts]
             self._client = pyetcd.MultiEndpointEtcd3Client(
                 endpoints=endpoints, timeout=settings.timeout_s, user=settings.user,
                 password=settings.password, failover=True)
@@ -430,6 +461,28 @@ class EtcdClient:
         it); None when it has expired or was revoked."""
         info = self._call(f"look at lease {lease_id:x}", self._client.get_lease_info, lease_id)
         return None if info.TTL < 0 else float(info.grantedTTL - info.TTL)
+
+    def read_range(self, key: str,
+                   range_end: bytes | None = None) -> tuple[list[tuple[bytes, bytes, int]], int]:
+        """One Range: the (key, value, mod revision) of `key`, or of the keys in [`key`,
+        `range_end`), and the revision etcd was at when it read them."""
+        kwargs = {} if range_end is None else {"range_end": range_end}
+        response = self._call(f"read {key}", self._client.get_response, key, **kwargs)
+        return [(kv.key, kv.value, kv.mod_revision) for kv in response.kvs], response.header.revision
+
+    # -- for streams ------------------------------------------------------------------
+    # A stream (a watch) outlives any one call: it picks its member itself and moves on
+    # when that member fails, on the client's own channels (one connection per member).
+    def stream_targets(self) -> list[tuple[str, grpc.Channel]]:
+        """(host:port, gRPC channel) of every member, the one the calls use now first."""
+        current = self._client.endpoint_in_use
+        endpoints = sorted(self._client.endpoints.values(), key=lambda ep: ep is not current)
+        return [(ep.netloc, ep.channel) for ep in endpoints]
+
+    @property
+    def call_metadata(self) -> tuple[tuple[str, str], ...]:
+        """What every call carries besides its request: the auth token, when there is one."""
+        return tuple(self._client.metadata or ())
 
     def close(self) -> None:
         self._client.close()

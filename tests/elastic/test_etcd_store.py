@@ -117,6 +117,8 @@ def test_bad_settings_are_refused(tmp_path):
         EtcdSettings(ca_cert=str(tmp_path / "missing.pem"))
     with pytest.raises(ValueError, match="both user and password"):
         EtcdSettings(user="me")
+    with pytest.raises(ValueError, match="keepalive_s must be at least 5 s"):
+        EtcdSettings(keepalive_s=1.0)  # etcd would close the connection for pinging too often
 
 
 def test_an_etcd_on_a_port_in_use_is_refused(etcd):
