@@ -129,9 +129,11 @@ class Agent:
         self.store_url = f"etcd://{settings.endpoint}{self.prefix.rstrip('/')}"
         self.config, self.overrides = config, overrides
         self.cfg = load_config(config, overrides)
-        self.notices = PreemptionNotices(self.client, self.prefix, watcher=watcher, grace_s=preemption_grace_s,
+        self.notices = PreemptionNotices(self.client, self.prefix, store=self.store, watcher=watcher,
+                                         grace_s=preemption_grace_s,
                                          signals=notice_signums, log=self.log)
         self.membership = Membership(self.client, self.prefix, node=node, nproc=nproc, run_id=run_id,
+                                     leader_view=lambda: self.store.get_if_present(keys.LEADER),
                                      ttl_s=lease_ttl_s, log=self.log)
         self.supervisor = WorkerSupervisor(
             node=node, nproc=nproc, store=self.store, lease=lambda: self.membership.lease, store_url=self.store_url,
@@ -170,6 +172,7 @@ class Agent:
         except NodeNameTaken as err:
             self.log(str(err))
             return 2
+        self._follow_job()
         threading.Thread(target=self.membership.keep_alive, args=(self._stop, lambda: self._signal is not None),
                          daemon=True, name="lease").start()
         if self.notices.watcher is not None:
@@ -186,6 +189,24 @@ class Agent:
             if self.metrics is not None:
                 self.metrics.stop()
             self.supervisor.finish_tails()
+
+    def _follow_job(self) -> None:
+        """The keys this agent asks about at every look, mirrored by watches from now on
+        (`EtcdKeyValue.follow`): its looks cost etcd no request while nothing changes."""
+        for key in (keys.LEADER, keys.DONE):
+            self.store.follow(key)
+        for prefix in ("kill/", keys.PROBE):
+            self.store.follow(prefix, prefix=True)
+
+    LEADER_PREFIXES = (keys.ALIVE, keys.UNREACHABLE, keys.NOTICE, "ready/")
+    """What the leader's controller reads at every poll, mirrored while it leads."""
+
+    def _follow_as_leader(self, leading: bool) -> None:
+        for prefix in self.LEADER_PREFIXES:
+            if leading:
+                self.store.follow(prefix, prefix=True)
+            else:
+                self.store.unfollow(prefix)
 
     def _loop(self) -> int:
         """Look at the node and the job every monitor interval until the agent's exit code."""
@@ -311,8 +332,7 @@ class Agent:
 
     # --------------------------------------------------------- reachability
     def _probe_addresses(self) -> dict[str, str]:
-        return {node: value.decode() for node, value in
-                self.client.items_with_prefix(self.prefix + keys.PROBE).items()}
+        return {key[len(keys.PROBE):]: value.decode() for key, value in self.store.items_under(keys.PROBE).items()}
 
     def _publish_reachability(self) -> None:
         """Hand the probe the other nodes' listeners (every 2 s), and publish the nodes
@@ -341,8 +361,8 @@ class Agent:
         sees it now (the leader's agent publishes nothing while its controller waits)."""
         read_at, views = self._views
         if time.monotonic() - read_at >= 0.5:
-            views = {node: json.loads(value) for node, value in
-                     self.client.items_with_prefix(self.prefix + keys.UNREACHABLE).items()}
+            views = {key[len(keys.UNREACHABLE):]: json.loads(value)
+                     for key, value in self.store.items_under(keys.UNREACHABLE).items()}
             self._views = (time.monotonic(), views)
         return {**views, self.node: list(self.probe.unreachable)}
 
@@ -400,9 +420,11 @@ class Agent:
             if self.controller is not None:
                 self.log(f"{holder or 'nobody'} leads the job now; following")
                 self.controller = None
+                self._follow_as_leader(False)
             return False
         if self.controller is None:
             self.log("leading the job")
+            self._follow_as_leader(True)
             self.controller = self._new_controller()
         return True
 
@@ -427,7 +449,7 @@ class Agent:
         timeout (minutes), the whole job with it."""
         gone = set(self.probe.gone) if self.probe is not None else set()
         exited = self.supervisor.exited()
-        return {w for w in map(parse_worker_key, self.client.keys_with_prefix(self.prefix + keys.ALIVE))
+        return {w for w in (parse_worker_key(key[len(keys.ALIVE):]) for key in self.store.items_under(keys.ALIVE))
                 if w[0] not in gone and w not in exited}
 
     def _kill(self, worker: Worker) -> None:

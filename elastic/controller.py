@@ -60,7 +60,7 @@ from planaria.runtime.contract.epochs import EpochEvent, EpochRecord
 from planaria.runtime.contract.exactly_once import InconsistentStatuses, Resolution, WorkerStatus, resolve
 from planaria.runtime.contract.keys import worker_key
 from planaria.runtime.contract.membership import LeaveNotice
-from planaria.runtime.contract.store_reads import FAST_POLL_S, read_present
+from planaria.runtime.contract.store_reads import FAST_POLL_S, follow, generation, read_present, unfollow, wait_for_change
 from planaria.templates.plan import Plan, Worker
 from planaria.templates.planner import Planner
 
@@ -119,6 +119,9 @@ class Controller:
         self._stalled = 0
         self._join_deferred = -1  # the epoch whose join wait was logged
         self._killed: set[Worker] = set()
+        self._followed: int | None = None
+        self._mirrored = False
+        """The epoch whose keys are followed (`_follow_epoch`)."""
         self._sources: set[Worker] = set()
         """The leaving workers the epoch in force receives layers from (`EpochRecord.leaving`):
         one gone without its word that its copies landed fails the epoch (`_lost_sources`)."""
@@ -180,6 +183,7 @@ class Controller:
             return False
         record = EpochRecord.from_json(self.store.get(keys.epoch_record(epoch)))
         self.epoch, self.plan = epoch, record.plan
+        self._follow_epoch(epoch)
         self._sources = {t.src for t in record.transfers if t.src[0] in record.leaving}
         # Checkpoints an earlier leader completed (and pruned): not to be completed again.
         self.checkpoints.completed = [i for i, _ in self.checkpoints.on_disk()]
@@ -427,6 +431,7 @@ class Controller:
         released rather than left to their collective timeout."""
         deadline = ReachableDeadline(self.status_timeout_s)  # an etcd outage is no silence
         while True:
+            since = generation(self.store)
             expected = members & (alive_now() - self._killed)
             if not released and expected != members:
                 self.store.set(keys.epoch_reconfigure(self.epoch), keys.FAILURE)
@@ -439,7 +444,8 @@ class Controller:
                                   f"reconfiguration to epoch {self.epoch + 1} over")
             # The statuses come at the next step boundary, then within milliseconds of
             # each other: once the first is in, the rest are polled for every 2 ms.
-            time.sleep(FAST_POLL_S if statuses else 0.02)
+            # (Over etcd the statuses are followed: the wait ends at the next one.)
+            wait_for_change(self.store, since, 0.25 if self._mirrored else FAST_POLL_S if statuses else 0.02)
         if expected - set(statuses):
             self._check_leading()
         for worker in sorted(expected - set(statuses)):
@@ -507,6 +513,18 @@ class Controller:
             raise StaleLeader(f"the job's epoch is {now!r}, not {expected!r} as this controller "
                               f"believed; another leader took over, so this one steps down")
         self.epoch = epoch
+        self._follow_epoch(epoch)
+
+    def _follow_epoch(self, epoch: int) -> None:
+        """Mirror the epoch in force's statuses and its first step (over etcd: a watch, so
+        that the polls of `poll` and `_collect_statuses` read them without a request, and
+        a status wakes the wait for the others at once), and no longer the last one's."""
+        if self._followed is not None:
+            unfollow(self.store, keys.epoch_statuses(self._followed))
+            unfollow(self.store, keys.epoch_trained(self._followed))
+        self._mirrored = follow(self.store, keys.epoch_statuses(epoch), prefix=True)
+        follow(self.store, keys.epoch_trained(epoch))
+        self._followed = epoch
 
     def _end(self, outcome: str) -> None:
         self.outcome = outcome

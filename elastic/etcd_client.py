@@ -15,6 +15,7 @@ sent (`planaria.elastic.etcd_limits`: 1.5 MiB a request, 128 operations a transa
 unless the settings give the values etcd was started with): one over them raises
 `EtcdLimitExceeded` at once, naming the key, the size, the limit and the etcd flag,
 instead of etcd's bare refusal after the fact. It is never retried.
+
 Streams (`etcd_watch`'s watches) outlive any one call: `stream_targets` gives them the
 client's channels, one per member, to pick from, and the channels ping their member
 while a call is open (`keepalive_s`) so that a stream on a frozen or cut-off member ends.

@@ -20,15 +20,23 @@ Waiting is polling, every 2 ms for a wait's first 0.1 s (a rendezvous's keys com
 milliseconds of each other), then every 10 ms: a rendezvous touches few keys, and
 polling needs no watch stream to keep alive.
 
+Keys that the control plane asks about again and again (the job's epoch, an epoch's
+end, the leader, the statuses while they come in) are `follow`ed instead: a watch keeps
+a mirror of them (`planaria.elastic.etcd_watch.Mirror`), every read of them is answered
+from it without a request, and `wait_changed` wakes as soon as one changes. A poll of
+them costs etcd nothing while nothing changes (docs/control_plane.md, "At scale").
+
 `EtcdKeyValue` is torch-free: a node's agent runs the control plane over it and never
 imports torch (seconds at start-up, and a few hundred MB that an agent has no use for).
 """
 from __future__ import annotations
 
+import threading
 import time
 from datetime import timedelta
 
 from planaria.elastic.etcd_client import EtcdClient
+from planaria.elastic.etcd_watch import Mirror
 from planaria.elastic.etcd_limits import EtcdLimits
 from planaria.runtime.contract.store_reads import poll_pause
 
@@ -48,6 +56,62 @@ class EtcdKeyValue:
         self.client = client
         self.prefix = prefix.rstrip("/") + "/"
         self._timeout = timeout
+        self._mirrors: dict[str, tuple[Mirror, bool]] = {}
+        """{followed key or prefix: (its mirror, whether it is a prefix)}."""
+        self._lock = threading.Lock()
+        self._changed = threading.Condition()
+        self._generation = 0
+        """Changes the mirrors applied so far (`wait_changed`)."""
+
+    # -- followed keys ----------------------------------------------------------------
+    def follow(self, key: str, prefix: bool = False) -> None:
+        """Mirror `key` (or every key under it, with `prefix`) from now on: one read and a
+        watch, then reads of it make no request (module docstring). Again: nothing."""
+        with self._lock:
+            if key in self._mirrors:
+                return
+            self._mirrors[key] = (Mirror(self.client, self._key(key), prefix=prefix, on_change=self._on_change),
+                                  prefix)
+
+    def unfollow(self, key: str) -> None:
+        """Stop mirroring `key` (its reads go to etcd again)."""
+        with self._lock:
+            found = self._mirrors.pop(key, None)
+        if found is not None:
+            found[0].close()
+
+    def close(self) -> None:
+        """Stop every mirror (the store still reads and writes, through etcd)."""
+        with self._lock:
+            mirrors, self._mirrors = list(self._mirrors.values()), {}
+        for mirror, _ in mirrors:
+            mirror.close()
+
+    def generation(self) -> int:
+        """How many changes the mirrors have applied: give it to `wait_changed`."""
+        with self._changed:
+            return self._generation
+
+    def wait_changed(self, since: int, timeout_s: float) -> bool:
+        """Wait until a followed key changed after `generation()` was `since`, for up to
+        `timeout_s`; True if one did. Without followed keys it only sleeps."""
+        with self._changed:
+            return self._changed.wait_for(lambda: self._generation != since, timeout_s)
+
+    def _on_change(self, changes) -> None:
+        with self._changed:
+            self._generation += 1
+            self._changed.notify_all()
+
+    def _mirror_of(self, key: str) -> tuple[Mirror, str] | None:
+        """The mirror that holds `key`, and its name there; None when it is not followed."""
+        found = self._mirrors.get(key)
+        if found is not None and not found[1]:
+            return found[0], ""
+        for followed, (mirror, prefix) in list(self._mirrors.items()):
+            if prefix and key.startswith(followed):
+                return mirror, key[len(followed):]
+        return None
 
     # -- helpers --------------------------------------------------------------------
     def _key(self, key: str) -> str:
@@ -79,16 +143,25 @@ class EtcdKeyValue:
         return self._wait_for([key], None)[key]
 
     def get_if_present(self, key: str) -> bytes | None:
-        """The value of `key`, or None: one read (a Store's `check` then `get` takes two)."""
+        """The value of `key`, or None: one read (a Store's `check` then `get` takes two),
+        none when it is followed."""
+        mirrored = self._mirror_of(key)
+        if mirrored is not None:
+            return mirrored[0].value(mirrored[1])
         return self.client.get(self._key(key))[0]
 
     def items_under(self, prefix: str) -> dict[str, bytes]:
-        """{key: value} of every key under `prefix` (keys as given to `set`), in one read:
-        the controller reads all the statuses of an epoch at once."""
+        """{key: value} of every key under `prefix` (keys as given to `set`), in one read
+        (none when followed): the controller reads all the statuses of an epoch at once."""
+        mirrored = self._mirror_of(prefix)
+        if mirrored is not None:
+            mirror, name = mirrored
+            return {prefix + rest[len(name):]: value for rest, value in mirror.items().items()
+                    if rest.startswith(name)}
         return {prefix + rest: value for rest, value in self.client.items_with_prefix(self._key(prefix)).items()}
 
     def check(self, keys: list[str]) -> bool:
-        return all(self.client.get(self._key(k))[0] is not None for k in keys)
+        return all(self.get_if_present(k) is not None for k in keys)
 
     def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
         self._wait_for(keys, timeout)

@@ -36,8 +36,10 @@ class Membership:
     """This node's lease, its registration under it, its renewal, and its loss."""
 
     def __init__(self, client: EtcdClient, prefix: str, *, node: str, nproc: int, run_id: str, ttl_s: int,
-                 log: Callable[[str], None]):
+                 log: Callable[[str], None], leader_view: Callable[[], bytes | None] | None = None):
         self.client, self.prefix, self.node, self.nproc, self.run_id = client, prefix, node, nproc, run_id
+        self.leader_view = leader_view
+        """`leader` as a watch mirrors it (no request); None: read from etcd at every campaign."""
         self.ttl_s = ttl_s
         self.log = log
         self.lease = None
@@ -106,7 +108,14 @@ class Membership:
     def campaign(self) -> str | None:
         """Campaign for `leader` (a create-if-absent under the lease), or read who holds
         it: a lease that expired while etcd was away may have handed it to another agent.
-        The node that leads the job now (this one, if it won), or None."""
+        The node that leads the job now (this one, if it won), or None.
+
+        With a mirror of `leader` (`leader_view`) a campaign is only made while the key is
+        absent: one create when a leader's lease is gone, not one at every look (ten a
+        second per node). A stale view does no harm: the controller asks `still_leading`
+        of etcd itself before it acts."""
+        if self.leader_view is not None and (held := self.leader_view()) is not None:
+            return held.decode()
         won = self.client.put_if_absent(self.prefix + keys.LEADER, self.node.encode(), lease=self.lease)
         holder = self.node.encode() if won else self.client.get(self.prefix + keys.LEADER)[0]
         return None if holder is None else holder.decode()

@@ -38,9 +38,11 @@ class PreemptionNotices:
     """This node's notice, from a signal or the cloud, and the posted notices of all."""
 
     def __init__(self, client: EtcdClient, prefix: str, *, watcher: _Watcher | None, grace_s: float,
-                 signals: list[signal.Signals], log: Callable[[str], None]):
-        """`signals`: those read as a notice (none: every signal stops the node at once)."""
-        self.client, self.prefix, self.log = client, prefix, log
+                 signals: list[signal.Signals], log: Callable[[str], None], store=None):
+        """`signals`: those read as a notice (none: every signal stops the node at once);
+        `store`: the job's `EtcdKeyValue` (the leader's follows the notices: `posted`
+        reads them of its mirror), or None: read through `client`."""
+        self.client, self.prefix, self.log, self.store = client, prefix, log, store
         self.watcher = watcher
         """The cloud's notice watcher (`preemption.make_watcher`; None for `signal`: `on_signal` is it)."""
         self.grace_s = grace_s
@@ -119,7 +121,10 @@ class PreemptionNotices:
         """{node: its notice}, for the controller (read at most four times a second)."""
         read_at, notices = self._read
         if time.monotonic() - read_at >= 0.25:
-            notices = {node: LeaveNotice.from_json(value) for node, value in
-                       self.client.items_with_prefix(self.prefix + keys.NOTICE).items()}
+            if self.store is not None:
+                found = {key[len(keys.NOTICE):]: value for key, value in self.store.items_under(keys.NOTICE).items()}
+            else:
+                found = self.client.items_with_prefix(self.prefix + keys.NOTICE)
+            notices = {node: LeaveNotice.from_json(value) for node, value in found.items()}
             self._read = (time.monotonic(), notices)
         return notices

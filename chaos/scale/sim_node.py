@@ -79,6 +79,7 @@ class SimulatedAgent(Agent):
             shutdown_timeout_s=0.0, log_dir=log_dir, output=None, log=self.log)
         self.exit_code: int | None = None
         self.thread: threading.Thread | None = None
+        self.worker_stores: list[EtcdStore] = []
 
     def log(self, message: str) -> None:
         self.lines.append(message)
@@ -91,6 +92,7 @@ class SimulatedAgent(Agent):
         # Dies with its node: the node's cut cuts it too.
         client.killed = _Either(client.killed, self.cut_client.killed)
         store = EtcdStore(client, self.prefix)
+        self.worker_stores.append(store)
         simulated = SimulatedWorker(store, worker, plane=self.plane, observer=self.observer, step_s=self.step_s,
                                     total_steps=self.cfg.train.steps, backend=self.backend, log=self.log)
         return client.cut, simulated
@@ -117,6 +119,7 @@ class SimulatedAgent(Agent):
             self.log(refused)
             return 2
         self._register()
+        self._follow_job()
         threading.Thread(target=self._keep_alive, daemon=True, name=f"lease-{self.node}").start()
         self.supervisor.start()
         self.client.retry_s = self.outage_limit_s
@@ -137,6 +140,9 @@ class SimulatedAgent(Agent):
         self._stop.set()
         for process in list(self.supervisor.workers.values()):
             process.kill()
+        # Their watches' streams end with them (a dead process's connections close).
+        for store in [self.store, *self.worker_stores]:
+            store.close()
 
     def notice(self, grace_s: float) -> None:
         """A preemption notice, as the signal would bring it (`PreemptionNotices.on_signal`)."""

@@ -7,7 +7,12 @@ etcd each is a network round trip, and a poll of every status of an epoch took t
 milliseconds of the pause at a reconfiguration. The job's etcd store
 (`planaria.elastic.etcd_kv.EtcdKeyValue`) reads a key, or every key under a prefix, in
 one; any other store (a test's or the local launcher's TCPStore, which answers in
-microseconds) is read key by key."""
+microseconds) is read key by key.
+
+Keys polled again and again can be followed (`follow`): the etcd store then mirrors them
+through a watch and answers their reads without a request, and `wait_for_change` wakes a
+poll as soon as one changes. Over a store that cannot follow (a TCPStore), following is
+nothing, and a wait for a change is a sleep: the same code polls as it always did."""
 from __future__ import annotations
 
 import time
@@ -45,3 +50,38 @@ def read_present(store, prefix: str, wanted: Mapping[object, str]) -> dict[objec
         found = under(prefix)
         return {name: found[key] for name, key in wanted.items() if key in found}
     return {name: store.get(key) for name, key in wanted.items() if store.check([key])}
+
+
+def follow(store, key: str, prefix: bool = False) -> bool:
+    """Have `store` mirror `key` (or the keys under it), if it can; True if it does. A
+    store that cannot be reached now is polled instead (False)."""
+    method = getattr(store, "follow", None)
+    if method is None:
+        return False
+    try:
+        method(key, prefix)
+    except Exception:  # noqa: BLE001 - etcd away: the reads go to the store, as without a mirror
+        return False
+    return True
+
+
+def unfollow(store, key: str) -> None:
+    method = getattr(store, "unfollow", None)
+    if method is not None:
+        method(key)
+
+
+def generation(store) -> int:
+    """The store's count of changes to followed keys (0 for a store that follows none)."""
+    method = getattr(store, "generation", None)
+    return method() if method is not None else 0
+
+
+def wait_for_change(store, since: int, timeout_s: float) -> bool:
+    """Until a followed key of `store` changed since `generation` was `since`, or
+    `timeout_s`; a plain sleep for a store that follows nothing. True if one changed."""
+    method = getattr(store, "wait_changed", None)
+    if method is None:
+        time.sleep(timeout_s)
+        return False
+    return method(since, timeout_s)

@@ -24,7 +24,8 @@ from planaria.runtime.contract.deadline import ReachableDeadline
 from planaria.runtime.contract.epochs import EpochRecord, EpochTiming, Progress
 from planaria.runtime.contract.exactly_once import CommitRecord, WorkerStatus
 from planaria.runtime.contract.membership import Announcement
-from planaria.runtime.contract.store_reads import poll_pause, read_if_present
+from planaria.runtime.contract.store_reads import (follow, generation, poll_pause, read_if_present, unfollow,
+                                                   wait_for_change)
 from planaria.runtime.worker.abandonable_store import AbandonableStore
 from planaria.templates.plan import Worker
 
@@ -61,7 +62,10 @@ class StoreCoordinator:
         first, TimeoutError if nothing came within `timeout_s`."""
         deadline = ReachableDeadline(timeout_s)
         started = time.monotonic()
+        # Followed (an etcd store): asked of a mirror, woken by its watch, no request.
+        followed = follow(self.store, keys.DONE) & follow(self.store, keys.EPOCH)
         while True:
+            since = generation(self.store)
             if (done := read_if_present(self.store, keys.DONE)) is not None:
                 raise JobEnded(done.decode())
             if (current := read_if_present(self.store, keys.EPOCH)) is not None and int(current) > after:
@@ -70,7 +74,7 @@ class StoreCoordinator:
             if deadline.expired():
                 raise TimeoutError(f"worker {self._key}: no epoch after {after} within {timeout_s:.0f} s; "
                                    "is the control plane alive?")
-            time.sleep(poll_pause(started, FAST_FOR_S, POLL_S))
+            wait_for_change(self.store, since, 1.0 if followed else poll_pause(started, FAST_FOR_S, POLL_S))
 
     def prepared_record(self, epoch: int) -> EpochRecord | None:
         """The next epoch's record as the controller prepared it before asking `epoch` to
@@ -135,13 +139,30 @@ class StoreCoordinator:
                 return False
             time.sleep(0.05)
 
+    def follow_epoch(self, epoch: int) -> bool:
+        """Mirror `epoch`'s end (`keys.epoch_reconfigure`) while the epoch runs: the epoch
+        watcher's polls and the rendezvous's `reconfigure_requested` cost no request, and
+        `wait_changed` wakes at the word. True if the store can (etcd's)."""
+        return follow(self.store, keys.epoch_reconfigure(epoch))
+
+    def unfollow_epoch(self, epoch: int) -> None:
+        unfollow(self.store, keys.epoch_reconfigure(epoch))
+
+    def generation(self) -> int:
+        """Give it to `wait_changed`."""
+        return generation(self.store)
+
+    def wait_changed(self, since: int, timeout_s: float) -> bool:
+        """Until a followed key changed (a sleep of `timeout_s` over a store that follows none)."""
+        return wait_for_change(self.store, since, timeout_s)
+
     def reconfigure_requested(self, epoch: int) -> bool:
         return self.store.check([keys.epoch_reconfigure(epoch)])
 
     def epoch_over(self, epoch: int) -> str | None:
         """Why the control plane ended `epoch` (`keys.JOIN`, `keys.FAILURE`), or None."""
-        key = keys.epoch_reconfigure(epoch)
-        return self.store.get(key).decode() if self.store.check([key]) else None
+        value = read_if_present(self.store, keys.epoch_reconfigure(epoch))
+        return None if value is None else value.decode()
 
 
 def store_ports(url: str) -> set[int]:

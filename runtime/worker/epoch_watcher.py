@@ -18,8 +18,8 @@ from planaria.runtime.worker.coordination import StoreCoordinator
 
 
 class EpochWatcher(threading.Thread):
-    """Asks the control plane every `period_s` whether it ended this epoch, off the
-    training step: a step never waits on the store, and a store that is away (etcd down)
+    """Asks the control plane whether it ended this epoch (at every change of a followed
+    key, else every `period_s`), off the training step: a step never waits on the store, and a store that is away (etcd down)
     only means that no word is seen until it is back.
 
     A join (`keys.JOIN`) sets `requested`: the commit of the current iteration carries
@@ -49,17 +49,28 @@ class EpochWatcher(threading.Thread):
         self.requested, self.done, self._local = threading.Event(), threading.Event(), threading.Event()
 
     def run(self) -> None:
+        # Over etcd the epoch's end is followed: the polls below read a mirror, and a watch
+        # wakes this thread at the word (docs/control_plane.md, "At scale").
+        self.coordinator.follow_epoch(self.epoch)
+        try:
+            self._watch()
+        finally:
+            self.coordinator.unfollow_epoch(self.epoch)
+
+    def _watch(self) -> None:
         # Asked at once, then every period: an epoch can be over before it began (one that
         # a planned leave prepared, given up during the stop: `Controller._publish_prepared`).
         while True:
+            since = self.coordinator.generation()
             try:
                 self._publish_progress()
                 reason = self.coordinator.epoch_over(self.epoch)
             except Exception:  # the store is unreachable: keep training, ask again later
                 reason = None
             if reason is None:
-                if self.done.wait(self.period_s):
+                if self.done.is_set():
                     return
+                self.coordinator.wait_changed(since, self.period_s)
                 continue
             self.requested.set()
             if reason == keys.FAILURE and self.release is not None:
