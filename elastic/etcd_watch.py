@@ -269,6 +269,9 @@ class Mirror:
             except Exception as err:
                 if self._closed.is_set():
                     break
+                if isinstance(err, ValueError) and "Channel closed" in str(err):
+                    self._closed.set()  # its client was closed: nothing is left to watch with
+                    break
                 self._down(member, _describe(err))
                 if not isinstance(err, (_Canceled, _grpc_error())):
                     _log.exception("watch on %s: unexpected error", self.key)

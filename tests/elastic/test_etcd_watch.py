@@ -57,12 +57,28 @@ def server_counts(endpoint: str) -> dict[str, float]:
     return found
 
 
+def watch_threads() -> set[threading.Thread]:
+    """Mirror threads, and gRPC's threads that feed a stream its requests."""
+    return {t for t in threading.enumerate()
+            if t.name.startswith("planaria-watch") or "consume_request_iterator" in t.name}
+
+
+_OTHERS: set[threading.Thread] = set()
+"""Watch threads of other tests' objects (a controller of another test follows keys)."""
+
+
+@pytest.fixture(autouse=True)
+def _others_watch_threads():
+    _OTHERS.clear()
+    _OTHERS.update(watch_threads())
+    yield
+
+
 def no_watch_threads_within(timeout_s: float) -> bool:
-    """No mirror thread is left, nor gRPC's thread that feeds a stream its requests."""
+    """No mirror thread of this test is left, nor gRPC's thread that feeds its stream."""
     deadline = time.monotonic() + timeout_s
     while True:
-        names = [t.name for t in threading.enumerate()]
-        if not any(n.startswith("planaria-watch") or "consume_request_iterator" in n for n in names):
+        if not watch_threads() - _OTHERS:
             return True
         if time.monotonic() > deadline:
             return False
