@@ -124,7 +124,7 @@ class SimulatedWorker:
             stop = barrier.step(rank, iteration, watcher.requested.is_set())
             self.last_stepped, self.synced = iteration, False
             self.commit = CommitRecord(iteration, loss=1.0, grad_norm=1.0)
-            if iteration == first:
+            if iteration == first and rank == 0:
                 self.coordinator.mark_trained(epoch)
                 self.observer.first_step(epoch)
             self._last_commit = (epoch, iteration, time.time())

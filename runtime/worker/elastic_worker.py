@@ -347,7 +347,9 @@ class ElasticWorker:
         def first_step(engine: Engine, ctx) -> None:
             if self._timing.first_step_s is None:
                 self._mark(first_step_s=time.time())
-                self.coordinator.mark_trained(epoch)
+                # Every rank committed it: one word says so (not a write per worker).
+                if engine.rank == 0:
+                    self.coordinator.mark_trained(epoch)
 
         # The commit is logged before the evaluation: a failure during it never hides a
         # committed step from the logs.

@@ -51,13 +51,13 @@ class EpochWatcher(threading.Thread):
     def run(self) -> None:
         # Over etcd the epoch's end is followed: the polls below read a mirror, and a watch
         # wakes this thread at the word (docs/control_plane.md, "At scale").
-        self.coordinator.follow_epoch(self.epoch)
+        followed = self.coordinator.follow_epoch(self.epoch)
         try:
-            self._watch()
+            self._watch(followed)
         finally:
             self.coordinator.unfollow_epoch(self.epoch)
 
-    def _watch(self) -> None:
+    def _watch(self, followed: bool) -> None:
         # Asked at once, then every period: an epoch can be over before it began (one that
         # a planned leave prepared, given up during the stop: `Controller._publish_prepared`).
         while True:
@@ -67,10 +67,15 @@ class EpochWatcher(threading.Thread):
                 reason = self.coordinator.epoch_over(self.epoch)
             except Exception:  # the store is unreachable: keep training, ask again later
                 reason = None
+            if self.done.is_set():
+                # The worker has left the epoch: a word about it now must not release the
+                # collectives of the next one (a release shuts down what the process opened).
+                return
             if reason is None:
-                if self.done.is_set():
+                if followed:  # woken by the word itself (or, to publish progress, each period)
+                    self.coordinator.wait_changed(since, self.period_s)
+                elif self.done.wait(self.period_s):
                     return
-                self.coordinator.wait_changed(since, self.period_s)
                 continue
             self.requested.set()
             if reason == keys.FAILURE and self.release is not None:
