@@ -23,6 +23,7 @@ from planaria.chaos.scale.data_plane import DataPlane
 from planaria.elastic.agent import Agent
 from planaria.elastic.etcd_store import EtcdStore
 from planaria.elastic.worker_supervisor import WorkerSupervisor
+from planaria.runtime.worker.store_trace import TracingStore, trace_path
 from planaria.templates.plan import Worker
 
 
@@ -64,8 +65,13 @@ class SimulatedAgent(Agent):
     """The real agent of a simulated node (module docstring)."""
 
     def __init__(self, *, node: str, nproc: int, client, plane: DataPlane, observer: Observer,
-                 step_s: float, backend: str, log_dir: Path, quiet: bool = True, **agent):
+                 step_s: float, backend: str, log_dir: Path, quiet: bool = True,
+                 trace_dir: Path | None = None, worker_start_s: float = 0.0, **agent):
+        """`trace_dir`: each worker's store requests traced there, as a real worker's are
+        under `PLANARIA_STORE_TRACE` (`planaria.runtime.worker.store_trace`).
+        `worker_start_s`: a worker's start-up before its first request (`SimulatedWorker`)."""
         self.cut_client = client
+        self.trace_dir, self.worker_start_s = trace_dir, worker_start_s
         self.quiet = quiet
         self.lines: list[str] = []
         super().__init__(node=node, nproc=nproc, client=client, log_dir=log_dir, **agent)
@@ -91,8 +97,11 @@ class SimulatedAgent(Agent):
         # Dies with its node: the node's cut cuts it too.
         client.killed = _Either(client.killed, self.cut_client.killed)
         store = EtcdStore(client, self.prefix)
+        if self.trace_dir is not None:
+            store = TracingStore(store, trace_path(self.trace_dir, worker))
         simulated = SimulatedWorker(store, worker, plane=self.plane, observer=self.observer, step_s=self.step_s,
-                                    total_steps=self.cfg.train.steps, backend=self.backend, log=self.log)
+                                    total_steps=self.cfg.train.steps, backend=self.backend, log=self.log,
+                                    snapshots=self.cfg.checkpoint.memory_every > 0, start_s=self.worker_start_s)
         return client.cut, simulated
 
     # ---------------------------------------------------------------- life

@@ -5,7 +5,10 @@ It follows `planaria.runtime.worker.elastic_worker.ElasticWorker` call for call,
 the same objects: the runtime's `StoreCoordinator` over an etcd store of the job's
 prefix, its `EpochWatcher` (the progress it publishes, its polls, the release on a
 failure), the epoch's rendezvous store with the process groups' bootstrap replayed on it
-(`bootstrap`), and a planned leave's steps (`planaria.runtime.worker.leaving.leave`).
+(`bootstrap`: the epoch's groups, a planned leave's handoff group, and the peer snapshots'
+group, which connects on a thread of its own as the real one does), and a planned
+leave's steps (`planaria.runtime.worker.leaving.leave`). tests/chaos/test_scale_traffic.py
+compares its requests with a real job's, key by key.
 What a real worker computes, it takes from the plan: the layers it holds are its
 stage's, its step is committed when every rank of the epoch reached it (`data_plane`).
 """
@@ -18,9 +21,9 @@ from typing import Callable
 
 import torch.distributed as dist
 
-from planaria.chaos.scale.bootstrap import gloo_direct, mesh, replay, GLOO_ADDRESS_BYTES
+from planaria.chaos.scale.bootstrap import HANDOFF, PEER_SNAPSHOTS, gloo_direct, mesh, replay
 from planaria.chaos.scale.cutoff import Killed
-from planaria.chaos.scale.data_plane import DataPlane, Released, RankRelease
+from planaria.chaos.scale.data_plane import DataPlane, Released, RankRelease, StepBarrier
 from planaria.runtime.contract.epochs import EpochRecord, EpochTiming, Progress
 from planaria.runtime.contract.exactly_once import INCOMPLETE, SYNCED, CommitRecord, WorkerStatus
 from planaria.runtime.contract.exits import EXIT_LEFT
@@ -54,16 +57,25 @@ class SimulatedWorker:
 
     def __init__(self, store: dist.Store, worker: Worker, *, plane: DataPlane, observer: Observer,
                  step_s: float, total_steps: int, backend: str, log: Callable[[str], None],
-                 tied_layers: tuple[int, ...] = (), wait_s: float = 3600.0):
+                 tied_layers: tuple[int, ...] = (), wait_s: float = 3600.0, snapshots: bool = True,
+                 start_s: float = 0.0):
+        """`snapshots`: the job keeps peer snapshots (`checkpoint.memory_every` > 0), whose
+        group each epoch of two nodes or more makes. `start_s`: the seconds from the
+        worker's start to its first request, which a real worker spends importing torch
+        and loading its data (none by default: a simulated worker asks at once)."""
         self.coordinator = StoreCoordinator(store, worker)
         self.worker, self.plane, self.observer = worker, plane, observer
         self.step_s, self.total_steps, self.backend = step_s, total_steps, backend
         self.tied_layers, self.wait_s, self._log = tied_layers, wait_s, log
+        self.snapshots, self.start_s = snapshots, start_s
+        self._in_epoch: tuple[StepBarrier, int] | None = None
+        """The epoch's step barrier and this worker's rank in it, while it is in one."""
         self.last_stepped, self.commit, self.holds, self.synced = -1, None, (), False
         self._last_commit: tuple[int, int, float] | None = None
 
     # ------------------------------------------------------------------ loop
     def run(self) -> int:
+        time.sleep(self.start_s)
         self.coordinator.announce()
         epoch, prepared = -1, None
         while True:
@@ -87,6 +99,7 @@ class SimulatedWorker:
         plan = record.plan
         rank = plan.rank_of_worker()[self.worker]
         barrier = self.plane.epoch(epoch, plan.world_size)
+        self._in_epoch = (barrier, rank)
         timing = EpochTiming(record_s=time.time())
         watcher = EpochWatcher(self.coordinator, epoch, RankRelease(barrier, rank), self._log, stuck_s=0,
                                progress=self._progress if rank == 0 else None)
@@ -97,6 +110,7 @@ class SimulatedWorker:
             replay(store, plan, rank, self.backend, self.tied_layers)
             self._handoff(epoch, record)
             self._enter(plan, rank)
+            self._connect_snapshots(epoch, plan, rank)
             self.observer.note(self.observer.bootstrapped, epoch, self.worker)
             timing = replace(timing, rendezvous_s=time.time(), transfer_s=time.time())
             finished = self._train(epoch, plan.first_iteration, barrier, rank, watcher)
@@ -106,6 +120,7 @@ class SimulatedWorker:
             timing = replace(timing, failed_s=time.time(), error=str(err).splitlines()[0][:300])
         finally:
             watcher.done.set()
+            self._in_epoch = None
         # In `ElasticWorker._run_epoch`'s order: after a stop its publisher thread sends the
         # status, then reads the prepared record, then sends the timing.
         self.coordinator.publish_status(epoch, self._status(finished))
@@ -149,9 +164,28 @@ class SimulatedWorker:
         ranks = sorted({w for t in handoff for w in (t.src, t.dst)})
         if self.worker not in ranks:
             return False
-        store = dist.PrefixStore("handoff/", self.coordinator.rendezvous_store(epoch))
-        mesh(store, gloo_direct(""), ranks.index(self.worker), len(ranks), GLOO_ADDRESS_BYTES[1])
+        mesh(self.coordinator.rendezvous_store(epoch), gloo_direct(HANDOFF), ranks.index(self.worker), len(ranks))
         return True
+
+    def _connect_snapshots(self, epoch: int, plan, rank: int) -> None:
+        """The epoch's peer-snapshot group (`PeerSnapshots.begin_epoch`): gloo over every
+        rank, on a thread of its own that nobody waits for; one that fails (the epoch was
+        given up while it connected) is left behind, as the real one is."""
+        if not self.snapshots or len(plan.nodes()) < 2:
+            return
+
+        def connect() -> None:
+            try:
+                mesh(self.coordinator.rendezvous_store(epoch), gloo_direct(PEER_SNAPSHOTS), rank, plan.world_size)
+            except (dist.DistStoreError, RuntimeError):
+                pass
+        threading.Thread(target=connect, daemon=True, name=f"peer-snapshots-connect-{epoch}").start()
+
+    def die(self) -> None:
+        """The process died: its epoch's peers' steps fail (their connections to it closed)."""
+        if self._in_epoch is not None:
+            barrier, rank = self._in_epoch
+            barrier.fail(rank)
 
     def _leave(self, epoch: int, record: EpochRecord) -> int | None:
         """`leaving.leave`'s requests: the handoff, the word that it landed, the wait for
@@ -190,7 +224,7 @@ class SimulatedProcess:
 
     def __init__(self, worker: SimulatedWorker, cut: Callable[[], None], name: str):
         self.returncode: int | None = None
-        self._cut = cut
+        self._cut, self._worker = cut, worker
         self._thread = threading.Thread(target=self._run, args=(worker,), daemon=True, name=name)
         self._thread.start()
 
@@ -219,3 +253,4 @@ class SimulatedProcess:
         if self.returncode is None:
             self.returncode = -9
         self._cut()
+        self._worker.die()
