@@ -46,8 +46,7 @@ class StepBarrier:
                 if rank in self._released:
                     raise Released(f"rank {rank}: released at iteration {iteration}")
                 if self._dead - {rank}:
-                    raise PeerGone(f"rank {rank}: connection closed by rank(s) {sorted(self._dead)} "
-                                   f"at iteration {iteration}")
+                    raise PeerGone(_closed(rank, sorted(self._dead), iteration))
                 if len(arrived) >= self.world and not self._blocked:
                     return self._stop[iteration]
                 self._cond.wait(0.5)
@@ -95,3 +94,11 @@ class RankRelease:
 
     def release(self) -> str:
         return self.barrier.release(self.rank)
+
+
+def _closed(rank: int, dead: list[int], iteration: int) -> str:
+    """A survivor's error, in the words (and about the length) of gloo's: what its
+    timing record reports."""
+    return (f"[simulated gloo/transport/tcp/pair.cc] Connection closed by peer rank(s) {dead} (rank {rank}, "
+            f"iteration {iteration}). This is typically caused by a remote worker crashing. Check the logs "
+            "of the remote worker before reporting an error.")

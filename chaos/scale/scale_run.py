@@ -26,6 +26,7 @@ from typing import Callable
 from planaria.chaos.scale.cutoff import CutClient, Killed, WriteSizes
 from planaria.chaos.scale.data_plane import DataPlane
 from planaria.chaos.scale.etcd_metrics import EtcdCounts, scrape
+from planaria.chaos.scale.sim_metrics import MetricsDirectory
 from planaria.chaos.scale.sim_node import SimulatedAgent
 from planaria.chaos.scale.sim_worker import Observer
 from planaria.elastic.etcd_client import EtcdClient, EtcdSettings
@@ -80,6 +81,7 @@ class ScaleHarness:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.etcd = EmbeddedEtcdCluster(etcd_members, log_dir=self.log_dir)
         self.plane, self.observer, self.sizes = DataPlane(), Observer(), WriteSizes()
+        self.metrics_directory = MetricsDirectory()
         self.agents: list[SimulatedAgent] = []
         self.log = log
         self._clients: list[EtcdClient] = []
@@ -124,7 +126,7 @@ class ScaleHarness:
             observer=self.observer, step_s=self.step_s, backend=self.backend, log_dir=self.log_dir / f"node{index}",
             settings=settings, run_id=self.run_id, min_nodes=self.n0, config=self.config,
             overrides=self.overrides, lease_ttl_s=self.lease_ttl_s, trace_dir=self.trace_dir,
-            worker_start_s=self.worker_start_s)
+            worker_start_s=self.worker_start_s, metrics_directory=self.metrics_directory)
         self.agents.append(agent)
         return agent.start()
 
