@@ -13,8 +13,12 @@ against a real etcd cluster of three members:
   sleep, and the steps of an epoch meet in an in-memory stand-in for the commit
   all-reduce (`data_plane`), so that every worker stops after the same step;
 - faults are a node killed (its agent and workers stop making requests, its lease
-  lapses), the leader's node killed, a node joining, a planned leave (a preemption
-  notice), a partition (`scale_run`);
+  lapses, and its epoch's peers fail their step at once, as gloo's collectives do on
+  a closed connection), the leader's node killed, a node joining, a planned leave (a
+  preemption notice), a partition (`scale_run`);
+- every worker's requests can be traced (`ScaleHarness(trace_dir=...)`) by the code that
+  traces a real worker's (`PLANARIA_STORE_TRACE`), and compared with a real job's
+  (`traffic`; tests/chaos/test_scale_traffic.py: the same requests, key by key);
 - etcd's own counters say what it served (`etcd_metrics`), and the harness's clients
   the largest request and transaction (`cutoff`).
 

@@ -7,8 +7,8 @@ store (`StoreCoordinator.rendezvous_store`), for the world group and every group
 
 - gloo (torch's ProcessGroupGloo: a full mesh): each rank of a group sets one key with
   its address, then waits for and reads every rank's key, its own included. The keys and
-  sizes below are recorded from torch 2.13's gloo; the harness's test compares this
-  replay with a real gloo job's store operations, key by key.
+  sizes below are recorded from torch 2.13's gloo; tests/chaos/test_scale_traffic.py
+  compares this replay with a real gloo job's store operations, key by key.
 - nccl (ProcessGroupNCCL): a communicator's rank 0 sets its unique id under the group's
   store, the others wait for and read it: one key per group, read by its other ranks
   (torch's `broadcastUniqueNCCLID`). Lazy initialisation: at the group's first
@@ -21,9 +21,19 @@ from planaria.templates.plan import Plan
 
 GLOO_WORLD = "0//cpu//0/"
 """The world group's keys: this, then the rank."""
-GLOO_ADDRESS_BYTES = (186, 170)
-"""A rank's address as gloo sets it: in the world group, in a group made by `new_group`."""
+GLOO_ADDRESS_BASE_BYTES, GLOO_ADDRESS_RANK_BYTES = 154, 8
+"""A rank's value in a gloo group of n ranks is 154 + 8n bytes (as recorded from torch
+2.13: 162 bytes for one rank, 170 for two, 178, 194 and 218 for three, five and eight)."""
 NCCL_UNIQUE_ID_BYTES = 128
+PEER_SNAPSHOTS = "peer-snapshots/"
+"""The prefix of an epoch's peer-snapshot group (`PeerSnapshots.begin_epoch`)."""
+HANDOFF = "handoff/"
+"""The prefix of a planned leave's handoff group (`transfer.Handoff.group`)."""
+
+
+def gloo_address_bytes(size: int) -> int:
+    """The size of a rank's value in a gloo group of `size` ranks."""
+    return GLOO_ADDRESS_BASE_BYTES + GLOO_ADDRESS_RANK_BYTES * size
 
 
 def gloo_group(index: int) -> str:
@@ -32,14 +42,16 @@ def gloo_group(index: int) -> str:
 
 
 def gloo_direct(prefix: str) -> str:
-    """The key prefix of a ProcessGroupGloo made directly on `PrefixStore(prefix, store)`
-    (a planned leave's handoff group, `transfer.Handoff.group`)."""
+    """The key prefix, on `store`, of a ProcessGroupGloo made directly on
+    `PrefixStore(prefix, store)` (a planned leave's handoff group, an epoch's peer
+    snapshot group): c10d's PrefixStore joins with a "/", and gloo's own keys are
+    "0/<rank>"."""
     return f"{prefix}/0/"
 
 
-def mesh(store, prefix: str, rank: int, size: int, nbytes: int) -> None:
+def mesh(store, prefix: str, rank: int, size: int) -> None:
     """A gloo full mesh's rendezvous, as rank `rank` of `size`."""
-    store.set(f"{prefix}{rank}", b"a" * nbytes)
+    store.set(f"{prefix}{rank}", b"a" * gloo_address_bytes(size))
     for peer in range(size):
         key = f"{prefix}{peer}"
         store.wait([key])
@@ -59,10 +71,10 @@ def replay(store, plan: Plan, rank: int, backend: str, tied_layers: tuple[int, .
     """The world group's rendezvous and every group of the epoch, as `rank` of `plan`."""
     groups = creation_order(plan, tied_layers)
     if backend == "gloo":
-        mesh(store, GLOO_WORLD, rank, plan.world_size, GLOO_ADDRESS_BYTES[0])
+        mesh(store, GLOO_WORLD, rank, plan.world_size)
         for index, ranks in enumerate(groups, start=1):
             if rank in ranks:
-                mesh(store, gloo_group(index), ranks.index(rank), len(ranks), GLOO_ADDRESS_BYTES[1])
+                mesh(store, gloo_group(index), ranks.index(rank), len(ranks))
         return
     unique_id(store, "world/0", rank)
     for index, ranks in enumerate(groups, start=1):

@@ -5,8 +5,10 @@ carries a stop request, so that all of them stop after the same iteration (docs/
 Simulated workers meet here instead: `StepBarrier.step` returns once every rank of the
 epoch arrived for the iteration, with the OR of their stop requests, and blocks, like a
 collective, while a rank is missing (dead, or cut off) until that rank's own collectives
-are released (`release`: what the epoch watcher does on a failure). None of it touches
-the control plane: it is what the harness simulates, not what it measures.
+are released (`release`: what the epoch watcher does on a failure). A rank whose
+process died (`fail`) fails every other rank's step at once, as gloo's collectives fail
+on a connection its peer's death closed. None of it touches the control plane: it is
+what the harness simulates, not what it measures.
 """
 from __future__ import annotations
 
@@ -15,6 +17,10 @@ import threading
 
 class Released(RuntimeError):
     """This rank's collectives of the epoch were released (the control plane ended it)."""
+
+
+class PeerGone(RuntimeError):
+    """A rank of the epoch died: the collectives of the others fail."""
 
 
 class StepBarrier:
@@ -26,6 +32,7 @@ class StepBarrier:
         self._arrived: dict[int, set[int]] = {}
         self._stop: dict[int, bool] = {}
         self._released: set[int] = set()
+        self._dead: set[int] = set()
         self._blocked = False
 
     def step(self, rank: int, iteration: int, stop: bool) -> bool:
@@ -38,6 +45,8 @@ class StepBarrier:
             while True:
                 if rank in self._released:
                     raise Released(f"rank {rank}: released at iteration {iteration}")
+                if self._dead - {rank}:
+                    raise PeerGone(_closed(rank, sorted(self._dead), iteration))
                 if len(arrived) >= self.world and not self._blocked:
                     return self._stop[iteration]
                 self._cond.wait(0.5)
@@ -47,6 +56,12 @@ class StepBarrier:
             self._released.add(rank)
             self._cond.notify_all()
         return "released the simulated step"
+
+    def fail(self, rank: int) -> None:
+        """Rank `rank`'s process died: the others' steps fail, now or when they come."""
+        with self._cond:
+            self._dead.add(rank)
+            self._cond.notify_all()
 
     def block(self) -> None:
         """No step completes any more (a partition across the epoch's groups)."""
@@ -79,3 +94,11 @@ class RankRelease:
 
     def release(self) -> str:
         return self.barrier.release(self.rank)
+
+
+def _closed(rank: int, dead: list[int], iteration: int) -> str:
+    """A survivor's error, in the words (and about the length) of gloo's: what its
+    timing record reports."""
+    return (f"[simulated gloo/transport/tcp/pair.cc] Connection closed by peer rank(s) {dead} (rank {rank}, "
+            f"iteration {iteration}). This is typically caused by a remote worker crashing. Check the logs "
+            "of the remote worker before reporting an error.")

@@ -26,6 +26,7 @@ from typing import Callable
 from planaria.chaos.scale.cutoff import CutClient, Killed, WriteSizes
 from planaria.chaos.scale.data_plane import DataPlane
 from planaria.chaos.scale.etcd_metrics import EtcdCounts, scrape
+from planaria.chaos.scale.sim_metrics import MetricsDirectory
 from planaria.chaos.scale.sim_node import SimulatedAgent
 from planaria.chaos.scale.sim_worker import Observer
 from planaria.elastic.etcd_client import EtcdClient, EtcdSettings
@@ -65,15 +66,22 @@ class ScaleHarness:
     def __init__(self, *, nodes: int, gpus_per_node: int = 8, config: str = "configs/llama3-70b.yaml",
                  overrides: list[str] | None = None, step_s: float = 1.0, backend: str = "nccl",
                  lease_ttl_s: int = 5, etcd_members: int = 3, log_dir: Path | None = None,
-                 log: Callable[[str], None] = print):
+                 trace_dir: Path | None = None, worker_start_s: float = 0.0, log: Callable[[str], None] = print):
+        """`trace_dir`: every simulated worker's store requests traced there, one file per
+        worker, as `PLANARIA_STORE_TRACE` traces a real worker's (`traffic` compares them).
+        `worker_start_s`: the seconds a worker takes from its start to its first request
+        (a real one imports torch and loads its data first; 0: at once)."""
         self.n0, self.gpus = nodes, gpus_per_node
         self.config, self.overrides = config, [*HARNESS_OVERRIDES, *(overrides or [])]
         self.step_s, self.backend, self.lease_ttl_s = step_s, backend, lease_ttl_s
+        self.trace_dir, self.worker_start_s = trace_dir, worker_start_s
         self.run_id = f"scale-{uuid.uuid4().hex[:8]}"
         self._temporary = log_dir is None
         self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="planaria-scale-"))
+        self.log_dir.mkdir(parents=True, exist_ok=True)
         self.etcd = EmbeddedEtcdCluster(etcd_members, log_dir=self.log_dir)
         self.plane, self.observer, self.sizes = DataPlane(), Observer(), WriteSizes()
+        self.metrics_directory = MetricsDirectory()
         self.agents: list[SimulatedAgent] = []
         self.log = log
         self._clients: list[EtcdClient] = []
@@ -117,7 +125,8 @@ class ScaleHarness:
             node=f"node{index}", nproc=self.gpus, client=CutClient(client, self.sizes), plane=self.plane,
             observer=self.observer, step_s=self.step_s, backend=self.backend, log_dir=self.log_dir / f"node{index}",
             settings=settings, run_id=self.run_id, min_nodes=self.n0, config=self.config,
-            overrides=self.overrides, lease_ttl_s=self.lease_ttl_s)
+            overrides=self.overrides, lease_ttl_s=self.lease_ttl_s, trace_dir=self.trace_dir,
+            worker_start_s=self.worker_start_s, metrics_directory=self.metrics_directory)
         self.agents.append(agent)
         return agent.start()
 

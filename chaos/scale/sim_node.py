@@ -17,12 +17,18 @@ import signal
 import threading
 from pathlib import Path
 
+import torch
+
 from planaria.chaos.scale.cutoff import CutClient, Killed
-from planaria.chaos.scale.sim_worker import Observer, SimulatedProcess, SimulatedWorker
 from planaria.chaos.scale.data_plane import DataPlane
+from planaria.chaos.scale.sim_metrics import MetricsDirectory, MetricsReads
+from planaria.chaos.scale.sim_snapshots import SimulatedSnapshots
+from planaria.chaos.scale.sim_worker import Observer, SimulatedProcess, SimulatedWorker
 from planaria.elastic.agent import Agent
 from planaria.elastic.etcd_store import EtcdStore
 from planaria.elastic.worker_supervisor import WorkerSupervisor
+from planaria.runtime.worker.epoch_metrics import EpochMetrics
+from planaria.runtime.worker.store_trace import TracingStore, trace_path
 from planaria.templates.plan import Worker
 
 
@@ -64,8 +70,17 @@ class SimulatedAgent(Agent):
     """The real agent of a simulated node (module docstring)."""
 
     def __init__(self, *, node: str, nproc: int, client, plane: DataPlane, observer: Observer,
-                 step_s: float, backend: str, log_dir: Path, quiet: bool = True, **agent):
+                 step_s: float, backend: str, log_dir: Path, quiet: bool = True,
+                 trace_dir: Path | None = None, worker_start_s: float = 0.0,
+                 metrics_directory: MetricsDirectory | None = None, **agent):
+        """`trace_dir`: each worker's store requests traced there, as a real worker's are
+        under `PLANARIA_STORE_TRACE` (`planaria.runtime.worker.store_trace`).
+        `worker_start_s`: a worker's start-up before its first request (`SimulatedWorker`).
+        `metrics_directory`: the run's TensorBoard directory, shared by every node's
+        workers (`MetricsReads`; one of this node's own when None)."""
         self.cut_client = client
+        self.trace_dir, self.worker_start_s = trace_dir, worker_start_s
+        self.metrics_directory = metrics_directory or MetricsDirectory()
         self.quiet = quiet
         self.lines: list[str] = []
         super().__init__(node=node, nproc=nproc, client=client, log_dir=log_dir, **agent)
@@ -93,9 +108,22 @@ class SimulatedAgent(Agent):
         client.killed = _Either(client.killed, self.cut_client.killed)
         store = EtcdStore(client, self.prefix)
         self.worker_stores.append(store)
+        if self.trace_dir is not None:
+            store = TracingStore(store, trace_path(self.trace_dir, worker))
         simulated = SimulatedWorker(store, worker, plane=self.plane, observer=self.observer, step_s=self.step_s,
-                                    total_steps=self.cfg.train.steps, backend=self.backend, log=self.log)
+                                    total_steps=self.cfg.train.steps, backend=self.backend, log=self.log,
+                                    snapshots=SimulatedSnapshots(worker, self.cfg.checkpoint.memory_every,
+                                                                 self.cfg.checkpoint.memory_copies),
+                                    start_s=self.worker_start_s,
+                                    metrics=self._metrics(store))
         return client.cut, simulated
+
+    def _metrics(self, store) -> MetricsReads | None:
+        """A worker's metrics writer's reads, when the job writes TensorBoard metrics."""
+        if self.cfg.tensorboard_dir is None:
+            return None
+        metrics = EpochMetrics(self.cfg, store, torch.device("cpu"), Path(self.cfg.output.dir), self.log)
+        return MetricsReads(metrics, self.metrics_directory)
 
     # ---------------------------------------------------------------- life
     def start(self) -> "SimulatedAgent":

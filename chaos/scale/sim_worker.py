@@ -5,12 +5,19 @@ It follows `planaria.runtime.worker.elastic_worker.ElasticWorker` call for call,
 the same objects: the runtime's `StoreCoordinator` over an etcd store of the job's
 prefix, its `EpochWatcher` (the progress it publishes, its polls, the release on a
 failure), the epoch's rendezvous store with the process groups' bootstrap replayed on it
-(`bootstrap`), and a planned leave's steps (`planaria.runtime.worker.leaving.leave`).
+(`bootstrap`: the epoch's groups, a planned leave's handoff group, and the peer snapshots'
+group, which connects on a thread of its own as the real one does), a planned leave's
+steps (`planaria.runtime.worker.leaving.leave`), and, with logging.tensorboard, the
+reads of its metrics writer while it is an epoch's rank 0 (`sim_metrics`).
+tests/chaos/test_scale_traffic.py compares its requests with a real job's, key by key.
 What a real worker computes, it takes from the plan: the layers it holds are its
-stage's, its step is committed when every rank of the epoch reached it (`data_plane`).
+stage's, its step is committed when every rank of the epoch reached it (`data_plane`),
+the peer snapshots its status lists are those it would keep (`sim_snapshots`).
 """
 from __future__ import annotations
 
+import collections
+import statistics
 import threading
 import time
 from dataclasses import replace
@@ -18,9 +25,11 @@ from typing import Callable
 
 import torch.distributed as dist
 
-from planaria.chaos.scale.bootstrap import gloo_direct, mesh, replay, GLOO_ADDRESS_BYTES
+from planaria.chaos.scale.bootstrap import HANDOFF, PEER_SNAPSHOTS, gloo_direct, mesh, replay
 from planaria.chaos.scale.cutoff import Killed
-from planaria.chaos.scale.data_plane import DataPlane, Released, RankRelease
+from planaria.chaos.scale.data_plane import DataPlane, PeerGone, Released, RankRelease, StepBarrier
+from planaria.chaos.scale.sim_metrics import MetricsReads
+from planaria.chaos.scale.sim_snapshots import SimulatedSnapshots
 from planaria.runtime.contract.epochs import EpochRecord, EpochTiming, Progress
 from planaria.runtime.contract.exactly_once import INCOMPLETE, SYNCED, CommitRecord, WorkerStatus
 from planaria.runtime.contract.exits import EXIT_LEFT
@@ -49,21 +58,43 @@ class Observer:
             self.trained.setdefault(epoch, time.time())
 
 
+LOSS, GRAD_NORM = 4.352497431985631, 1.2903724766878406
+"""A step's loss and gradient norm, as wide in JSON as a real step's (float64, 16 or 17
+digits): a status and a commit record are as large as a real worker's."""
+
+
 class SimulatedWorker:
     """One worker's control-plane traffic (module docstring); `run` is its process."""
 
     def __init__(self, store: dist.Store, worker: Worker, *, plane: DataPlane, observer: Observer,
                  step_s: float, total_steps: int, backend: str, log: Callable[[str], None],
-                 tied_layers: tuple[int, ...] = (), wait_s: float = 3600.0):
+                 tied_layers: tuple[int, ...] = (), wait_s: float = 3600.0,
+                 snapshots: SimulatedSnapshots | None = None, start_s: float = 0.0,
+                 metrics: MetricsReads | None = None):
+        """`snapshots`: the peer snapshots it keeps (`checkpoint.memory_every`,
+        `memory_copies`): its status lists them, and each epoch of two nodes or more makes
+        their group (none: neither). `start_s`: the seconds from the
+        worker's start to its first request, which a real worker spends importing torch
+        and loading its data (none by default: a simulated worker asks at once).
+        `metrics`: its metrics writer's reads (over `store`), when the job writes
+        TensorBoard metrics."""
         self.coordinator = StoreCoordinator(store, worker)
         self.worker, self.plane, self.observer = worker, plane, observer
         self.step_s, self.total_steps, self.backend = step_s, total_steps, backend
         self.tied_layers, self.wait_s, self._log = tied_layers, wait_s, log
+        self.snapshots, self.start_s = snapshots, start_s
+        self.metrics = metrics
+        self._in_epoch: tuple[StepBarrier, int] | None = None
+        """The epoch's step barrier and this worker's rank in it, while it is in one."""
         self.last_stepped, self.commit, self.holds, self.synced = -1, None, (), False
         self._last_commit: tuple[int, int, float] | None = None
+        self._timing = EpochTiming(record_s=0.0)
+        """This epoch's: when each of its phases ended on this worker."""
+        self._step_times: collections.deque[float] = collections.deque(maxlen=9)
 
     # ------------------------------------------------------------------ loop
     def run(self) -> int:
+        time.sleep(self.start_s)
         self.coordinator.announce()
         epoch, prepared = -1, None
         while True:
@@ -87,7 +118,10 @@ class SimulatedWorker:
         plan = record.plan
         rank = plan.rank_of_worker()[self.worker]
         barrier = self.plane.epoch(epoch, plan.world_size)
-        timing = EpochTiming(record_s=time.time())
+        self._in_epoch = (barrier, rank)
+        if self.metrics is not None:
+            self.metrics.begin(epoch)
+        self._timing = EpochTiming(record_s=time.time())
         watcher = EpochWatcher(self.coordinator, epoch, RankRelease(barrier, rank), self._log, stuck_s=0,
                                progress=self._progress if rank == 0 else None)
         watcher.start()
@@ -97,20 +131,30 @@ class SimulatedWorker:
             replay(store, plan, rank, self.backend, self.tied_layers)
             self._handoff(epoch, record)
             self._enter(plan, rank)
+            if self.snapshots is not None:
+                self.snapshots.begin_epoch(plan, rank)
+                self._connect_snapshots(epoch, plan, rank)
             self.observer.note(self.observer.bootstrapped, epoch, self.worker)
-            timing = replace(timing, rendezvous_s=time.time(), transfer_s=time.time())
+            self._mark(rendezvous_s=time.time(), transfer_s=time.time(), transfer_seconds=0.0)
             finished = self._train(epoch, plan.first_iteration, barrier, rank, watcher)
             if not finished:
                 stopped = True
+        except PeerGone as err:
+            # A peer's death fails the step's first collective with it, before its gradients
+            # are synced (the commit all-reduce comes last): a real survivor reports the
+            # step incomplete.
+            self.synced = False
+            self._mark(failed_s=time.time(), error=str(err).splitlines()[0][:300])
         except (dist.DistStoreError, Released, RuntimeError) as err:
-            timing = replace(timing, failed_s=time.time(), error=str(err).splitlines()[0][:300])
+            self._mark(failed_s=time.time(), error=str(err).splitlines()[0][:300])
         finally:
             watcher.done.set()
+            self._in_epoch = None
         # In `ElasticWorker._run_epoch`'s order: after a stop its publisher thread sends the
         # status, then reads the prepared record, then sends the timing.
         self.coordinator.publish_status(epoch, self._status(finished))
         prepared = self.coordinator.prepared_record(epoch) if stopped else None
-        self.coordinator.publish_timing(epoch, timing)
+        self.coordinator.publish_timing(epoch, self._timing)
         if prepared is None:
             return None
         first = self.last_stepped + 1
@@ -119,15 +163,23 @@ class SimulatedWorker:
     def _train(self, epoch: int, first: int, barrier, rank: int, watcher: EpochWatcher) -> bool:
         """Steps until the job's last (True) or a stop the commit agreed on (False)."""
         for iteration in range(first, self.total_steps):
+            began = time.monotonic()
             time.sleep(self.step_s)
             self.synced = True
             stop = barrier.step(rank, iteration, watcher.requested.is_set())
+            self._step_times.append(time.monotonic() - began)
             self.last_stepped, self.synced = iteration, False
-            self.commit = CommitRecord(iteration, loss=1.0, grad_norm=1.0)
-            if iteration == first and rank == 0:
-                self.coordinator.mark_trained(epoch)
+            self.commit = CommitRecord(iteration, loss=LOSS, grad_norm=GRAD_NORM)
+            if iteration == first:
+                self._mark(first_step_s=time.time())
+                if rank == 0:  # as the real worker: one word for the epoch
+                    self.coordinator.mark_trained(epoch)
                 self.observer.first_step(epoch)
             self._last_commit = (epoch, iteration, time.time())
+            if self.snapshots is not None:
+                self.snapshots.after_step(self.commit, ends_epoch=stop or iteration + 1 == self.total_steps)
+            if self.metrics is not None and rank == 0:
+                self.metrics.after_commit(self._last_commit[2])
             if stop and iteration + 1 < self.total_steps:
                 return False
         return True
@@ -149,9 +201,28 @@ class SimulatedWorker:
         ranks = sorted({w for t in handoff for w in (t.src, t.dst)})
         if self.worker not in ranks:
             return False
-        store = dist.PrefixStore("handoff/", self.coordinator.rendezvous_store(epoch))
-        mesh(store, gloo_direct(""), ranks.index(self.worker), len(ranks), GLOO_ADDRESS_BYTES[1])
+        mesh(self.coordinator.rendezvous_store(epoch), gloo_direct(HANDOFF), ranks.index(self.worker), len(ranks))
         return True
+
+    def _connect_snapshots(self, epoch: int, plan, rank: int) -> None:
+        """The epoch's peer-snapshot group (`PeerSnapshots.begin_epoch`): gloo over every
+        rank, on a thread of its own that nobody waits for; one that fails (the epoch was
+        given up while it connected) is left behind, as the real one is."""
+        if self.snapshots.every <= 0 or len(plan.nodes()) < 2:
+            return
+
+        def connect() -> None:
+            try:
+                mesh(self.coordinator.rendezvous_store(epoch), gloo_direct(PEER_SNAPSHOTS), rank, plan.world_size)
+            except (dist.DistStoreError, RuntimeError):
+                pass
+        threading.Thread(target=connect, daemon=True, name=f"peer-snapshots-connect-{epoch}").start()
+
+    def die(self) -> None:
+        """The process died: its epoch's peers' steps fail (their connections to it closed)."""
+        if self._in_epoch is not None:
+            barrier, rank = self._in_epoch
+            barrier.fail(rank)
 
     def _leave(self, epoch: int, record: EpochRecord) -> int | None:
         """`leaving.leave`'s requests: the handoff, the word that it landed, the wait for
@@ -174,13 +245,21 @@ class SimulatedWorker:
     def _status(self, finished: bool) -> WorkerStatus:
         return WorkerStatus(worker=self.worker, last_stepped=self.last_stepped,
                             state=SYNCED if self.synced else INCOMPLETE, commit=self.commit,
-                            holds=self.holds, finished=finished)
+                            holds=self.holds, finished=finished,
+                            snapshots=() if self.snapshots is None else self.snapshots.held())
+
+    def _mark(self, **phases) -> None:
+        """Note in this epoch's timing that phases ended (EpochTiming's fields)."""
+        self._timing = replace(self._timing, **phases)
 
     def _progress(self) -> Progress | None:
-        if self._last_commit is None:
+        """As `ElasticWorker._progress`: the last committed step, and the median of the
+        recent steps' times as measured (the sleep and the wait for the other ranks)."""
+        times = list(self._step_times)
+        if self._last_commit is None or not times:
             return None
         epoch, step, at = self._last_commit
-        return Progress(epoch=epoch, step=step, time_s=at, step_s=self.step_s)
+        return Progress(epoch=epoch, step=step, time_s=at, step_s=statistics.median(times))
 
 
 class SimulatedProcess:
@@ -190,7 +269,7 @@ class SimulatedProcess:
 
     def __init__(self, worker: SimulatedWorker, cut: Callable[[], None], name: str):
         self.returncode: int | None = None
-        self._cut = cut
+        self._cut, self._worker = cut, worker
         self._thread = threading.Thread(target=self._run, args=(worker,), daemon=True, name=name)
         self._thread.start()
 
@@ -219,3 +298,4 @@ class SimulatedProcess:
         if self.returncode is None:
             self.returncode = -9
         self._cut()
+        self._worker.die()

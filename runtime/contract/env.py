@@ -23,6 +23,9 @@ CORRUPT = "PLANARIA_CORRUPT"
 """A bit to flip after a step ("node.local@iteration"), for the replica audit's tests."""
 DEBUG = "PLANARIA_DEBUG"
 """"1": keep torch's full logs of a failed schedule (off: one line per failure)."""
+STORE_TRACE = "PLANARIA_STORE_TRACE"
+"""A directory: the worker appends every request it makes to the job's store to
+`<dir>/<node>.<local>.jsonl` (`planaria.runtime.worker.store_trace`), a diagnostic."""
 KERNELS = "PLANARIA_KERNELS"
 """Overrides `model.kernels` ("triton" runs the kernels in Triton's interpreter on CPU).
 `planaria.kernels` reads it under this name itself: it imports nothing of Planaria's."""

@@ -27,6 +27,7 @@ from planaria.runtime.contract.membership import Announcement
 from planaria.runtime.contract.store_reads import (follow, generation, poll_pause, read_if_present, unfollow,
                                                    wait_for_change)
 from planaria.runtime.worker.abandonable_store import AbandonableStore
+from planaria.runtime.worker.store_trace import traced
 from planaria.templates.plan import Worker
 
 POLL_S = 0.02
@@ -174,11 +175,16 @@ def store_ports(url: str) -> set[int]:
     return {int(port) for _, _, port in (h.rpartition(":") for h in hosts.split(",")) if port.isdigit()}
 
 
-def connect_store(url: str, timeout_s: float = 60.0) -> dist.Store:
+def connect_store(url: str, timeout_s: float = 60.0, environ=os.environ) -> dist.Store:
     """The job's store at `url`: "host:port" or "tcp://host:port" is a TCPStore; any other
     scheme names a store registered under the `planaria.stores` entry point group
     ("etcd://host:port/prefix" is `planaria.elastic`'s), so the runtime needs no import
-    of the control plane that provides it."""
+    of the control plane that provides it. Traced when `environ` asks for it
+    (`PLANARIA_STORE_TRACE`: `planaria.runtime.worker.store_trace`)."""
+    return traced(_store_at(url, timeout_s), environ)
+
+
+def _store_at(url: str, timeout_s: float) -> dist.Store:
     scheme, sep, rest = url.partition("://")
     if not sep:
         scheme, rest = "tcp", url
