@@ -69,13 +69,31 @@ def label(op: dict, key: str) -> str | None:
     return op["op"] + failed
 
 
+READS = ("check", "get", "get_if_present")
+"""Reads, which a followed key's mirror answers without a request (`EtcdKeyValue.follow`)."""
+
+
 def per_key(ops: list[dict]) -> dict[str, list[str]]:
     """{key: its operations in order}, consecutive repeats collapsed (a poll's `check
     check check get` is `check get`, the progress's puts one `put`: how many a wait or a
-    publisher makes is how long it waited or trained), keys in order of first use."""
+    publisher makes is how long it waited or trained), keys in order of first use.
+
+    A key followed (`follow`: a read and a watch) is read from its mirror until it is
+    unfollowed: those reads are no requests, and how many of them two pollers of the same
+    key make (the epoch watcher, a rendezvous's abandonment) is timing, so they are set
+    aside; so is `unfollow`, the end of a watch's stream, which a killed process never
+    gets to (its stream ends with its connection)."""
     sequences: dict[str, list[str]] = {}
+    followed: set[str] = set()
     for op in ops:
         for key in op.get("keys") or ([op["key"]] if "key" in op else [""]):
+            if op["op"] == "unfollow":
+                followed.discard(key)
+                continue
+            if op["op"] in READS and key in followed:
+                continue
+            if op["op"] == "follow" and "error" not in op:
+                followed.add(key)
             item = label(op, key)
             if item is None:
                 continue
