@@ -43,12 +43,15 @@ class StepBarrier:
             self._stop[iteration] = self._stop.get(iteration, False) or stop
             self._cond.notify_all()
             while True:
+                # An all-reduce that every rank entered has completed, for each of them,
+                # whatever happens after: a peer that dies later fails the next one
+                # (the exactly-once rule counts on it: docs/recovery.md).
+                if len(arrived) >= self.world and not self._blocked:
+                    return self._stop[iteration]
                 if rank in self._released:
                     raise Released(f"rank {rank}: released at iteration {iteration}")
                 if self._dead - {rank}:
                     raise PeerGone(_closed(rank, sorted(self._dead), iteration))
-                if len(arrived) >= self.world and not self._blocked:
-                    return self._stop[iteration]
                 self._cond.wait(0.5)
 
     def release(self, rank: int) -> str:
