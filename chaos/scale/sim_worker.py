@@ -5,7 +5,8 @@ It follows `planaria.runtime.worker.elastic_worker.ElasticWorker` call for call,
 the same objects: the runtime's `StoreCoordinator` over an etcd store of the job's
 prefix, its `EpochWatcher` (the progress it publishes, its polls, the release on a
 failure), the epoch's rendezvous store with the process groups' bootstrap replayed on it
-(`bootstrap`), and a planned leave's steps (`planaria.runtime.worker.leaving.leave`).
+(`bootstrap`: a real TCPStore that the plan's rank 0 hosts, found by the others through
+etcd, as a real worker's), and a planned leave's steps (`planaria.runtime.worker.leaving.leave`).
 What a real worker computes, it takes from the plan: the layers it holds are its
 stage's, its step is committed when every rank of the epoch reached it (`data_plane`).
 """
@@ -55,7 +56,8 @@ class SimulatedWorker:
     def __init__(self, store: dist.Store, worker: Worker, *, plane: DataPlane, observer: Observer,
                  step_s: float, total_steps: int, backend: str, log: Callable[[str], None],
                  tied_layers: tuple[int, ...] = (), wait_s: float = 3600.0):
-        self.coordinator = StoreCoordinator(store, worker)
+        # Its nodes are threads of one process: their epochs' stores are hosted on loopback.
+        self.coordinator = StoreCoordinator(store, worker, node_address="127.0.0.1")
         self.worker, self.plane, self.observer = worker, plane, observer
         self.step_s, self.total_steps, self.backend = step_s, total_steps, backend
         self.tied_layers, self.wait_s, self._log = tied_layers, wait_s, log
@@ -93,7 +95,7 @@ class SimulatedWorker:
         watcher.start()
         stopped = finished = False
         try:
-            store = self.coordinator.rendezvous_store(epoch)
+            store = self.coordinator.rendezvous_store(epoch, host=rank == 0)
             replay(store, plan, rank, self.backend, self.tied_layers)
             self._handoff(epoch, record)
             self._enter(plan, rank)
@@ -158,7 +160,7 @@ class SimulatedWorker:
         the next epoch's first step."""
         try:
             sent = self._handoff(epoch, record)
-        except dist.DistStoreError:
+        except RuntimeError:  # (dist errors are: the host of the epoch's store gone too)
             if self.coordinator.reconfigure_requested(epoch):
                 return None
             return 1
@@ -191,6 +193,7 @@ class SimulatedProcess:
     def __init__(self, worker: SimulatedWorker, cut: Callable[[], None], name: str):
         self.returncode: int | None = None
         self._cut = cut
+        self._close_stores = worker.coordinator.close  # a dead process's epoch store dies with it
         self._thread = threading.Thread(target=self._run, args=(worker,), daemon=True, name=name)
         self._thread.start()
 
@@ -219,3 +222,4 @@ class SimulatedProcess:
         if self.returncode is None:
             self.returncode = -9
         self._cut()
+        self._close_stores()
