@@ -25,6 +25,10 @@ epoch has a store of its own. So:
    plan, and finds the store the same way;
 3. a blocked read is the server's own wait, one request; `AbandonableStore` has it
    interrupted (`EpochStoreClient.interrupt`) when the control plane ends the epoch.
+   Not polled (a `check` every 10 ms from thousands of ranks is hundreds of thousands of
+   requests a second to one host), nor cut into short waits with a look at the epoch
+   between two: c10d logs two warnings at every wait that times out, which would fill
+   the log of a rank waiting for a late peer.
 
 Fencing: the key is the epoch's, and so is the store: a late worker of an older epoch
 never meets a newer epoch's groups. The host keeps its store until it begins another
@@ -129,8 +133,9 @@ class EpochStoreClient(dist.Store):
     string, or a function that waits for it: called once, at the first operation).
 
     `interrupt(why)` ends what its operations are blocked in, on every thread (shutting
-    their connections down, as a release does: c10d has no other way into a blocked
-    wait), and every later operation raises a DistStoreError saying `why`."""
+    this process's connections to the store down, as a release does: c10d has no other
+    way into a blocked wait; a worker has no others), and every later operation raises a
+    DistStoreError saying `why`."""
 
     def __init__(self, address: str | Callable[[], str], *, connect_timeout_s: float, timeout: timedelta):
         super().__init__()
