@@ -167,6 +167,7 @@ class Agent:
             self.log(refused)
             return 2
         self.probe = PeerProbe(self.node, address).start()
+        self.supervisor.node_address = address  # where this node's workers host an epoch's bootstrap store
         try:
             self._register()
         except NodeNameTaken as err:

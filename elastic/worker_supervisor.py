@@ -5,7 +5,8 @@ killed when frozen or asked to, stopped when the node leaves (docs/control_plane
     kill/<node>.<local>     the leader asks the worker's agent to SIGKILL it
 
 Workers run `python -m planaria.train CONFIG ...` with PLANARIA_STORE pointing at the
-store in etcd (and etcd's TLS and credentials in PLANARIA_ETCD_*), and die with their
+store in etcd (and etcd's TLS and credentials in PLANARIA_ETCD_*, the node's address in
+PLANARIA_NODE_ADDRESS, where an epoch's rank 0 hosts its bootstrap store), and die with their
 agent (PR_SET_PDEATHSIG): a killed agent takes its node out, as a dead machine would.
 They get torchrun's TORCHELASTIC_RUN_ID, TORCHELASTIC_RESTART_COUNT,
 TORCHELASTIC_MAX_RESTARTS and TORCHELASTIC_ERROR_FILE; a worker that dies of an uncaught
@@ -73,6 +74,9 @@ class WorkerSupervisor:
         self._streams: dict[Worker, WorkerStreams] = {}
         self._tails: list[Tail] = []
         self._exited: set[Worker] = set()
+        self.node_address: str | None = None
+        """The address the other nodes reach this one at (the agent's `node_address`), given
+        to the workers: the plan's rank 0 hosts an epoch's bootstrap store there."""
 
     @property
     def member(self) -> str:
@@ -133,6 +137,8 @@ class WorkerSupervisor:
                    TORCHELASTIC_MAX_RESTARTS=str(self.max_restarts),
                    TORCHELASTIC_ERROR_FILE=str(error_file), **self.etcd_env,
                    **{worker_env.HEARTBEAT_FILE: str(self._heartbeat_file(worker))})
+        if self.node_address:
+            env[worker_env.NODE_ADDRESS] = self.node_address
         if self.restarts:  # an injected fault fires in the first incarnation only
             env.pop(worker_env.FAULTS, None)
         env.setdefault("OMP_NUM_THREADS", "1")

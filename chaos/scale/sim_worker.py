@@ -5,7 +5,8 @@ It follows `planaria.runtime.worker.elastic_worker.ElasticWorker` call for call,
 the same objects: the runtime's `StoreCoordinator` over an etcd store of the job's
 prefix, its `EpochWatcher` (the progress it publishes, its polls, the release on a
 failure), the epoch's rendezvous store with the process groups' bootstrap replayed on it
-(`bootstrap`: the epoch's groups, a planned leave's handoff group, and the peer snapshots'
+(`bootstrap`: on a real TCPStore that the plan's rank 0 hosts, found by the others
+through etcd, as a real worker's: the epoch's groups, a planned leave's handoff group, and the peer snapshots'
 group, which connects on a thread of its own as the real one does), a planned leave's
 steps (`planaria.runtime.worker.leaving.leave`), and, with logging.tensorboard, the
 reads of its metrics writer while it is an epoch's rank 0 (`sim_metrics`).
@@ -78,7 +79,8 @@ class SimulatedWorker:
         and loading its data (none by default: a simulated worker asks at once).
         `metrics`: its metrics writer's reads (over `store`), when the job writes
         TensorBoard metrics."""
-        self.coordinator = StoreCoordinator(store, worker)
+        # Its nodes are threads of one process: their epochs' stores are hosted on loopback.
+        self.coordinator = StoreCoordinator(store, worker, node_address="127.0.0.1")
         self.worker, self.plane, self.observer = worker, plane, observer
         self.step_s, self.total_steps, self.backend = step_s, total_steps, backend
         self.tied_layers, self.wait_s, self._log = tied_layers, wait_s, log
@@ -127,7 +129,7 @@ class SimulatedWorker:
         watcher.start()
         stopped = finished = False
         try:
-            store = self.coordinator.rendezvous_store(epoch)
+            store = self.coordinator.rendezvous_store(epoch, host=rank == 0)
             replay(store, plan, rank, self.backend, self.tied_layers)
             self._handoff(epoch, record)
             self._enter(plan, rank)
@@ -229,7 +231,7 @@ class SimulatedWorker:
         the next epoch's first step."""
         try:
             sent = self._handoff(epoch, record)
-        except dist.DistStoreError:
+        except RuntimeError:  # (dist errors are: the host of the epoch's store gone too)
             if self.coordinator.reconfigure_requested(epoch):
                 return None
             return 1
@@ -270,6 +272,7 @@ class SimulatedProcess:
     def __init__(self, worker: SimulatedWorker, cut: Callable[[], None], name: str):
         self.returncode: int | None = None
         self._cut, self._worker = cut, worker
+        self._close_stores = worker.coordinator.close  # a dead process's epoch store dies with it
         self._thread = threading.Thread(target=self._run, args=(worker,), daemon=True, name=name)
         self._thread.start()
 
@@ -299,3 +302,4 @@ class SimulatedProcess:
             self.returncode = -9
         self._cut()
         self._worker.die()
+        self._close_stores()

@@ -384,14 +384,19 @@ def uses_planner(cfg: Config) -> bool:
 GLOO_CONNECT_ATTEMPTS = 4
 
 
+def connect_timeout_s(p: "CommConfig") -> float:
+    """How long an elastic epoch's connections may take: its process groups' to their
+    peers, a rank's to the epoch's bootstrap store (`connect_timeout_s`, at most `timeout_s`)."""
+    return min(p.connect_timeout_s, p.timeout_s)
+
+
 def status_timeout_s(p: "CommConfig") -> float:
     """How long the leader waits for a live worker's status after a failure before it
     kills the worker as hung: the collective timeout, plus what an epoch's connection to
     peers that died after its rendezvous can take (gloo's retries of the connect timeout),
     plus margin. A shorter wait killed every survivor of a triple node loss in the p3
     replay while they were still failing their connections, and with them the job."""
-    connect = min(p.connect_timeout_s, p.timeout_s)
-    return p.timeout_s + GLOO_CONNECT_ATTEMPTS * connect + 15.0
+    return p.timeout_s + GLOO_CONNECT_ATTEMPTS * connect_timeout_s(p) + 15.0
 
 
 def parameter_count(m: ModelConfig) -> int:

@@ -13,6 +13,10 @@ NODE = "PLANARIA_NODE"
 """The worker's node name."""
 LOCAL_RANK = "PLANARIA_LOCAL_RANK"
 """The worker's rank on its node (its GPU)."""
+NODE_ADDRESS = "PLANARIA_NODE_ADDRESS"
+"""The address the other nodes reach the worker's node at (its agent's `--local-addr`, its
+gloo interface's, or its route to etcd): where the worker hosts an epoch's bootstrap store
+as the plan's rank 0 (`planaria.runtime.worker.epoch_store`)."""
 DIE_WITH_AGENT = "PLANARIA_DIE_WITH_AGENT"
 """"1": the worker asks the kernel to SIGKILL it when its agent dies."""
 HEARTBEAT_FILE = "PLANARIA_HEARTBEAT_FILE"

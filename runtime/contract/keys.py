@@ -13,7 +13,11 @@ prefix in etcd, `/planaria/<run id>/`):
     epoch/<e>/reconfigure           the epoch is over: "join" or "leave" (stop after the
                                     current iteration) or "failure" (release every collective now)
     epoch/<e>/trained               epoch e committed a step: when its first one was (wall clock)
-    epoch/<e>/pg/...                the epoch's process-group rendezvous
+    epoch/<e>/pg_store              "host:port" of the epoch's own bootstrap store, a TCPStore
+                                    its plan's rank 0 hosts (a job store in etcd), where the
+                                    epoch's process groups rendezvous
+    epoch/<e>/pg/...                the epoch's process-group rendezvous, in a job store that
+                                    is a TCPStore itself (the local launcher's, a test's)
     epoch/<e>/timing/<node>.<local> `EpochTiming`
     epoch/<e>/event                 `EpochEvent`: the controller's account of the change
     epoch/<e>/handed/<node>.<local> present: a leaving worker handed its layers over in e
@@ -166,8 +170,15 @@ def epoch_event(epoch: int) -> str:
 
 
 def epoch_rendezvous(epoch: int) -> str:
-    """The prefix of the epoch's process-group rendezvous store."""
+    """The prefix of the epoch's process-group rendezvous in a job store that is a
+    TCPStore (over etcd, the epoch has a store of its own: `epoch_pg_store`)."""
     return _epoch(epoch) + "pg/"
+
+
+def epoch_pg_store(epoch: int) -> str:
+    """Where the epoch's bootstrap store serves, "host:port": written by the plan's rank 0,
+    which hosts it (`planaria.runtime.worker.epoch_store`)."""
+    return _epoch(epoch) + "pg_store"
 
 
 def checkpoint_shards(iteration: int, epoch: int) -> str:

@@ -65,8 +65,16 @@ def socket_inodes() -> dict[int, int]:
     return found
 
 
-def _shut_down(fd: int, inode: int, keep_ports: Collection[int]) -> bool:
-    """Shut one socket down if it is a connected TCP socket of the epoch. The descriptor
+def plain_ip(address: str) -> str:
+    """An IP address as compared here: an IPv4 peer of an IPv6 socket ("::ffff:10.0.0.2")
+    as the IPv4 address it is."""
+    return address.removeprefix("::ffff:")
+
+
+def _shut_down(fd: int, inode: int, keep_ports: Collection[int],
+               only_to: tuple[Collection[str], int] | None = None) -> bool:
+    """Shut one socket down if it is a connected TCP socket of the epoch (with `only_to`,
+    (addresses, port): one connected to that port at one of those addresses). The descriptor
     is duplicated first and the copy checked to be the same socket, so that a number
     closed and reused since the listing is never touched; the copy is closed after."""
     try:
@@ -87,7 +95,10 @@ def _shut_down(fd: int, inode: int, keep_ports: Collection[int]) -> bool:
                 return False
             if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
                 return False  # a listener: gloo aborts the process if it fails
-            if sock.getpeername()[1] in keep_ports or sock.getsockname()[1] in keep_ports:
+            peer = sock.getpeername()
+            if only_to is not None and (peer[1] != only_to[1] or plain_ip(peer[0]) not in only_to[0]):
+                return False
+            if peer[1] in keep_ports or sock.getsockname()[1] in keep_ports:
                 return False  # the control plane's connection (either end of it)
             sock.shutdown(socket.SHUT_RDWR)
             return True
@@ -115,10 +126,12 @@ class SocketRelease:
             return f"{count} connection(s) shut down"
 
 
-def shut_down_sockets(which: Callable[[int], bool], keep_ports: Collection[int] = ()) -> int:
+def shut_down_sockets(which: Callable[[int], bool], keep_ports: Collection[int] = (),
+                      only_to: tuple[Collection[str], int] | None = None) -> int:
     """Shut down this process's connected TCP sockets whose inode `which` accepts (never a
-    listener, nor a connection to `keep_ports`); how many were."""
-    return sum(_shut_down(fd, inode, keep_ports) for inode, fd in socket_inodes().items() if which(inode))
+    listener, nor a connection to `keep_ports`; with `only_to`, (addresses, port), only
+    connections to that port at one of those IP addresses); how many were."""
+    return sum(_shut_down(fd, inode, keep_ports, only_to) for inode, fd in socket_inodes().items() if which(inode))
 
 
 class CommunicatorAbort:

@@ -2,6 +2,8 @@
 that the control plane can abandon (`planaria.runtime.worker.coordination`)."""
 from __future__ import annotations
 
+import contextlib
+import threading
 import time
 from datetime import timedelta
 
@@ -11,11 +13,23 @@ import torch.distributed as dist
 class AbandonableStore(dist.Store):
     """`base`, whose blocking reads (`get`, `wait`) give up with a DistStoreError when
     `abandoned()` turns true. Written here because c10d's stores only give up on their
-    timeout, and a rendezvous cannot be interrupted from outside."""
+    timeout, and a rendezvous cannot be interrupted from outside.
+
+    Two ways, by what `base` can do:
+    - a base that can interrupt its own blocked operations (`interrupt(why)`: an epoch's
+      TCPStore, `planaria.runtime.worker.epoch_store.EpochStoreClient`) runs them
+      itself: a wait is one request that its server answers when the keys are set. A
+      watch thread asks `abandoned()` every `poll_s` while an operation has been under
+      way that long, and interrupts the base when it turns true. Its server is polled
+      by nobody, which at thousands of ranks on one host matters;
+    - any other base (the job's TCPStore under a prefix) is polled: `check` every
+      `poll_s` until the keys are there, `abandoned()` between two."""
 
     def __init__(self, base: dist.Store, abandoned, message: str, poll_s: float = 0.01):
         super().__init__()
         self.base, self.abandoned, self.message, self.poll_s = base, abandoned, message, poll_s
+        interrupt = getattr(base, "interrupt", None)
+        self._watch = None if interrupt is None else _AbandonWatch(abandoned, lambda: interrupt(message), poll_s)
 
     def _wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
         limit = (timeout or self.base.timeout).total_seconds()
@@ -27,24 +41,48 @@ class AbandonableStore(dist.Store):
                 raise dist.DistStoreError(f"wait timeout after {limit * 1000:.0f}ms, keys: {keys}")
             time.sleep(self.poll_s)
 
+    def _op(self, keys: list[str], operation):
+        """An operation of an interruptible base, under the watch: abandoned meanwhile, it
+        fails saying so (whatever the interrupted connection raised)."""
+        with self._watch.running():
+            try:
+                return operation()
+            except dist.DistError as err:
+                if self._watch.fired:
+                    raise dist.DistStoreError(f"{self.message} (waiting for {keys})") from err
+                raise
+
     def set(self, key, value) -> None:
-        self.base.set(key, value)
+        if self._watch is None:
+            return self.base.set(key, value)
+        self._op([key], lambda: self.base.set(key, value))
 
     def get(self, key) -> bytes:
-        self._wait([key])
-        return self.base.get(key)
+        if self._watch is None:
+            self._wait([key])
+            return self.base.get(key)
+        return self._op([key], lambda: self.base.get(key))
 
     def wait(self, keys, timeout: timedelta | None = None) -> None:
-        self._wait(list(keys), timeout)
+        keys = list(keys)
+        if self._watch is None:
+            return self._wait(keys, timeout)
+        self._op(keys, lambda: self.base.wait(keys, timeout))
 
     def check(self, keys) -> bool:
-        return self.base.check(keys)
+        if self._watch is None:
+            return self.base.check(keys)
+        return self._op(list(keys), lambda: self.base.check(keys))
 
     def add(self, key, amount: int) -> int:
-        return self.base.add(key, amount)
+        if self._watch is None:
+            return self.base.add(key, amount)
+        return self._op([key], lambda: self.base.add(key, amount))
 
     def compare_set(self, key, expected, desired) -> bytes:
-        return self.base.compare_set(key, expected, desired)
+        if self._watch is None:
+            return self.base.compare_set(key, expected, desired)
+        return self._op([key], lambda: self.base.compare_set(key, expected, desired))
 
     def delete_key(self, key) -> bool:
         return self.base.delete_key(key)
@@ -58,3 +96,63 @@ class AbandonableStore(dist.Store):
     @property
     def timeout(self) -> timedelta:
         return self.base.timeout
+
+    def close(self) -> None:
+        """The epoch is over for this worker: its base closed (if it can be), the watch ended."""
+        if self._watch is not None:
+            self._watch.stop()
+        close = getattr(self.base, "close", None)
+        if close is not None:
+            close()
+
+
+class _AbandonWatch:
+    """A thread that calls `interrupt()` once `abandoned()` is true while an operation is
+    under way (`running`). It looks only at operations that lasted `poll_s`, then every
+    `poll_s`: an operation that returns at once (most of a rendezvous's) costs no look."""
+
+    def __init__(self, abandoned, interrupt, poll_s: float):
+        self.abandoned, self.interrupt, self.poll_s = abandoned, interrupt, poll_s
+        self.fired = False
+        self._running = 0
+        self._cond = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._stopped = False
+
+    @contextlib.contextmanager
+    def running(self):
+        with self._cond:
+            self._running += 1
+            if self._thread is None and not self._stopped:
+                self._thread = threading.Thread(target=self._run, daemon=True, name="rendezvous-abandon-watch")
+                self._thread.start()
+            self._cond.notify()
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._running -= 1
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopped = True
+            self._cond.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._running or self._stopped)
+                if self._stopped:
+                    return
+            time.sleep(self.poll_s)
+            with self._cond:
+                if not self._running:
+                    continue
+            try:
+                gone = self.abandoned()
+            except Exception:  # noqa: BLE001 - the control plane's store is away: ask again
+                gone = False
+            if gone:
+                self.fired = True
+                self.interrupt()
+                return

@@ -2,7 +2,8 @@
 
 The runtime needs five things from whoever coordinates the job (docs/recovery.md):
 announce itself; wait for the next epoch's record (its plan, and what to do before it
-starts); a rendezvous store for that epoch's process groups; publish its status when
+starts); a rendezvous store for that epoch's process groups (over etcd, a TCPStore of the
+epoch's own that its rank 0 hosts: `planaria.runtime.worker.epoch_store`); publish its status when
 an epoch ends; and learn, cheaply at every iteration, whether the control plane wants
 the job to stop at the next iteration boundary (a node joins). `StoreCoordinator`
 implements it over any `torch.distributed.Store`: a `TCPStore` that a test harness or
@@ -14,6 +15,7 @@ The keys and records are the contract's (`planaria.runtime.contract.keys`,
 from __future__ import annotations
 
 import os
+import threading
 import time
 from datetime import timedelta
 
@@ -27,6 +29,7 @@ from planaria.runtime.contract.membership import Announcement
 from planaria.runtime.contract.store_reads import (follow, generation, poll_pause, read_if_present, unfollow,
                                                    wait_for_change)
 from planaria.runtime.worker.abandonable_store import AbandonableStore
+from planaria.runtime.worker.epoch_store import EpochStoreClient, EpochStoreHost, advertised_host
 from planaria.runtime.worker.store_trace import traced
 from planaria.templates.plan import Worker
 
@@ -36,6 +39,10 @@ FAST_FOR_S = 0.25
 as an epoch ends, and after a stop at a step boundary the next record follows within
 tens of milliseconds (it took 10 ms on average, half a poll, of a planned leave's pause
 of about 0.2 s). Later, and for a worker waiting as a spare, every POLL_S."""
+ADDRESS_POLL_S = 0.1
+"""A rank waiting for its epoch's bootstrap store to be published wakes at the key's change
+(followed); in between, it asks this often whether the control plane ended the epoch
+(a read of a mirror, where the epoch's end is followed too)."""
 
 
 class JobEnded(Exception):
@@ -49,11 +56,21 @@ class JobEnded(Exception):
 class StoreCoordinator:
     """A worker's side of the control plane, over a `torch.distributed.Store`."""
 
-    def __init__(self, store: dist.Store, worker: Worker):
+    def __init__(self, store: dist.Store, worker: Worker, *, node_address: str | None = None,
+                 connect_timeout_s: float = 30.0):
+        """`node_address`: where the other nodes reach this worker's node, at which it hosts
+        an epoch's bootstrap store as the plan's rank 0 (None: `epoch_store.advertised_host`,
+        when first needed); `connect_timeout_s`: how long a connection to an epoch's store
+        may take (`comm.connect_timeout_s`)."""
         self.store = store
         self.worker = worker
+        self.node_address, self.connect_timeout_s = node_address, connect_timeout_s
         self._key = keys.worker_key(worker)
-        self._rendezvous_stores: dict[int, dist.Store] = {}
+        self._rendezvous_stores: dict[int, AbandonableStore] = {}
+        self._open: set[int] = set()
+        """The epochs whose own bootstrap store this worker has not closed yet."""
+        self._hosted: dict[int, EpochStoreHost] = {}
+        self._lock = threading.Lock()
 
     def announce(self) -> None:
         self.store.set(keys.member(self.worker), Announcement(os.getpid()).to_json())
@@ -84,20 +101,90 @@ class StoreCoordinator:
         value = read_if_present(self.store, keys.epoch_prepared(epoch))
         return None if value is None else EpochRecord.from_json(value)
 
-    def rendezvous_store(self, epoch: int) -> dist.Store:
+    def rendezvous_store(self, epoch: int, host: bool = False) -> dist.Store:
         """The epoch's process-group rendezvous, given up as soon as the control plane
         moves past the epoch: a peer that dies before it has registered would otherwise
         hold everyone in the rendezvous until the store's timeout. One per epoch: the
-        world's and a planned leave's groups (`transfer.Handoff`) meet in the same."""
-        if epoch in self._rendezvous_stores:
-            return self._rendezvous_stores[epoch]
-        store = AbandonableStore(dist.PrefixStore(keys.epoch_rendezvous(epoch), self.store),
-                                 lambda: self.reconfigure_requested(epoch),
-                                 f"epoch {epoch} was abandoned by the control plane during its rendezvous")
-        # c10d holds the store by its C++ half only: a Python subclass collected while a
-        # process group still uses it has no methods left ("Not implemented").
-        self._rendezvous_stores[epoch] = store
-        return store
+        world's and a planned leave's groups (`transfer.Handoff`), and the peer snapshots',
+        meet in the same. `host`: this worker is the plan's rank 0, which hosts the epoch's
+        store (over etcd; the epoch's first call says). Asked for a newer epoch, the stores
+        of older ones are closed (`_close_before`)."""
+        with self._lock:
+            if epoch in self._rendezvous_stores:
+                return self._rendezvous_stores[epoch]
+            self._close_before(epoch)
+            base = self._bootstrap_store(epoch, host)
+            store = AbandonableStore(base, lambda: self.reconfigure_requested(epoch),
+                                     f"epoch {epoch} was abandoned by the control plane during its rendezvous")
+            # c10d holds the store by its C++ half only: a Python subclass collected while a
+            # process group still uses it has no methods left ("Not implemented"). Kept,
+            # closed or not, for as long as this worker lives (a small object an epoch).
+            self._rendezvous_stores[epoch] = store
+            if isinstance(base, EpochStoreClient):
+                self._open.add(epoch)
+            return store
+
+    def _bootstrap_store(self, epoch: int, host: bool) -> dist.Store:
+        """Where the epoch's groups bootstrap. Over a job's store that can follow keys
+        (etcd's), the epoch's own TCPStore (`planaria.runtime.worker.epoch_store`), hosted
+        here when `host` and published under `keys.epoch_pg_store`. Over any other (a
+        TCPStore already: the local launcher's, a test's), under the epoch's prefix of
+        the job's store, as ever: that store is on one host anyway, and answers a wait
+        without any load on etcd; a second TCPStore there would only add a hop."""
+        if getattr(self.store, "follow", None) is None:
+            return dist.PrefixStore(keys.epoch_rendezvous(epoch), self.store)
+        if host:
+            if self.node_address is None:
+                self.node_address = advertised_host()
+            hosted = self._hosted[epoch] = EpochStoreHost(self.node_address, self.connect_timeout_s)
+            self.store.set(keys.epoch_pg_store(epoch), hosted.address)
+            address = hosted.address
+        else:
+            address = lambda: self._published_store(epoch)  # noqa: E731 - at the first use, not now
+        return EpochStoreClient(address, connect_timeout_s=self.connect_timeout_s, timeout=self.store.timeout)
+
+    def _published_store(self, epoch: int) -> str:
+        """"host:port" of `epoch`'s bootstrap store, once its host published it: followed
+        (one read and a watch, no polling), given up when the control plane ends the epoch
+        or at the store's timeout."""
+        key = keys.epoch_pg_store(epoch)
+        followed = follow(self.store, key)
+        deadline = ReachableDeadline(self.store.timeout.total_seconds())
+        try:
+            while True:
+                since = generation(self.store)
+                if (address := read_if_present(self.store, key)) is not None:
+                    return address.decode()
+                if self.reconfigure_requested(epoch):
+                    raise dist.DistStoreError(f"epoch {epoch} was abandoned by the control plane before its "
+                                              "bootstrap store was published (its rank 0 is gone?)")
+                if deadline.expired():
+                    raise dist.DistStoreError(
+                        f"epoch {epoch}'s bootstrap store was not published within "
+                        f"{self.store.timeout.total_seconds():.0f} s; is the plan's rank 0 alive?")
+                wait_for_change(self.store, since, ADDRESS_POLL_S if followed else POLL_S)
+        finally:
+            if followed:
+                unfollow(self.store, key)
+
+    def _close_before(self, epoch: int) -> None:
+        """Close the bootstrap stores of the epochs before `epoch`: this worker has left
+        them, and so has every other (the control plane moved past them), a late peer
+        snapshots' connection aside, which would fail anyway. Hosted ones stop serving;
+        connections close. Off the caller's thread: it is on its way into the next epoch."""
+        old = sorted(e for e in self._open if e < epoch)
+        if old:
+            self._open.difference_update(old)
+            stores = [self._rendezvous_stores[e] for e in old]
+            hosted = [self._hosted.pop(e) for e in old if e in self._hosted]
+            threading.Thread(target=_close, args=(stores, hosted), daemon=True, name="close-epoch-stores").start()
+
+    def close(self) -> None:
+        """Close every epoch's bootstrap store this worker holds or hosts (it is done)."""
+        with self._lock:
+            stores = [self._rendezvous_stores[e] for e in self._open]
+            hosted, self._hosted, self._open = list(self._hosted.values()), {}, set()
+        _close(stores, hosted)
 
     def mark_ready(self, epoch: int) -> None:
         """This worker is in no epoch, waiting for one after `epoch` (`keys.ready`)."""
@@ -164,6 +251,13 @@ class StoreCoordinator:
         """Why the control plane ended `epoch` (`keys.JOIN`, `keys.FAILURE`), or None."""
         value = read_if_present(self.store, keys.epoch_reconfigure(epoch))
         return None if value is None else value.decode()
+
+
+def _close(stores: list[AbandonableStore], hosted: list[EpochStoreHost]) -> None:
+    for store in stores:
+        store.close()
+    for host in hosted:
+        host.close()
 
 
 def store_ports(url: str) -> set[int]:

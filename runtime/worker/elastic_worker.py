@@ -7,7 +7,8 @@ as `planaria.elastic`'s launchers and the tests' harness start workers. Per epoc
 
 1. wait for the epoch's record (plan, roll-forward, transfers); a worker not in the
    plan waits for the next one;
-2. join the epoch's process group through the epoch's rendezvous store;
+2. join the epoch's process group through the epoch's rendezvous store (over etcd, a
+   TCPStore that the plan's rank 0 hosts for the epoch: `planaria.runtime.worker.epoch_store`);
 3. first epoch: build the engine; later epochs: roll forward if the record says so;
    then `Engine.enter_epoch`, with the record's transfers, peer snapshot or checkpoint (a worker
    joining a running job receives its layers like any other);
@@ -49,7 +50,7 @@ import torch.distributed as dist
 from rich.console import Console
 from rich.markup import escape
 
-from planaria.runtime.config.sections import Config, status_timeout_s
+from planaria.runtime.config.sections import Config, connect_timeout_s, status_timeout_s
 from planaria.runtime.contract import env
 from planaria.runtime.contract.epochs import EpochRecord, EpochTiming, Progress
 from planaria.runtime.contract.exits import EXIT_TORN_STEP
@@ -214,7 +215,7 @@ class ElasticWorker:
                                       progress=self._progress if rank == 0 else None)
         self._watcher.start()
         try:
-            dist.init_process_group(self.backend, store=self.coordinator.rendezvous_store(epoch),
+            dist.init_process_group(self.backend, store=self.coordinator.rendezvous_store(epoch, host=rank == 0),
                                     rank=rank, world_size=plan.world_size, timeout=timedelta(seconds=self._connect_timeout_s()),
                                     pg_options=group_options(self.backend))
             set_operation_timeout(None, timedelta(seconds=self.cfg.comm.timeout_s))
@@ -448,7 +449,7 @@ class ElasticWorker:
     def _connect_timeout_s(self) -> float:
         """An epoch's process groups connect within this: a peer that died after the
         rendezvous (a fault during a recovery) fails the epoch in seconds, not minutes."""
-        return min(self.cfg.comm.connect_timeout_s, self.cfg.comm.timeout_s)
+        return connect_timeout_s(self.cfg.comm)
 
     def _log(self, message: str) -> None:
         self.console.print(f"[{self.name}] {message}", markup=False)
@@ -482,7 +483,8 @@ def run_elastic(cfg: Config, console: Console, device: torch.device, backend: st
     # The control plane's warnings (etcd away, back) on this worker's lines, like its own.
     logging.basicConfig(format=f"[{node}.{local_rank}] %(message)s", level=logging.WARNING)
     store = connect_store(address, timeout_s=cfg.comm.timeout_s + 60)
-    coordinator = StoreCoordinator(store, (node, local_rank))
+    # (its node's address, where it hosts an epoch's bootstrap store: env.NODE_ADDRESS, read when first needed)
+    coordinator = StoreCoordinator(store, (node, local_rank), connect_timeout_s=connect_timeout_s(cfg.comm))
     if backend == "nccl":  # read by torch as each NCCL group is made
         for warning in env.nccl_recovery(os.environ, cfg.comm.timeout_s):
             console.print(f"[{node}.{local_rank}] warning: {warning}", markup=False)

@@ -119,6 +119,66 @@ def test_leader_node_killed_another_agent_leads_and_the_job_recovers(etcd, tmp_p
     check_against_reference(tmp_path, reference, job)
 
 
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_process_groups_bootstrap_on_their_epochs_store_not_in_etcd(etcd, tmp_path, reference):
+    """Every epoch's groups rendezvous on a TCPStore that the plan's rank 0 hosts
+    (`planaria.runtime.worker.epoch_store`): etcd holds its address, one key an epoch,
+    and none of the groups' keys (`epoch/<e>/pg/`). The node hosting epoch 0's store is
+    killed: that epoch fails with it, and the survivors' next epoch meets on a store of
+    its new rank 0. The losses are the reference's."""
+    from planaria.runtime.contract.epochs import EpochRecord
+
+    job = Job(etcd, tmp_path, 4, OVERRIDES, run_id="epoch-stores")
+    try:
+        job.wait_for_commits(2)
+        record = EpochRecord.from_json(job.client.get(job.prefix + keys.epoch_record(0))[0])
+        host = record.plan.worker(0)[0]
+        job.kill_node(host)
+        codes = job.wait()
+    finally:
+        job.close()
+    assert all(code == 0 for node, code in codes.items() if node != host), f"{codes}\n{job.logs(tail=4000)}"
+    in_etcd = job.client.items_with_prefix(job.prefix)
+    trained = sorted(int(k.split("/")[1]) for k in in_etcd if k.startswith("epoch/") and k.endswith("/trained"))
+    assert len(trained) >= 2, f"no epoch trained after the host's death: {trained}\n{job.logs(tail=4000)}"
+    assert not [k for k in in_etcd if "/pg/" in k], "a process group's key in etcd"
+    assert all(keys.epoch_pg_store(e) in in_etcd for e in trained)
+    assert len({in_etcd[keys.epoch_pg_store(e)] for e in trained}) == len(trained), "a store of each epoch's own"
+    check_against_reference(tmp_path, reference, job)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_leaving_nodes_find_the_epochs_store_and_hand_their_layers_over_there(etcd, tmp_path):
+    """Every holder of a stage leaves with notice (SIGTERM, peer snapshots off): the next
+    epoch's receivers and the leaving workers, which are in no plan, meet on that epoch's
+    bootstrap store (found through etcd, as its ranks find it) to hand over the layers only
+    the leaving nodes hold. Nothing is lost: the losses are the reference's."""
+    from planaria.runtime.contract.epochs import EpochRecord
+
+    steps = [*JOB, "train.steps=60"]
+    job = Job(etcd, tmp_path, 4, [*steps, "fault_tolerance.f=1", "checkpoint.memory_every=0"], run_id="handoff",
+              agent_args=("--preemption-grace", "12"))
+    try:
+        leader = job.leader()
+        job.wait_for_commits(2)
+        plan = EpochRecord.from_json(job.client.get(job.prefix + keys.epoch_record(0))[0]).plan
+        stages: dict[int, set[str]] = {}
+        for rank in range(plan.world_size):
+            stages.setdefault(plan.rank_info(rank).stage, set()).add(plan.rank_info(rank).node)
+        leaving = sorted(next(nodes for nodes in stages.values() if leader not in nodes))
+        for node in leaving:
+            job.agents[node].send_signal(signal.SIGTERM)
+        codes = job.wait()
+    finally:
+        job.close()
+    assert all(codes[n] == 128 + signal.SIGTERM for n in leaving), f"{codes}\n{job.logs(tail=4000)}"
+    assert all(code == 0 for n, code in codes.items() if n not in leaving), f"{codes}\n{job.logs(tail=4000)}"
+    assert "layer shard(s) over" in job.logs(), job.logs(tail=4000)
+    check_against_reference(tmp_path, reference_run(steps), job, steps=60)
+
+
 def signal_a_follower_agent(etcd, tmp_path, run_id: str, signum: int, overrides=None,
                             agent_args: tuple[str, ...] = ()) -> tuple[str, dict[str, int], Job]:
     """Send `signum` to one agent that does not lead (its process only) after two steps."""

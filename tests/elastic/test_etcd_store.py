@@ -128,3 +128,87 @@ def test_an_etcd_on_a_port_in_use_is_refused(etcd):
 
     with pytest.raises(RuntimeError, match=f"port {etcd.port} on 127.0.0.1 is in use"):
         EmbeddedEtcd(port=etcd.port).start(timeout_s=5)
+
+
+def _coordinators(etcd, prefix: str, ranks: int = 2):
+    from planaria.runtime.worker.coordination import StoreCoordinator
+
+    return [StoreCoordinator(EtcdStore(EtcdClient(EtcdSettings(endpoint=etcd.endpoint)), prefix,
+                                       timeout=timedelta(seconds=30)),
+                             (f"node{r}", 0), node_address="127.0.0.1", connect_timeout_s=5) for r in range(ranks)]
+
+
+@pytest.mark.timeout(120)
+def test_an_epochs_groups_rendezvous_on_the_store_its_rank_0_hosts_not_in_etcd(etcd):
+    """Over etcd, the plan's rank 0 hosts the epoch's bootstrap store and publishes where
+    (`epoch/<e>/pg_store`); the other ranks find it there (waiting for it, if they come
+    first) and a gloo group of them rendezvous on it: etcd holds the address, nothing else."""
+    import threading
+    import time
+
+    import torch
+
+    prefix = "/planaria/test/pg-store"
+    coordinators = _coordinators(etcd, prefix)
+    results = {}
+
+    def rank(r: int) -> None:
+        store = coordinators[r].rendezvous_store(3, host=r == 0)
+        group = dist.ProcessGroupGloo(dist.PrefixStore("world/", store), r, 2, timedelta(seconds=20))
+        tensor = torch.tensor([r + 1.0])
+        group.allreduce([tensor]).wait()
+        results[r] = tensor.item()
+
+    other = threading.Thread(target=rank, args=(1,))
+    other.start()  # first: it waits for the address
+    time.sleep(0.3)
+    rank(0)
+    other.join(30)
+    assert results == {0: 3.0, 1: 3.0}
+    keys_in_etcd = EtcdClient(EtcdSettings(endpoint=etcd.endpoint)).items_with_prefix(prefix + "/")
+    assert list(keys_in_etcd) == ["epoch/3/pg_store"]
+    assert keys_in_etcd["epoch/3/pg_store"].decode().startswith("127.0.0.1:")
+
+
+@pytest.mark.timeout(60)
+def test_a_rank_waiting_for_its_epochs_store_gives_up_when_the_epoch_is_abandoned(etcd):
+    """Its rank 0 died before it published the store: the control plane's end of the epoch
+    ends the wait (a watch on the key, and on the epoch's end), not the store's timeout."""
+    import threading
+    import time
+
+    prefix = "/planaria/test/pg-store-abandoned"
+    (coordinator,) = _coordinators(etcd, prefix, ranks=1)
+    store = coordinator.rendezvous_store(4)
+    threading.Timer(0.3, coordinator.store.set, args=("epoch/4/reconfigure", "failure")).start()
+    start = time.monotonic()
+    with pytest.raises(dist.DistStoreError, match="epoch 4 was abandoned"):
+        store.get("rank/0")
+    assert time.monotonic() - start < 5
+
+
+@pytest.mark.timeout(60)
+def test_a_hosted_store_serves_until_its_host_enters_a_later_epoch(etcd):
+    """Kept while the epoch's other ranks may still use it (a handoff, a peer snapshots'
+    group connecting), closed once its host is in a later epoch."""
+    import socket
+    import time
+
+    from planaria.runtime.worker.epoch_store import split_address
+
+    prefix = "/planaria/test/pg-store-closed"
+    host, other = _coordinators(etcd, prefix)
+    host.rendezvous_store(5, host=True).set("k", b"1")
+    address = split_address(host.store.get("epoch/5/pg_store").decode())
+    assert other.rendezvous_store(5).get("k") == b"1"
+    host.rendezvous_store(6, host=True)
+    deadline = time.monotonic() + 5
+    while True:
+        try:
+            socket.create_connection(address, timeout=1).close()
+        except ConnectionRefusedError:
+            break
+        assert time.monotonic() < deadline, "epoch 5's store still serves"
+        time.sleep(0.05)
+    with pytest.raises(RuntimeError):  # its connection closed (or refused)
+        other.rendezvous_store(5).get("never")
