@@ -33,6 +33,8 @@ class StepBarrier:
         self._stop: dict[int, bool] = {}
         self._released: set[int] = set()
         self._dead: set[int] = set()
+        self._outcome: dict[int, bool] = {}
+        """Each iteration's all-reduce: completed (True) or failed (False), once decided."""
         self._blocked = False
 
     def step(self, rank: int, iteration: int, stop: bool) -> bool:
@@ -43,14 +45,21 @@ class StepBarrier:
             self._stop[iteration] = self._stop.get(iteration, False) or stop
             self._cond.notify_all()
             while True:
-                # An all-reduce that every rank entered has completed, for each of them,
-                # whatever happens after: a peer that dies later fails the next one
-                # (the exactly-once rule counts on it: docs/recovery.md).
-                if len(arrived) >= self.world and not self._blocked:
+                # One outcome per all-reduce, the first decided: it completed for every rank
+                # once all entered it (a peer dying later fails the next one), or it failed
+                # for every rank once one failed in it, even if the last rank to come finds
+                # them all there (the exactly-once rule counts on it: docs/recovery.md).
+                outcome = self._outcome.get(iteration)
+                if outcome is None:
+                    if len(arrived) >= self.world and not self._blocked:
+                        outcome = self._outcome[iteration] = True
+                    elif rank in self._released or self._dead - {rank}:
+                        outcome = self._outcome[iteration] = False
+                if outcome:
                     return self._stop[iteration]
-                if rank in self._released:
-                    raise Released(f"rank {rank}: released at iteration {iteration}")
-                if self._dead - {rank}:
+                if outcome is not None:
+                    if rank in self._released:
+                        raise Released(f"rank {rank}: released at iteration {iteration}")
                     raise PeerGone(_closed(rank, sorted(self._dead), iteration))
                 self._cond.wait(0.5)
 

@@ -33,9 +33,13 @@ node0 starts alone and leads both runs, so the nodes the faults strike are the s
 both and lead in neither. Each fault waits until the epoch in force is under way alike
 in both runs: a step committed, the job's progress published in it (by its rank 0's
 watcher, within 0.2 s of its first commit: a fault sooner would leave that put out of
-one run only), its peer snapshots' group connected on every worker (on a thread of its
-own at idle priority: on a busy machine it may still be connecting as steps commit),
-and a few more steps committed (`SETTLE_STEPS`).
+one run only), and a few more steps committed (`SETTLE_STEPS`), in which its peer
+snapshots' group connects (on a thread of its own at idle priority, on the epoch's own
+TCPStore: not the job's store, so not in the traces).
+
+The epoch's process groups bootstrap on a TCPStore of their own (the plan's rank 0
+hosts it; `planaria.runtime.worker.epoch_store`): what the job's store sees of it is
+the host's put of its address and the others' follow of that key, compared here.
 """
 from __future__ import annotations
 
@@ -48,13 +52,11 @@ from typing import Callable
 import pytest
 
 from planaria.chaos.cluster import LocalCluster
-from planaria.chaos.scale.bootstrap import HANDOFF, PEER_SNAPSHOTS, gloo_direct
 from planaria.chaos.scale.scale_run import ScaleHarness
-from planaria.chaos.scale.traffic import differences, per_key, read_trace, read_traces, size_differences
+from planaria.chaos.scale.traffic import differences, per_key, read_traces, size_differences
 from planaria.elastic.etcd_client import EtcdClient, EtcdSettings
 from planaria.runtime.contract import env, keys
-from planaria.runtime.contract.epochs import EpochRecord, Progress
-from planaria.runtime.worker.store_trace import trace_path
+from planaria.runtime.contract.epochs import Progress
 from tests.launch import TINY
 from tests.runtime.test_recovery import JOB
 
@@ -69,7 +71,7 @@ NOTICE_S = 8.0
 """The leaving node's notice: inside the leader's window for a planned leave (`leave_window_s`,
 ten seconds beyond what a leave needs), so that it is acted on at once."""
 STEP_S = 0.05
-SETTLE_STEPS = 3
+SETTLE_STEPS = 6
 """Steps an epoch trains past the point where it is under way before the next fault: a
 real worker takes peer snapshots once their group has connected everywhere and no
 exchange is under way (the commit says), which takes a step or two; a status after a
@@ -115,15 +117,10 @@ class Run:
         record, progress = self.value(keys.epoch_record(epoch)), self.progress()
         if record is None or progress is None or self.value(keys.epoch_trained(epoch)) is None:
             return False
-        plan = EpochRecord.from_json(record).plan
-        return (progress.epoch >= epoch
-                and all(self._connected(epoch, worker, plan.world_size) for worker in plan.rank_of_worker()))
-
-    def _connected(self, epoch: int, worker, world: int) -> bool:
-        path = trace_path(self.trace_dir, worker)
-        group = keys.epoch_rendezvous(epoch) + "/" + gloo_direct(PEER_SNAPSHOTS)
-        read = {op["key"] for op in read_trace(path) if op["op"] == "get"} if path.exists() else set()
-        return all(f"{group}{rank}" in read for rank in range(world))
+        # (The peer snapshots' group connects on its epoch's own TCPStore, which is not the
+        # job's store and not traced: the steps after this point, `SETTLE_STEPS`, give it
+        # the time it takes, a step or two.)
+        return progress.epoch >= epoch
 
 
 def index(node: str) -> int:
@@ -223,7 +220,9 @@ def test_simulated_workers_make_the_requests_of_real_workers(tmp_path):
     simulated = traced_run(simulated_run, tmp_path)
     assert set(real) == {f"node{i}.0" for i in range(NODES + 1)}, sorted(real)
     # The leave handed layers over (the plan of three nodes after the kill keeps one copy of each).
-    assert any(HANDOFF in key for key in per_key(real[f"{LEAVING}.0"])), "no handoff: the test lost its leave"
+    # The handoff's group meets on the epoch's own TCPStore; in the job's store it shows as
+    # the leaving worker's word that its copies landed.
+    assert any("/handed/" in key for key in per_key(real[f"{LEAVING}.0"])), "no handoff: the test lost its leave"
     found = differences(real, simulated)
     assert not found, (f"the simulated workers' requests differ from the real workers' ({KILLED} killed, "
                        f"{LEAVING} left, {JOINING} joined); first differences:\n" + "\n".join(found))
