@@ -62,18 +62,21 @@ def run_faults(harness: ScaleHarness, faults, log) -> list[Reconfiguration]:
     return changes
 
 
-def measure(nodes: int, args, log) -> dict:
+def measure(nodes: int, relay: bool, args, log) -> dict:
+    overrides = [] if args.peer_snapshots else ["checkpoint.memory_every=0"]
     with ScaleHarness(nodes=nodes, gpus_per_node=args.gpus_per_node, config=args.config, step_s=args.step_s,
-                      backend=args.backend, log=log) as harness:
+                      backend=args.backend, node_relay=relay, overrides=overrides, log=log) as harness:
         started = time.monotonic()
         cpu = time.process_time()
         harness.start(timeout_s=args.timeout)
-        log(f"{nodes} nodes x {args.gpus_per_node}: epoch 0 bootstrapped in {time.monotonic() - started:.1f} s")
+        log(f"{nodes} nodes x {args.gpus_per_node}, node relay {'on' if relay else 'off'}: epoch 0 bootstrapped "
+            f"in {time.monotonic() - started:.1f} s")
         time.sleep(args.step_s * 3)
         quiet, window = harness.steady(args.steady_s)
         log(f"  steady: {quiet.total / window:.1f} requests/s ({dict(quiet.requests)} in {window:.1f} s)")
         changes = run_faults(harness, args.faults, log)
-        return {"nodes": nodes, "gpus_per_node": args.gpus_per_node, "steady_window_s": window,
+        return {"nodes": nodes, "gpus_per_node": args.gpus_per_node, "node_relay": relay,
+                "peer_snapshots": args.peer_snapshots, "steady_window_s": window,
                 "steady": {"requests": dict(quiet.requests), "received_bytes": quiet.received_bytes,
                            "sent_bytes": quiet.sent_bytes},
                 "harness_cpu_s": time.process_time() - cpu, "wall_s": time.monotonic() - started,
@@ -83,9 +86,9 @@ def measure(nodes: int, args, log) -> dict:
 
 
 def table(results: list[dict]) -> str:
-    lines = ["| nodes x GPUs | steady req/s (per node) | steady KB/s | fault | requests (per node) | "
+    lines = ["| nodes x GPUs | node relay | steady req/s (per node) | steady KB/s | fault | requests (per node) | "
              "MB | detected | statuses | published | all hold record | all bootstrapped | largest write |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         n, window = r["nodes"], r["steady_window_s"]
         steady = sum(r["steady"]["requests"].values()) / window
@@ -93,8 +96,9 @@ def table(results: list[dict]) -> str:
         for i, c in enumerate(r["changes"]):
             total = sum(c["etcd"]["requests"].values())
             mb = (c["etcd"]["received_bytes"] + c["etcd"]["sent_bytes"]) / 1e6
-            head = (f"| {n} x {r['gpus_per_node']} | {steady:.0f} ({steady / n:.1f}) | {kb:.0f} |" if i == 0
-                    else "| | | |")
+            relay = "on" if r.get("node_relay", True) else "off"
+            head = (f"| {n} x {r['gpus_per_node']} | {relay} | {steady:.1f} ({steady / n:.2f}) | {kb:.0f} |" if i == 0
+                    else "| | | | |")
             lines.append(f"{head} {c['kind']} | {total} ({total / n:.1f}) | {mb:.2f} | {c['detected_s']:.2f} | "
                          f"{c['statuses_s']:.2f} | {c['published_s']:.2f} | {c['records_held_s']:.2f} | "
                          f"{c['bootstrapped_s']:.2f} | {c['largest_write'] / 1024:.0f} KiB |")
@@ -112,12 +116,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steady-s", type=float, default=20.0, help="the quiet window")
     parser.add_argument("--faults", nargs="*", default=list(FAULTS), choices=FAULTS)
     parser.add_argument("--timeout", type=float, default=900.0, help="per phase")
+    parser.add_argument("--relay", choices=("on", "off", "both"), default="on",
+                        help="each node's workers reach etcd through their agent's relay (on, the default), "
+                             "each through its own client (off, --no-node-relay), or both in turn for each N")
+    parser.add_argument("--no-peer-snapshots", dest="peer_snapshots", action="store_false",
+                        help="checkpoint.memory_every=0: no peer-snapshot group, whose gloo full mesh over "
+                             "every rank makes each rank read every other's address (N^2 reads of rank 0's "
+                             "epoch store: 67 million at 8,192 workers)")
     parser.add_argument("--json", help="write the raw figures here")
     args = parser.parse_args(argv)
     # A stopped run still stops its etcd members and removes their data (the harness's exit).
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     log = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
-    results = [measure(n, args, log) for n in args.nodes]
+    relays = {"on": [True], "off": [False], "both": [False, True]}[args.relay]
+    results = [measure(n, relay, args, log) for n in args.nodes for relay in relays]
     if args.json:
         with open(args.json, "w") as out:
             json.dump(results, out, indent=1)

@@ -17,6 +17,9 @@ under /planaria/<run-id>/:
   (`notice/<node>`), posted for the leader and served;
 - `peer_probe.PeerProbe`: the nodes this one reaches, published here (`probe/<node>`,
   `unreachable/<node>`);
+- `node_relay.NodeRelay`: the job's store, served to the node's workers (one record read,
+  one set of watches, writes committed together for the whole node; `--no-node-relay`:
+  each worker reaches etcd itself);
 - `agent_options`: the command line.
 
 A node that dies takes its lease with it: its keys vanish after the lease's TTL, and the
@@ -73,6 +76,7 @@ from planaria.elastic.etcd_kv import EtcdKeyValue
 from planaria.elastic.job_checkpoints import CheckpointPolicy
 from planaria.elastic.metrics import MetricsServer, serve as serve_metrics
 from planaria.elastic.node_membership import Membership, NodeNameTaken
+from planaria.elastic.node_relay import NodeRelay
 from planaria.elastic.peer_probe import PeerProbe, node_address
 from planaria.elastic.preemption import make_watcher
 from planaria.elastic.preemption_notices import PreemptionNotices
@@ -98,7 +102,7 @@ class Agent:
                  preemption_endpoint: str | None = None, notice_signals: str = "SIGTERM",
                  max_nodes: int | None = None, join_timeout_s: float = 600.0, last_call_s: float = 0.0,
                  monitor_interval_s: float = POLL_S, output: OutputSpec | None = None,
-                 client: EtcdClient | None = None):
+                 client: EtcdClient | None = None, node_relay: bool = True):
         """`client`: how this agent reaches etcd; None: a client of its own, from `settings`
         (the scale harness, `planaria.chaos.scale`, gives one that it can cut off)."""
         self.node, self.nproc, self.min_nodes = node, nproc, min_nodes
@@ -141,6 +145,9 @@ class Agent:
             max_restarts=max_restarts, shutdown_timeout_s=shutdown_timeout_s, log_dir=log_dir, output=output,
             log=self.log)
         self.hardware = hardware
+        self.node_relay = node_relay
+        self.relay: NodeRelay | None = None
+        """The node's relay, serving the job's store to its workers (`_start_relay`)."""
         self.controller: Controller | None = None
         self._stop = threading.Event()
         self._signal: int | None = None
@@ -174,6 +181,7 @@ class Agent:
             self.log(str(err))
             return 2
         self._follow_job()
+        self._start_relay()
         threading.Thread(target=self.membership.keep_alive, args=(self._stop, lambda: self._signal is not None),
                          daemon=True, name="lease").start()
         if self.notices.watcher is not None:
@@ -190,6 +198,16 @@ class Agent:
             if self.metrics is not None:
                 self.metrics.stop()
             self.supervisor.finish_tails()
+            if self.relay is not None:
+                self.relay.close()
+
+    def _start_relay(self, loop=None) -> None:
+        """Serve the job's store to this node's workers: they reach etcd through it
+        (`planaria.elastic.node_relay`), with the URL it gives them in PLANARIA_STORE."""
+        if self.node_relay:
+            self.relay = NodeRelay(self.store, loop=loop).start()
+            self.supervisor.store_url = self.relay.url
+            self.log(f"serving the job's store to this node's workers on {self.relay.host}:{self.relay.port}")
 
     def _follow_job(self) -> None:
         """The keys this agent asks about at every look, mirrored by watches from now on
@@ -470,7 +488,7 @@ def main(argv: list[str] | None = None) -> int:
                       shutdown_timeout_s=args.shutdown_timeout, local_addr=args.local_addr,
                       preemption=args.preemption_notice, preemption_grace_s=args.preemption_grace,
                       preemption_endpoint=args.preemption_endpoint, notice_signals=args.preemption_signals,
-                      metrics_port=args.metrics_port)
+                      metrics_port=args.metrics_port, node_relay=args.node_relay)
         return agent.run()
     except (EtcdUnavailable, ConfigError, ValueError) as err:
         print(f"planaria agent {args.node}: {err}", file=sys.stderr, flush=True)

@@ -114,6 +114,11 @@ def agent_parser() -> argparse.ArgumentParser:
     parser.add_argument("--metrics-port", type=_metrics_port, default=os.environ.get(PORT_ENV, "0"),
                         help="serve Prometheus metrics on this port, at the --local-addr address "
                              f"(docs/monitoring.md; default 0: off, or {PORT_ENV})")
+    parser.add_argument("--no-node-relay", dest="node_relay", action="store_false",
+                        default=os.environ.get("PLANARIA_NODE_RELAY", "1") != "0",
+                        help="let each worker reach etcd itself, not through this agent's relay, which "
+                             "reads, follows and writes for all of the node's workers at once "
+                             "(docs/control_plane.md, 'At scale'; or PLANARIA_NODE_RELAY=0)")
     parser.add_argument("--log-dir", default=None,
                         help="write each worker's output to DIR/<node>.<local>.log (default: this output)")
     parser.add_argument("--run-log-dir", default=None,

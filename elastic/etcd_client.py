@@ -339,6 +339,32 @@ class EtcdClient:
         self.limits.check(f"put {key}", key, size, why=why)
         self._call(f"put {key}", self._client.put, key, value, lease=lease)
 
+    def put_many(self, items: list[tuple[str, bytes]]) -> int:
+        """Write every (key, value) of `items` (distinct keys), in as few transactions as
+        etcd's limits allow (one, for a node's statuses); the number of transactions.
+        Atomic within each transaction only: callers write keys that stand each alone."""
+        sent = 0
+        for batch in self._fitting(items):
+            t = self.ops
+            what = f"put {len(batch)} keys"
+            self.transaction(what, batch[0][0], compare=[], success=[t.put(k, v) for k, v in batch])
+            sent += 1
+        return sent
+
+    def _fitting(self, items: list[tuple[str, bytes]]):
+        """`items` cut into runs that each fit one transaction (a value too large alone is
+        left to `transaction`'s check, which names it)."""
+        batch: list[tuple[str, bytes]] = []
+        for key, value in items:
+            grown = batch + [(key, value)]
+            size = self.limits.request_bytes([part for k, v in grown for part in (k.encode(), v)], len(grown))
+            if batch and (len(grown) > self.limits.max_txn_ops or size > self.limits.max_request_bytes):
+                yield batch
+                grown = [(key, value)]
+            batch = grown
+        if batch:
+            yield batch
+
     def delete(self, key: str) -> bool:
         return bool(self._call(f"delete {key}", self._client.delete, key))
 

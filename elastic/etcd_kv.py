@@ -62,6 +62,7 @@ class EtcdKeyValue:
         self._changed = threading.Condition()
         self._generation = 0
         """Changes the mirrors applied so far (`wait_changed`)."""
+        self._listeners: list = []
 
     # -- followed keys ----------------------------------------------------------------
     def follow(self, key: str, prefix: bool = False) -> None:
@@ -72,6 +73,20 @@ class EtcdKeyValue:
                 return
             self._mirrors[key] = (Mirror(self.client, self._key(key), prefix=prefix, on_change=self._on_change),
                                   prefix)
+
+    def following(self, key: str) -> bool:
+        """Whether `key` itself is followed (as a key or as a prefix). Without the lock,
+        as reads are: `follow` holds it through its mirror's first read."""
+        return key in self._mirrors
+
+    def followed_key(self, key: str) -> bool:
+        """Whether a read of `key` is answered by a mirror (it, or a prefix above it, is followed)."""
+        return self._mirror_of(key) is not None
+
+    def on_any_change(self, listener) -> None:
+        """Call `listener()` after every change a mirror of this store applies (on the
+        mirror's thread: keep it short), as `wait_changed` is woken."""
+        self._listeners.append(listener)
 
     def unfollow(self, key: str) -> None:
         """Stop mirroring `key` (its reads go to etcd again)."""
@@ -102,6 +117,8 @@ class EtcdKeyValue:
         with self._changed:
             self._generation += 1
             self._changed.notify_all()
+        for listener in list(self._listeners):
+            listener()
 
     def _mirror_of(self, key: str) -> tuple[Mirror, str] | None:
         """The mirror that holds `key`, and its name there; None when it is not followed."""
@@ -138,6 +155,11 @@ class EtcdKeyValue:
     # -- the Store interface --------------------------------------------------------
     def set(self, key: str, value) -> None:
         self.client.put(self._key(key), _bytes(value))
+
+    def set_many(self, items: list[tuple[str, bytes]]) -> int:
+        """`set` of each (key, value), in as few requests as etcd's limits allow (one
+        transaction of puts, up to `limits.max_txn_ops`); how many it took."""
+        return self.client.put_many([(self._key(key), _bytes(value)) for key, value in items])
 
     def get(self, key: str) -> bytes:
         return self._wait_for([key], None)[key]

@@ -12,6 +12,8 @@ over HTTP, so that every request counted is the control plane's.
 """
 from __future__ import annotations
 
+import asyncio
+
 import os
 import resource
 import shutil
@@ -66,11 +68,14 @@ class ScaleHarness:
     def __init__(self, *, nodes: int, gpus_per_node: int = 8, config: str = "configs/llama3-70b.yaml",
                  overrides: list[str] | None = None, step_s: float = 1.0, backend: str = "nccl",
                  lease_ttl_s: int = 5, etcd_members: int = 3, log_dir: Path | None = None,
-                 trace_dir: Path | None = None, worker_start_s: float = 0.0, log: Callable[[str], None] = print):
+                 trace_dir: Path | None = None, worker_start_s: float = 0.0, node_relay: bool = True,
+                 log: Callable[[str], None] = print):
         """`trace_dir`: every simulated worker's store requests traced there, one file per
         worker, as `PLANARIA_STORE_TRACE` traces a real worker's (`traffic` compares them).
         `worker_start_s`: the seconds a worker takes from its start to its first request
-        (a real one imports torch and loads its data first; 0: at once)."""
+        (a real one imports torch and loads its data first; 0: at once). `node_relay`: each
+        node's workers reach etcd through their agent's relay, as by default (False: each
+        its own client, as `--no-node-relay`)."""
         self.n0, self.gpus = nodes, gpus_per_node
         self.config, self.overrides = config, [*HARNESS_OVERRIDES, *(overrides or [])]
         self.step_s, self.backend, self.lease_ttl_s = step_s, backend, lease_ttl_s
@@ -85,11 +90,15 @@ class ScaleHarness:
         self.agents: list[SimulatedAgent] = []
         self.log = log
         self._clients: list[EtcdClient] = []
+        self.node_relay = node_relay
+        self._relay_loop = asyncio.new_event_loop()
+        """Where every node's relay serves: one loop for all (a real node runs its own)."""
 
     # -------------------------------------------------------------- life
     def __enter__(self) -> "ScaleHarness":
         _raise_open_files()
         _quiet_killed_threads()
+        threading.Thread(target=self._relay_loop.run_forever, daemon=True, name="relays").start()
         self.etcd.start()
         return self
 
@@ -105,6 +114,7 @@ class ScaleHarness:
             except Exception:  # noqa: BLE001 - closing what is already gone
                 pass
         self.etcd.stop()
+        self._relay_loop.call_soon_threadsafe(self._relay_loop.stop)
         if self._temporary:
             shutil.rmtree(self.log_dir, ignore_errors=True)
 
@@ -126,7 +136,8 @@ class ScaleHarness:
             observer=self.observer, step_s=self.step_s, backend=self.backend, log_dir=self.log_dir / f"node{index}",
             settings=settings, run_id=self.run_id, min_nodes=self.n0, config=self.config,
             overrides=self.overrides, lease_ttl_s=self.lease_ttl_s, trace_dir=self.trace_dir,
-            worker_start_s=self.worker_start_s, metrics_directory=self.metrics_directory)
+            worker_start_s=self.worker_start_s, metrics_directory=self.metrics_directory,
+            node_relay=self.node_relay, relay_loop=self._relay_loop)
         self.agents.append(agent)
         return agent.start()
 
@@ -264,8 +275,18 @@ def _quiet_killed_threads() -> None:
 
 
 def _raise_open_files() -> None:
-    """Thousands of connections and threads in one process: as many files as allowed."""
+    """Thousands of connections and threads in one process: as many files as allowed,
+    and thread stacks of 512 KiB (a simulated worker's threads hold a few frames; 8 MiB
+    each, tens of thousands of them would reserve hundreds of GB of address space)."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft < hard:
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    threading.stack_size(512 * 1024)
+    # c10d's TCPStore names each peer of a connection through a reverse lookup
+    # (getnameinfo without NI_NUMERICHOST, for its log lines): where no name server
+    # answers, a lookup waits out the resolver's timeout, 5 s by default, and one
+    # connection in some tens stalled that long in a sandbox without DNS. A resolver that
+    # gives up after 1 s (glibc reads RES_OPTIONS at its first lookup) keeps the epochs'
+    # bootstrap times the harness's, not the name server's.
+    os.environ.setdefault("RES_OPTIONS", "timeout:1 attempts:1")

@@ -22,6 +22,7 @@ import torch
 from planaria.chaos.scale.cutoff import CutClient, Killed
 from planaria.chaos.scale.data_plane import DataPlane
 from planaria.chaos.scale.sim_metrics import MetricsDirectory, MetricsReads
+from planaria.chaos.scale.sim_relay import InProcessRelayStore
 from planaria.chaos.scale.sim_snapshots import SimulatedSnapshots
 from planaria.chaos.scale.sim_worker import Observer, SimulatedProcess, SimulatedWorker
 from planaria.elastic.agent import Agent
@@ -72,13 +73,16 @@ class SimulatedAgent(Agent):
     def __init__(self, *, node: str, nproc: int, client, plane: DataPlane, observer: Observer,
                  step_s: float, backend: str, log_dir: Path, quiet: bool = True,
                  trace_dir: Path | None = None, worker_start_s: float = 0.0,
-                 metrics_directory: MetricsDirectory | None = None, **agent):
+                 metrics_directory: MetricsDirectory | None = None, relay_loop=None, **agent):
         """`trace_dir`: each worker's store requests traced there, as a real worker's are
         under `PLANARIA_STORE_TRACE` (`planaria.runtime.worker.store_trace`).
         `worker_start_s`: a worker's start-up before its first request (`SimulatedWorker`).
         `metrics_directory`: the run's TensorBoard directory, shared by every node's
         workers (`MetricsReads`; one of this node's own when None)."""
         self.cut_client = client
+        self.relay_loop = relay_loop
+        """The event loop the node's relay serves on (shared by the harness's nodes), when
+        `node_relay` (an `Agent` argument, on by default)."""
         self.trace_dir, self.worker_start_s = trace_dir, worker_start_s
         self.metrics_directory = metrics_directory or MetricsDirectory()
         self.quiet = quiet
@@ -102,11 +106,16 @@ class SimulatedAgent(Agent):
             super().log(message)
 
     def _make_worker(self, worker: Worker):
-        """A worker of this node: its own cut-off switch over the node's connection."""
-        client = CutClient(self.cut_client._client, self.cut_client._sizes)
-        # Dies with its node: the node's cut cuts it too.
-        client.killed = _Either(client.killed, self.cut_client.killed)
-        store = EtcdStore(client, self.prefix)
+        """A worker of this node: its own cut-off switch over the node's relay (or, without
+        one, over the node's connection to etcd)."""
+        own = threading.Event()
+        killed = _Either(own, self.cut_client.killed)  # dies with its node: the node's cut cuts it too
+        if self.relay is not None:
+            store = InProcessRelayStore(self.relay, f"{worker[0]}.{worker[1]}", killed)
+        else:
+            client = CutClient(self.cut_client._client, self.cut_client._sizes, cut=own)
+            client.killed = killed
+            store = EtcdStore(client, self.prefix)
         self.worker_stores.append(store)
         if self.trace_dir is not None:
             store = TracingStore(store, trace_path(self.trace_dir, worker))
@@ -116,7 +125,7 @@ class SimulatedAgent(Agent):
                                                                  self.cfg.checkpoint.memory_copies),
                                     start_s=self.worker_start_s,
                                     metrics=self._metrics(store))
-        return client.cut, simulated
+        return own.set, simulated
 
     def _metrics(self, store) -> MetricsReads | None:
         """A worker's metrics writer's reads, when the job writes TensorBoard metrics."""
@@ -148,6 +157,7 @@ class SimulatedAgent(Agent):
             return 2
         self._register()
         self._follow_job()
+        self._start_relay(loop=self.relay_loop)
         threading.Thread(target=self._keep_alive, daemon=True, name=f"lease-{self.node}").start()
         self.supervisor.start()
         self.client.retry_s = self.outage_limit_s
@@ -171,6 +181,8 @@ class SimulatedAgent(Agent):
         # Their watches' streams end with them (a dead process's connections close).
         for store in [self.store, *self.worker_stores]:
             store.close()
+        if self.relay is not None:
+            self.relay.close()
 
     def notice(self, grace_s: float) -> None:
         """A preemption notice, as the signal would bring it (`PreemptionNotices.on_signal`)."""

@@ -187,3 +187,14 @@ def checkpoint_shards(iteration: int, epoch: int) -> str:
 
 def checkpoint_commit(iteration: int, epoch: int) -> str:
     return f"checkpoint/{iteration}/{epoch}/commit"
+
+
+def written_once(key: str) -> bool:
+    """Whether `key` is written once and never changed or deleted while the job runs: an
+    epoch's record (created if absent), a planned leave's prepared record (the same), and
+    the address of an epoch's bootstrap store (its one host writes it once). A reader may
+    keep such a value once it has seen it (a node's relay reads each once for all its
+    workers: `planaria.elastic.node_relay`)."""
+    if not key.startswith("epoch/"):
+        return False
+    return key.endswith(("/record", "/prepared", "/pg_store")) and key.count("/") == 2

@@ -17,6 +17,12 @@ from planaria.runtime.contract.exits import EXIT_STUCK_AFTER_RELEASE
 from planaria.runtime.worker.coordination import StoreCoordinator
 
 
+QUIET_S = 1.0
+"""Over a store that follows the epoch's end, how long a watcher with no progress to
+publish waits for a change before it looks again (the word wakes it at once): the
+only cost of the wait is how late a watcher whose worker left the epoch ends."""
+
+
 class EpochWatcher(threading.Thread):
     """Asks the control plane whether it ended this epoch (at every change of a followed
     key, else every `period_s`), off the training step: a step never waits on the store, and a store that is away (etcd down)
@@ -46,6 +52,7 @@ class EpochWatcher(threading.Thread):
         self.progress, self._published = progress, (None, 0.0)
         self.release, self.log = release, log
         self.stuck_s, self._exit = stuck_s, exit
+        self.quiet_s = QUIET_S
         self.requested, self.done, self._local = threading.Event(), threading.Event(), threading.Event()
 
     def run(self) -> None:
@@ -73,7 +80,7 @@ class EpochWatcher(threading.Thread):
                 return
             if reason is None:
                 if followed:  # woken by the word itself (or, to publish progress, each period)
-                    self.coordinator.wait_changed(since, self.period_s)
+                    self.coordinator.wait_changed(since, self.period_s if self.progress else self.quiet_s)
                 elif self.done.wait(self.period_s):
                     return
                 continue
