@@ -41,7 +41,6 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Callable
 
 from planaria.elastic import node_relay_protocol as wire
 from planaria.elastic.etcd_kv import EtcdKeyValue
