@@ -19,6 +19,8 @@ instead of etcd's bare refusal after the fact. It is never retried.
 Streams (`etcd_watch`'s watches) outlive any one call: `stream_targets` gives them the
 client's channels, one per member, to pick from, and the channels ping their member
 while a call is open (`keepalive_s`) so that a stream on a frozen or cut-off member ends.
+All the mirrors of a client share one Watch stream (`watch_stream`, made with the first
+and ended with the last, or when the client closes).
 
 `EtcdSettings.to_env` / `from_env` carry the settings from an agent to the workers it
 starts (`PLANARIA_ETCD_*`, not on the command line where `ps` shows them), so that a
@@ -42,6 +44,8 @@ from planaria.runtime.contract import env
 
 if TYPE_CHECKING:
     import grpc
+
+    from planaria.elastic.etcd_watch_stream import WatchStream
 
 _OUTAGE_REPORT_S = 1.0
 """An error that lasts this long is an outage worth a line (a blip is not)."""
@@ -233,6 +237,8 @@ class EtcdClient:
         self._down_since: float | None = None
         self._reported = False
         self._lock = threading.Lock()
+        self._stream = None
+        self._stream_lock = threading.Lock()
         parts = [p.rpartition(":") for p in settings.endpoint.split(",")]
         if len(parts) == 1:
             host, _, port = parts[0]
@@ -511,5 +517,20 @@ class EtcdClient:
         """What every call carries besides its request: the auth token, when there is one."""
         return tuple(self._client.metadata or ())
 
+    def watch_stream(self) -> "WatchStream":
+        """The one Watch stream that carries all this client's mirrors (`etcd_watch_stream`):
+        made for the first, a new one once the last has closed and ended it."""
+        from planaria.elastic.etcd_watch_stream import WatchStream
+
+        with self._stream_lock:
+            if self._stream is None or self._stream.ended:
+                self._stream = WatchStream(self)
+            return self._stream
+
     def close(self) -> None:
+        """End the watch stream and its mirrors, and close the connections."""
+        with self._stream_lock:
+            stream, self._stream = self._stream, None
+        if stream is not None:
+            stream.close()
         self._client.close()

@@ -2,7 +2,9 @@
 
 Owns `Mirror` (and `Change`, what its callbacks are told): the list-then-watch pattern
 of etcd's own `clientv3/mirror` (and of Kubernetes' reflectors), made to survive what
-a long-lived stream meets. Torch-free: agents use it.
+a long-lived stream meets. Its watch travels on its client's one Watch stream, shared by
+all the client's mirrors (`etcd_watch_stream.WatchStream`, as clientv3 multiplexes its
+watches). Torch-free: agents use it.
 
 What a mirror guarantees:
 - it starts with ONE read (a Range) that gives the current values and the revision they
@@ -13,10 +15,13 @@ What a mirror guarantees:
 - a broken stream (its member killed, frozen or cut off from the others, a gRPC error,
   the watch canceled by the server) is re-created from the last applied revision + 1,
   on the next member that answers, with backoff (0.05 s doubling to 1 s), forever: until
-  `close()` or the client's `abort` event. It says so once when it breaks and once when
-  it is back (the client's `on_outage`, like the client's own outage lines);
+  `close()` or the mirror's `abort` event. The stream breaks for all its mirrors at once,
+  and each resumes from its own revision. It is said once when it breaks and once when
+  it is back: once per stream on the client's `on_outage`, or, for a mirror given its
+  own `say`, once for that mirror's watch;
 - if that revision has been compacted meanwhile, it reads the whole key or prefix again
   (one Range) and applies the difference, deletions included, then watches from there;
+  the client's other mirrors are not disturbed;
 - while nothing changes it makes no request at all: `ranges` and `watch_creates` count
   what it asked for (the first read and the first watch, then a watch per recovery and
   a read per compaction met), so a benchmark or a test can check it against etcd's own
@@ -31,9 +36,10 @@ member, which only a failed call marks as failed). A failover of the client's un
 calls replaces the Watcher, but the old stream is only half-closed and keeps delivering.
 Its requests carry no `hasleader` metadata, and its channels no keepalive: a watch on a
 member cut off from its quorum, or on one that froze, stays open and silent. Compaction
-reaches the callback as an exception and the watch is dropped. So this module opens its
-own stream, one per mirror, on the client's channels (`EtcdClient.stream_targets`: one
-connection per member, whatever the number of watches), and handles each of those cases.
+reaches the callback as an exception and the watch is dropped. So Planaria keeps its
+own stream, one per client for all its mirrors (`etcd_watch_stream`), on the client's
+channels (`EtcdClient.stream_targets`: one connection per member), and handles each of
+those cases.
 
 Can the stream go silent without an error? Measured on etcd 3.5, without the two
 defences below a stream stays open and silent: on a SIGSTOPped member for as long as it
@@ -55,7 +61,6 @@ event at or below it.
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
 from types import MappingProxyType
@@ -66,11 +71,6 @@ if TYPE_CHECKING:
 
 _log = logging.getLogger("planaria.etcd.watch")
 T = TypeVar("T")
-
-_BACKOFF_FIRST_S, _BACKOFF_MAX_S = 0.05, 1.0
-_REQUIRE_LEADER = (("hasleader", "true"),)
-"""etcd's require-leader metadata: a member without a leader ends the stream, rather
-than keep it open with nothing to send."""
 
 
 class Change(NamedTuple):
@@ -85,30 +85,22 @@ class Change(NamedTuple):
     deletion the revision of the read)."""
 
 
-class _Canceled(Exception):
-    """The server ended the watch, or the stream, without a gRPC error."""
-
-
-class _Compacted(Exception):
-    def __init__(self, revision: int):
-        super().__init__(f"compacted up to revision {revision}")
-        self.revision = revision
-
-
 class Mirror:
     """{name: value} of one key (its name is '') or of the keys under a prefix (names
     relative to it, as `EtcdClient.items_with_prefix` gives them), kept current by a
     watch. See the module's docstring for what it guarantees.
 
     Reads (`value`, `items`, `len`) and waits (`wait_until`, `wait_for_value`,
-    `wait_for_count`) make no request. Callbacks (`on_change`) run on the mirror's
-    thread, after the view holds the changes: keep them short (the next events wait for
-    them), and do not wait on the mirror itself in one. A context manager; `close()`
-    ends the watch and its thread.
+    `wait_for_count`) make no request. Callbacks (`on_change`) run on the thread of the
+    client's watch stream, shared by all the client's mirrors, after the view holds the
+    changes: keep them short (the events of every mirror of the client wait for them),
+    and do not wait on a mirror of the same client in one (closing or creating one is
+    fine). A context manager; `close()` cancels the watch (the stream and its thread end
+    with the client's last mirror).
 
     The constructor reads through the client (retried for its `retry_s`, raising
-    `EtcdUnavailable` after it, like any call); from then on the mirror's own thread
-    retries as long as it takes."""
+    `EtcdUnavailable` after it, like any call); from then on the stream retries as long
+    as it takes."""
 
     def __init__(self, client: "EtcdClient", key: str, *, prefix: bool = False,
                  on_change: Callable[[list[Change]], None] | None = None,
@@ -117,27 +109,28 @@ class Mirror:
         changes from an empty view: with it, what it is told adds up to the view, with no
         change between the read and a later registration to miss. `abort` (default: the
         client's) set: a broken watch stops retrying and the mirror closes. `say(line)`
-        (default: the client's `on_outage`) is told when the watch breaks and when it is
-        back."""
+        is told when this mirror's watch breaks and when it is back; without it, the
+        stream tells the client's `on_outage`, once for all the mirrors that have none."""
         from pyetcd.utils import prefix_range_end
 
         if prefix and not key:
             raise ValueError("a mirror's prefix must not be empty (that would mirror all of etcd)")
         self.key, self.prefix = key, prefix
         self._range_end = prefix_range_end(key.encode()) if prefix else None
-        self._client = client
         self._abort = abort if abort is not None else client.abort
-        self._say = say or client.on_outage
-        self._metadata = client.call_metadata + _REQUIRE_LEADER
+        self._say = say
+        self._says_own = say is not None
+        """Whether it says its own outage lines (else the stream says one for all such)."""
         self._cond = threading.Condition()
         self._view: dict[str, bytes] = {}
         self._revision = 0
         self._member: str | None = None
         self._callbacks: list[Callable[[list[Change]], None]] = [on_change] if on_change else []
         self._closed = threading.Event()
-        self._inflight_lock = threading.Lock()
-        self._inflight = None  # the stream or read under way: close() cancels it
-        self._failures = 0
+        self._telling = 0
+        """Batches being told to callbacks now: `close()` waits for them to end."""
+        self._stale = False
+        """Set by the stream when the watch's revision was compacted: read again first."""
         self._down_since: float | None = None
         self.aborted = False
         """True once the abort event stopped a broken watch (the mirror is then closed)."""
@@ -148,8 +141,10 @@ class Mirror:
         entries, revision = client.read_range(key, self._range_end)
         self.ranges += 1
         self._replace(entries, revision)
-        self._thread = threading.Thread(target=self._run, name=f"planaria-watch {key}", daemon=True)
-        self._thread.start()
+        while True:  # a stream whose last mirror just closed takes none: the client makes another
+            self._stream = client.watch_stream()
+            if self._stream.add(self):
+                break
 
     # -- reading the view (no request) ----------------------------------------------------
     def value(self, name: str = "") -> bytes | None:
@@ -215,9 +210,9 @@ class Mirror:
 
     # -- callbacks -------------------------------------------------------------------------
     def on_change(self, callback: Callable[[list[Change]], None]) -> Callable[[], None]:
-        """Call `callback(changes)`, on the mirror's thread, with each batch of changes (one
-        watch response, or the difference a re-read found). Returns what unregisters it. An
-        exception in it is logged, and the mirror goes on."""
+        """Call `callback(changes)`, on the client's watch stream's thread, with each batch
+        of changes (one watch response, or the difference a re-read found). Returns what
+        unregisters it. An exception in it is logged, and the mirror goes on."""
         with self._cond:
             self._callbacks.append(callback)
 
@@ -229,16 +224,17 @@ class Mirror:
 
     # -- closing ---------------------------------------------------------------------------
     def close(self) -> None:
-        """Cancel the watch and end the mirror's thread (the view stays readable)."""
-        self._closed.set()
+        """Cancel the watch (the view stays readable). Once it returns no callback of this
+        mirror runs, unless it is called from one. The client's last mirror ends the
+        stream and its threads."""
         with self._cond:
+            self._closed.set()
+            self._member = None
             self._cond.notify_all()
-        with self._inflight_lock:
-            inflight = self._inflight
-        if inflight is not None:
-            inflight.cancel()
-        if threading.current_thread() is not self._thread:  # a callback may close its mirror
-            self._thread.join()
+        self._stream.remove(self)
+        if not self._stream.on_its_thread():  # a callback may close its mirror (or another)
+            with self._cond:
+                self._cond.wait_for(lambda: self._telling == 0)
 
     def __enter__(self) -> "Mirror":
         return self
@@ -246,112 +242,46 @@ class Mirror:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    # -- the mirror's thread ---------------------------------------------------------------
-    def _run(self) -> None:
-        targets = self._client.stream_targets()  # the client's member in use first
-        turn, stale = 0, False
-        while not self._closed.is_set():
-            member, channel = targets[turn % len(targets)]
-            try:
-                if stale:
-                    self._reread(channel)
-                    stale = False
-                self._watch(member, channel)
-            except _Compacted as err:
-                if self._closed.is_set():
-                    break
-                # Not an outage of its own (the member answered): read there at once. It
-                # mostly follows one, and that one's lines tell the story.
-                stale = True
-                _log.info("watch on %s: revision %d was compacted (etcd keeps from %d); reading it again",
-                          self.key, self._revision + 1, err.revision)
-                continue
-            except Exception as err:
-                if self._closed.is_set():
-                    break
-                if isinstance(err, ValueError) and "Channel closed" in str(err):
-                    self._closed.set()  # its client was closed: nothing is left to watch with
-                    break
-                self._down(member, _describe(err))
-                if not isinstance(err, (_Canceled, _grpc_error())):
-                    _log.exception("watch on %s: unexpected error", self.key)
-            turn += 1  # whatever failed there, the next member may answer
-            self._failures += 1
-            if self._abort.is_set():
-                self.aborted = True
-                self._say(f"watch on {self.key} stops: its client was told to abort")
-                self._closed.set()
-                break
-            self._closed.wait(min(_BACKOFF_MAX_S, _BACKOFF_FIRST_S * 2 ** min(self._failures - 1, 8)))
+    # -- told by the stream ----------------------------------------------------------------
+    def _range_request(self):
+        """The Range that reads the whole key or prefix (a re-read after compaction)."""
+        from pyetcd import etcdrpc
+
+        return etcdrpc.RangeRequest(key=self.key.encode(), range_end=self._range_end or b"")
+
+    def _watching(self, member: str) -> None:
+        """Its watch is up on `member`."""
+        with self._cond:
+            self._member = member
+            self._cond.notify_all()
+        if self._down_since is not None:
+            away_s, self._down_since = time.monotonic() - self._down_since, None
+            self._say(f"watch on {self.key} is back, on {member}, after {away_s:.1f} s")
+
+    def _unwatched(self) -> None:
+        """Its watch is down (the stream broke, or its revision was compacted)."""
         with self._cond:
             self._member = None
             self._cond.notify_all()
 
-    def _watch(self, member: str, channel) -> None:
-        """Watch from the last applied revision + 1 on `member` until the stream breaks
-        (raises: it never ends otherwise)."""
-        import grpc
-        from pyetcd import etcdrpc
+    def _down(self, member: str, why: str) -> None:
+        """The stream broke: said once per outage (a mirror with its own `say` only)."""
+        if self._down_since is not None:
+            return
+        self._down_since = time.monotonic()
+        self._say(f"watch on {self.key} broke ({member}: {why}); watching again from revision "
+                  f"{self.revision + 1} on whichever member answers")
 
-        requests: queue.SimpleQueue = queue.SimpleQueue()
-        requests.put(etcdrpc.WatchRequest(create_request=etcdrpc.WatchCreateRequest(
-            key=self.key.encode(), range_end=self._range_end or b"", start_revision=self._revision + 1)))
-        call = etcdrpc.WatchStub(channel).Watch(iter(requests.get, None), metadata=self._metadata)
-        self.watch_creates += 1
-        # A member that does not answer at all (frozen) must not hold the creation until
-        # keepalive gives up: it has the client's per-request timeout to confirm it.
-        no_answer = threading.Timer(self._client.settings.timeout_s, call.cancel)
-        created = False
-        try:
-            self._set_inflight(call)
-            no_answer.start()
-            for response in call:
-                if response.created:
-                    no_answer.cancel()
-                    created = True
-                    self._up(member)
-                if response.compact_revision:
-                    raise _Compacted(response.compact_revision)
-                if response.canceled:
-                    reason = response.cancel_reason or "no reason given"
-                    raise _Canceled(f"the server canceled the watch: {reason}")
-                self._apply(response)
-            raise _Canceled("the server ended the stream")
-        except grpc.RpcError as err:
-            if not created and err.code() == grpc.StatusCode.CANCELLED and not self._closed.is_set():
-                raise _Canceled(f"no answer within {self._client.settings.timeout_s:g} s") from err
-            raise
-        finally:
-            no_answer.cancel()
-            if no_answer.is_alive():
-                no_answer.join()
-            requests.put(None)  # ends the request iterator, and gRPC's thread that reads it
-            call.cancel()
-            self._set_inflight(None)
-            with self._cond:
-                self._member = None
-
-    def _reread(self, channel) -> None:
-        """One Range of the whole key or prefix on `channel`'s member, applied as a diff."""
-        from pyetcd import etcdrpc
-
-        request = etcdrpc.RangeRequest(key=self.key.encode(), range_end=self._range_end or b"")
-        future = etcdrpc.KVStub(channel).Range.future(request, timeout=self._client.settings.timeout_s,
-                                                      metadata=self._metadata)
-        self.ranges += 1
-        try:
-            self._set_inflight(future)
-            response = future.result()
-        finally:
-            self._set_inflight(None)
-        self._replace([(kv.key, kv.value, kv.mod_revision) for kv in response.kvs], response.header.revision)
-
-    def _set_inflight(self, call) -> None:
-        with self._inflight_lock:
-            self._inflight = call
-        # close() may have looked before this call was there: it would wait on it forever.
-        if call is not None and self._closed.is_set():
-            call.cancel()
+    def _detached(self, aborted: bool = False) -> None:
+        """The stream let it go: its abort event was set while the stream was broken, or the
+        client closed."""
+        with self._cond:
+            self.aborted = self.aborted or aborted
+            self._closed.set()
+            self._member = None
+            self._cond.notify_all()
+        if aborted and self._says_own:
+            self._say(f"watch on {self.key} stops: its client was told to abort")
 
     # -- applying changes ------------------------------------------------------------------
     def _name(self, key: bytes) -> str:
@@ -360,10 +290,12 @@ class Mirror:
     def _apply(self, response) -> None:
         from pyetcd.etcdrpc import kv_pb2
 
-        if not response.events:  # `created`: its header's revision promises nothing
+        if not response.events:  # its header's revision promises nothing
             return
         changes = []
         with self._cond:
+            if self._closed.is_set():  # closed while the response was on its way
+                return
             applied = self._revision  # a revision's events all come in one response
             for event in response.events:
                 if event.kv.mod_revision <= applied:  # applied already (or etcd-io/etcd#20221)
@@ -378,6 +310,7 @@ class Mirror:
             # The header's revision may be ahead of events still to come (etcd batches a
             # lagging watcher's events): only the last event's revision is certain.
             self._revision = max(applied, response.events[-1].kv.mod_revision)
+            self._telling += 1
             self._cond.notify_all()
         self._tell(changes)
 
@@ -386,49 +319,30 @@ class Mirror:
         fresh = {self._name(key): value for key, value, _ in entries}
         changed_at = {self._name(key): mod for key, _, mod in entries}
         with self._cond:
+            if self._closed.is_set():
+                return
             changes = [Change(name, value, changed_at[name]) for name, value in fresh.items()
                        if self._view.get(name) != value]
             changes += [Change(name, None, revision) for name in self._view if name not in fresh]
             self._view, self._revision = fresh, revision
+            self._telling += 1
             self._cond.notify_all()
         self._tell(sorted(changes, key=lambda change: change.revision))
 
     def _tell(self, changes: list[Change]) -> None:
-        if not changes:
-            return
-        with self._cond:
-            callbacks = list(self._callbacks)
-        for callback in callbacks:
-            try:
-                callback(changes)
-            except Exception:
-                _log.exception("watch on %s: a callback failed", self.key)
-
-    # -- saying so -------------------------------------------------------------------------
-    def _down(self, member: str, why: str) -> None:
-        if self._down_since is not None:  # said already: once per outage
-            return
-        self._down_since = time.monotonic()
-        self._say(f"watch on {self.key} broke ({member}: {why}); watching again from revision "
-                  f"{self._revision + 1} on whichever member answers")
-
-    def _up(self, member: str) -> None:
-        with self._cond:
-            self._member = member
-            self._cond.notify_all()
-        self._failures = 0
-        if self._down_since is not None:
-            away_s, self._down_since = time.monotonic() - self._down_since, None
-            self._say(f"watch on {self.key} is back, on {member}, after {away_s:.1f} s")
-
-
-def _grpc_error() -> type:
-    import grpc
-
-    return grpc.RpcError
-
-
-def _describe(err: BaseException) -> str:
-    if isinstance(err, _grpc_error()) and hasattr(err, "code"):
-        return f"{err.code().name} {err.details() or ''}".strip()
-    return str(err) or type(err).__name__
+        """Tell the callbacks (counted in `_telling` by the caller, under the lock that saw
+        the mirror open)."""
+        try:
+            if not changes:
+                return
+            with self._cond:
+                callbacks = list(self._callbacks)
+            for callback in callbacks:
+                try:
+                    callback(changes)
+                except Exception:
+                    _log.exception("watch on %s: a callback failed", self.key)
+        finally:
+            with self._cond:
+                self._telling -= 1
+                self._cond.notify_all()

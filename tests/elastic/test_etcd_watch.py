@@ -1,6 +1,7 @@
 """`Mirror` (elastic/etcd_watch.py) against a real etcd: one member for events, the race
-between the first read and the watch, compaction, closing and the cost of a quiet watch;
-three members for a member killed, frozen (SIGSTOP) or left without a quorum under the
+between the first read and the watch, compaction, closing and the cost of a quiet watch,
+and the one stream a client's mirrors share (elastic/etcd_watch_stream.py); three
+members for a member killed, frozen (SIGSTOP) or left without a quorum under the
 watch's stream while writes go on through another client."""
 from __future__ import annotations
 
@@ -45,15 +46,18 @@ def converges(mirror: Mirror, reader: EtcdClient, timeout_s: float = 10.0) -> di
 
 
 def server_counts(endpoint: str) -> dict[str, float]:
-    """etcd's own count of Range calls handled and of messages received on Watch streams."""
+    """etcd's own count of Range calls handled, of messages received on Watch streams and
+    of Watch streams opened."""
     with _DIRECT.open(f"http://{endpoint}/metrics", timeout=5) as r:
         text = r.read().decode()
-    found = {"range": 0.0, "watch_messages": 0.0}
+    found = {"range": 0.0, "watch_messages": 0.0, "watch_streams": 0.0}
     for line in text.splitlines():
         if line.startswith("grpc_server_handled_total{") and 'grpc_method="Range"' in line:
             found["range"] += float(line.rsplit(" ", 1)[1])
         if line.startswith("grpc_server_msg_received_total{") and 'grpc_method="Watch"' in line:
             found["watch_messages"] += float(line.rsplit(" ", 1)[1])
+        if line.startswith("grpc_server_started_total{") and 'grpc_method="Watch"' in line:
+            found["watch_streams"] += float(line.rsplit(" ", 1)[1])
     return found
 
 
@@ -256,6 +260,130 @@ def test_closing_or_aborting_a_watch_that_waits_for_etcd(etcd):
         etcd.start()
 
 
+# -- one stream for a client's mirrors ------------------------------------------------------
+def threads_within(at_most: int, timeout_s: float) -> bool:
+    """Whether the process's threads came down to `at_most` (a creation's no-answer timer
+    lives until its answer: it may be ending)."""
+    deadline = time.monotonic() + timeout_s
+    while threading.active_count() > at_most:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+@pytest.mark.timeout(30)
+def test_the_mirrors_of_a_client_share_one_stream_and_its_threads(etcd):
+    c = client(etcd.endpoint)
+    streams = server_counts(etcd.endpoint)["watch_streams"]
+    mirrors = [Mirror(c, "/w9/0/", prefix=True)]
+    assert mirrors[0].wait_watching(5)
+    assert threads_within(threading.active_count(), 1.0)
+    with_one = threading.active_count()
+    mirrors += [Mirror(c, f"/w9/{i}/", prefix=True) for i in range(1, 20)]
+    assert all(m.wait_watching(5) for m in mirrors)
+    assert threads_within(with_one, 2.0), [t.name for t in threading.enumerate()]
+    ours = [t.name for t in watch_threads() - _OTHERS if t.name.startswith("planaria-watch")]
+    assert len(ours) == 1, ours  # the stream's reader, for all twenty
+    assert server_counts(etcd.endpoint)["watch_streams"] - streams == 1
+    for i in range(20):
+        c.put(f"/w9/{i}/k", str(i).encode())
+    assert [m.wait_for_value("k", 5) for m in mirrors] == [str(i).encode() for i in range(20)]
+    assert [(m.ranges, m.watch_creates) for m in mirrors] == [(1, 1)] * 20
+    for mirror in mirrors:
+        mirror.close()
+    assert no_watch_threads_within(2.0), [t.name for t in threading.enumerate()]
+
+
+@pytest.mark.timeout(30)
+def test_closing_one_mirror_leaves_the_others_watching(etcd):
+    c = client(etcd.endpoint)
+    gone, prefix, key = Mirror(c, "/w10/a/", prefix=True), Mirror(c, "/w10/b/", prefix=True), Mirror(c, "/w10/k")
+    assert gone.wait_watching(5) and prefix.wait_watching(5) and key.wait_watching(5)
+    before = server_counts(etcd.endpoint)
+    gone.close()
+    assert gone.closed and gone.member is None and not gone.wait_watching(0)
+    for name in ("/w10/a/x", "/w10/b/x", "/w10/k"):
+        c.put(name, b"1")
+    assert prefix.wait_for_value("x", 5) == b"1" and key.wait_for_value(timeout_s=5) == b"1"
+    assert gone.value("x") is None
+    after = server_counts(etcd.endpoint)
+    assert after["watch_streams"] == before["watch_streams"]  # the same stream goes on
+    assert after["watch_messages"] - before["watch_messages"] == 1  # its cancel request
+    assert prefix.member == key.member == etcd.endpoint
+    prefix.close()
+    key.close()
+    assert no_watch_threads_within(2.0), [t.name for t in threading.enumerate()]
+
+
+@pytest.mark.timeout(30)
+def test_a_callback_may_close_its_mirror_and_open_another(etcd):
+    """On the stream's thread: the last mirror closed ends that stream, and the new one
+    starts the client's next."""
+    c = client(etcd.endpoint)
+    opened: list[Mirror] = []
+
+    def switch(changes):
+        if any(ch.name == "go" for ch in changes):
+            first.close()
+            opened.append(Mirror(c, "/w11/", prefix=True))
+    first = Mirror(c, "/w11/", prefix=True, on_change=switch)
+    assert first.wait_watching(5)
+    c.put("/w11/go", b"1")
+    deadline = time.monotonic() + 5
+    while not opened:
+        assert time.monotonic() < deadline, "the callback did not finish"
+        time.sleep(0.02)
+    second = opened[0]
+    assert second.wait_watching(5) and first.closed
+    c.put("/w11/after", b"1")
+    assert second.wait_for_value("after", 5) == b"1" and first.value("after") is None
+    second.close()
+    assert no_watch_threads_within(2.0), [t.name for t in threading.enumerate()]
+
+
+@pytest.mark.timeout(30)
+def test_a_compacted_watch_reads_again_alone(etcd):
+    """Of two mirrors on one stream, only the one whose revision was compacted reads
+    again; the other resumes from its own revision. The stream's thread is held (in a
+    callback) while its member restarts, and the history is compacted; the second
+    mirror starts meanwhile, after the compaction."""
+    import pyetcd
+
+    c = client(etcd.endpoint)
+    c.put("/w12/old/a", b"0")
+    old = Mirror(c, "/w12/old/", prefix=True)
+    held, release = threading.Event(), threading.Event()
+
+    def hold(changes):
+        if any(ch.name == "hold" for ch in changes) and not held.is_set():
+            held.set()
+            release.wait(20)
+    old.on_change(hold)
+    assert old.wait_watching(5)
+    c.put("/w12/old/hold", b"1")
+    assert held.wait(5)
+
+    etcd.kill()
+    etcd.start()
+    c.delete("/w12/old/a")
+    c.put("/w12/old/b", b"1")  # etcd drops a deletion AT the compaction revision from the history
+    host, port = etcd.endpoint.split(":")
+    raw = pyetcd.client(host=host, port=int(port))
+    raw.compact(c.read_range("/w12/")[1], physical=True)
+    raw.close()
+    recent = Mirror(c, "/w12/recent/", prefix=True)
+    release.set()
+
+    c.put("/w12/recent/b", b"1")
+    c.put("/w12/old/c", b"1")
+    assert converges(old, c) == {"hold": b"1", "b": b"1", "c": b"1"}
+    assert converges(recent, c) == {"b": b"1"}
+    assert old.ranges == 2 and recent.ranges == 1
+    old.close()
+    recent.close()
+
+
 # -- three members ------------------------------------------------------------------------
 def stream_member(cluster, mirror: Mirror):
     assert mirror.wait_watching(5)
@@ -337,3 +465,38 @@ def test_a_member_without_quorum_ends_the_stream(cluster):
     assert converges(mirror, writes, timeout_s=15) == {"after": b"1"}
     assert any("is back" in ln for ln in lines), lines
     mirror.close()
+
+
+@pytest.mark.timeout(40)
+def test_every_mirror_of_the_stream_resumes_from_its_own_revision(cluster):
+    """Five mirrors of one client, on one stream, their prefixes written by turns (each
+    its own revisions); the stream's member is killed while the writes go on: each
+    mirror resumes where it was and misses nothing, and the outage is said once."""
+    lines: list[str] = []
+    c = EtcdClient(EtcdSettings(endpoint=cluster.endpoint), on_outage=lines.append)
+    prefixes = [f"/w13/{i}/" for i in range(5)]
+    for i, prefix in enumerate(prefixes):  # the mirrors start at different revisions
+        c.put(f"{prefix}first", str(i).encode())
+    mirrors = [Mirror(c, prefix, prefix=True) for prefix in prefixes]
+    changes = [recorded(m) for m in mirrors]
+    victim = stream_member(cluster, mirrors[0])
+    assert all(m.wait_watching(5) and m.member == victim.endpoint for m in mirrors)
+    survivors = client(others(cluster, victim))
+    writers = [writer(survivors, prefix, 40, keys=3, pause_s=0.02) for prefix in prefixes]
+    time.sleep(0.2)
+    victim.kill()
+    try:
+        for thread, _ in writers:
+            thread.join()
+        for mirror, seen, (_, written) in zip(mirrors, changes, writers):
+            converges(mirror, survivors)
+            written_in_order(seen, written)
+        members = {m.member for m in mirrors}
+        assert len(members) == 1 and victim.endpoint not in members and None not in members
+        assert [m.ranges for m in mirrors] == [1] * 5  # nothing compacted: each resumed where it was
+        assert sum("watch stream broke" in ln for ln in lines) == 1, lines
+        assert sum("watch stream is back" in ln for ln in lines) == 1, lines
+    finally:
+        victim.start()
+        for mirror in mirrors:
+            mirror.close()
