@@ -1,16 +1,175 @@
 """The simulator's costs of detection, recovery, restarts and checkpoints, and their sources.
 
 Every figure is a field of `Calibration` with a comment saying where it comes from:
-measured by this repository's benchmarks (docs/benchmarks.md), or an assumption for
-GPU clusters, said as such. Planning time is not here: the simulator runs the real
-planner at every event and charges what it took. Transfers are charged at the
-hardware preset's inter-node bandwidth (`planaria.templates.analytic`), checkpoints
-at `storage_bandwidth` per node.
+measured by this repository's benchmarks (docs/benchmarks.md), published, or an
+assumption for GPU clusters, said as such. Two of them grow with the job: the control
+plane's work after a change (`control_s`, a function of the nodes) and the creation of
+the new plan's communicators (`regroup_s`, a function of the GPUs). Each is a
+`ScaleCurve` through the (size, seconds) points of one table below,
+`CONTROL_PLANE_POINTS` and `COMMUNICATOR_POINTS`, so that a new measurement is one more
+row. Planning time is not here: the simulator runs the real planner at every event and
+charges what it took. Transfers are charged at the hardware preset's inter-node
+bandwidth (`planaria.templates.analytic`), checkpoints at `storage_bandwidth` per node.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
+from typing import NamedTuple
+
+AXES = ("log2", "linear")
+
+
+class Point(NamedTuple):
+    """One row of a scale table: at `size` (nodes or GPUs) it took `seconds`; `source` says
+    who measured or published it, and how."""
+
+    size: float
+    seconds: float
+    source: str
+
+
+CONTROL_PLANE_POINTS: tuple[Point, ...] = (
+    Point(4, 0.75, "benchmarks/recovery.py, 4 CPU nodes: the survivors' statuses 0.725 s (0.3 s of "
+                   "it the debounce that gathers simultaneous failures) + the rendezvous 0.022 s"),
+    # Awaiting the scale harness (benchmarks/control_plane_scale.py --nodes 64 256 1024
+    # --gpus-per-node 8 --json out.json). For each N, from its "node killed" change:
+    # (records_held_s - detected_s) - (planned_s - statuses_s), i.e. from the detection to
+    # every worker holding its record, less the planning the simulator charges itself:
+    # Point(64, ..., "control_plane_scale.py, 64 nodes x 8 simulated workers"),
+    # Point(256, ..., "control_plane_scale.py, 256 nodes x 8 simulated workers"),
+    # Point(1024, ..., "control_plane_scale.py, 1,024 nodes x 8 simulated workers"),
+)
+"""The control plane's work after a change is detected, besides planning, by nodes.
+
+Only 4 nodes are measured. The harness's 8 nodes x 8 workers (docs/benchmarks.md, "The
+control plane at scale": 3.80 to 7.31 s from the fault to every worker bootstrapped) is
+not a point of this table: those times include the lease's expiry for a kill, the
+groups' bootstrap (`regroup_s`'s part) and a reverse name lookup per store connection
+that the sandbox cannot answer. Until larger runs come in, the curve is flat beyond 4
+nodes: what a change asks of the control plane is per worker (its record read, its
+status written), done by all workers at once; what grows with N is the controller's
+gathering of N statuses from one watch and etcd serving the requests, neither measured
+beyond 4 nodes. Flat is kind to Planaria; the rows above are where it stops being
+assumed."""
+
+COMMUNICATOR_POINTS: tuple[Point, ...] = (
+    Point(8, 2.46, "NCCL 2.22.3, one node of 8 H100s: NCCL's own 'Init timings' line, total 2.46 s "
+                   "(bootstrap 1.60, topology 0.52, kernels 0.18, connections 0.12); NVIDIA/nccl "
+                   "issue #534, comment of 2024-07-22"),
+    Point(98_304, 100.0, "PyTorch tutorial 'Introduction to Libuv TCPStore Backend' (X. Wu, July "
+                         "2024): at 96K (98,304) ranks the libuv TCPStore completed its initialization "
+                         "in 100 seconds (the legacy backend timed out after 30 minutes)"),
+)
+"""Creating one NCCL communicator across the new plan's W GPUs, by GPUs.
+
+Every epoch of Planaria starts a new world group on a TCPStore its rank 0 hosts (its
+groups are not split from a parent communicator: torch uses `ncclCommSplit` only when
+a device is bound at `init_process_group`), so a change costs what a job's start does:
+every rank connects to the store, then NCCL's bootstrap and topology search run. The
+98,304-GPU point is the store's connection alone, a lower bound there: NCCL's own init
+comes on top of it (Meta's NVIDIA/nccl PR #1789, July 2025: their fix saved 26 s of
+CPU in `ncclBuildRing` at 96K ranks and 11 s in `initTransportsRank` at 48K, of what
+takes "often several dozens of seconds at 100K scale").
+
+Between the points the curve is linear in W (`axis="linear"`): what grows with W is
+serial work per rank at one place, rank 0's store accepting every rank's connection
+and NCCL's bootstrap ring of W - 1 steps (NVIDIA/nccl PR #1791). A curve linear in
+log2(W) through the same two points would charge 24 s at 64 GPUs, which nothing
+published supports. Below 8 GPUs it is flat at 2.46 s.
+
+Looked for and not used: "2.5-minute init time at large scale (e.g. above certain K
+GPUs)" on NCCL's default path (a PyTorch developer in NVIDIA/nccl issue #1156, January
+2024, before the libuv store and NCCL 2.23) gives no size; NCCL 2.23's
+`ncclCommInitRankScalable` ("spreads the load onto multiple bootstrap roots, allowing
+for constant bootstrap time", NCCL 2.23.4's release commit) comes with no figure in
+what was found; Meta's NCCLX paper ("Collective Communication for 100k+ GPUs", arXiv:2510.20171,
+2025) is quoted by third-party summaries at about 265 s of NCCL initialization at 96K
+GPUs, but its own text was not found; TrainMover (arXiv:2412.12636) reports about 20 s
+of downtime per interruption at 1,024 GPUs for its whole recovery, no communicator
+figure apart; in the Llama 3 paper and NVIDIA's resiliency extension no init figure
+was found. The epoch's smaller groups (pipeline, tensor-parallel, gradient buckets) are
+created at their first collective and are not charged: kind to Planaria, like the
+lower bound at 96K."""
+
+
+@dataclass(frozen=True)
+class ScaleCurve:
+    """Seconds as a function of a job's size, through (size, seconds) points: piecewise
+    linear in log2(size) or in size (`axis`), flat below the first point (the smallest
+    size measured is the floor), and beyond the last point along the last segment's slope
+    (flat when there is one point). Sizes rise and seconds never fall from one point to
+    the next, so the curve never falls as the job grows: a measurement that dipped would
+    be noise, and a model in which a larger job pays less would mislead."""
+
+    points: tuple[tuple[float, float], ...]
+    axis: str = "log2"
+    per: str = "nodes"
+    """What the size counts (nodes, GPUs): said in the JSON and in errors."""
+
+    def __post_init__(self) -> None:
+        if self.axis not in AXES:
+            raise ValueError(f"axis must be one of {AXES}, got {self.axis!r}")
+        if not self.points:
+            raise ValueError("a scale curve needs at least one (size, seconds) point")
+        for size, seconds in self.points:
+            if not (math.isfinite(size) and size > 0 and math.isfinite(seconds) and seconds >= 0):
+                raise ValueError(f"{seconds:g} s at {size:g} {self.per}: sizes must be positive, "
+                                 "seconds finite and >= 0")
+        for (s0, t0), (s1, t1) in zip(self.points, self.points[1:]):
+            if s1 <= s0 or t1 < t0:
+                raise ValueError(f"points must rise in {self.per} and not fall in seconds: "
+                                 f"({s0:g}, {t0:g}) then ({s1:g}, {t1:g})")
+
+    @classmethod
+    def of(cls, table: tuple[Point, ...], axis: str, per: str) -> "ScaleCurve":
+        """The curve through a table's rows (their sources stay in the table)."""
+        return cls(tuple((p.size, p.seconds) for p in table), axis=axis, per=per)
+
+    def flat(self, seconds: float) -> "ScaleCurve":
+        """The same kind of curve, `seconds` at every size (`--set regroup_s=2`)."""
+        return replace(self, points=((1.0, seconds),))
+
+    def parse(self, text: str) -> "ScaleCurve":
+        """`2` (flat) or `SIZE:SECONDS,SIZE:SECONDS...` (points, on this curve's axis)."""
+        try:
+            pairs = [tuple(float(v) for v in item.split(":")) for item in text.split(",")]
+        except ValueError:
+            raise ValueError(f"{text!r} is neither a number nor SIZE:SECONDS,... points") from None
+        if len(pairs) == 1 and len(pairs[0]) == 1:
+            return self.flat(pairs[0][0])
+        if any(len(pair) != 2 for pair in pairs):
+            raise ValueError(f"{text!r}: each point is SIZE:SECONDS")
+        return replace(self, points=tuple(pairs))
+
+    def __call__(self, size: float) -> float:
+        points = self.points
+        if len(points) == 1 or size <= points[0][0]:
+            return points[0][1]
+        x = self._x(size)
+        segment = next((i for i in range(1, len(points)) if size <= points[i][0]), len(points) - 1)
+        (s0, t0), (s1, t1) = points[segment - 1], points[segment]
+        return t0 + (t1 - t0) * (x - self._x(s0)) / (self._x(s1) - self._x(s0))
+
+    def _x(self, size: float) -> float:
+        return math.log2(size) if self.axis == "log2" else size
+
+    def describe(self) -> float | dict:
+        """For the JSON: a flat curve is its number, any other its points and axis."""
+        if len(self.points) == 1:
+            return self.points[0][1]
+        return {"per": self.per, "axis": self.axis, "points": [list(p) for p in self.points]}
+
+
+def control_plane_curve() -> ScaleCurve:
+    """`control_s`'s default: by live nodes, straight lines in log2(nodes)."""
+    return ScaleCurve.of(CONTROL_PLANE_POINTS, axis="log2", per="nodes")
+
+
+def communicator_curve() -> ScaleCurve:
+    """`regroup_s`'s default: by the new plan's GPUs, straight lines in GPUs."""
+    return ScaleCurve.of(COMMUNICATOR_POINTS, axis="linear", per="GPUs")
 
 
 @dataclass(frozen=True)
@@ -20,14 +179,16 @@ class Calibration:
     with the agents' default 5 s TTL (benchmarks/detection.py, docs/benchmarks.md). All
     policies pay it: torchrun's etcd rendezvous and Bamboo also learn of a lost node
     from a lease or a timeout, which is no shorter."""
-    control_s: float = 0.75
-    """Planaria's control plane after detection, besides planning: the debounce that
-    gathers simultaneous failures (0.3 s), the survivors' statuses and publishing the
-    epoch. Measured 0.725 s statuses + 0.022 s rendezvous (benchmarks/recovery.py)."""
-    regroup_s: float = 2.0
-    """New process groups for the new plan. Measured 0.02 s for a few gloo processes
-    on loopback; NCCL communicator creation across hundreds of GPUs takes seconds, so
-    2 s is assumed for GPU clusters (not measured here)."""
+    control_s: ScaleCurve | float = field(default_factory=control_plane_curve)
+    """Planaria's control plane after detection, besides planning, for N live nodes: the
+    debounce that gathers simultaneous failures (0.3 s), the survivors' statuses and
+    publishing the epoch. 0.75 s measured on 4 nodes, flat beyond them until the scale
+    harness measures more (`CONTROL_PLANE_POINTS`). A number sets it flat."""
+    regroup_s: ScaleCurve | float = field(default_factory=communicator_curve)
+    """New process groups for the new plan, for its W GPUs: one NCCL communicator across
+    all of them, from published figures (`COMMUNICATOR_POINTS`): 2.46 s at 8 GPUs,
+    100 s at 98,304, linear in W between. (0.02 s was measured for a few gloo processes
+    on loopback.) A number sets it flat."""
     transfer_efficiency: float = 0.5
     """Fraction of the inter-node link speed that layer-state copies reach: the
     recovery benchmark moved 28.3 MiB at 540 MiB/s over loopback gloo, about half of
@@ -57,26 +218,38 @@ class Calibration:
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
+            if isinstance(value, ScaleCurve):
+                continue
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
                 raise ValueError(f"calibration {f.name} must be a finite number >= 0, got {value!r}")
+            if f.default_factory is not dataclasses.MISSING:  # a scale curve given as a number: flat
+                object.__setattr__(self, f.name, f.default_factory().flat(float(value)))
         if not 0 < self.transfer_efficiency <= 1:
             raise ValueError(f"calibration transfer_efficiency must be in (0, 1], got {self.transfer_efficiency}")
         if self.storage_bandwidth <= 0:
             raise ValueError("calibration storage_bandwidth must be positive")
 
     def with_overrides(self, pairs: list[str]) -> "Calibration":
-        """`name=value` overrides, as `planaria simulate --set detection_s=10` gives them."""
+        """`name=value` overrides, as `planaria simulate --set detection_s=10` gives them. A
+        scale curve takes a number (flat: `regroup_s=2`) or its points
+        (`control_s=4:0.75,64:1.1`, on the curve's own axis)."""
         known = {f.name for f in fields(self)}
         changes = {}
         for pair in pairs:
             name, sep, text = pair.partition("=")
             if not sep or name not in known:
                 raise ValueError(f"--set {pair!r}: expected NAME=VALUE with NAME one of {sorted(known)}")
+            current = getattr(self, name)
             try:
-                changes[name] = float(text)
-            except ValueError:
-                raise ValueError(f"--set {pair!r}: {text!r} is not a number") from None
+                changes[name] = current.parse(text) if isinstance(current, ScaleCurve) else float(text)
+            except ValueError as err:
+                raise ValueError(f"--set {pair!r}: {err}") from None
         return replace(self, **changes)
+
+    def as_dict(self) -> dict:
+        """Every figure, the scale curves as their points (for the JSON)."""
+        return {f.name: (v.describe() if isinstance(v := getattr(self, f.name), ScaleCurve) else v)
+                for f in fields(self)}
 
 
 def young_daly_interval(checkpoint_s: float, mtbf_s: float) -> float:

@@ -40,7 +40,9 @@ def add_parser(sub) -> None:
                    help="$ per GPU-hour on demand (default 4.10)")
     p.add_argument("--target-tokens", type=float, default=1e9, help="token target for time-to-target")
     p.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
-                   help="override a calibration figure (docs/simulator.md), e.g. restart_s=300")
+                   help="override a calibration figure (docs/simulator.md), e.g. restart_s=300; the "
+                        "scale curves take a number (flat: regroup_s=2) or SIZE:SECONDS points "
+                        "(control_s=4:0.75,64:1.2)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument("--plot", default=None, metavar="FILE", help="write a plot of throughput over the trace")
     p.set_defaults(func=run)

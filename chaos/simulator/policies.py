@@ -1,11 +1,12 @@
 """Recovery policies, each modelled from its mechanism (docs/simulator.md lists every assumption).
 
 - `PlanariaPolicy`: the planner's plan for the live nodes at every change (f+1 replicas
-  when N allows); a lost node costs detection, the control plane, the real planner's
-  time, new process groups and the copies of the layers that changed stage, plus the
-  iteration in flight. A join drains its iteration and costs the same minus detection.
-  When every replica of some layer is gone, the job loads its last checkpoint (the
-  workers stay up: no process restart). Below n0 nodes it stalls.
+  when N allows); a lost node costs detection, the control plane (by the live nodes),
+  the real planner's time, new process groups (by the new plan's GPUs) and the copies of
+  the layers that changed stage, plus the iteration in flight. A join drains its
+  iteration and costs the same minus detection. When every replica of some layer is
+  gone, the job loads its last checkpoint (the workers stay up: no process restart).
+  Below n0 nodes it stalls.
 - `CheckpointPolicy`: restart-the-world, as torchrun users do: any change of the nodes
   stops every worker, starts new ones on the live nodes and reloads the last checkpoint;
   the work since that checkpoint is lost. The plan is the fastest for the live nodes
@@ -127,7 +128,7 @@ class PlanariaPolicy:
         alive = set(live)
         in_plan = {s.node for p in self.plan.pipelines for s in p.stages} if self.plan else set()
         failed = in_plan & set(change.removed)
-        if failed and current is not None and len(live) >= self.planner.n0 and self._can_leave(current):
+        if failed and current is not None and len(live) >= self.planner.n0 and self._can_leave(current, live):
             return self._planned_leave(live, current)
         newly_lost = bool(self.plan) and bool(failed) and bool(lost_layers(self.plan, alive))
         in_flight = "iteration" if failed and self.job.lose_partial_iteration else "none"
@@ -140,7 +141,7 @@ class PlanariaPolicy:
         cal = self.cal
         old = self.plan
         choice = self._instantiate(live, None if self.state_lost or old is None else old)
-        downtime = cal.control_s + choice.planning_time_s + cal.regroup_s
+        downtime = cal.control_s(len(live)) + choice.planning_time_s + cal.regroup_s(choice.plan.world_size)
         if failed:
             downtime += cal.detection_s
         if change.downtime_s is not None:
@@ -156,12 +157,14 @@ class PlanariaPolicy:
                        drain=not failed, note=note)
 
 
-    def _can_leave(self, current: Running) -> bool:
+    def _can_leave(self, current: Running, live: list[str]) -> bool:
         """The notice covers a planned leave: two iterations (the one under way, then the
         one the stop comes after) and the control plane's share; the copies come after,
         from the leaving nodes, within what is left (the runtime's own estimate,
-        `PlannedLeaves.needs_s`, takes the same two steps and a margin)."""
-        need = 2 * current.iteration_s + self.cal.control_s + self.cal.regroup_s
+        `PlannedLeaves.needs_s`, takes the same two steps and a margin). The new plan is
+        not made yet: its groups are costed at every live node's GPUs, the most it can use."""
+        need = (2 * current.iteration_s + self.cal.control_s(len(live))
+                + self.cal.regroup_s(len(live) * self.plan.tp))
         return self.job.notice_s > 0 and self.job.notice_s >= need
 
     def _planned_leave(self, live: list[str], current: Running) -> Outcome:
@@ -173,11 +176,12 @@ class PlanariaPolicy:
         old = self.plan
         choice = self._instantiate(live, None if self.state_lost else old)
         running = _running(self.planner, choice, self.job)
-        ahead = min(self.job.notice_s, leave_window_s(2 * current.iteration_s + self.cal.control_s))
+        control = self.cal.control_s(len(live))
+        ahead = min(self.job.notice_s, leave_window_s(2 * current.iteration_s + control))
         # The switch came at the boundary before the deadline: the iteration in flight
         # then was committed (`commit_partial`), nothing drains after it.
         early = ahead * max(0.0, 1 - running.tokens_per_s / current.tokens_per_s)
-        downtime = (self.cal.control_s + choice.planning_time_s + self.cal.regroup_s + early
+        downtime = (control + choice.planning_time_s + self.cal.regroup_s(choice.plan.world_size) + early
                     + transfer_seconds(self.planner.costs, old, choice.plan, self.cal))
         return Outcome(running, downtime_s=downtime, lost="none", commit_partial=True, note="left with notice")
 

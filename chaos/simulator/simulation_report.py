@@ -55,7 +55,7 @@ def summary(sim: Simulation, target_tokens: float) -> dict:
         "hardware": sim.hardware, "gpus_per_node": gpus, "fault_tolerance": sim.fault_tolerance,
         "prices_per_gpu_hour": {"spot": sim.prices.spot, "on_demand": sim.prices.on_demand},
         "target_tokens": target_tokens,
-        "calibration": vars(sim.calibration),
+        "calibration": sim.calibration.as_dict(),
         "policies": {name: policies[name] for name in POLICIES if name in policies},
         "on_demand": {"nodes": av.peak, "tokens": on_demand_tokens,
                       "tokens_per_dollar": on_demand_tokens / on_demand_cost if on_demand_cost else 0.0,
