@@ -67,9 +67,11 @@ def unique_id(store, key: str, rank: int) -> None:
         store.get(key)
 
 
-def replay(store, plan: Plan, rank: int, backend: str, tied_layers: tuple[int, ...] = ()) -> None:
-    """The world group's rendezvous and every group of the epoch, as `rank` of `plan`."""
-    groups = creation_order(plan, tied_layers)
+def replay(store, plan: Plan, rank: int, backend: str, tied_layers: tuple[int, ...] = (),
+           groups: list[tuple[int, ...]] | None = None) -> None:
+    """The world group's rendezvous and every group of the epoch, as `rank` of `plan`
+    (`groups`: the plan's `creation_order`, when the caller has it already)."""
+    groups = creation_order(plan, tied_layers) if groups is None else groups
     if backend == "gloo":
         mesh(store, GLOO_WORLD, rank, plan.world_size)
         for index, ranks in enumerate(groups, start=1):

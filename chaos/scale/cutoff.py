@@ -61,6 +61,8 @@ class CutClient:
                 raise Killed(name)
             if value_at is not None and len(args) > value_at:
                 self._sizes.note(name, args[0], len(args[0]) + len(args[value_at] or b""))
+            elif name == "put_many" and args and args[0]:  # a node relay's group commit: one request
+                self._sizes.note(name, args[0][0][0], sum(len(k) + len(v) for k, v in args[0]))
             result = attr(*args, **kwargs)
             if self.killed.is_set():  # the reply of a node that died meanwhile reaches nobody
                 raise Killed(name)

@@ -28,6 +28,7 @@ from typing import Callable
 from planaria.chaos.scale.cutoff import CutClient, Killed, WriteSizes
 from planaria.chaos.scale.data_plane import DataPlane
 from planaria.chaos.scale.etcd_metrics import EtcdCounts, scrape
+from planaria.chaos.scale.shared_records import SharedRecords
 from planaria.chaos.scale.sim_metrics import MetricsDirectory
 from planaria.chaos.scale.sim_node import SimulatedAgent
 from planaria.chaos.scale.sim_worker import Observer
@@ -87,6 +88,7 @@ class ScaleHarness:
         self.etcd = EmbeddedEtcdCluster(etcd_members, log_dir=self.log_dir)
         self.plane, self.observer, self.sizes = DataPlane(), Observer(), WriteSizes()
         self.metrics_directory = MetricsDirectory()
+        self.records = SharedRecords()
         self.agents: list[SimulatedAgent] = []
         self.log = log
         self._clients: list[EtcdClient] = []
@@ -137,7 +139,7 @@ class ScaleHarness:
             settings=settings, run_id=self.run_id, min_nodes=self.n0, config=self.config,
             overrides=self.overrides, lease_ttl_s=self.lease_ttl_s, trace_dir=self.trace_dir,
             worker_start_s=self.worker_start_s, metrics_directory=self.metrics_directory,
-            node_relay=self.node_relay, relay_loop=self._relay_loop)
+            node_relay=self.node_relay, relay_loop=self._relay_loop, records=self.records)
         self.agents.append(agent)
         return agent.start()
 
@@ -242,7 +244,8 @@ class ScaleHarness:
 
     def _bootstrapped(self, epoch: int) -> bool:
         plan = self._plan(epoch)
-        return plan is not None and set(plan.rank_of_worker()) <= set(self.observer.bootstrapped.get(epoch, {}))
+        return plan is not None and (set(self.records.facts(epoch, plan).rank_of_worker)
+                                     <= set(self.observer.bootstrapped.get(epoch, {})))
 
     def _trained(self, epoch: int) -> bool:
         return self._bootstrapped(epoch) and epoch in self.observer.trained

@@ -21,6 +21,7 @@ import torch
 
 from planaria.chaos.scale.cutoff import CutClient, Killed
 from planaria.chaos.scale.data_plane import DataPlane
+from planaria.chaos.scale.shared_records import SharedRecords
 from planaria.chaos.scale.sim_metrics import MetricsDirectory, MetricsReads
 from planaria.chaos.scale.sim_relay import InProcessRelayStore
 from planaria.chaos.scale.sim_snapshots import SimulatedSnapshots
@@ -73,7 +74,8 @@ class SimulatedAgent(Agent):
     def __init__(self, *, node: str, nproc: int, client, plane: DataPlane, observer: Observer,
                  step_s: float, backend: str, log_dir: Path, quiet: bool = True,
                  trace_dir: Path | None = None, worker_start_s: float = 0.0,
-                 metrics_directory: MetricsDirectory | None = None, relay_loop=None, **agent):
+                 metrics_directory: MetricsDirectory | None = None, relay_loop=None,
+                 records: SharedRecords | None = None, **agent):
         """`trace_dir`: each worker's store requests traced there, as a real worker's are
         under `PLANARIA_STORE_TRACE` (`planaria.runtime.worker.store_trace`).
         `worker_start_s`: a worker's start-up before its first request (`SimulatedWorker`).
@@ -81,6 +83,8 @@ class SimulatedAgent(Agent):
         workers (`MetricsReads`; one of this node's own when None)."""
         self.cut_client = client
         self.relay_loop = relay_loop
+        self.records = records or SharedRecords()
+        """Each record parsed once for every simulated worker of the harness (`shared_records`)."""
         """The event loop the node's relay serves on (shared by the harness's nodes), when
         `node_relay` (an `Agent` argument, on by default)."""
         self.trace_dir, self.worker_start_s = trace_dir, worker_start_s
@@ -124,7 +128,7 @@ class SimulatedAgent(Agent):
                                     snapshots=SimulatedSnapshots(worker, self.cfg.checkpoint.memory_every,
                                                                  self.cfg.checkpoint.memory_copies),
                                     start_s=self.worker_start_s,
-                                    metrics=self._metrics(store))
+                                    metrics=self._metrics(store), records=self.records)
         return own.set, simulated
 
     def _metrics(self, store) -> MetricsReads | None:

@@ -29,12 +29,13 @@ import torch.distributed as dist
 from planaria.chaos.scale.bootstrap import HANDOFF, PEER_SNAPSHOTS, gloo_direct, mesh, replay
 from planaria.chaos.scale.cutoff import Killed
 from planaria.chaos.scale.data_plane import DataPlane, PeerGone, Released, RankRelease, StepBarrier
+from planaria.chaos.scale.shared_records import SharedRecordCoordinator, SharedRecords
 from planaria.chaos.scale.sim_metrics import MetricsReads
 from planaria.chaos.scale.sim_snapshots import SimulatedSnapshots
 from planaria.runtime.contract.epochs import EpochRecord, EpochTiming, Progress
 from planaria.runtime.contract.exactly_once import INCOMPLETE, SYNCED, CommitRecord, WorkerStatus
 from planaria.runtime.contract.exits import EXIT_LEFT
-from planaria.runtime.worker.coordination import JobEnded, StoreCoordinator
+from planaria.runtime.worker.coordination import JobEnded
 from planaria.runtime.worker.epoch_watcher import EpochWatcher
 from planaria.runtime.worker.leaving import LEAVE_LINGER_S
 from planaria.templates.plan import Worker
@@ -71,7 +72,7 @@ class SimulatedWorker:
                  step_s: float, total_steps: int, backend: str, log: Callable[[str], None],
                  tied_layers: tuple[int, ...] = (), wait_s: float = 3600.0,
                  snapshots: SimulatedSnapshots | None = None, start_s: float = 0.0,
-                 metrics: MetricsReads | None = None):
+                 metrics: MetricsReads | None = None, records: SharedRecords | None = None):
         """`snapshots`: the peer snapshots it keeps (`checkpoint.memory_every`,
         `memory_copies`): its status lists them, and each epoch of two nodes or more makes
         their group (none: neither). `start_s`: the seconds from the
@@ -80,7 +81,10 @@ class SimulatedWorker:
         `metrics`: its metrics writer's reads (over `store`), when the job writes
         TensorBoard metrics."""
         # Its nodes are threads of one process: their epochs' stores are hosted on loopback.
-        self.coordinator = StoreCoordinator(store, worker, node_address="127.0.0.1")
+        # `records`: the parse of each record and its plan's facts, shared by every
+        # simulated worker (`shared_records`; none given: its own).
+        self.records = records or SharedRecords(tied_layers)
+        self.coordinator = SharedRecordCoordinator(store, worker, node_address="127.0.0.1", records=self.records)
         self.worker, self.plane, self.observer = worker, plane, observer
         self.step_s, self.total_steps, self.backend = step_s, total_steps, backend
         self.tied_layers, self.wait_s, self._log = tied_layers, wait_s, log
@@ -111,14 +115,15 @@ class SimulatedWorker:
                     return code
                 prepared = None
                 continue
-            if self.worker not in record.plan.rank_of_worker():
+            if self.worker not in self.records.facts(epoch, record.plan).rank_of_worker:
                 self.coordinator.mark_ready(epoch)
                 continue
             prepared = self._run_epoch(epoch, record)
 
     def _run_epoch(self, epoch: int, record: EpochRecord) -> tuple[int, EpochRecord] | None:
         plan = record.plan
-        rank = plan.rank_of_worker()[self.worker]
+        facts = self.records.facts(epoch, plan)
+        rank = facts.rank_of_worker[self.worker]
         barrier = self.plane.epoch(epoch, plan.world_size)
         self._in_epoch = (barrier, rank)
         if self.metrics is not None:
@@ -130,7 +135,7 @@ class SimulatedWorker:
         stopped = finished = False
         try:
             store = self.coordinator.rendezvous_store(epoch, host=rank == 0)
-            replay(store, plan, rank, self.backend, self.tied_layers)
+            replay(store, plan, rank, self.backend, self.tied_layers, facts.groups)
             self._handoff(epoch, record)
             self._enter(plan, rank)
             if self.snapshots is not None:

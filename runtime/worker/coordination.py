@@ -88,7 +88,7 @@ class StoreCoordinator:
                 raise JobEnded(done.decode())
             if (current := read_if_present(self.store, keys.EPOCH)) is not None and int(current) > after:
                 epoch = int(current)
-                return epoch, EpochRecord.from_json(self.store.get(keys.epoch_record(epoch)))
+                return epoch, self.parse_record(self.store.get(keys.epoch_record(epoch)))
             if deadline.expired():
                 raise TimeoutError(f"worker {self._key}: no epoch after {after} within {timeout_s:.0f} s; "
                                    "is the control plane alive?")
@@ -99,7 +99,12 @@ class StoreCoordinator:
         stop (`keys.epoch_prepared`: a planned leave), or None. Its plan's first iteration
         is a placeholder: the step after the one the stop came after."""
         value = read_if_present(self.store, keys.epoch_prepared(epoch))
-        return None if value is None else EpochRecord.from_json(value)
+        return None if value is None else self.parse_record(value)
+
+    def parse_record(self, value: bytes) -> EpochRecord:
+        """An epoch's record from the store's bytes (the scale harness's simulated workers
+        share one parse of each: `planaria.chaos.scale.shared_records`)."""
+        return EpochRecord.from_json(value)
 
     def rendezvous_store(self, epoch: int, host: bool = False) -> dist.Store:
         """The epoch's process-group rendezvous, given up as soon as the control plane
