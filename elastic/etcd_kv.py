@@ -71,8 +71,8 @@ class EtcdKeyValue:
         with self._lock:
             if key in self._mirrors:
                 return
-            self._mirrors[key] = (Mirror(self.client, self._key(key), prefix=prefix, on_change=self._on_change),
-                                  prefix)
+            self._mirrors[key] = (Mirror(self.client, self._key(key), prefix=prefix,
+                                         on_change=lambda changes: self._on_change(key, changes)), prefix)
 
     def following(self, key: str) -> bool:
         """Whether `key` itself is followed (as a key or as a prefix). Without the lock,
@@ -84,8 +84,9 @@ class EtcdKeyValue:
         return self._mirror_of(key) is not None
 
     def on_any_change(self, listener) -> None:
-        """Call `listener()` after every change a mirror of this store applies (on the
-        mirror's thread: keep it short), as `wait_changed` is woken."""
+        """Call `listener(key)` after every change a mirror of this store applies, with the
+        key (or prefix) it follows (on the mirror's thread: keep it short), as
+        `wait_changed` is woken."""
         self._listeners.append(listener)
 
     def unfollow(self, key: str) -> None:
@@ -113,12 +114,12 @@ class EtcdKeyValue:
         with self._changed:
             return self._changed.wait_for(lambda: self._generation != since, timeout_s)
 
-    def _on_change(self, changes) -> None:
+    def _on_change(self, key: str, changes) -> None:
         with self._changed:
             self._generation += 1
             self._changed.notify_all()
         for listener in list(self._listeners):
-            listener()
+            listener(key)
 
     def _mirror_of(self, key: str) -> tuple[Mirror, str] | None:
         """The mirror that holds `key`, and its name there; None when it is not followed."""

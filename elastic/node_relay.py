@@ -95,6 +95,8 @@ class NodeRelay:
         self._pending: list[tuple[str, bytes, asyncio.Future]] = []
         self._flushing = False
         self._change: asyncio.Future | None = None
+        self._generation = 0
+        """Changes of keys the node's workers follow, so far (their `generation`)."""
         self.counts = collections.Counter()
         """What the relay sent to etcd and what it answered itself, by kind."""
 
@@ -112,7 +114,7 @@ class NodeRelay:
             self._loop = asyncio.new_event_loop()
             threading.Thread(target=self._loop.run_forever, daemon=True, name="node-relay").start()
         asyncio.run_coroutine_threadsafe(self._serve(), self._loop).result(timeout_s)
-        self.store.on_any_change(lambda: self._loop.call_soon_threadsafe(self._changed))
+        self.store.on_any_change(self._wake)
         return self
 
     async def _serve(self) -> None:
@@ -272,7 +274,7 @@ class NodeRelay:
         started = time.monotonic()
         deadline = started + timeout_s
         while True:
-            since = self.store.generation()
+            since = self._generation
             value = await self._read(key)
             if value is not None:
                 return wire.pack(value)
@@ -399,22 +401,31 @@ class NodeRelay:
             self._blocking(self.store.unfollow, key)
 
     # ------------------------------------------------------------------ changes
+    def _wake(self, key: str) -> None:
+        """A mirror of the agent's store changed (on the mirror's thread): the workers'
+        waits wake when it is one of theirs (the agent's own, such as every node's
+        `probe/` key or, on the leader's node, every worker's `alive/`, would wake every
+        wait of the node at each change for nothing)."""
+        if not self._closed and self._follows.get(key, 0) > 0:
+            self._loop.call_soon_threadsafe(self._changed)
+
     def _changed(self) -> None:
+        self._generation += 1
         if self._change is not None and not self._change.done():
             self._change.set_result(None)
             self._change = self._loop.create_future()
 
     async def _until_changed(self, since: int, timeout_s: float) -> bool:
-        if self.store.generation() != since:
+        if self._generation != since:
             return True
         try:
             await asyncio.wait_for(asyncio.shield(self._change), timeout_s)
         except asyncio.TimeoutError:
             pass
-        return self.store.generation() != since
+        return self._generation != since
 
     async def _op_generation(self, conn):
-        return self.store.generation()
+        return self._generation
 
     async def _op_wait_changed(self, conn, since: int, timeout_s: float):
         return await self._until_changed(since, timeout_s)
