@@ -105,6 +105,21 @@ def table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def cpu_table(results: list[dict]) -> str:
+    """Where the two cores went during each reconfiguration: the harness process (every
+    simulated agent, relay and worker), the leading agent's thread (its controller and
+    planner) and etcd's members, against the time from the fault to the first step."""
+    lines = ["| nodes x GPUs | node relay | fault | fault to first step (s) | harness CPU s | "
+             "leader's thread CPU s | etcd CPU s |", "|---|---|---|---|---|---|---|"]
+    for r in results:
+        relay = "on" if r.get("node_relay", True) else "off"
+        for c in r["changes"]:
+            lines.append(f"| {r['nodes']} x {r['gpus_per_node']} | {relay} | {c['kind']} | {c['first_step_s']:.2f} | "
+                         f"{c['controller_cpu_s']:.1f} | {c.get('leader_cpu_s', 0.0):.2f} | "
+                         f"{c.get('etcd_cpu_s', 0.0):.2f} |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--nodes", type=int, nargs="+", default=[8, 64])
@@ -134,6 +149,8 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.json, "w") as out:
             json.dump(results, out, indent=1)
     print(table(results))
+    print()
+    print(cpu_table(results))
     return 0
 
 

@@ -60,6 +60,12 @@ class Reconfiguration:
     etcd: EtcdCounts
     largest_write: int
     controller_cpu_s: float = 0.0
+    """CPU seconds of the whole harness process meanwhile (every agent, relay and
+    simulated worker)."""
+    leader_cpu_s: float = 0.0
+    """CPU seconds of the leading agent's thread meanwhile: its controller and planner."""
+    etcd_cpu_s: float = 0.0
+    """CPU seconds of the etcd members meanwhile, summed."""
     notes: dict = field(default_factory=dict)
 
 
@@ -207,13 +213,14 @@ class ScaleHarness:
         epoch = leader.controller.epoch if leader is not None else 0
         before, largest_before = self.counts(), self.sizes.largest
         self.sizes.largest = 0
-        cpu = _thread_cpu()
+        cpu, etcd_cpu, leader_cpu = _thread_cpu(), self._etcd_cpu(), _task_cpu(leader)
         fault_s = time.time()
         fault()
         self._wait(lambda: self._trained(epoch + 1), timeout_s, f"epoch {epoch + 1} to train ({kind})")
         counts = self.counts() - before
         event = self._event(epoch + 1)
-        plan = self.leader().controller.plan
+        new_leader = self.leader()
+        plan = new_leader.controller.plan
         workers = set(plan.rank_of_worker())
         held = self.observer.held.get(epoch + 1, {})
         booted = self.observer.bootstrapped.get(epoch + 1, {})
@@ -224,9 +231,14 @@ class ScaleHarness:
             records_held_s=max(held[w] for w in workers) - fault_s,
             bootstrapped_s=max(booted[w] for w in workers) - fault_s,
             first_step_s=self.observer.trained[epoch + 1] - fault_s, etcd=counts,
-            largest_write=self.sizes.largest, controller_cpu_s=_thread_cpu() - cpu)
+            largest_write=self.sizes.largest, controller_cpu_s=_thread_cpu() - cpu,
+            leader_cpu_s=_task_cpu(new_leader) - (leader_cpu if new_leader is leader else 0.0),
+            etcd_cpu_s=self._etcd_cpu() - etcd_cpu)
         self.sizes.largest = max(self.sizes.largest, largest_before)
         return change
+
+    def _etcd_cpu(self) -> float:
+        return sum(_cpu_of(f"/proc/{m.process.pid}/stat") for m in self.etcd.members if m.process is not None)
 
     def _event(self, epoch: int) -> EpochEvent:
         for agent in self.live():
@@ -260,6 +272,24 @@ class ScaleHarness:
 
     def _last_lines(self) -> list[str]:
         return [f"{a.node}: {a.lines[-1]}" for a in self.agents if a.lines][-8:]
+
+
+def _cpu_of(stat_path: str) -> float:
+    """User + system CPU seconds of a process or thread, from its /proc stat (0 if gone)."""
+    try:
+        with open(stat_path) as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _task_cpu(agent) -> float:
+    """CPU seconds of an agent's thread (its loop: the controller's, on the leader)."""
+    thread = getattr(agent, "thread", None)
+    if thread is None or thread.native_id is None:
+        return 0.0
+    return _cpu_of(f"/proc/self/task/{thread.native_id}/stat")
 
 
 def _thread_cpu() -> float:

@@ -59,6 +59,7 @@ one host anyway (`StoreCoordinator`).
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import resource
@@ -147,6 +148,8 @@ class EpochStoreClient(dist.Store):
         """Held while the address is waited for (apart from `_lock`, which an interrupt takes)."""
         self._connections: dict[int, dist.TCPStore] = {}
         self._closed: str | None = None
+        self._busy = 0
+        """Operations under way: a close while one is needs an interrupt to end it."""
 
     # -- connections ----------------------------------------------------------------------
     def _store(self) -> dist.TCPStore:
@@ -210,33 +213,67 @@ class EpochStoreClient(dist.Store):
         del connections  # each closes its socket as it goes
 
     def close(self) -> None:
-        """Done with the epoch: its connections closed."""
-        self.interrupt("the worker has left this epoch: its bootstrap store is closed")
+        """Done with the epoch: its connections closed. When no operation is under way,
+        dropping them closes them (c10d closes a client's socket with it); only one under
+        way needs `interrupt`, which looks through every socket of the process for those
+        to the store (cheap in a worker, but a scale harness of thousands of workers in
+        one process would look through thousands of sockets a worker)."""
+        why = "the worker has left this epoch: its bootstrap store is closed"
+        with self._lock:
+            if self._closed is None:
+                self._closed = why
+            busy = self._busy
+            dropped = [] if busy else list(self._connections.values())
+            if not busy:
+                self._connections = {}
+        if busy:
+            self.interrupt(why)
+        dropped.clear()  # each closes its socket as it goes
+
+    @contextlib.contextmanager
+    def _operation(self):
+        """This thread's connection, for one operation, counted while it lasts."""
+        with self._lock:
+            self._check_open()
+            self._busy += 1
+        try:
+            yield self._store()
+        finally:
+            with self._lock:
+                self._busy -= 1
 
     # -- the Store interface ----------------------------------------------------------------
     def set(self, key, value) -> None:
-        self._store().set(key, value)
+        with self._operation() as store:
+            store.set(key, value)
 
     def get(self, key) -> bytes:
-        return self._store().get(key)
+        with self._operation() as store:
+            return store.get(key)
 
     def wait(self, keys, timeout: timedelta | None = None) -> None:
-        self._store().wait(list(keys), timeout or self._timeout)
+        with self._operation() as store:
+            store.wait(list(keys), timeout or self._timeout)
 
     def check(self, keys) -> bool:
-        return self._store().check(list(keys))
+        with self._operation() as store:
+            return store.check(list(keys))
 
     def add(self, key, amount: int) -> int:
-        return self._store().add(key, amount)
+        with self._operation() as store:
+            return store.add(key, amount)
 
     def compare_set(self, key, expected, desired) -> bytes:
-        return self._store().compare_set(key, expected, desired)
+        with self._operation() as store:
+            return store.compare_set(key, expected, desired)
 
     def delete_key(self, key) -> bool:
-        return self._store().delete_key(key)
+        with self._operation() as store:
+            return store.delete_key(key)
 
     def num_keys(self) -> int:
-        return self._store().num_keys()
+        with self._operation() as store:
+            return store.num_keys()
 
     def set_timeout(self, timeout: timedelta) -> None:
         with self._lock:
