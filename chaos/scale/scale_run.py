@@ -37,6 +37,12 @@ from planaria.elastic.etcd_server import EmbeddedEtcdCluster
 from planaria.elastic.peer_probe import PERIOD_S
 from planaria.runtime.contract.epochs import EpochEvent
 
+START_WAVE = 64
+"""Nodes started at once. A thousand agents started in the same instant on two cores
+each wait seconds for the interpreter between their lease's grant and its first renewal,
+and their leases lapse (with the agents' default 5 s TTL) before they have registered;
+real nodes, each on its own CPUs, do not. So the harness starts them in waves, each once
+the previous one's workers are up."""
 HARNESS_OVERRIDES = ["train.steps=100000000", "checkpoint.every=0"]
 """A job that never ends on its own, and writes no checkpoint (nothing of the disk is
 measured here)."""
@@ -153,8 +159,10 @@ class ScaleHarness:
         """Every node started, epoch 0 published and bootstrapped by every worker of its
         plan; the seconds it took."""
         started = time.time()
-        for _ in range(self.n0):
-            self.add_node()
+        for first in range(0, self.n0, START_WAVE):
+            wave = [self.add_node() for _ in range(first, min(first + START_WAVE, self.n0))]
+            self._wait(lambda: all(a.workers_started() or a.exit_code is not None for a in wave), timeout_s,
+                       f"nodes {first} to {first + len(wave) - 1} to start their workers")
         self._wait(lambda: self._bootstrapped(0), timeout_s, "epoch 0 to be bootstrapped")
         return time.time() - started
 

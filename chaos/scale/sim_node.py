@@ -176,6 +176,10 @@ class SimulatedAgent(Agent):
         except Killed:
             pass
 
+    def workers_started(self) -> bool:
+        """The node registered under its lease and started its workers."""
+        return len(self.supervisor.workers) >= self.nproc
+
     def kill(self) -> None:
         """The node dies: no request of it goes out any more; its lease lapses."""
         self.cut_client.cut()
