@@ -39,6 +39,11 @@ FAST_FOR_S = 0.25
 as an epoch ends, and after a stop at a step boundary the next record follows within
 tens of milliseconds (it took 10 ms on average, half a poll, of a planned leave's pause
 of about 0.2 s). Later, and for a worker waiting as a spare, every POLL_S."""
+FOLLOWED_WAIT_S = 5.0
+"""A wait for the next epoch over a store that follows `epoch` and `done` is woken by
+their change; it looks again this often besides (for its deadline only): a node's
+relay answers every look, thousands of waiting workers a second at a thousand nodes
+if they looked each second."""
 ADDRESS_POLL_S = 0.1
 """A rank waiting for its epoch's bootstrap store to be published wakes at the key's change
 (followed); in between, it asks this often whether the control plane ended the epoch
@@ -92,7 +97,7 @@ class StoreCoordinator:
             if deadline.expired():
                 raise TimeoutError(f"worker {self._key}: no epoch after {after} within {timeout_s:.0f} s; "
                                    "is the control plane alive?")
-            wait_for_change(self.store, since, 1.0 if followed else poll_pause(started, FAST_FOR_S, POLL_S))
+            wait_for_change(self.store, since, FOLLOWED_WAIT_S if followed else poll_pause(started, FAST_FOR_S, POLL_S))
 
     def prepared_record(self, epoch: int) -> EpochRecord | None:
         """The next epoch's record as the controller prepared it before asking `epoch` to

@@ -17,7 +17,7 @@ from planaria.runtime.contract.exits import EXIT_STUCK_AFTER_RELEASE
 from planaria.runtime.worker.coordination import StoreCoordinator
 
 
-QUIET_S = 1.0
+QUIET_S = 5.0
 """Over a store that follows the epoch's end, how long a watcher with no progress to
 publish waits for a change before it looks again (the word wakes it at once): the
 only cost of the wait is how late a watcher whose worker left the epoch ends."""
