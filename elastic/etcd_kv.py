@@ -155,12 +155,12 @@ class EtcdKeyValue:
 
     # -- the Store interface --------------------------------------------------------
     def set(self, key: str, value) -> None:
-        self.client.put(self._key(key), _bytes(value))
+        self.client.put(self._key(key), store_bytes(value))
 
     def set_many(self, items: list[tuple[str, bytes]]) -> int:
         """`set` of each (key, value), in as few requests as etcd's limits allow (one
         transaction of puts, up to `limits.max_txn_ops`); how many it took."""
-        return self.client.put_many([(self._key(key), _bytes(value)) for key, value in items])
+        return self.client.put_many([(self._key(key), store_bytes(value)) for key, value in items])
 
     def get(self, key: str) -> bytes:
         return self._wait_for([key], None)[key]
@@ -193,12 +193,12 @@ class EtcdKeyValue:
         return self.client.atomic_add(self._key(key), int(amount))
 
     def compare_set(self, key: str, expected, desired) -> bytes:
-        return self.client.compare_and_set(self._key(key), _bytes(expected), _bytes(desired))
+        return self.client.compare_and_set(self._key(key), store_bytes(expected), store_bytes(desired))
 
     def compare_set_bytes(self, key: str, expected, desired) -> int:
         """The size of `compare_set(key, expected, desired)`'s request, as checked against
         `limits.max_request_bytes` when it is sent."""
-        return self.client.compare_and_set_bytes(self._key(key), _bytes(expected), _bytes(desired))
+        return self.client.compare_and_set_bytes(self._key(key), store_bytes(expected), store_bytes(desired))
 
     @property
     def limits(self) -> EtcdLimits:
@@ -219,7 +219,8 @@ class EtcdKeyValue:
         return self._timeout
 
 
-def _bytes(value) -> bytes:
+def store_bytes(value) -> bytes:
+    """A Store's value as bytes: c10d gives bytes, a str, or a list of ints."""
     if isinstance(value, bytes):
         return value
     if isinstance(value, str):

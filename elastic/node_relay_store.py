@@ -15,6 +15,7 @@ naming it, at once: a worker without its agent has no control plane left to wait
 """
 from __future__ import annotations
 
+import os
 import socket
 import threading
 import uuid
@@ -23,7 +24,9 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from planaria.elastic import node_relay_protocol as wire
+from planaria.elastic.etcd_kv import store_bytes
 from planaria.elastic.etcd_limits import EtcdLimitExceeded, EtcdLimits
+from planaria.runtime.contract import env
 
 _ANSWER_MARGIN_S = 30.0
 """A request that waits (a `get`, a `wait_changed`) is answered within its own timeout;
@@ -129,7 +132,7 @@ class NodeRelayKeyValue:
 
     # ------------------------------------------------------------------ the Store interface
     def set(self, key: str, value) -> None:
-        self._call("set", key=key, value=wire.pack(_bytes(value)))
+        self._call("set", key=key, value=wire.pack(store_bytes(value)))
 
     def get(self, key: str) -> bytes:
         limit = self._timeout.total_seconds()
@@ -153,12 +156,12 @@ class NodeRelayKeyValue:
         return self._call("add", key=key, amount=int(amount))
 
     def compare_set(self, key: str, expected, desired) -> bytes:
-        return wire.unpack(self._call("compare_set", key=key, expected=wire.pack(_bytes(expected)),
-                                      desired=wire.pack(_bytes(desired))))
+        return wire.unpack(self._call("compare_set", key=key, expected=wire.pack(store_bytes(expected)),
+                                      desired=wire.pack(store_bytes(desired))))
 
     def compare_set_bytes(self, key: str, expected, desired) -> int:
-        return self._call("compare_set_bytes", key=key, expected=wire.pack(_bytes(expected)),
-                          desired=wire.pack(_bytes(desired)))
+        return self._call("compare_set_bytes", key=key, expected=wire.pack(store_bytes(expected)),
+                          desired=wire.pack(store_bytes(desired)))
 
     @property
     def limits(self) -> EtcdLimits:
@@ -191,10 +194,6 @@ class NodeRelayStore(NodeRelayKeyValue, dist.Store):
 
 def store_from_url(url: str, timeout_s: float = 300.0) -> NodeRelayStore:
     """`node://host:port/token` (the `planaria.stores` entry point for a node's relay)."""
-    import os
-
-    from planaria.runtime.contract import env
-
     found = env.elastic_worker(os.environ)
     worker = f"{found[1]}.{found[2]}" if found else f"pid{os.getpid()}"
     return NodeRelayStore(url, worker, timeout=timedelta(seconds=timeout_s))
@@ -210,10 +209,3 @@ def _receive(sock: socket.socket, size: int) -> bytes:
         left -= len(chunk)
     return b"".join(chunks)
 
-
-def _bytes(value) -> bytes:
-    if isinstance(value, bytes):
-        return value
-    if isinstance(value, str):
-        return value.encode()
-    return bytes(value)  # c10d passes a list of ints

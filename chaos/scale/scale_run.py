@@ -110,7 +110,7 @@ class ScaleHarness:
 
     # -------------------------------------------------------------- life
     def __enter__(self) -> "ScaleHarness":
-        _raise_open_files()
+        _process_limits()
         _quiet_killed_threads()
         threading.Thread(target=self._relay_loop.run_forever, daemon=True, name="relays").start()
         self.etcd.start()
@@ -315,7 +315,7 @@ def _quiet_killed_threads() -> None:
     threading.excepthook = hook
 
 
-def _raise_open_files() -> None:
+def _process_limits() -> None:
     """Thousands of connections and threads in one process: as many files as allowed,
     and thread stacks of 512 KiB (a simulated worker's threads hold a few frames; 8 MiB
     each, tens of thousands of them would reserve hundreds of GB of address space)."""

@@ -45,6 +45,19 @@ def converges(mirror: Mirror, reader: EtcdClient, timeout_s: float = 10.0) -> di
     return expected
 
 
+def held_on_key(mirror: Mirror) -> tuple[threading.Event, threading.Event]:
+    """A callback that holds the mirror's thread at the first change of key "hold":
+    (set once it holds, set to let it go; it gives up after 20 s)."""
+    held, release = threading.Event(), threading.Event()
+
+    def hold(changes):
+        if any(ch.name == "hold" for ch in changes) and not held.is_set():
+            held.set()
+            release.wait(20)
+    mirror.on_change(hold)
+    return held, release
+
+
 def server_counts(endpoint: str) -> dict[str, float]:
     """etcd's own count of Range calls handled, of messages received on Watch streams and
     of Watch streams opened."""
@@ -182,13 +195,7 @@ def test_a_compacted_revision_is_read_again_deletions_included(etcd):
         c.put(f"/w4/{name}", b"0")
     lines: list[str] = []
     mirror = Mirror(c, "/w4/", prefix=True, say=lines.append)
-    held, release = threading.Event(), threading.Event()
-
-    def hold(changes):
-        if any(ch.name == "hold" for ch in changes) and not held.is_set():
-            held.set()
-            release.wait(20)
-    mirror.on_change(hold)
+    held, release = held_on_key(mirror)
     changes = recorded(mirror)
     assert mirror.wait_watching(5)
     c.put("/w4/hold", b"1")
@@ -353,13 +360,7 @@ def test_a_compacted_watch_reads_again_alone(etcd):
     c = client(etcd.endpoint)
     c.put("/w12/old/a", b"0")
     old = Mirror(c, "/w12/old/", prefix=True)
-    held, release = threading.Event(), threading.Event()
-
-    def hold(changes):
-        if any(ch.name == "hold" for ch in changes) and not held.is_set():
-            held.set()
-            release.wait(20)
-    old.on_change(hold)
+    held, release = held_on_key(old)
     assert old.wait_watching(5)
     c.put("/w12/old/hold", b"1")
     assert held.wait(5)
