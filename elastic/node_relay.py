@@ -172,7 +172,8 @@ class NodeRelay:
         """The worker's first frame: the relay's token, and a name for its connections."""
         hello = await _read(reader)
         if hello is None or not secrets.compare_digest(str(hello.get("token", "")), self.token):
-            writer.write(wire.encode({"error": "refused", "message": "wrong or missing token for this node's relay"}))
+            writer.write(wire.encode({"error": "refused", "message": ("wrong or missing token for this node's relay: a worker reaches it only with the "
+                                                       "PLANARIA_STORE URL its agent started it with (node://host:port/token)")}))
             await writer.drain()
             return None
         conn = self.connected(str(hello.get("worker", "?")))
