@@ -87,6 +87,7 @@ from planaria.runtime.config.sections import ConfigError, status_timeout_s
 from planaria.runtime.contract import keys
 from planaria.runtime.contract.keys import parse_worker_key
 from planaria.runtime.contract.membership import JobSpec
+from planaria.runtime.contract.store_reads import derived
 from planaria.runtime.planning.job_plans import build_planner, cost_model
 from planaria.templates.plan import Worker
 
@@ -180,10 +181,12 @@ class Agent:
         except NodeNameTaken as err:
             self.log(str(err))
             return 2
-        self._follow_job()
-        self._start_relay()
+        # Renewed from now on: what comes before the workers start (the mirrors' reads and
+        # watches, the relay) may take longer than the lease's TTL on a slow etcd.
         threading.Thread(target=self.membership.keep_alive, args=(self._stop, lambda: self._signal is not None),
                          daemon=True, name="lease").start()
+        self._follow_job()
+        self._start_relay()
         if self.notices.watcher is not None:
             threading.Thread(target=self.notices.watch, args=(self._stop,), daemon=True, name="preemption").start()
         for signum in {*self.signals, *self.notices.signals}:
@@ -214,8 +217,12 @@ class Agent:
         (`EtcdKeyValue.follow`): its looks cost etcd no request while nothing changes."""
         for key in (keys.LEADER, keys.DONE):
             self.store.follow(key)
-        for prefix in ("kill/", keys.PROBE):
-            self.store.follow(prefix, prefix=True)
+        self.store.follow(keys.kill_requests_of(self.node), prefix=True)
+        self._follow_probes()
+
+    def _follow_probes(self) -> None:
+        """The other nodes' probe listeners (`probe/`), which the probe is handed."""
+        self.store.follow(keys.PROBE, prefix=True)
 
     LEADER_PREFIXES = (keys.ALIVE, keys.UNREACHABLE, keys.NOTICE, "ready/")
     """What the leader's controller reads at every poll, mirrored while it leads."""
@@ -243,7 +250,11 @@ class Agent:
                 continue
             if outcome is not None:
                 return outcome
-            time.sleep(self.monitor_interval_s)
+            self._pause()
+
+    def _pause(self) -> None:
+        """Between two looks: the monitor interval."""
+        time.sleep(self.monitor_interval_s)
 
     def _serve_metrics(self, address: str) -> MetricsServer | None:
         """The Prometheus endpoint on this node's address (where the other nodes reach it,
@@ -468,11 +479,18 @@ class Agent:
         timeout (minutes), the whole job with it."""
         gone = set(self.probe.gone) if self.probe is not None else set()
         exited = self.supervisor.exited()
-        return {w for w in (parse_worker_key(key[len(keys.ALIVE):]) for key in self.store.items_under(keys.ALIVE))
-                if w[0] not in gone and w not in exited}
+        alive = derived(self.store, keys.ALIVE, _alive_workers)  # parsed once per change of `alive/`
+        if not gone and not exited:
+            return set(alive)
+        return {w for w in alive if w[0] not in gone and w not in exited}
 
     def _kill(self, worker: Worker) -> None:
         self.store.set(keys.kill_request(worker), "1")
+
+
+def _alive_workers(found: dict[str, bytes]) -> frozenset[Worker]:
+    """The workers whose `alive/<node>.<local>` keys are in `found`."""
+    return frozenset(parse_worker_key(key[len(keys.ALIVE):]) for key in found)
 
 
 def main(argv: list[str] | None = None) -> int:

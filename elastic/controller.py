@@ -60,7 +60,8 @@ from planaria.runtime.contract.epochs import EpochEvent, EpochRecord
 from planaria.runtime.contract.exactly_once import InconsistentStatuses, Resolution, WorkerStatus, resolve
 from planaria.runtime.contract.keys import worker_key
 from planaria.runtime.contract.membership import LeaveNotice
-from planaria.runtime.contract.store_reads import FAST_POLL_S, follow, generation, read_present, unfollow, wait_for_change
+from planaria.runtime.contract.store_reads import (FAST_POLL_S, derived, follow, generation, read_present, unfollow,
+                                                  wait_for_change)
 from planaria.templates.plan import Plan, Worker
 from planaria.templates.planner import Planner
 
@@ -120,6 +121,7 @@ class Controller:
         self._join_deferred = -1  # the epoch whose join wait was logged
         self._killed: set[Worker] = set()
         self._followed: int | None = None
+        self._members_of, self._members_now = None, frozenset()
         self._mirrored = False
         """The epoch whose keys are followed (`_follow_epoch`)."""
         self._sources: set[Worker] = set()
@@ -201,7 +203,7 @@ class Controller:
         self._complete_checkpoints()
         alive = alive_now() - self._killed
         self.spares.keep_alive({node for node, _ in alive})
-        members = set(self.plan.rank_of_worker())
+        members = self._members()
         gone = (members - alive) | self._lost_sources(alive)
         statuses = self._statuses(members)
         if len(statuses) == len(members) and all(s.finished for s in statuses.values()):
@@ -246,7 +248,7 @@ class Controller:
     def _reconfigure(self, alive_now: Callable[[], set[Worker]], kill: Callable[[Worker], None],
                      reason: str) -> None:
         detected = time.time()
-        members = set(self.plan.rank_of_worker())
+        members = self._members()
         if reason == keys.LEAVE:
             self._prepare_leave(alive_now)
         # A failure: every survivor releases the epoch's collectives at once; a join or a
@@ -365,7 +367,7 @@ class Controller:
         status, this plan and its publication (30-40 ms of the pause with four workers on
         two cores; with many workers, that many more statuses to wait for). Nothing is
         prepared when the statuses could change the plan: a worker gone, a node cut off."""
-        members = set(self.plan.rank_of_worker())
+        members = self._members()
         alive = alive_now() - self._killed
         if members - alive:
             return
@@ -461,9 +463,21 @@ class Controller:
                               f"{self.epoch + 1}; it steps down without acting on what it saw")
 
     def _statuses(self, workers: set[Worker]) -> dict[Worker, WorkerStatus]:
+        """The statuses of `workers` in this epoch: parsed once per change of the epoch's
+        statuses where the store mirrors them (the leader looks ten times a second; at
+        thousands of workers a parse of all at every look took it most of a core)."""
+        every = derived(self.store, keys.epoch_statuses(self.epoch), _parse_statuses)
+        if every is not None:
+            return {w: status for w, status in every.items() if w in workers}
         wanted = {w: keys.epoch_status(self.epoch, w) for w in workers}
         found = read_present(self.store, keys.epoch_statuses(self.epoch), wanted)
         return {w: WorkerStatus.from_json(value) for w, value in found.items()}
+
+    def _members(self) -> frozenset[Worker]:
+        """The workers of the plan in force (made once per plan, not at every look)."""
+        if self._members_of is not self.plan:
+            self._members_of, self._members_now = self.plan, frozenset(self.plan.rank_of_worker())
+        return self._members_now
 
     def _check_progress(self, first_iteration: int, nodes: list[str]) -> None:
         """Fail the job after `max_stalled` reconfigurations in a row that made no progress
@@ -529,3 +543,8 @@ class Controller:
     def _end(self, outcome: str) -> None:
         self.outcome = outcome
         self.store.set(keys.DONE, outcome)
+
+
+def _parse_statuses(found: dict[str, bytes]) -> dict[Worker, WorkerStatus]:
+    """{worker: status} of an epoch's status keys ("epoch/<e>/status/<node>.<local>")."""
+    return {keys.parse_worker_key(key.rpartition("/")[2]): WorkerStatus.from_json(value) for key, value in found.items()}

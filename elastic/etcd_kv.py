@@ -10,7 +10,8 @@ What each operation maps to:
   `wait`, `delete_key`, `num_keys` (keys under the prefix): plain etcd reads and writes;
 - beyond a Store's methods, `get_if_present` and `items_under` (a prefix): one read
   where a Store needs a `check` and a `get` per key (each an etcd round trip), for the
-  control plane's polls, which a reconfiguration waits on;
+  control plane's polls, which a reconfiguration waits on; `derived`: what a caller
+  computes from a followed prefix, computed again only when it changed;
 - `add`: a compare-and-swap loop on the key's version (etcd has no atomic increment);
 - `compare_set`: one transaction comparing the value.
 Every write is checked against etcd's request limits before it is sent (`limits`;
@@ -63,6 +64,8 @@ class EtcdKeyValue:
         self._generation = 0
         """Changes the mirrors applied so far (`wait_changed`)."""
         self._listeners: list = []
+        self._derived: dict = {}
+        """{(prefix, derive): (the mirror, its revision, the value)} (`derived`)."""
 
     # -- followed keys ----------------------------------------------------------------
     def follow(self, key: str, prefix: bool = False) -> None:
@@ -102,6 +105,25 @@ class EtcdKeyValue:
             mirrors, self._mirrors = list(self._mirrors.values()), {}
         for mirror, _ in mirrors:
             mirror.close()
+
+    def derived(self, prefix: str, derive):
+        """`derive(self.items_under(prefix))`, computed again only when the keys under
+        `prefix` changed (its mirror's revision moved): a leader that looks at thousands
+        of workers' keys ten times a second parses them once per change, not per look.
+        Without a mirror of `prefix`, computed at every call (and the read is etcd's).
+        `derive` must not keep or change what it is given; its result is shared."""
+        found = self._mirror_of(prefix)
+        if found is None or found[1]:
+            return derive(self.items_under(prefix))
+        mirror = found[0]
+        key = (prefix, derive)
+        cached = self._derived.get(key)
+        revision = mirror.revision
+        if cached is not None and cached[0] is mirror and cached[1] == revision:
+            return cached[2]
+        value = derive(self.items_under(prefix))
+        self._derived[key] = (mirror, revision, value)
+        return value
 
     def generation(self) -> int:
         """How many changes the mirrors have applied: give it to `wait_changed`."""

@@ -34,6 +34,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from planaria.elastic.etcd_client import LeaseExpired
 from planaria.elastic.etcd_kv import EtcdKeyValue
 from planaria.elastic.worker_output import (OutputSpec, Tail, WorkerStreams, close_files, open_streams,
                                             start_tails)
@@ -154,7 +155,18 @@ class WorkerSupervisor:
         if streams is not None:
             close_files(streams)
             self._tails += start_tails(streams, self.output.rank_offset + worker[1], process)
-        self.client.put(self.prefix + keys.alive(worker), b"1", lease=self.lease())
+        self._put_alive(worker)
+
+    def _put_alive(self, worker: Worker) -> None:
+        """A started worker's `alive/` key, under the lease. A lease that expired meanwhile
+        does not keep the node's other workers from starting: the keep-alive thread sees
+        it, and the agent registers again, putting every running worker's key again
+        (`put_alive_keys`)."""
+        try:
+            self.client.put(self.prefix + keys.alive(worker), b"1", lease=self.lease())
+        except LeaseExpired:
+            self.log(f"worker {worker_key(worker)} started while this node's lease had expired; "
+                     "its key is written when the node registers again")
 
     def put_alive_keys(self) -> None:
         """The running workers' `alive/` keys, again, under the lease in force (registered
@@ -222,8 +234,13 @@ class WorkerSupervisor:
 
     # ------------------------------------------------------------ stopping
     def serve_kill_requests(self) -> None:
+        """SIGKILL the running workers the leader asked for: one read of this node's
+        requests (mirrored by the agent: no request), not one per worker."""
+        requested = self.store.items_under(keys.kill_requests_of(self.node))
+        if not requested:
+            return
         for worker in self.running():
-            if self.store.check([keys.kill_request(worker)]):
+            if keys.kill_request(worker) in requested:
                 self.workers[worker].send_signal(signal.SIGKILL)
 
     def stop(self, signum: int) -> None:

@@ -163,8 +163,17 @@ class ScaleHarness:
             wave = [self.add_node() for _ in range(first, min(first + START_WAVE, self.n0))]
             self._wait(lambda: all(a.workers_started() or a.exit_code is not None for a in wave), timeout_s,
                        f"nodes {first} to {first + len(wave) - 1} to start their workers")
+            self._check_none_ended(wave)
         self._wait(lambda: self._bootstrapped(0), timeout_s, "epoch 0 to be bootstrapped")
         return time.time() - started
+
+    def _check_none_ended(self, agents: list[SimulatedAgent]) -> None:
+        """An agent that ended while the job starts leaves epoch 0 short of its nodes for
+        good: said at once, with its own last lines, rather than at the start's timeout."""
+        ended = [a for a in agents if a.exit_code is not None]
+        if ended:
+            said = "; ".join(f"{a.node} (exit {a.exit_code}): {' | '.join(a.lines[-3:])}" for a in ended[:4])
+            raise RuntimeError(f"{len(ended)} of the {len(agents)} nodes just started ended before epoch 0: {said}")
 
     # ------------------------------------------------------------ faults
     def live(self) -> list[SimulatedAgent]:

@@ -79,6 +79,15 @@ def kill_request(worker: Worker) -> str:
     return f"kill/{worker_key(worker)}"
 
 
+def kill_requests_of(node: str) -> str:
+    """A prefix of the kill requests of `node`'s workers, under either of the names they
+    have ("<node>.<local>", and "<node>~<restart>.<local>" once restarted): what its agent
+    follows, where a watch on the whole `kill/` would bring every agent every node's
+    requests. It may hold another node's too (node1's holds node10's): a reader matches
+    each worker's own key."""
+    return f"kill/{node}"
+
+
 def worker_key(worker: Worker) -> str:
     """A worker's name in keys and logs: "node.local"."""
     return f"{worker[0]}.{worker[1]}"

@@ -52,6 +52,17 @@ def read_present(store, prefix: str, wanted: Mapping[object, str]) -> dict[objec
     return {name: store.get(key) for name, key in wanted.items() if store.check([key])}
 
 
+def derived(store, prefix: str, derive):
+    """`derive({key: value})` of the keys under `prefix`, which a store that mirrors them
+    computes again only when they changed (`EtcdKeyValue.derived`); None for a store
+    that cannot list a prefix (the caller reads key by key)."""
+    method = getattr(store, "derived", None)
+    if method is not None:
+        return method(prefix, derive)
+    under = getattr(store, "items_under", None)
+    return derive(under(prefix)) if under is not None else None
+
+
 def follow(store, key: str, prefix: bool = False) -> bool:
     """Have `store` mirror `key` (or the keys under it), if it can; True if it does. A
     store that cannot be reached now is polled instead (False)."""

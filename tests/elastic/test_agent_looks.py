@@ -1,0 +1,107 @@
+"""What an agent's look reads, against a real etcd: the kill requests its node's workers
+get (one followed prefix per node, under either name a worker has), what the leader
+derives from thousands of keys (parsed once per change, not per look), and its lease
+renewed on one kept-open stream."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+import uuid
+
+import pytest
+
+from planaria.elastic.etcd_client import EtcdClient, EtcdSettings
+from planaria.elastic.etcd_kv import EtcdKeyValue
+from planaria.elastic.worker_supervisor import WorkerSupervisor
+from planaria.runtime.config.sections import CommConfig
+from planaria.runtime.contract import keys
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture
+def store(etcd):
+    client = EtcdClient(EtcdSettings(endpoint=etcd.endpoint))
+    kv = EtcdKeyValue(client, f"/planaria/looks-{uuid.uuid4().hex[:8]}")
+    yield kv
+    kv.close()
+    client.close()
+
+
+def eventually(done, what: str, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not done():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.02)
+
+
+def sleeper() -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+
+
+def test_a_node_serves_its_own_workers_kill_requests_under_either_name(store, tmp_path):
+    supervisor = WorkerSupervisor(
+        node="n1", nproc=2, store=store, lease=lambda: None, store_url="", etcd_env={}, run_id="looks",
+        config="", overrides=[], comm=CommConfig(), max_restarts=0, shutdown_timeout_s=0.0, log_dir=tmp_path,
+        output=None, log=lambda line: None)
+    store.follow(keys.kill_requests_of("n1"), prefix=True)  # as the agent does (`_follow_job`)
+    first, asked, restarted = ("n1", 0), ("n1", 1), ("n1~1", 0)
+    supervisor.workers = {w: sleeper() for w in (first, asked, restarted)}
+    try:
+        supervisor.serve_kill_requests()
+        assert all(p.poll() is None for p in supervisor.workers.values()), "killed with no request"
+        # Another node whose name starts with this one's: its request is under the same
+        # followed prefix, and kills nothing here.
+        store.set(keys.kill_request(("n10", 0)), "1")
+        store.set(keys.kill_request(asked), "1")
+        store.set(keys.kill_request(restarted), "1")
+        eventually(lambda: len(store.items_under(keys.kill_requests_of("n1"))) == 3, "the mirror never caught up")
+        supervisor.serve_kill_requests()
+        for worker in (asked, restarted):
+            assert supervisor.workers[worker].wait(timeout=10) == -9, worker
+        assert supervisor.workers[first].poll() is None, "a worker nobody asked for was killed"
+    finally:
+        for process in supervisor.workers.values():
+            process.kill()
+            process.wait()
+
+
+def test_what_is_derived_from_a_followed_prefix_is_computed_once_per_change(store):
+    for local in range(64):
+        store.set(f"alive/n{local // 8}.{local % 8}", "1")
+    store.follow(keys.ALIVE, prefix=True)
+    calls = []
+
+    def parse(found):
+        calls.append(len(found))
+        return frozenset(keys.parse_worker_key(key[len(keys.ALIVE):]) for key in found)
+
+    first = store.derived(keys.ALIVE, parse)
+    assert len(first) == 64
+    for _ in range(100):  # a hundred looks while nothing changes
+        assert store.derived(keys.ALIVE, parse) is first
+    assert calls == [64]
+    store.delete_key("alive/n7.7")
+    eventually(lambda: ("n7", 7) not in store.derived(keys.ALIVE, parse), "the change was never seen")
+    assert calls[-1] == 63 and len(calls) <= 3
+    # Not followed: computed at every call, from etcd.
+    store.set("other/x", "1")
+    assert store.derived("other/", len) == 1 and store.derived("other/", len) == 1
+
+
+def test_lease_renewals_share_one_stream(etcd):
+    client = EtcdClient(EtcdSettings(endpoint=etcd.endpoint))
+    try:
+        lease = client._client.lease(5)
+        client.refresh(lease)
+        before = {t.ident for t in threading.enumerate()}
+        for _ in range(20):
+            assert client.refresh(lease)
+        started = {t.ident for t in threading.enumerate()} - before
+        assert not started, f"renewals started threads: {started}"
+        client._client.revoke_lease(lease.id)
+        assert client.refresh(lease) is False  # a lease that is gone: TTL 0, not an error
+    finally:
+        client.close()
