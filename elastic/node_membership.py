@@ -65,7 +65,10 @@ class Membership:
         key = self.prefix + keys.node_registration(self.node)
         mine = NodeRegistration(self.nproc, self.agent_id).to_json().encode()
         deadline = time.monotonic() + 1.5 * self.ttl_s + 1
-        while not self.client.put_if_absent(key, mine, lease=lease):
+        while True:
+            created, lease = self._create(key, mine, lease)
+            if created:
+                break
             if self.client.get(key)[0] == mine:
                 break  # ours: the create's reply was lost and it was retried
             if time.monotonic() > deadline:
@@ -80,6 +83,16 @@ class Membership:
         with self._swap:
             self.lease = lease
             self.lost.clear()
+
+    def _create(self, key: str, value: bytes, lease) -> tuple[bool, object]:
+        """Create `key` under `lease`: whether it was (False: it exists), and the lease it
+        is under. A lease that expired between its grant and the create (an agent whose
+        host stalled longer than the TTL) is granted again, and the create made under it."""
+        try:
+            return self.client.put_if_absent(key, value, lease=lease), lease
+        except LeaseExpired:
+            lease = self.client.lease(self.ttl_s)
+            return self.client.put_if_absent(key, value, lease=lease), lease
 
     def keep_alive(self, stop: threading.Event, signalled: Callable[[], bool]) -> None:
         """Renew the lease a third of its TTL apart until `stop` (a thread's loop);
