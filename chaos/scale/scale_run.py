@@ -37,14 +37,12 @@ from planaria.elastic.etcd_server import EmbeddedEtcdCluster
 from planaria.elastic.peer_probe import PERIOD_S
 from planaria.runtime.contract.epochs import EpochEvent
 
-START_WAVE = 32
+START_WAVE = 64
 """Nodes started at once. A thousand agents started in the same instant on two cores
 each wait seconds for the interpreter between their lease's grant and its first renewal,
 and their leases lapse (with the agents' default 5 s TTL) before they have registered;
 real nodes, each on its own CPUs, do not. So the harness starts them in waves, each once
 the previous one's workers are up."""
-RELAY_NODES = 16
-"""Nodes whose relays share one event loop."""
 HARNESS_OVERRIDES = ["train.steps=100000000", "checkpoint.every=0"]
 """A job that never ends on its own, and writes no checkpoint (nothing of the disk is
 measured here)."""
@@ -107,15 +105,14 @@ class ScaleHarness:
         self.log = log
         self._clients: list[EtcdClient] = []
         self.node_relay = node_relay
-        self._relay_loops: list[asyncio.AbstractEventLoop] = []
-        """Where the nodes' relays serve: one loop for every `RELAY_NODES` nodes (a real
-        node runs its own; one loop for a thousand starved in the harness's interpreter,
-        its relays' start-up waiting past 30 s)."""
+        self._relay_loop = asyncio.new_event_loop()
+        """Where every node's relay serves: one loop for all (a real node runs its own)."""
 
     # -------------------------------------------------------------- life
     def __enter__(self) -> "ScaleHarness":
         _process_limits()
         _quiet_killed_threads()
+        threading.Thread(target=self._relay_loop.run_forever, daemon=True, name="relays").start()
         self.etcd.start()
         return self
 
@@ -131,8 +128,7 @@ class ScaleHarness:
             except Exception:  # noqa: BLE001 - closing what is already gone
                 pass
         self.etcd.stop()
-        for loop in self._relay_loops:
-            loop.call_soon_threadsafe(loop.stop)
+        self._relay_loop.call_soon_threadsafe(self._relay_loop.stop)
         if self._temporary:
             shutil.rmtree(self.log_dir, ignore_errors=True)
 
@@ -155,17 +151,9 @@ class ScaleHarness:
             settings=settings, run_id=self.run_id, min_nodes=self.n0, config=self.config,
             overrides=self.overrides, lease_ttl_s=self.lease_ttl_s, trace_dir=self.trace_dir,
             worker_start_s=self.worker_start_s, metrics_directory=self.metrics_directory,
-            node_relay=self.node_relay, relay_loop=self._relay_loop(index), records=self.records)
+            node_relay=self.node_relay, relay_loop=self._relay_loop, records=self.records)
         self.agents.append(agent)
         return agent.start()
-
-    def _relay_loop(self, index: int) -> asyncio.AbstractEventLoop:
-        """The loop node `index`'s relay serves on (started with the first node of its group)."""
-        while len(self._relay_loops) <= index // RELAY_NODES:
-            loop = asyncio.new_event_loop()
-            threading.Thread(target=loop.run_forever, daemon=True, name=f"relays-{len(self._relay_loops)}").start()
-            self._relay_loops.append(loop)
-        return self._relay_loops[index // RELAY_NODES]
 
     def start(self, timeout_s: float = 600.0) -> float:
         """Every node started, epoch 0 published and bootstrapped by every worker of its
@@ -301,7 +289,7 @@ class ScaleHarness:
             time.sleep(0.05)
 
     def _said(self, err: Exception) -> Exception:
-        """`err`, logged now: stopping a thousand simulated nodes takes minutes before a
+        """`err`, logged now: stopping many simulated nodes takes minutes before a
         traceback would show it."""
         self.log(f"scale harness: {err}")
         return err
@@ -359,11 +347,3 @@ def _process_limits() -> None:
     # gives up after 1 s (glibc reads RES_OPTIONS at its first lookup) keeps the epochs'
     # bootstrap times the harness's, not the name server's.
     os.environ.setdefault("RES_OPTIONS", "timeout:1 attempts:1")
-    # gRPC's Python wakes every thread blocked on a call (a watch's or a lease's stream, a
-    # unary call) ten times a second, to let a signal through (grpc._common's
-    # MAXIMUM_WAIT_TIMEOUT): nothing on one machine, but a thousand agents' streams in one
-    # interpreter made tens of thousands of wake-ups a second, and the agents' lease
-    # renewals starved past their TTL. The harness's threads take no signals: every 2 s.
-    import grpc._common
-
-    grpc._common.MAXIMUM_WAIT_TIMEOUT = 2.0

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import signal
 import threading
-import time
 from pathlib import Path
 
 import torch
@@ -63,7 +62,7 @@ class SimulatedSupervisor(WorkerSupervisor):
     def _spawn(self, worker: Worker) -> None:
         cut, simulated = self.make_worker(worker)
         self.workers[worker] = SimulatedProcess(simulated, cut, name=f"worker-{worker[0]}.{worker[1]}")
-        self._put_alive(worker)
+        self.client.put(self.prefix + f"alive/{worker[0]}.{worker[1]}", b"1", lease=self.lease())
 
     def kill_frozen(self) -> None:
         pass  # a simulated worker has no heartbeat file (a file of the node's disk, not a request)
@@ -76,11 +75,10 @@ class SimulatedAgent(Agent):
                  step_s: float, backend: str, log_dir: Path, quiet: bool = True,
                  trace_dir: Path | None = None, worker_start_s: float = 0.0,
                  metrics_directory: MetricsDirectory | None = None, relay_loop=None,
-                 records: SharedRecords | None = None, follower_look_s: float = 0.5, **agent):
+                 records: SharedRecords | None = None, **agent):
         """`trace_dir`: each worker's store requests traced there, as a real worker's are
         under `PLANARIA_STORE_TRACE` (`planaria.runtime.worker.store_trace`).
         `worker_start_s`: a worker's start-up before its first request (`SimulatedWorker`).
-        `follower_look_s`: how often the agent looks while it does not lead (`_pause`).
         `metrics_directory`: the run's TensorBoard directory, shared by every node's
         workers (`MetricsReads`; one of this node's own when None)."""
         self.cut_client = client
@@ -90,7 +88,6 @@ class SimulatedAgent(Agent):
         """The event loop the node's relay serves on (shared by the harness's nodes), when
         `node_relay` (an `Agent` argument, on by default)."""
         self.trace_dir, self.worker_start_s = trace_dir, worker_start_s
-        self.follower_look_s = follower_look_s
         self.metrics_directory = metrics_directory or MetricsDirectory()
         self.quiet = quiet
         self.lines: list[str] = []
@@ -141,26 +138,6 @@ class SimulatedAgent(Agent):
         metrics = EpochMetrics(self.cfg, store, torch.device("cpu"), Path(self.cfg.output.dir), self.log)
         return MetricsReads(metrics, self.metrics_directory)
 
-    def _pause(self) -> None:
-        """A follower looks every `follower_look_s` (the leader at the monitor interval).
-        A real agent looks ten times a second on its node's own CPUs; a thousand of them
-        doing so in the harness's one interpreter took a core of its two, and starved the
-        lease renewals. A follower's look makes no request while nothing changes (its
-        keys are mirrored), so the counts are the same; what a slower look delays is a
-        follower's own reactions: its campaign once the leader's key is gone, the kill
-        requests it serves."""
-        time.sleep(self.monitor_interval_s if self.controller is not None else self.follower_look_s)
-
-    def _follow_probes(self) -> None:
-        """Not followed: the simulated probe is told what it would find, and takes no
-        addresses. A real agent mirrors `probe/` (one Range and one watch, then an event
-        per node that registers: N events per agent, N^2 in all, none of them a request
-        to etcd); N^2 watch events in the harness's one process (a million at 1,024
-        nodes) were what kept it from starting a thousand agents."""
-
-    def _probe_addresses(self) -> dict[str, str]:
-        return {}
-
     # ---------------------------------------------------------------- life
     def start(self) -> "SimulatedAgent":
         self.thread = threading.Thread(target=self._run, daemon=True, name=f"agent-{self.node}")
@@ -183,9 +160,9 @@ class SimulatedAgent(Agent):
             self.log(refused)
             return 2
         self._register()
-        threading.Thread(target=self._keep_alive, daemon=True, name=f"lease-{self.node}").start()
         self._follow_job()
         self._start_relay(loop=self.relay_loop)
+        threading.Thread(target=self._keep_alive, daemon=True, name=f"lease-{self.node}").start()
         self.supervisor.start()
         self.client.retry_s = self.outage_limit_s
         try:

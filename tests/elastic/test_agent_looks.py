@@ -1,12 +1,11 @@
 """What an agent's look reads, against a real etcd: the kill requests its node's workers
 get (one followed prefix per node, under either name a worker has), what the leader
-derives from thousands of keys (parsed once per change, not per look), and its lease
-renewed on one kept-open stream."""
+derives from thousands of keys (parsed once per change, not per look), and a
+registration whose lease lapsed before it was made."""
 from __future__ import annotations
 
 import subprocess
 import sys
-import threading
 import time
 import uuid
 
@@ -91,17 +90,22 @@ def test_what_is_derived_from_a_followed_prefix_is_computed_once_per_change(stor
     assert store.derived("other/", len) == 1 and store.derived("other/", len) == 1
 
 
-def test_lease_renewals_share_one_stream(etcd):
+def test_a_registration_whose_lease_lapsed_before_it_is_made_under_a_new_one(etcd):
+    """An agent whose host stalled past the TTL between the lease's grant and its node's
+    registration registers under a new lease, rather than die of `LeaseExpired`."""
+    from planaria.elastic.node_membership import Membership
+
     client = EtcdClient(EtcdSettings(endpoint=etcd.endpoint))
     try:
-        lease = client._client.lease(5)
-        client.refresh(lease)
-        before = {t.ident for t in threading.enumerate()}
-        for _ in range(20):
-            assert client.refresh(lease)
-        started = {t.ident for t in threading.enumerate()} - before
-        assert not started, f"renewals started threads: {started}"
+        prefix = f"/planaria/looks-{uuid.uuid4().hex[:8]}/"
+        membership = Membership(client, prefix, node="n1", nproc=8, run_id="looks", ttl_s=5, log=lambda line: None)
+        lapsed = client._client.lease(5)
+        client._client.revoke_lease(lapsed.id)
+        key = prefix + keys.node_registration("n1")
+        created, lease = membership._create(key, b"mine", lapsed)
+        assert created and lease.id != lapsed.id
+        assert client.get(key)[0] == b"mine" and client.refresh(lease)
         client._client.revoke_lease(lease.id)
-        assert client.refresh(lease) is False  # a lease that is gone: TTL 0, not an error
+        assert client.get(key)[0] is None, "the registration is not bound to the new lease"
     finally:
         client.close()
