@@ -87,7 +87,6 @@ from planaria.runtime.config.sections import ConfigError, status_timeout_s
 from planaria.runtime.contract import keys
 from planaria.runtime.contract.keys import parse_worker_key
 from planaria.runtime.contract.membership import JobSpec
-from planaria.runtime.contract.store_reads import derived
 from planaria.runtime.planning.job_plans import build_planner, cost_model
 from planaria.templates.plan import Worker
 
@@ -217,12 +216,8 @@ class Agent:
         (`EtcdKeyValue.follow`): its looks cost etcd no request while nothing changes."""
         for key in (keys.LEADER, keys.DONE):
             self.store.follow(key)
-        self.store.follow(keys.kill_requests_of(self.node), prefix=True)
-        self._follow_probes()
-
-    def _follow_probes(self) -> None:
-        """The other nodes' probe listeners (`probe/`), which the probe is handed."""
-        self.store.follow(keys.PROBE, prefix=True)
+        for prefix in (keys.kill_requests_of(self.node), keys.PROBE):
+            self.store.follow(prefix, prefix=True)
 
     LEADER_PREFIXES = (keys.ALIVE, keys.UNREACHABLE, keys.NOTICE, "ready/")
     """What the leader's controller reads at every poll, mirrored while it leads."""
@@ -250,11 +245,7 @@ class Agent:
                 continue
             if outcome is not None:
                 return outcome
-            self._pause()
-
-    def _pause(self) -> None:
-        """Between two looks: the monitor interval."""
-        time.sleep(self.monitor_interval_s)
+            time.sleep(self.monitor_interval_s)
 
     def _serve_metrics(self, address: str) -> MetricsServer | None:
         """The Prometheus endpoint on this node's address (where the other nodes reach it,
@@ -479,7 +470,7 @@ class Agent:
         timeout (minutes), the whole job with it."""
         gone = set(self.probe.gone) if self.probe is not None else set()
         exited = self.supervisor.exited()
-        alive = derived(self.store, keys.ALIVE, _alive_workers)  # parsed once per change of `alive/`
+        alive = self.store.derived(keys.ALIVE, _alive_workers)  # parsed once per change of `alive/`
         if not gone and not exited:
             return set(alive)
         return {w for w in alive if w[0] not in gone and w not in exited}
