@@ -1,0 +1,297 @@
+"""A set of simulated nodes in one process, and what the harness asks of them.
+
+`NodeHost` owns the nodes (`SimulatedAgent`s) of one process: it starts them, kills
+them, tells their probes what the network does, and answers the harness's questions
+(who leads, the leader's plan and events, the largest write, CPU spent) from their
+memory, without a request to etcd. The harness drives one `NodeHost` in its own
+process for a few dozen nodes, or several, each in a process of its own
+(`hosted_nodes`), where one interpreter cannot carry the nodes' thousands of threads:
+`serve` is such a process's entry.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import resource
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from planaria.chaos.scale.cutoff import CutClient, Killed, WriteSizes
+from planaria.chaos.scale.data_plane import DataPlane
+from planaria.chaos.scale.shared_records import SharedRecords
+from planaria.chaos.scale.sim_metrics import MetricsDirectory
+from planaria.chaos.scale.sim_node import SimulatedAgent
+from planaria.chaos.scale.sim_worker import Observer
+from planaria.elastic.etcd_client import EtcdClient, EtcdSettings
+from planaria.runtime.contract.epochs import EpochEvent
+
+
+@dataclass(frozen=True)
+class NodeSpec:
+    """What every simulated node of a run is made of (`ScaleHarness`'s arguments)."""
+
+    endpoint: str
+    run_id: str
+    gpus_per_node: int
+    min_nodes: int
+    config: str
+    overrides: tuple[str, ...]
+    step_s: float
+    backend: str
+    lease_ttl_s: int
+    log_dir: Path
+    trace_dir: Path | None = None
+    worker_start_s: float = 0.0
+    node_relay: bool = True
+
+
+@dataclass
+class NodeState:
+    """A node as the harness's waits see it."""
+
+    exit_code: int | None
+    killed: bool
+    workers_started: bool
+
+    @property
+    def live(self) -> bool:
+        return self.exit_code is None and not self.killed
+
+
+class NodeHost:
+    """The simulated nodes of this process (module docstring). `plane` and `observer`
+    are the harness's own in its process, or a node process's links to it."""
+
+    def __init__(self, spec: NodeSpec, plane=None, observer: Observer | None = None):
+        self.spec = spec
+        self.plane, self.observer = plane or DataPlane(), observer or Observer()
+        self.sizes, self.records, self.metrics_directory = WriteSizes(), SharedRecords(), MetricsDirectory()
+        self.agents: dict[int, SimulatedAgent] = {}
+        self._clients: list[EtcdClient] = []
+        self._plan_workers: tuple = (None, frozenset())
+        self._relay_loop = asyncio.new_event_loop()
+        """Where every node's relay of this process serves (a real node runs its own)."""
+        self._relay_loop.set_exception_handler(_quiet_killed_tasks)
+        threading.Thread(target=self._relay_loop.run_forever, daemon=True, name="relays").start()
+
+    # ------------------------------------------------------------- nodes
+    def add(self, index: int) -> None:
+        """Node `index` (its agent and workers), started; it joins when the leader plans it in."""
+        spec = self.spec
+        settings = EtcdSettings(endpoint=spec.endpoint, retry_s=30.0)
+        client = EtcdClient(settings, on_outage=lambda line: None)
+        self._clients.append(client)
+        self.agents[index] = SimulatedAgent(
+            node=f"node{index}", nproc=spec.gpus_per_node, client=CutClient(client, self.sizes), plane=self.plane,
+            observer=self.observer, step_s=spec.step_s, backend=spec.backend,
+            log_dir=spec.log_dir / f"node{index}", settings=settings, run_id=spec.run_id,
+            min_nodes=spec.min_nodes, config=spec.config, overrides=list(spec.overrides),
+            lease_ttl_s=spec.lease_ttl_s, trace_dir=spec.trace_dir, worker_start_s=spec.worker_start_s,
+            metrics_directory=self.metrics_directory, node_relay=spec.node_relay, relay_loop=self._relay_loop,
+            records=self.records).start()
+
+    def states(self) -> dict[int, NodeState]:
+        return {i: NodeState(a.exit_code, a.cut_client.killed.is_set(), a.workers_started())
+                for i, a in self.agents.items()}
+
+    def kill(self, index: int) -> None:
+        self.agents[index].kill()
+
+    def notice(self, index: int, grace_s: float) -> None:
+        self.agents[index].notice(grace_s)
+
+    def _live(self) -> list[SimulatedAgent]:
+        return [a for a in self.agents.values() if a.exit_code is None and not a.cut_client.killed.is_set()]
+
+    def gone(self, node: str) -> None:
+        """`node` died: every probe here finds it gone (a refused connection)."""
+        for agent in self._live():
+            agent.probe.gone = sorted({*agent.probe.gone, node})
+
+    def cut(self, inside: list[str], outside: list[str]) -> None:
+        """A partition: the nodes `inside` and those `outside` cannot reach each other."""
+        for agent in self._live():
+            agent.probe.unreachable = sorted(outside if agent.node in inside else inside)
+
+    def heal(self) -> None:
+        for agent in self._live():
+            agent.probe.unreachable = []
+
+    def block(self) -> None:
+        """No step of any epoch completes any more (a partition across its groups)."""
+        self.plane.block_all()
+
+    # --------------------------------------------------- what the leader knows
+    def leader(self) -> int | None:
+        """The index of this process's node that leads with a plan, if one does."""
+        return next((i for i, a in self.agents.items() if a in self._live()
+                     and a.controller is not None and a.controller.plan is not None), None)
+
+    def leader_epoch(self, index: int) -> int | None:
+        controller = self.agents[index].controller
+        return None if controller is None else controller.epoch
+
+    def plan_workers(self, epoch: int) -> frozenset | None:
+        """The workers of `epoch`'s plan, while the leader here is at that epoch."""
+        index = self.leader()
+        controller = None if index is None else self.agents[index].controller
+        # `epoch` moves before `plan` does as the controller publishes (`Controller._publish`).
+        if controller is None or controller.plan is None or controller.plan.epoch != epoch:
+            return None
+        if self._plan_workers[0] is not controller.plan:  # asked a few times a second: built once
+            self._plan_workers = (controller.plan, frozenset(self.records.facts(epoch, controller.plan).rank_of_worker))
+        return self._plan_workers[1]
+
+    def event(self, epoch: int) -> EpochEvent | None:
+        for agent in self._live():
+            for event in (agent.controller.events if agent.controller is not None else ()):
+                if event.epoch == epoch:
+                    return event
+        return None
+
+    def thread_cpu(self, index: int | None) -> float:
+        """CPU seconds of node `index`'s agent thread (its loop: the controller's, on the leader)."""
+        thread = None if index is None else getattr(self.agents.get(index), "thread", None)
+        if thread is None or thread.native_id is None:
+            return 0.0
+        return cpu_of(f"/proc/self/task/{thread.native_id}/stat")
+
+    # ------------------------------------------------------------ accounts
+    def largest_write(self, reset: bool = False) -> int:
+        largest = self.sizes.largest
+        if reset:
+            self.sizes.largest = 0
+        return largest
+
+    def restore_largest(self, largest: int) -> None:
+        self.sizes.largest = max(self.sizes.largest, largest)
+
+    def cpu(self) -> float:
+        """CPU seconds of this whole process (its agents, relays and workers)."""
+        return time.process_time()
+
+    def lines(self, index: int, last: int = 20) -> list[str]:
+        return list(self.agents[index].lines[-last:]) if index in self.agents else []
+
+    def last_lines(self) -> dict[int, str]:
+        return {i: a.lines[-1] for i, a in self.agents.items() if a.lines}
+
+    def close(self) -> None:
+        for agent in self.agents.values():
+            agent.kill()
+        for client in self._clients:
+            try:
+                client.close()
+            except Exception:  # noqa: BLE001 - closing what is already gone
+                pass
+        self._relay_loop.call_soon_threadsafe(self._relay_loop.stop)
+
+
+# ------------------------------------------------------------ a node process
+class _Link:
+    """A `multiprocessing` connection that several threads send on."""
+
+    def __init__(self, connection):
+        self.connection = connection
+        self._lock = threading.Lock()
+
+    def send(self, message) -> None:
+        with self._lock:
+            self.connection.send(message)
+
+
+class ForwardedObserver(Observer):
+    """`Observer` whose notes also go to the harness's process (the harness's timings
+    are over every process's workers)."""
+
+    def __init__(self, link: _Link):
+        super().__init__()
+        self.link = link
+
+    def note(self, table: dict, epoch: int, worker) -> None:
+        super().note(table, epoch, worker)
+        self.link.send(("note", "held" if table is self.held else "bootstrapped", epoch, worker, time.time()))
+
+    def first_step(self, epoch: int) -> None:
+        super().first_step(epoch)
+        self.link.send(("first_step", epoch, time.time()))
+
+
+def serve(commands, events, spec: NodeSpec) -> None:
+    """A node process: its nodes answer `commands` (method name and arguments, one at a
+    time, answered in order) until the harness closes it or goes away; `events` carries
+    the data plane's messages and the observer's notes."""
+    from planaria.chaos.scale.step_hub import HostedDataPlane
+
+    process_limits()
+    quiet_killed_threads()
+    link = _Link(events)
+    plane = HostedDataPlane(link)
+    host = NodeHost(spec, plane=plane, observer=ForwardedObserver(link))
+
+    def decisions() -> None:
+        while True:
+            try:
+                plane.on_decided(events.recv())
+            except (EOFError, OSError):
+                os._exit(0)
+    threading.Thread(target=decisions, daemon=True, name="step-hub-decisions").start()
+    while True:
+        try:
+            method, args = commands.recv()
+        except (EOFError, OSError):
+            os._exit(0)  # the harness went away: its nodes with it
+        try:
+            answer = ("ok", getattr(host, method)(*args))
+        except Exception as err:  # noqa: BLE001 - the harness says it, with this process's part
+            answer = ("error", f"{type(err).__name__}: {err}")
+        commands.send(answer)
+        if method == "close":
+            os._exit(0)
+
+
+# ----------------------------------------------------- process-wide settings
+def cpu_of(stat_path: str) -> float:
+    """User + system CPU seconds of a process or thread, from its /proc stat (0 if gone)."""
+    try:
+        with open(stat_path) as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def quiet_killed_threads() -> None:
+    """A thread of a killed node ends on `Killed`: the node's death, not an error to print."""
+    previous = threading.excepthook
+
+    def hook(args) -> None:
+        if not issubclass(args.exc_type, Killed):
+            previous(args)
+    threading.excepthook = hook
+
+
+def _quiet_killed_tasks(loop, context: dict) -> None:
+    """A relay's task of a killed node ends on `Killed`, as its threads do (not an error)."""
+    if not isinstance(context.get("exception"), Killed):
+        loop.default_exception_handler(context)
+
+
+def process_limits() -> None:
+    """Thousands of connections and threads in one process: as many files as allowed,
+    and thread stacks of 512 KiB (a simulated worker's threads hold a few frames; 8 MiB
+    each, tens of thousands of them would reserve hundreds of GB of address space)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    threading.stack_size(512 * 1024)
+    # c10d's TCPStore names each peer of a connection through a reverse lookup
+    # (getnameinfo without NI_NUMERICHOST, for its log lines): where no name server
+    # answers, a lookup waits out the resolver's timeout, 5 s by default, and one
+    # connection in some tens stalled that long in a sandbox without DNS. A resolver that
+    # gives up after 1 s (glibc reads RES_OPTIONS at its first lookup) keeps the epochs'
+    # bootstrap times the harness's, not the name server's.
+    os.environ.setdefault("RES_OPTIONS", "timeout:1 attempts:1")

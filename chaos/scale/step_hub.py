@@ -1,0 +1,191 @@
+"""The simulated commit all-reduce across the harness's node processes.
+
+At a thousand nodes the scale harness runs its nodes in several processes
+(`node_host`): one interpreter does not carry thousands of agents', relays' and
+workers' threads (docs/benchmarks.md). An epoch's ranks then sit in several processes,
+and its steps must still meet as `data_plane.StepBarrier`'s do: every rank stops after
+the same iteration, and a rank's release or death fails the step for all.
+
+`StepHub` (the harness's process) decides each iteration's outcome by the same rule as
+`StepBarrier`, from what the hosts tell it; `HostedDataPlane` (in each node process)
+is `DataPlane`'s interface for the simulated workers. Arrivals are batched per host
+(one message for all of a host's ranks that arrived within a few milliseconds), so the
+messages per step grow with the hosts, not the workers. None of it touches etcd: it is
+the data plane, simulated, not what the harness measures.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from planaria.chaos.scale.data_plane import PeerGone, Released, _closed
+
+FLUSH_S = 0.002
+"""How long a host gathers arrivals before it sends them (a step is a second or two)."""
+
+
+@dataclass
+class _Epoch:
+    """The hub's view of one epoch's commit all-reduces."""
+
+    world: int
+    arrived: dict[int, int] = field(default_factory=lambda: defaultdict(int))
+    stop: dict[int, bool] = field(default_factory=lambda: defaultdict(bool))
+    released_in: set[int] = field(default_factory=set)
+    """Iterations that a released rank entered (or was waiting in when released)."""
+    dead: set[int] = field(default_factory=set)
+    blocked: bool = False
+    outcome: dict[int, bool] = field(default_factory=dict)
+
+    def decide(self, iteration: int) -> bool | None:
+        """`StepBarrier.step`'s rule: complete once every rank entered (unless blocked);
+        failed once a released rank is in it or a rank died while others wait in it."""
+        if iteration in self.outcome:
+            return None
+        if self.arrived[iteration] >= self.world and not self.blocked:
+            self.outcome[iteration] = True
+        elif iteration in self.released_in or (self.dead and self.arrived[iteration] > 0):
+            self.outcome[iteration] = False
+        else:
+            return None
+        return self.outcome[iteration]
+
+
+class StepHub:
+    """Every epoch's commit all-reduces, decided for all node processes. `apply` takes a
+    host's batch and returns the decisions it made, to be sent to every host."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._epochs: dict[int, _Epoch] = {}
+
+    def apply(self, batch: dict) -> list[tuple]:
+        decided = []
+        with self._lock:
+            for epoch, world in batch.get("worlds", {}).items():
+                self._epochs.setdefault(epoch, _Epoch(world))
+            for (epoch, iteration), (count, stop, released) in batch.get("arrived", {}).items():
+                state = self._epochs[epoch]  # a host names an epoch's world before its first arrival
+                state.arrived[iteration] += count
+                state.stop[iteration] = state.stop[iteration] or stop
+                if released:
+                    state.released_in.add(iteration)
+            for epoch, iteration in batch.get("released", []):
+                self._epochs[epoch].released_in.add(iteration)
+            for epoch, rank in batch.get("dead", []):
+                self._epochs[epoch].dead.add(rank)  # (a rank dies in an epoch its host named)
+            if batch.get("block"):
+                for state in self._epochs.values():
+                    state.blocked = True
+            for epoch, state in self._epochs.items():
+                for iteration in list(state.arrived):
+                    outcome = state.decide(iteration)
+                    if outcome is not None:
+                        decided.append((epoch, iteration, outcome, state.stop[iteration], sorted(state.dead)))
+        return decided
+
+    def block_all(self) -> list[tuple]:
+        return self.apply({"block": True})
+
+
+class HostedStepBarrier:
+    """`StepBarrier`'s interface for the ranks of one epoch in this node process."""
+
+    def __init__(self, plane: "HostedDataPlane", epoch: int):
+        self.plane, self.epoch = plane, epoch
+        self._waiting: dict[int, int] = {}
+        """Rank -> the iteration it waits in."""
+        self._released: set[int] = set()
+
+    def step(self, rank: int, iteration: int, stop: bool) -> bool:
+        plane = self.plane
+        with plane.cond:
+            self._waiting[rank] = iteration
+            plane.send_arrival(self.epoch, iteration, stop, rank in self._released)
+            try:
+                while (self.epoch, iteration) not in plane.outcomes:
+                    plane.cond.wait(0.5)
+            finally:
+                self._waiting.pop(rank, None)
+            ok, stop_after, dead = plane.outcomes[(self.epoch, iteration)]
+            if ok:
+                return stop_after
+            if rank in self._released:
+                raise Released(f"rank {rank}: released at iteration {iteration}")
+            raise PeerGone(_closed(rank, dead, iteration))
+
+    def release(self, rank: int) -> str:
+        with self.plane.cond:
+            self._released.add(rank)
+            if rank in self._waiting:
+                self.plane.send({"released": [(self.epoch, self._waiting[rank])]})
+        return "released the simulated step"
+
+    def fail(self, rank: int) -> None:
+        self.plane.send({"dead": [(self.epoch, rank)]})
+
+
+class HostedDataPlane:
+    """`DataPlane`'s interface in a node process: the barriers' decisions come from the
+    harness's `StepHub` over `link` (a `multiprocessing` connection), which `on_decided`
+    is given by this process's reader of it."""
+
+    def __init__(self, link):
+        self.link = link
+        self.cond = threading.Condition()
+        self.outcomes: dict[tuple[int, int], tuple[bool, bool, list[int]]] = {}
+        self._epochs: dict[int, HostedStepBarrier] = {}
+        self._worlds: dict[int, int] = {}
+        self._outbox: queue.Queue = queue.Queue()
+        threading.Thread(target=self._sender, daemon=True, name="step-hub-sender").start()
+
+    def epoch(self, epoch: int, world: int) -> HostedStepBarrier:
+        with self.cond:
+            if epoch not in self._epochs:
+                self._epochs[epoch] = HostedStepBarrier(self, epoch)
+                self.send({"worlds": {epoch: world}})
+            return self._epochs[epoch]
+
+    def block_all(self) -> None:
+        self.send({"block": True})
+
+    def send_arrival(self, epoch: int, iteration: int, stop: bool, released: bool) -> None:
+        self._outbox.put(("arrived", (epoch, iteration), stop, released))
+
+    def send(self, batch: dict) -> None:
+        self._outbox.put(("batch", batch))
+
+    def on_decided(self, decisions: list[tuple]) -> None:
+        with self.cond:
+            for epoch, iteration, ok, stop, dead in decisions:
+                self.outcomes[(epoch, iteration)] = (ok, stop, dead)
+            self.cond.notify_all()
+
+    def _sender(self) -> None:
+        """One message per few milliseconds: every arrival gathered, merged by iteration."""
+        while True:
+            items = [self._outbox.get()]
+            try:
+                threading.Event().wait(FLUSH_S)
+                while True:
+                    items.append(self._outbox.get_nowait())
+            except queue.Empty:
+                pass
+            merged: dict = {"worlds": {}, "arrived": {}, "released": [], "dead": [], "block": False}
+            for item in items:
+                if item[0] == "arrived":
+                    _, key, stop, released = item
+                    count, any_stop, any_released = merged["arrived"].get(key, (0, False, False))
+                    merged["arrived"][key] = (count + 1, any_stop or stop, any_released or released)
+                else:
+                    batch = item[1]
+                    merged["worlds"].update(batch.get("worlds", {}))
+                    merged["released"] += batch.get("released", [])
+                    merged["dead"] += batch.get("dead", [])
+                    merged["block"] = merged["block"] or batch.get("block", False)
+            try:
+                self.link.send(("plane", merged))
+            except (OSError, EOFError):
+                return
