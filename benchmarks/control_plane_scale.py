@@ -66,7 +66,8 @@ def measure(nodes: int, relay: bool, args, log) -> dict:
     overrides = [] if args.peer_snapshots else ["checkpoint.memory_every=0"]
     with ScaleHarness(nodes=nodes, gpus_per_node=args.gpus_per_node, config=args.config, step_s=args.step_s,
                       backend=args.backend, node_relay=relay, overrides=overrides,
-                      processes=_processes(nodes, args.nodes_per_process), log=log) as harness:
+                      lease_ttl_s=args.lease_ttl, processes=_processes(nodes, args.nodes_per_process),
+                      log=log) as harness:
         started = time.monotonic()
         cpu = harness.harness_cpu()
         harness.start(timeout_s=args.timeout)
@@ -77,6 +78,7 @@ def measure(nodes: int, relay: bool, args, log) -> dict:
         log(f"  steady: {quiet.total / window:.1f} requests/s ({dict(quiet.requests)} in {window:.1f} s)")
         changes = run_faults(harness, args.faults, log)
         return {"nodes": nodes, "gpus_per_node": args.gpus_per_node, "node_relay": relay,
+                "lease_ttl_s": args.lease_ttl,
                 "peer_snapshots": args.peer_snapshots, "steady_window_s": window,
                 "steady": {"requests": dict(quiet.requests), "received_bytes": quiet.received_bytes,
                            "sent_bytes": quiet.sent_bytes},
@@ -144,6 +146,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="checkpoint.memory_every=0: no peer-snapshot group, whose gloo full mesh over "
                              "every rank makes each rank read every other's address (N^2 reads of rank 0's "
                              "epoch store: 67 million at 8,192 workers)")
+    parser.add_argument("--lease-ttl", type=int, default=5,
+                        help="the agents' lease TTL in seconds (default 5, the agent's own): longer where "
+                             "this machine's cores, simulating thousands of workers, are slower to renew "
+                             "a lease than a node's own CPUs would be")
     parser.add_argument("--nodes-per-process", type=int, default=64,
                         help="more nodes than this run in node processes of this many each (one "
                              "interpreter's threads carry about 64 simulated nodes of 8 workers)")

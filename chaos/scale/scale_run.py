@@ -35,6 +35,8 @@ each wait seconds for the interpreter between their lease's grant and its first 
 and their leases lapse (with the agents' default 5 s TTL) before they have registered;
 real nodes, each on its own CPUs, do not. So the harness starts them in waves, each once
 the previous one's workers are up."""
+PROGRESS_S = 15.0
+"""How often a wait says where the job is (a thousand nodes take minutes to start)."""
 HARNESS_OVERRIDES = ["train.steps=100000000", "checkpoint.every=0"]
 """A job that never ends on its own, and writes no checkpoint (nothing of the disk is
 measured here)."""
@@ -267,14 +269,29 @@ class ScaleHarness:
         return self._bootstrapped(epoch) and epoch in self.observer.trained
 
     def _wait(self, done: Callable[[], bool], timeout_s: float, what: str) -> None:
-        deadline = time.monotonic() + timeout_s
+        started = time.monotonic()
+        deadline, said = started + timeout_s, started
         # Each look asks the node processes (a round trip to each): a few a second.
         pause = 0.05 if self.processes == 1 else 0.25
         while not done():
-            if time.monotonic() > deadline:
+            now = time.monotonic()
+            if now > deadline:
                 raise self._said(TimeoutError(f"the scale harness waited {timeout_s:.0f} s for {what}; "
                                               f"the agents' last lines: {self._last_lines()}"))
+            if now - said > PROGRESS_S:
+                said = now
+                self.log(f"  waiting {now - started:.0f} s for {what}: {self._where()}")
             time.sleep(pause)
+
+    def _where(self) -> str:
+        """Where the job is, in a line: live nodes, the leader and its last words."""
+        states = self.nodes.states()
+        live = sum(state.live for state in states.values())
+        leader = self.leader()
+        if leader is None:
+            return f"{live} of {len(states)} nodes live, none leads with a plan"
+        return (f"{live} of {len(states)} nodes live; node{leader} leads, at epoch "
+                f"{self.nodes.leader_epoch(leader)}: {' | '.join(self.lines(leader, 2))}")
 
     def _said(self, err: Exception) -> Exception:
         """`err`, logged now: stopping many simulated nodes takes minutes before a
