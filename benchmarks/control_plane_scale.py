@@ -20,6 +20,7 @@ import signal
 import sys
 import time
 from dataclasses import asdict
+from pathlib import Path
 
 from planaria.chaos.scale.scale_run import Reconfiguration, ScaleHarness
 
@@ -66,19 +67,21 @@ def measure(nodes: int, relay: bool, args, log) -> dict:
     overrides = [] if args.peer_snapshots else ["checkpoint.memory_every=0"]
     with ScaleHarness(nodes=nodes, gpus_per_node=args.gpus_per_node, config=args.config, step_s=args.step_s,
                       backend=args.backend, node_relay=relay, overrides=overrides,
-                      lease_ttl_s=args.lease_ttl, processes=_processes(nodes, args.nodes_per_process),
+                      lease_ttl_s=args.lease_ttl, log_dir=_log_dir(args.log_dir, nodes, relay), processes=_processes(nodes, args.nodes_per_process),
                       log=log) as harness:
         started = time.monotonic()
         cpu = harness.harness_cpu()
         harness.start(timeout_s=args.timeout)
-        log(f"{nodes} nodes x {args.gpus_per_node}, node relay {'on' if relay else 'off'}: epoch 0 bootstrapped "
-            f"in {time.monotonic() - started:.1f} s")
+        first_epoch, start_s = harness.epoch(), time.monotonic() - started
+        log(f"{nodes} nodes x {args.gpus_per_node}, node relay {'on' if relay else 'off'}: epoch {first_epoch} "
+            f"bootstrapped and trained {start_s:.1f} s after the start")
         time.sleep(args.step_s * 3)
         quiet, window = harness.steady(args.steady_s)
         log(f"  steady: {quiet.total / window:.1f} requests/s ({dict(quiet.requests)} in {window:.1f} s)")
         changes = run_faults(harness, args.faults, log)
         return {"nodes": nodes, "gpus_per_node": args.gpus_per_node, "node_relay": relay,
-                "lease_ttl_s": args.lease_ttl,
+                "lease_ttl_s": args.lease_ttl, "first_epoch": first_epoch,
+                "start_s": start_s,
                 "peer_snapshots": args.peer_snapshots, "steady_window_s": window,
                 "steady": {"requests": dict(quiet.requests), "received_bytes": quiet.received_bytes,
                            "sent_bytes": quiet.sent_bytes},
@@ -86,6 +89,11 @@ def measure(nodes: int, relay: bool, args, log) -> dict:
                 "changes": [{**asdict(c), "etcd": {"requests": dict(c.etcd.requests),
                                                    "received_bytes": c.etcd.received_bytes,
                                                    "sent_bytes": c.etcd.sent_bytes}} for c in changes]}
+
+
+def _log_dir(root: str | None, nodes: int, relay: bool):
+    """Where a run's logs are kept (etcd's, each agent's), if asked."""
+    return None if root is None else Path(root) / f"{nodes}-nodes-relay-{'on' if relay else 'off'}"
 
 
 def _processes(nodes: int, per_process: int) -> int:
@@ -154,6 +162,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="more nodes than this run in node processes of this many each (one "
                              "interpreter's threads carry about 64 simulated nodes of 8 workers)")
     parser.add_argument("--json", help="write the raw figures here")
+    parser.add_argument("--log-dir", help="keep etcd's and every agent's logs here, one directory per run")
     args = parser.parse_args(argv)
     # A stopped run still stops its etcd members and removes their data (the harness's exit).
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))

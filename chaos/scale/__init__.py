@@ -1,7 +1,8 @@
 """The scale harness: Planaria's real control plane for thousands of simulated workers.
 
-`planaria.chaos.scale` runs, in one process, N simulated nodes of G simulated workers
-against a real etcd cluster of three members:
+`planaria.chaos.scale` runs N simulated nodes of G simulated workers against a real etcd
+cluster of three members, in one process or, for hundreds of nodes, spread over node
+processes (`node_host`, `hosted_nodes`; their steps meet in `step_hub`):
 
 - each node is the real agent (`planaria.elastic.agent.Agent`: registration and lease,
   the leader's campaign, the controller and its planner, notices, kill requests), whose

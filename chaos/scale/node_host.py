@@ -45,6 +45,8 @@ class NodeSpec:
     trace_dir: Path | None = None
     worker_start_s: float = 0.0
     node_relay: bool = True
+    keep_logs: bool = False
+    """Each agent's lines written to its node's directory under `log_dir` (agent.log)."""
 
 
 @dataclass
@@ -90,7 +92,7 @@ class NodeHost:
             min_nodes=spec.min_nodes, config=spec.config, overrides=list(spec.overrides),
             lease_ttl_s=spec.lease_ttl_s, trace_dir=spec.trace_dir, worker_start_s=spec.worker_start_s,
             metrics_directory=self.metrics_directory, node_relay=spec.node_relay, relay_loop=self._relay_loop,
-            records=self.records).start()
+            records=self.records, keep_log=spec.keep_logs).start()
 
     def states(self) -> dict[int, NodeState]:
         return {i: NodeState(a.exit_code, a.cut_client.killed.is_set(), a.workers_started())

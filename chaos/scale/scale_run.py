@@ -2,7 +2,7 @@
 faults, and what each costs (the package docstring says what is real and what is not).
 
     with ScaleHarness(nodes=64, gpus_per_node=8, config="configs/llama3-70b.yaml") as h:
-        h.start()                      # epoch 0 published and bootstrapped everywhere
+        h.start()                      # the first epoch published and bootstrapped everywhere
         quiet = h.steady(10.0)         # etcd's requests and bytes while nothing changes
         change = h.reconfigure(lambda: h.kill_node(3), "kill a node")
 
@@ -79,6 +79,8 @@ class ScaleHarness:
                  processes: int = 1, log: Callable[[str], None] = print):
         """`trace_dir`: every simulated worker's store requests traced there, one file per
         worker, as `PLANARIA_STORE_TRACE` traces a real worker's (`traffic` compares them).
+        `log_dir`: where etcd's and every agent's logs are kept (node<i>/agent.log; none
+        given: a temporary directory, removed at the end, and no agent logs).
         `worker_start_s`: the seconds a worker takes from its start to its first request
         (a real one imports torch and loads its data first; 0: at once). `node_relay`: each
         node's workers reach etcd through their agent's relay, as by default (False: each
@@ -96,7 +98,7 @@ class ScaleHarness:
         self._spec = dict(run_id=self.run_id, gpus_per_node=gpus_per_node, min_nodes=nodes, config=config,
                           overrides=(*HARNESS_OVERRIDES, *(overrides or [])), step_s=step_s, backend=backend,
                           lease_ttl_s=lease_ttl_s, log_dir=self.log_dir, trace_dir=trace_dir,
-                          worker_start_s=worker_start_s, node_relay=node_relay)
+                          worker_start_s=worker_start_s, node_relay=node_relay, keep_logs=log_dir is not None)
         self.observer = Observer()
         self.nodes: NodeHost | HostedNodes | None = None
         """Where the nodes run: here, or in node processes (made once etcd is up)."""
@@ -147,8 +149,8 @@ class ScaleHarness:
         return index
 
     def start(self, timeout_s: float = 600.0) -> float:
-        """Every node started, epoch 0 published and bootstrapped by every worker of its
-        plan; the seconds it took."""
+        """Every node started, and an epoch published, bootstrapped by every worker of its
+        plan and trained; the seconds it took."""
         started = time.time()
         for first in range(0, self.n0, START_WAVE):
             wave = [self.add_node() for _ in range(first, min(first + START_WAVE, self.n0))]
@@ -158,8 +160,19 @@ class ScaleHarness:
                 return all(states[i].workers_started or states[i].exit_code is not None for i in wave)
             self._wait(up, timeout_s, f"nodes {first} to {first + len(wave) - 1} to start their workers")
             self._check_none_ended(wave)
-        self._wait(lambda: self._bootstrapped(0), timeout_s, "epoch 0 to be bootstrapped")
+        # Epoch 0, or the one after it if it was given up (a worker whose start outlasted a
+        # timeout on this machine's busy cores): the job is up once an epoch trains.
+        self._wait(self._started, timeout_s, "the first epoch to be bootstrapped")
         return time.time() - started
+
+    def _started(self) -> bool:
+        epoch = self.epoch()
+        return epoch is not None and self._trained(epoch)
+
+    def epoch(self) -> int | None:
+        """The epoch the leader is at (None while no node leads with a plan)."""
+        leader = self.leader()
+        return None if leader is None else self.nodes.leader_epoch(leader)
 
     def _check_none_ended(self, wave: list[int]) -> None:
         """An agent that ended while the job starts leaves epoch 0 short of its nodes for
@@ -249,6 +262,10 @@ class ScaleHarness:
         self.nodes.restore_largest(largest_before)
         return change
 
+    def workers_of(self, epoch: int) -> frozenset:
+        """The workers of `epoch`'s plan, as last seen (once the harness waited for it)."""
+        return self._plans[epoch]
+
     def _etcd_cpu(self) -> float:
         return sum(cpu_of(f"/proc/{m.process.pid}/stat") for m in self.etcd.members if m.process is not None)
 
@@ -290,8 +307,10 @@ class ScaleHarness:
         leader = self.leader()
         if leader is None:
             return f"{live} of {len(states)} nodes live, none leads with a plan"
+        lines = self.lines(leader, 40)
+        decided = [line for line in lines if line.startswith("controller:")][-1:]
         return (f"{live} of {len(states)} nodes live; node{leader} leads, at epoch "
-                f"{self.nodes.leader_epoch(leader)}: {' | '.join(self.lines(leader, 2))}")
+                f"{self.nodes.leader_epoch(leader)}: {' | '.join([*decided, *lines[-1:]])[:600]}")
 
     def _said(self, err: Exception) -> Exception:
         """`err`, logged now: stopping many simulated nodes takes minutes before a

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import signal
 import threading
+import time
 from pathlib import Path
 
 import torch
@@ -75,12 +76,13 @@ class SimulatedAgent(Agent):
                  step_s: float, backend: str, log_dir: Path, quiet: bool = True,
                  trace_dir: Path | None = None, worker_start_s: float = 0.0,
                  metrics_directory: MetricsDirectory | None = None, relay_loop=None,
-                 records: SharedRecords | None = None, **agent):
+                 records: SharedRecords | None = None, keep_log: bool = False, **agent):
         """`trace_dir`: each worker's store requests traced there, as a real worker's are
         under `PLANARIA_STORE_TRACE` (`planaria.runtime.worker.store_trace`).
         `worker_start_s`: a worker's start-up before its first request (`SimulatedWorker`).
         `metrics_directory`: the run's TensorBoard directory, shared by every node's
-        workers (`MetricsReads`; one of this node's own when None)."""
+        workers (`MetricsReads`; one of this node's own when None). `keep_log`: the
+        agent's lines also written to `log_dir`/agent.log."""
         self.cut_client = client
         self.relay_loop = relay_loop
         self.records = records or SharedRecords()
@@ -91,6 +93,10 @@ class SimulatedAgent(Agent):
         self.metrics_directory = metrics_directory or MetricsDirectory()
         self.quiet = quiet
         self.lines: list[str] = []
+        self.log_file: Path | None = None
+        if keep_log:
+            log_dir.mkdir(parents=True, exist_ok=True)
+            self.log_file = log_dir / "agent.log"
         super().__init__(node=node, nproc=nproc, client=client, log_dir=log_dir, **agent)
         self.probe = SimulatedProbe(node)
         self.plane, self.observer, self.step_s, self.backend = plane, observer, step_s, backend
@@ -106,6 +112,9 @@ class SimulatedAgent(Agent):
 
     def log(self, message: str) -> None:
         self.lines.append(message)
+        if self.log_file is not None:  # the node's own log, as a real agent's output is kept
+            with open(self.log_file, "a") as out:
+                out.write(f"{time.strftime('%H:%M:%S')} {message}\n")
         if not self.quiet:
             super().log(message)
 

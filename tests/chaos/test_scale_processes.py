@@ -1,0 +1,62 @@
+"""The scale harness with its nodes in several processes: the epochs' steps still meet
+(`StepHub`: one outcome per iteration for every rank, wherever it runs), and a job whose
+nodes live in two processes recovers from a node's death and absorbs a join, as the
+harness's own process does (the real agents and etcd; tests/chaos/test_scale_traffic.py
+checks the requests, this the multi-process plumbing)."""
+from __future__ import annotations
+
+import pytest
+
+from planaria.chaos.scale.scale_run import ScaleHarness
+from planaria.chaos.scale.step_hub import StepHub
+from tests.launch import TINY
+
+
+def arrive(hub: StepHub, epoch: int, iteration: int, count: int, stop: bool = False, released: bool = False):
+    return hub.apply({"arrived": {(epoch, iteration): (count, stop, released)}})
+
+
+def test_an_iteration_completes_once_every_rank_of_every_process_arrived():
+    hub = StepHub()
+    assert hub.apply({"worlds": {0: 16}}) == []
+    assert arrive(hub, 0, 5, 8) == []  # one process's eight ranks: the others' are missing
+    assert arrive(hub, 0, 5, 8, stop=True) == [(0, 5, True, True, [])]  # the OR of the stop requests
+    assert arrive(hub, 0, 6, 16) == [(0, 6, True, False, [])]
+
+
+def test_a_release_or_a_death_fails_the_iteration_for_every_rank():
+    hub = StepHub()
+    hub.apply({"worlds": {1: 16}})
+    arrive(hub, 1, 0, 10)
+    assert hub.apply({"released": [(1, 0)]}) == [(1, 0, False, False, [])]
+    # Decided once: the ranks that come later find it failed, even when all are in.
+    assert arrive(hub, 1, 0, 6) == []
+    hub.apply({"worlds": {2: 4}})
+    assert hub.apply({"dead": [(2, 3)]}) == []  # nobody waits yet
+    assert arrive(hub, 2, 0, 1) == [(2, 0, False, False, [3])]
+
+
+def test_a_partition_keeps_every_iteration_from_completing():
+    hub = StepHub()
+    hub.apply({"worlds": {0: 2}})
+    hub.block_all()
+    assert arrive(hub, 0, 0, 2) == []
+    assert hub.apply({"released": [(0, 0)]}) == [(0, 0, False, False, [])]
+
+
+@pytest.mark.timeout(300)
+def test_nodes_in_two_processes_recover_from_a_death_and_take_a_join(tmp_path):
+    with ScaleHarness(nodes=4, gpus_per_node=2, config=str(TINY), step_s=0.2, backend="gloo", processes=2,
+                      overrides=["fault_tolerance.f=1"], log_dir=tmp_path, log=lambda line: None) as harness:
+        harness.start(timeout_s=120)
+        leader = harness.leader()
+        victim = next(i for i in reversed(harness.live()) if i != leader)
+        killed = harness.reconfigure(lambda: harness.kill_node(victim), "node killed", timeout_s=120)
+        assert killed.nodes == 3 and killed.workers == 6
+        assert f"node{victim}" not in {node for node, _ in harness.workers_of(killed.epoch)}
+        joined = harness.reconfigure(harness.add_node, "node joins", timeout_s=120)
+        assert joined.epoch == killed.epoch + 1 and joined.nodes == 4
+        assert joined.etcd.total > 0 and joined.bootstrapped_s > 0
+        # Both processes carried nodes of the plan, so the steps met across them.
+        assert {int(node[4:]) % 2 for node, _ in harness.workers_of(joined.epoch)} == {0, 1}
+        assert harness.harness_cpu() > 0
