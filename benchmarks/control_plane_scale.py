@@ -1,9 +1,12 @@
 """The control plane at scale: etcd's requests and bytes, and the time of each
 reconfiguration, for N simulated nodes of G workers (`planaria.chaos.scale`).
 
-    python benchmarks/control_plane_scale.py --nodes 8 64 256 1024 --gpus-per-node 8
+    python benchmarks/control_plane_scale.py --nodes 8 64 128 --gpus-per-node 8 --no-peer-snapshots
 
-For each N, on a fresh three-member etcd: the job starts (epoch 0 everywhere), a quiet
+More nodes than `--nodes-per-process` (64) run in node processes of that many each
+(one interpreter's threads carry about 64 simulated nodes of 8 workers);
+`--log-dir` keeps every agent's log. For each N, on a fresh three-member etcd: the
+job starts (an epoch trained everywhere), a quiet
 window measures the steady state, then each fault in turn (a node killed, a node
 joining, a planned leave, the leader's node killed, a node cut off by a partition) is
 measured from the fault to the next epoch's first step: when it was detected, when the
@@ -64,11 +67,11 @@ def run_faults(harness: ScaleHarness, faults, log) -> list[Reconfiguration]:
 
 
 def measure(nodes: int, relay: bool, args, log) -> dict:
-    overrides = [] if args.peer_snapshots else ["checkpoint.memory_every=0"]
+    overrides = [*([] if args.peer_snapshots else ["checkpoint.memory_every=0"]), *args.overrides]
     with ScaleHarness(nodes=nodes, gpus_per_node=args.gpus_per_node, config=args.config, step_s=args.step_s,
-                      backend=args.backend, node_relay=relay, overrides=overrides,
-                      lease_ttl_s=args.lease_ttl, log_dir=_log_dir(args.log_dir, nodes, relay), processes=_processes(nodes, args.nodes_per_process),
-                      log=log) as harness:
+                      backend=args.backend, node_relay=relay, overrides=overrides, lease_ttl_s=args.lease_ttl,
+                      relay_margin_s=args.relay_margin, log_dir=_log_dir(args.log_dir, nodes, relay),
+                      processes=_processes(nodes, args.nodes_per_process), log=log) as harness:
         started = time.monotonic()
         cpu = harness.harness_cpu()
         harness.start(timeout_s=args.timeout)
@@ -80,7 +83,7 @@ def measure(nodes: int, relay: bool, args, log) -> dict:
         log(f"  steady: {quiet.total / window:.1f} requests/s ({dict(quiet.requests)} in {window:.1f} s)")
         changes = run_faults(harness, args.faults, log)
         return {"nodes": nodes, "gpus_per_node": args.gpus_per_node, "node_relay": relay,
-                "lease_ttl_s": args.lease_ttl, "first_epoch": first_epoch,
+                "lease_ttl_s": args.lease_ttl, "relay_margin_s": args.relay_margin, "first_epoch": first_epoch,
                 "start_s": start_s,
                 "peer_snapshots": args.peer_snapshots, "steady_window_s": window,
                 "steady": {"requests": dict(quiet.requests), "received_bytes": quiet.received_bytes,
@@ -158,10 +161,15 @@ def main(argv: list[str] | None = None) -> int:
                         help="the agents' lease TTL in seconds (default 5, the agent's own): longer where "
                              "this machine's cores, simulating thousands of workers, are slower to renew "
                              "a lease than a node's own CPUs would be")
+    parser.add_argument("--relay-margin", type=float, default=30.0,
+                        help="how long past its own wait a simulated worker's call to its node's relay may "
+                             "take (default 30 s, a real worker's): more where the machine is saturated")
     parser.add_argument("--nodes-per-process", type=int, default=64,
                         help="more nodes than this run in node processes of this many each (one "
                              "interpreter's threads carry about 64 simulated nodes of 8 workers)")
     parser.add_argument("--json", help="write the raw figures here")
+    parser.add_argument("overrides", nargs="*", help="config overrides for the job (key=value), e.g. "
+                        "comm.connect_timeout_s=300 where the machine is saturated")
     parser.add_argument("--log-dir", help="keep etcd's and every agent's logs here, one directory per run")
     args = parser.parse_args(argv)
     # A stopped run still stops its etcd members and removes their data (the harness's exit).

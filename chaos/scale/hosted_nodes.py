@@ -76,7 +76,6 @@ class HostedNodes:
         return self._homes.setdefault(index, self.hosts[index % len(self.hosts)])
 
     def _read_events(self, host: _Host) -> None:
-        tables = {"held": self.observer.held, "bootstrapped": self.observer.bootstrapped}
         while True:
             try:
                 message = host.events.recv()
@@ -88,13 +87,9 @@ class HostedNodes:
                 if decided:
                     self._broadcast(decided)
             elif kind == "note":
-                _, table, epoch, worker, at = message
-                with self.observer._lock:
-                    tables[table].setdefault(epoch, {})[worker] = at
+                self.observer.noted_elsewhere(*message[1:])
             elif kind == "first_step":
-                _, epoch, at = message
-                with self.observer._lock:
-                    self.observer.trained[epoch] = min(at, self.observer.trained.get(epoch, at))
+                self.observer.first_step_elsewhere(*message[1:])
 
     def _broadcast(self, decided: list[tuple]) -> None:
         for host in self.hosts:

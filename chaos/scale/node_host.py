@@ -23,6 +23,7 @@ from planaria.chaos.scale.data_plane import DataPlane
 from planaria.chaos.scale.shared_records import SharedRecords
 from planaria.chaos.scale.sim_metrics import MetricsDirectory
 from planaria.chaos.scale.sim_node import SimulatedAgent
+from planaria.chaos.scale.sim_relay import MARGIN_S
 from planaria.chaos.scale.sim_worker import Observer
 from planaria.elastic.etcd_client import EtcdClient, EtcdSettings
 from planaria.runtime.contract.epochs import EpochEvent
@@ -47,6 +48,8 @@ class NodeSpec:
     node_relay: bool = True
     keep_logs: bool = False
     """Each agent's lines written to its node's directory under `log_dir` (agent.log)."""
+    relay_margin_s: float = MARGIN_S
+    """How long past its own wait a worker's call to its relay may take."""
 
 
 @dataclass
@@ -92,7 +95,7 @@ class NodeHost:
             min_nodes=spec.min_nodes, config=spec.config, overrides=list(spec.overrides),
             lease_ttl_s=spec.lease_ttl_s, trace_dir=spec.trace_dir, worker_start_s=spec.worker_start_s,
             metrics_directory=self.metrics_directory, node_relay=spec.node_relay, relay_loop=self._relay_loop,
-            records=self.records, keep_log=spec.keep_logs).start()
+            records=self.records, keep_log=spec.keep_logs, relay_margin_s=spec.relay_margin_s).start()
 
     def states(self) -> dict[int, NodeState]:
         return {i: NodeState(a.exit_code, a.cut_client.killed.is_set(), a.workers_started())

@@ -24,6 +24,7 @@ from typing import Callable
 from planaria.chaos.scale.etcd_metrics import EtcdCounts, scrape
 from planaria.chaos.scale.hosted_nodes import HostedNodes
 from planaria.chaos.scale.node_host import NodeHost, NodeSpec, cpu_of, process_limits, quiet_killed_threads
+from planaria.chaos.scale.sim_relay import MARGIN_S
 from planaria.chaos.scale.sim_worker import Observer
 from planaria.elastic.etcd_server import EmbeddedEtcdCluster
 from planaria.elastic.peer_probe import PERIOD_S
@@ -76,7 +77,7 @@ class ScaleHarness:
                  overrides: list[str] | None = None, step_s: float = 1.0, backend: str = "nccl",
                  lease_ttl_s: int = 5, etcd_members: int = 3, log_dir: Path | None = None,
                  trace_dir: Path | None = None, worker_start_s: float = 0.0, node_relay: bool = True,
-                 processes: int = 1, log: Callable[[str], None] = print):
+                 processes: int = 1, relay_margin_s: float = MARGIN_S, log: Callable[[str], None] = print):
         """`trace_dir`: every simulated worker's store requests traced there, one file per
         worker, as `PLANARIA_STORE_TRACE` traces a real worker's (`traffic` compares them).
         `log_dir`: where etcd's and every agent's logs are kept (node<i>/agent.log; none
@@ -85,7 +86,10 @@ class ScaleHarness:
         (a real one imports torch and loads its data first; 0: at once). `node_relay`: each
         node's workers reach etcd through their agent's relay, as by default (False: each
         its own client, as `--no-node-relay`). `processes`: the nodes run in this process
-        (1) or spread over that many node processes (`hosted_nodes`: for hundreds of nodes)."""
+        (1) or spread over that many node processes (`hosted_nodes`: for hundreds of nodes).
+        `relay_margin_s`: how long past its own wait a worker's call to its relay may be
+        answered (a real worker's margin by default; more where this machine's cores,
+        simulating thousands of workers, keep a relay's loop from answering for longer)."""
         if processes < 1:
             raise ValueError(f"processes={processes}: the nodes need at least one process to run in")
         self.n0, self.gpus = nodes, gpus_per_node
@@ -98,7 +102,8 @@ class ScaleHarness:
         self._spec = dict(run_id=self.run_id, gpus_per_node=gpus_per_node, min_nodes=nodes, config=config,
                           overrides=(*HARNESS_OVERRIDES, *(overrides or [])), step_s=step_s, backend=backend,
                           lease_ttl_s=lease_ttl_s, log_dir=self.log_dir, trace_dir=trace_dir,
-                          worker_start_s=worker_start_s, node_relay=node_relay, keep_logs=log_dir is not None)
+                          worker_start_s=worker_start_s, node_relay=node_relay, keep_logs=log_dir is not None,
+                          relay_margin_s=relay_margin_s)
         self.observer = Observer()
         self.nodes: NodeHost | HostedNodes | None = None
         """Where the nodes run: here, or in node processes (made once etcd is up)."""

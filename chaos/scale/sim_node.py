@@ -24,7 +24,7 @@ from planaria.chaos.scale.cutoff import CutClient, Killed
 from planaria.chaos.scale.data_plane import DataPlane
 from planaria.chaos.scale.shared_records import SharedRecords
 from planaria.chaos.scale.sim_metrics import MetricsDirectory, MetricsReads
-from planaria.chaos.scale.sim_relay import InProcessRelayStore
+from planaria.chaos.scale.sim_relay import MARGIN_S, InProcessRelayStore
 from planaria.chaos.scale.sim_snapshots import SimulatedSnapshots
 from planaria.chaos.scale.sim_worker import Observer, SimulatedProcess, SimulatedWorker
 from planaria.elastic.agent import Agent
@@ -76,13 +76,15 @@ class SimulatedAgent(Agent):
                  step_s: float, backend: str, log_dir: Path, quiet: bool = True,
                  trace_dir: Path | None = None, worker_start_s: float = 0.0,
                  metrics_directory: MetricsDirectory | None = None, relay_loop=None,
-                 records: SharedRecords | None = None, keep_log: bool = False, **agent):
+                 records: SharedRecords | None = None, keep_log: bool = False,
+                 relay_margin_s: float = MARGIN_S, **agent):
         """`trace_dir`: each worker's store requests traced there, as a real worker's are
         under `PLANARIA_STORE_TRACE` (`planaria.runtime.worker.store_trace`).
         `worker_start_s`: a worker's start-up before its first request (`SimulatedWorker`).
         `metrics_directory`: the run's TensorBoard directory, shared by every node's
         workers (`MetricsReads`; one of this node's own when None). `keep_log`: the
-        agent's lines also written to `log_dir`/agent.log."""
+        agent's lines also written to `log_dir`/agent.log. `relay_margin_s`: how long past
+        its own wait a worker's call to the relay may take (`sim_relay.MARGIN_S`)."""
         self.cut_client = client
         self.relay_loop = relay_loop
         self.records = records or SharedRecords()
@@ -91,7 +93,7 @@ class SimulatedAgent(Agent):
         `node_relay` (an `Agent` argument, on by default)."""
         self.trace_dir, self.worker_start_s = trace_dir, worker_start_s
         self.metrics_directory = metrics_directory or MetricsDirectory()
-        self.quiet = quiet
+        self.quiet, self.relay_margin_s = quiet, relay_margin_s
         self.lines: list[str] = []
         self.log_file: Path | None = None
         if keep_log:
@@ -124,7 +126,7 @@ class SimulatedAgent(Agent):
         own = threading.Event()
         killed = _Either(own, self.cut_client.killed)  # dies with its node: the node's cut cuts it too
         if self.relay is not None:
-            store = InProcessRelayStore(self.relay, f"{worker[0]}.{worker[1]}", killed)
+            store = InProcessRelayStore(self.relay, f"{worker[0]}.{worker[1]}", killed, margin_s=self.relay_margin_s)
         else:
             client = CutClient(self.cut_client._client, self.cut_client._sizes, cut=own)
             client.killed = killed

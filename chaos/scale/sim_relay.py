@@ -23,18 +23,21 @@ from planaria.elastic.etcd_limits import EtcdLimits
 from planaria.elastic.node_relay import NodeRelay
 from planaria.elastic.node_relay_store import NodeRelayStore
 
-_MARGIN_S = 30.0
+MARGIN_S = 30.0
+"""How long past its own wait a call may take to be answered: a real worker's
+(`node_relay_store`'s answer margin), unless the harness is given more slack."""
 
 
 class InProcessRelayStore(NodeRelayStore):
     """`NodeRelayStore`'s methods, each call answered by `relay` in this process."""
 
-    def __init__(self, relay: NodeRelay, worker: str, killed, timeout: timedelta = timedelta(seconds=300)):
+    def __init__(self, relay: NodeRelay, worker: str, killed, timeout: timedelta = timedelta(seconds=300),
+                 margin_s: float = MARGIN_S):
         """`killed`: an event (`is_set`), set when the worker or its node dies."""
         dist.Store.__init__(self)  # c10d's half first: pybind requires it
         self._relay, self._killed = relay, killed
         self.url, self.host, self.port = relay.url, relay.host, relay.port
-        self.worker, self._timeout, self.connect_timeout_s = worker, timeout, _MARGIN_S
+        self.worker, self._timeout, self.connect_timeout_s = worker, timeout, margin_s
         self._closed = False
         self._conn = self._on_loop(self._connect_here(), 0.0)
         self._limits = EtcdLimits(**relay.limits())
@@ -43,7 +46,7 @@ class InProcessRelayStore(NodeRelayStore):
         return self._relay.connected(self.worker)
 
     def _on_loop(self, coroutine, wait_s: float):
-        return asyncio.run_coroutine_threadsafe(coroutine, self._relay.loop).result(wait_s + _MARGIN_S)
+        return asyncio.run_coroutine_threadsafe(coroutine, self._relay.loop).result(wait_s + self.connect_timeout_s)
 
     def _call(self, op: str, wait_s: float = 0.0, **args):
         if self._killed.is_set():

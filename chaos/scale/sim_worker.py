@@ -59,6 +59,16 @@ class Observer:
         with self._lock:
             self.trained.setdefault(epoch, time.time())
 
+    def noted_elsewhere(self, table: str, epoch: int, worker: Worker, at: float) -> None:
+        """A note taken by another process's observer (`hosted_nodes`): `table` is
+        "held" or "bootstrapped"."""
+        with self._lock:
+            getattr(self, table).setdefault(epoch, {})[worker] = at
+
+    def first_step_elsewhere(self, epoch: int, at: float) -> None:
+        with self._lock:
+            self.trained[epoch] = min(at, self.trained.get(epoch, at))
+
 
 LOSS, GRAD_NORM = 4.352497431985631, 1.2903724766878406
 """A step's loss and gradient norm, as wide in JSON as a real step's (float64, 16 or 17
