@@ -127,8 +127,8 @@ class Controller:
         self._followed: int | None = None
         self._members_of, self._members_now = None, frozenset()
         self._mirrored = False
-        self._parse_statuses = ParsedStatuses()
         """The epoch whose keys are followed (`_follow_epoch`)."""
+        self._parse_statuses = ParsedStatuses()
         self._sources: set[Worker] = set()
         """The leaving workers the epoch in force receives layers from (`EpochRecord.leaving`):
         one gone without its word that its copies landed fails the epoch (`_lost_sources`)."""

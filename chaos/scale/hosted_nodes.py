@@ -63,9 +63,9 @@ class _Host:
 class HostedNodes:
     """`NodeHost`'s interface over `processes` node processes (module docstring)."""
 
-    def __init__(self, spec: NodeSpec, processes: int, observer: Observer):
+    def __init__(self, spec: NodeSpec, processes: int, observer: Observer, log=print):
         context = multiprocessing.get_context("spawn")  # no fork of a process with threads
-        self.observer, self.hub = observer, StepHub()
+        self.observer, self.hub, self.log = observer, StepHub(), log
         self.hosts = [_Host(n, spec, context) for n in range(processes)]
         self._homes: dict[int, _Host] = {}
         for host in self.hosts:
@@ -81,15 +81,22 @@ class HostedNodes:
                 message = host.events.recv()
             except (EOFError, OSError):
                 return
-            kind = message[0]
-            if kind == "plane":
-                decided = self.hub.apply(message[1])
-                if decided:
-                    self._broadcast(decided)
-            elif kind == "note":
-                self.observer.noted_elsewhere(*message[1:])
-            elif kind == "first_step":
-                self.observer.first_step_elsewhere(*message[1:])
+            try:
+                self._take(message)
+            except Exception as err:  # noqa: BLE001 - said: this host's ranks would otherwise wait unseen
+                self.log(f"node process {host.number}: its message {message[0]!r} failed here: "
+                         f"{type(err).__name__}: {err}")
+
+    def _take(self, message: tuple) -> None:
+        kind = message[0]
+        if kind == "plane":
+            decided = self.hub.apply(message[1])
+            if decided:
+                self._broadcast(decided)
+        elif kind == "note":
+            self.observer.noted_elsewhere(*message[1:])
+        elif kind == "first_step":
+            self.observer.first_step_elsewhere(*message[1:])
 
     def _broadcast(self, decided: list[tuple]) -> None:
         for host in self.hosts:

@@ -119,7 +119,7 @@ class ScaleHarness:
         self.etcd.start()
         spec = NodeSpec(endpoint=self.etcd.endpoint, **self._spec)
         self.nodes = (NodeHost(spec, observer=self.observer) if self.processes == 1
-                      else HostedNodes(spec, self.processes, self.observer))
+                      else HostedNodes(spec, self.processes, self.observer, log=self.log))
         return self
 
     def __exit__(self, *exc) -> None:

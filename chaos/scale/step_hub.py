@@ -36,6 +36,8 @@ class _Epoch:
     released_in: set[int] = field(default_factory=set)
     """Iterations that a released rank entered (or was waiting in when released)."""
     dead: set[int] = field(default_factory=set)
+    dead_waiting: dict[int, int] = field(default_factory=lambda: defaultdict(int))
+    """Ranks that died while waiting in an iteration, by iteration (not "others" waiting)."""
     blocked: bool = False
     outcome: dict[int, bool] = field(default_factory=dict)
 
@@ -46,7 +48,7 @@ class _Epoch:
             return None
         if self.arrived[iteration] >= self.world and not self.blocked:
             self.outcome[iteration] = True
-        elif iteration in self.released_in or (self.dead and self.arrived[iteration] > 0):
+        elif iteration in self.released_in or (self.dead and self.arrived[iteration] > self.dead_waiting[iteration]):
             self.outcome[iteration] = False
         else:
             return None
@@ -61,7 +63,16 @@ class StepHub:
         self._lock = threading.Lock()
         self._epochs: dict[int, _Epoch] = {}
 
-    def apply(self, batch: dict) -> list[tuple]:
+    def apply(self, batches) -> list[tuple]:
+        """`batches`: one batch (a dict) or several in the order they happened, each
+        decided on before the next is taken (a death before the last arrival fails the
+        iteration, as it would have in one process)."""
+        decided = []
+        for batch in [batches] if isinstance(batches, dict) else batches:
+            decided += self._apply(batch)
+        return decided
+
+    def _apply(self, batch: dict) -> list[tuple]:
         decided = []
         with self._lock:
             for epoch, world in batch.get("worlds", {}).items():
@@ -74,8 +85,11 @@ class StepHub:
                     state.released_in.add(iteration)
             for epoch, iteration in batch.get("released", []):
                 self._epochs[epoch].released_in.add(iteration)
-            for epoch, rank in batch.get("dead", []):
-                self._epochs[epoch].dead.add(rank)  # (a rank dies in an epoch its host named)
+            for epoch, rank, waiting_in in batch.get("dead", []):
+                state = self._epochs[epoch]  # (a rank dies in an epoch its host named)
+                state.dead.add(rank)
+                if waiting_in is not None:
+                    state.dead_waiting[waiting_in] += 1
             if batch.get("block"):
                 for state in self._epochs.values():
                     state.blocked = True
@@ -124,7 +138,8 @@ class HostedStepBarrier:
         return "released the simulated step"
 
     def fail(self, rank: int) -> None:
-        self.plane.send({"dead": [(self.epoch, rank)]})
+        with self.plane.cond:
+            self.plane.send({"dead": [(self.epoch, rank, self._waiting.get(rank))]})
 
 
 class HostedDataPlane:
@@ -173,19 +188,25 @@ class HostedDataPlane:
                     items.append(self._outbox.get_nowait())
             except queue.Empty:
                 pass
-            merged: dict = {"worlds": {}, "arrived": {}, "released": [], "dead": [], "block": False}
-            for item in items:
-                if item[0] == "arrived":
-                    _, key, stop, released = item
-                    count, any_stop, any_released = merged["arrived"].get(key, (0, False, False))
-                    merged["arrived"][key] = (count + 1, any_stop or stop, any_released or released)
-                else:
-                    batch = item[1]
-                    merged["worlds"].update(batch.get("worlds", {}))
-                    merged["released"] += batch.get("released", [])
-                    merged["dead"] += batch.get("dead", [])
-                    merged["block"] = merged["block"] or batch.get("block", False)
             try:
-                self.link.send(("plane", merged))
+                self.link.send(("plane", _in_order(items)))
             except (OSError, EOFError):
                 return
+
+
+def _in_order(items: list[tuple]) -> list[dict]:
+    """A host's messages of a few milliseconds as batches in their order: consecutive
+    arrivals merged by iteration into one batch, every other message a batch of its own
+    (a death or a release between two arrivals stays between them)."""
+    batches: list[dict] = []
+    for item in items:
+        if item[0] == "arrived":
+            _, key, stop, released = item
+            if not batches or "arrived" not in batches[-1]:
+                batches.append({"arrived": {}})
+            arrived = batches[-1]["arrived"]
+            count, any_stop, any_released = arrived.get(key, (0, False, False))
+            arrived[key] = (count + 1, any_stop or stop, any_released or released)
+        else:
+            batches.append(item[1])
+    return batches

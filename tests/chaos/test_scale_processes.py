@@ -32,8 +32,21 @@ def test_a_release_or_a_death_fails_the_iteration_for_every_rank():
     # Decided once: the ranks that come later find it failed, even when all are in.
     assert arrive(hub, 1, 0, 6) == []
     hub.apply({"worlds": {2: 4}})
-    assert hub.apply({"dead": [(2, 3)]}) == []  # nobody waits yet
+    assert hub.apply({"dead": [(2, 3, None)]}) == []  # nobody waits yet
     assert arrive(hub, 2, 0, 1) == [(2, 0, False, False, [3])]
+
+
+def test_a_rank_that_died_waiting_fails_the_iteration_only_for_the_others_and_in_order():
+    hub = StepHub()
+    hub.apply({"worlds": {0: 2}})
+    arrive(hub, 0, 4, 1)
+    assert hub.apply({"dead": [(0, 1, 4)]}) == []  # rank 1 died in the all-reduce it waited in
+    assert arrive(hub, 0, 4, 1) == [(0, 4, True, False, [1])]  # as one process: every rank entered it
+    # A death between two arrivals of one host's batch stays between them.
+    hub.apply({"worlds": {1: 3}})
+    decided = hub.apply([{"arrived": {(1, 0): (2, False, False)}}, {"dead": [(1, 2, None)]},
+                         {"arrived": {(1, 0): (1, False, False)}}])
+    assert decided == [(1, 0, False, False, [2])]
 
 
 def test_a_partition_keeps_every_iteration_from_completing():
