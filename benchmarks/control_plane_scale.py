@@ -26,6 +26,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from planaria.chaos.scale.scale_run import Reconfiguration, ScaleHarness
+from planaria.chaos.scale.sim_relay import MARGIN_S
 
 FAULTS = ("kill", "join", "leave", "kill-leader", "partition")
 
@@ -161,9 +162,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="the agents' lease TTL in seconds (default 5, the agent's own): longer where "
                              "this machine's cores, simulating thousands of workers, are slower to renew "
                              "a lease than a node's own CPUs would be")
-    parser.add_argument("--relay-margin", type=float, default=30.0,
-                        help="how long past its own wait a simulated worker's call to its node's relay may "
-                             "take (default 30 s, a real worker's): more where the machine is saturated")
+    parser.add_argument("--relay-margin", type=float, default=MARGIN_S,
+                        help=f"how long past its own wait a simulated worker's call to its node's relay may "
+                             f"take (default {MARGIN_S:.0f} s, a real worker's): more where the machine is saturated")
     parser.add_argument("--nodes-per-process", type=int, default=64,
                         help="more nodes than this run in node processes of this many each (one "
                              "interpreter's threads carry about 64 simulated nodes of 8 workers)")

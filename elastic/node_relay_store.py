@@ -28,7 +28,7 @@ from planaria.elastic.etcd_kv import store_bytes
 from planaria.elastic.etcd_limits import EtcdLimitExceeded, EtcdLimits
 from planaria.runtime.contract import env
 
-_ANSWER_MARGIN_S = 30.0
+ANSWER_MARGIN_S = 30.0
 """A request that waits (a `get`, a `wait_changed`) is answered within its own timeout;
 the socket waits this much longer before calling the relay unresponsive."""
 
@@ -95,7 +95,7 @@ class NodeRelayKeyValue:
 
     def _call(self, op: str, wait_s: float = 0.0, **args):
         sock = self._acquire()
-        answer = self._exchange(sock, {"op": op, "args": args}, wait_s + _ANSWER_MARGIN_S)
+        answer = self._exchange(sock, {"op": op, "args": args}, wait_s + ANSWER_MARGIN_S)
         self._release(sock)
         return self._result(answer, op)
 

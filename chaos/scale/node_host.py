@@ -131,7 +131,8 @@ class NodeHost:
     # --------------------------------------------------- what the leader knows
     def leader(self) -> int | None:
         """The index of this process's node that leads with a plan, if one does."""
-        return next((i for i, a in self.agents.items() if a in self._live()
+        live = self._live()
+        return next((i for i, a in self.agents.items() if a in live
                      and a.controller is not None and a.controller.plan is not None), None)
 
     def leader_epoch(self, index: int) -> int | None:

@@ -21,11 +21,11 @@ import torch.distributed as dist
 from planaria.chaos.scale.cutoff import Killed
 from planaria.elastic.etcd_limits import EtcdLimits
 from planaria.elastic.node_relay import NodeRelay
-from planaria.elastic.node_relay_store import NodeRelayStore
+from planaria.elastic.node_relay_store import ANSWER_MARGIN_S, NodeRelayStore
 
-MARGIN_S = 30.0
-"""How long past its own wait a call may take to be answered: a real worker's
-(`node_relay_store`'s answer margin), unless the harness is given more slack."""
+MARGIN_S = ANSWER_MARGIN_S
+"""How long past its own wait a call may take to be answered: a real worker's, unless
+the harness is given more slack."""
 
 
 class InProcessRelayStore(NodeRelayStore):
