@@ -27,6 +27,9 @@ from pathlib import Path
 
 from planaria.chaos.scale.scale_run import Reconfiguration, ScaleHarness
 from planaria.chaos.scale.sim_relay import MARGIN_S
+from planaria.elastic.agent_options import POLL_S
+from planaria.runtime.worker.epoch_watcher import QUIET_S
+from planaria.chaos.scale.thread_cpu import difference
 
 FAULTS = ("kill", "join", "leave", "kill-leader", "partition")
 
@@ -62,16 +65,24 @@ def run_faults(harness: ScaleHarness, faults, log) -> list[Reconfiguration]:
             raise ValueError(f"unknown fault {fault!r}; choose from {', '.join(FAULTS)}")
         log(f"  {change.kind}: epoch {change.epoch}, {change.etcd.total} requests, "
             f"bootstrapped {change.bootstrapped_s:.2f} s after the fault")
+        log("    the nodes' CPU s by thread: " + _top(change.cpu_by_kind))
         changes.append(change)
         time.sleep(harness.step_s * 3)  # the new epoch trains a few steps: a join is deferred until it has
     return changes
+
+
+def _top(cpu_by_kind: dict[str, float], kinds: int = 8) -> str:
+    """The kinds of thread that spent the most CPU, in a line."""
+    top = sorted(cpu_by_kind.items(), key=lambda kv: -kv[1])[:kinds]
+    return ", ".join(f"{kind} {cpu:.1f}" for kind, cpu in top)
 
 
 def measure(nodes: int, relay: bool, args, log) -> dict:
     overrides = [*([] if args.peer_snapshots else ["checkpoint.memory_every=0"]), *args.overrides]
     with ScaleHarness(nodes=nodes, gpus_per_node=args.gpus_per_node, config=args.config, step_s=args.step_s,
                       backend=args.backend, node_relay=relay, overrides=overrides, lease_ttl_s=args.lease_ttl,
-                      relay_margin_s=args.relay_margin, log_dir=_log_dir(args.log_dir, nodes, relay),
+                      relay_margin_s=args.relay_margin, monitor_interval_s=args.monitor_interval,
+                      watcher_quiet_s=args.watcher_quiet, log_dir=_log_dir(args.log_dir, nodes, relay),
                       processes=_processes(nodes, args.nodes_per_process), log=log) as harness:
         started = time.monotonic()
         cpu = harness.harness_cpu()
@@ -80,13 +91,17 @@ def measure(nodes: int, relay: bool, args, log) -> dict:
         log(f"{nodes} nodes x {args.gpus_per_node}, node relay {'on' if relay else 'off'}: epoch {first_epoch} "
             f"bootstrapped and trained {start_s:.1f} s after the start")
         time.sleep(args.step_s * 3)
+        by_kind = harness.nodes.cpu_by_kind()
         quiet, window = harness.steady(args.steady_s)
+        steady_cpu = difference(harness.nodes.cpu_by_kind(), by_kind)
         log(f"  steady: {quiet.total / window:.1f} requests/s ({dict(quiet.requests)} in {window:.1f} s)")
+        log("    the nodes' CPU s by thread: " + _top(steady_cpu))
         changes = run_faults(harness, args.faults, log)
         return {"nodes": nodes, "gpus_per_node": args.gpus_per_node, "node_relay": relay,
-                "lease_ttl_s": args.lease_ttl, "relay_margin_s": args.relay_margin, "first_epoch": first_epoch,
+                "lease_ttl_s": args.lease_ttl, "relay_margin_s": args.relay_margin, "monitor_interval_s": args.monitor_interval, "watcher_quiet_s": args.watcher_quiet, "step_s": args.step_s, "first_epoch": first_epoch,
                 "start_s": start_s,
                 "peer_snapshots": args.peer_snapshots, "steady_window_s": window,
+                "steady_cpu_by_kind": steady_cpu,
                 "steady": {"requests": dict(quiet.requests), "received_bytes": quiet.received_bytes,
                            "sent_bytes": quiet.sent_bytes},
                 "processes": harness.processes, "harness_cpu_s": harness.harness_cpu() - cpu, "wall_s": time.monotonic() - started,
@@ -165,6 +180,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--relay-margin", type=float, default=MARGIN_S,
                         help=f"how long past its own wait a simulated worker's call to its node's relay may "
                              f"take (default {MARGIN_S:.0f} s, a real worker's): more where the machine is saturated")
+    parser.add_argument("--monitor-interval", type=float, default=POLL_S,
+                        help=f"how often each agent looks at its workers and the job (default {POLL_S:g} s, "
+                             "the agent's own): longer where a thousand agents' looks would take this "
+                             "machine's cores")
+    parser.add_argument("--watcher-quiet", type=float, default=QUIET_S,
+                        help=f"how long each worker's epoch watcher waits for a word before it asks its "
+                             f"node's relay again (default {QUIET_S:g} s, a real worker's; requests to the "
+                             "relay, none to etcd)")
     parser.add_argument("--nodes-per-process", type=int, default=64,
                         help="more nodes than this run in node processes of this many each (one "
                              "interpreter's threads carry about 64 simulated nodes of 8 workers)")

@@ -20,7 +20,8 @@ Streams (`etcd_watch`'s watches) outlive any one call: `stream_targets` gives th
 client's channels, one per member, to pick from, and the channels ping their member
 while a call is open (`keepalive_s`) so that a stream on a frozen or cut-off member ends.
 All the mirrors of a client share one Watch stream (`watch_stream`, made with the first
-and ended with the last, or when the client closes).
+and ended with the last, or when the client closes), and its lease renewals one kept-open
+keep-alive stream (`etcd_lease_stream`).
 
 `EtcdSettings.to_env` / `from_env` carry the settings from an agent to the workers it
 starts (`PLANARIA_ETCD_*`, not on the command line where `ps` shows them), so that a
@@ -45,6 +46,7 @@ from planaria.runtime.contract import env
 if TYPE_CHECKING:
     import grpc
 
+    from planaria.elastic.etcd_lease_stream import KeepAliveStream
     from planaria.elastic.etcd_watch_stream import WatchStream
 
 _OUTAGE_REPORT_S = 1.0
@@ -238,6 +240,7 @@ class EtcdClient:
         self._reported = False
         self._lock = threading.Lock()
         self._stream = None
+        self._lease_stream = None
         self._stream_lock = threading.Lock()
         parts = [p.rpartition(":") for p in settings.endpoint.split(",")]
         if len(parts) == 1:
@@ -466,9 +469,17 @@ class EtcdClient:
         return self._call("grant a lease", self._client.lease, int(ttl_s))
 
     def refresh(self, lease) -> bool:
-        """Keep `lease` alive; False if it no longer exists (it expired: its keys are gone)."""
-        responses = self._call("refresh a lease", lease.refresh)
-        return bool(responses) and responses[0].TTL > 0
+        """Keep `lease` alive; False if it no longer exists (it expired: its keys are gone).
+        On the client's one kept-open keep-alive stream (`etcd_lease_stream`)."""
+        return self._call("refresh a lease", self._keep_alive().renew, lease.id) > 0
+
+    def _keep_alive(self) -> "KeepAliveStream":
+        from planaria.elastic.etcd_lease_stream import KeepAliveStream
+
+        with self._stream_lock:
+            if self._lease_stream is None:
+                self._lease_stream = KeepAliveStream(self)
+            return self._lease_stream
 
     def revoke(self, lease) -> None:
         """End `lease` now: its keys go at once, not when its TTL runs out."""
@@ -531,6 +542,9 @@ class EtcdClient:
         """End the watch stream and its mirrors, and close the connections."""
         with self._stream_lock:
             stream, self._stream = self._stream, None
+            lease_stream, self._lease_stream = self._lease_stream, None
         if stream is not None:
             stream.close()
+        if lease_stream is not None:
+            lease_stream.close()
         self._client.close()

@@ -159,6 +159,14 @@ class HostedNodes:
         """CPU seconds of every node process (the harness's own process not included)."""
         return sum(self._all("cpu"))
 
+    def cpu_by_kind(self) -> dict[str, float]:
+        """CPU seconds of every node process by kind of thread, summed (`thread_cpu`)."""
+        totals: dict[str, float] = {}
+        for answer in self._all("cpu_by_kind"):
+            for kind, cpu in answer.items():
+                totals[kind] = totals.get(kind, 0.0) + cpu
+        return totals
+
     def last_lines(self) -> dict[int, str]:
         return {i: line for answer in self._all("last_lines") for i, line in answer.items()}
 

@@ -25,7 +25,10 @@ from planaria.chaos.scale.sim_metrics import MetricsDirectory
 from planaria.chaos.scale.sim_node import SimulatedAgent
 from planaria.chaos.scale.sim_relay import MARGIN_S
 from planaria.chaos.scale.sim_worker import Observer
+from planaria.chaos.scale.thread_cpu import ThreadCpu, name_threads
+from planaria.elastic.agent_options import POLL_S
 from planaria.elastic.etcd_client import EtcdClient, EtcdSettings
+from planaria.runtime.worker.epoch_watcher import QUIET_S
 from planaria.runtime.contract.epochs import EpochEvent
 
 
@@ -50,6 +53,10 @@ class NodeSpec:
     """Each agent's lines written to its node's directory under `log_dir` (agent.log)."""
     relay_margin_s: float = MARGIN_S
     """How long past its own wait a worker's call to its relay may take."""
+    monitor_interval_s: float = POLL_S
+    """How often each agent looks at its workers and the job (`--monitor-interval`)."""
+    watcher_quiet_s: float = QUIET_S
+    """How long a worker's epoch watcher waits for a word before it asks its relay again."""
 
 
 @dataclass
@@ -76,6 +83,9 @@ class NodeHost:
         self.agents: dict[int, SimulatedAgent] = {}
         self._clients: list[EtcdClient] = []
         self._plan_workers: tuple = (None, frozenset())
+        name_threads()
+        self._thread_cpu = ThreadCpu()
+        """This process's CPU by kind of thread (`thread_cpu`)."""
         self._relay_loop = asyncio.new_event_loop()
         """Where every node's relay of this process serves (a real node runs its own)."""
         self._relay_loop.set_exception_handler(_quiet_killed_tasks)
@@ -93,9 +103,10 @@ class NodeHost:
             observer=self.observer, step_s=spec.step_s, backend=spec.backend,
             log_dir=spec.log_dir / f"node{index}", settings=settings, run_id=spec.run_id,
             min_nodes=spec.min_nodes, config=spec.config, overrides=list(spec.overrides),
-            lease_ttl_s=spec.lease_ttl_s, trace_dir=spec.trace_dir, worker_start_s=spec.worker_start_s,
+            lease_ttl_s=spec.lease_ttl_s, monitor_interval_s=spec.monitor_interval_s, trace_dir=spec.trace_dir, worker_start_s=spec.worker_start_s,
             metrics_directory=self.metrics_directory, node_relay=spec.node_relay, relay_loop=self._relay_loop,
-            records=self.records, keep_log=spec.keep_logs, relay_margin_s=spec.relay_margin_s).start()
+            records=self.records, keep_log=spec.keep_logs, relay_margin_s=spec.relay_margin_s,
+            watcher_quiet_s=spec.watcher_quiet_s).start()
 
     def states(self) -> dict[int, NodeState]:
         return {i: NodeState(a.exit_code, a.cut_client.killed.is_set(), a.workers_started())
@@ -178,6 +189,10 @@ class NodeHost:
         """CPU seconds of this whole process (its agents, relays and workers)."""
         return time.process_time()
 
+    def cpu_by_kind(self) -> dict[str, float]:
+        """CPU seconds of this process so far, by kind of thread (`thread_cpu`)."""
+        return self._thread_cpu.totals()
+
     def lines(self, index: int, last: int = 20) -> list[str]:
         return list(self.agents[index].lines[-last:]) if index in self.agents else []
 
@@ -233,6 +248,7 @@ def serve(commands, events, spec: NodeSpec) -> None:
 
     process_limits()
     quiet_killed_threads()
+    slow_grpc_wakes()
     link = _Link(events)
     plane = HostedDataPlane(link)
     host = NodeHost(spec, plane=plane, observer=ForwardedObserver(link))
@@ -301,3 +317,21 @@ def process_limits() -> None:
     # gives up after 1 s (glibc reads RES_OPTIONS at its first lookup) keeps the epochs'
     # bootstrap times the harness's, not the name server's.
     os.environ.setdefault("RES_OPTIONS", "timeout:1 attempts:1")
+
+
+GRPC_WAIT_S = 5.0
+"""How often a blocked gRPC call of the harness's nodes wakes (`slow_grpc_wakes`)."""
+
+
+def slow_grpc_wakes(wait_s: float = GRPC_WAIT_S) -> float:
+    """gRPC's blocking calls wake every 0.1 s (`grpc._common.MAXIMUM_WAIT_TIMEOUT`), only
+    so that a main thread blocked in one still runs its signal handlers; an answer wakes
+    the call at once whatever the period (a notified condition). Each simulated node holds
+    two such calls open for good (its watch stream and its lease keep-alive stream): 64
+    nodes' wakes took a tenth of a core of this machine's two. In the harness's
+    processes, whose main threads make no gRPC call, they wake every `wait_s`. The
+    previous period, returned (the in-process harness puts it back)."""
+    from grpc import _common
+
+    previous, _common.MAXIMUM_WAIT_TIMEOUT = _common.MAXIMUM_WAIT_TIMEOUT, wait_s
+    return previous

@@ -23,12 +23,16 @@ from typing import Callable
 
 from planaria.chaos.scale.etcd_metrics import EtcdCounts, scrape
 from planaria.chaos.scale.hosted_nodes import HostedNodes
-from planaria.chaos.scale.node_host import NodeHost, NodeSpec, cpu_of, process_limits, quiet_killed_threads
+from planaria.chaos.scale.node_host import (NodeHost, NodeSpec, cpu_of, process_limits, quiet_killed_threads,
+                                            slow_grpc_wakes)
 from planaria.chaos.scale.sim_relay import MARGIN_S
 from planaria.chaos.scale.sim_worker import Observer
+from planaria.chaos.scale.thread_cpu import difference
+from planaria.elastic.agent_options import POLL_S
 from planaria.elastic.etcd_server import EmbeddedEtcdCluster
 from planaria.elastic.peer_probe import PERIOD_S
 from planaria.runtime.contract.epochs import EpochEvent
+from planaria.runtime.worker.epoch_watcher import QUIET_S
 
 START_WAVE = 64
 """Nodes started at once. A thousand agents started in the same instant on two cores
@@ -67,6 +71,9 @@ class Reconfiguration:
     """CPU seconds of the leading agent's thread meanwhile: its controller and planner."""
     etcd_cpu_s: float = 0.0
     """CPU seconds of the etcd members meanwhile, summed."""
+    cpu_by_kind: dict = field(default_factory=dict)
+    """The nodes' CPU seconds meanwhile by kind of thread (`thread_cpu`): where the
+    harness's time went."""
     notes: dict = field(default_factory=dict)
 
 
@@ -77,7 +84,8 @@ class ScaleHarness:
                  overrides: list[str] | None = None, step_s: float = 1.0, backend: str = "nccl",
                  lease_ttl_s: int = 5, etcd_members: int = 3, log_dir: Path | None = None,
                  trace_dir: Path | None = None, worker_start_s: float = 0.0, node_relay: bool = True,
-                 processes: int = 1, relay_margin_s: float = MARGIN_S, log: Callable[[str], None] = print):
+                 processes: int = 1, relay_margin_s: float = MARGIN_S,
+                 monitor_interval_s: float = POLL_S, watcher_quiet_s: float = QUIET_S, log: Callable[[str], None] = print):
         """`trace_dir`: every simulated worker's store requests traced there, one file per
         worker, as `PLANARIA_STORE_TRACE` traces a real worker's (`traffic` compares them).
         `log_dir`: where etcd's and every agent's logs are kept (node<i>/agent.log; none
@@ -89,7 +97,13 @@ class ScaleHarness:
         (1) or spread over that many node processes (`hosted_nodes`: for hundreds of nodes).
         `relay_margin_s`: how long past its own wait a worker's call to its relay may be
         answered (a real worker's margin by default; more where this machine's cores,
-        simulating thousands of workers, keep a relay's loop from answering for longer)."""
+        simulating thousands of workers, keep a relay's loop from answering for longer).
+        `monitor_interval_s`: how often each agent looks at its workers and the job (the
+        agent's `--monitor-interval`; a look of a thousand agents ten times a second is
+        a core of this machine's two). `watcher_quiet_s`: how long each worker's epoch
+        watcher waits for a word before it asks its relay again (`EpochWatcher.quiet_s`:
+        requests to the relay, none to etcd; 8,192 watchers' looks every 5 s are a
+        third of a core here)."""
         if processes < 1:
             raise ValueError(f"processes={processes}: the nodes need at least one process to run in")
         self.n0, self.gpus = nodes, gpus_per_node
@@ -103,7 +117,8 @@ class ScaleHarness:
                           overrides=(*HARNESS_OVERRIDES, *(overrides or [])), step_s=step_s, backend=backend,
                           lease_ttl_s=lease_ttl_s, log_dir=self.log_dir, trace_dir=trace_dir,
                           worker_start_s=worker_start_s, node_relay=node_relay, keep_logs=log_dir is not None,
-                          relay_margin_s=relay_margin_s)
+                          relay_margin_s=relay_margin_s, monitor_interval_s=monitor_interval_s,
+                          watcher_quiet_s=watcher_quiet_s)
         self.observer = Observer()
         self.nodes: NodeHost | HostedNodes | None = None
         """Where the nodes run: here, or in node processes (made once etcd is up)."""
@@ -111,6 +126,8 @@ class ScaleHarness:
         """Nodes added so far (node `i` is "node{i}")."""
         self.log = log
         self._plans: dict[int, frozenset] = {}
+        self._grpc_wait_s: float | None = None
+        """gRPC's wake period before the harness changed it (`slow_grpc_wakes`)."""
 
     # -------------------------------------------------------------- life
     def __enter__(self) -> "ScaleHarness":
@@ -118,6 +135,8 @@ class ScaleHarness:
         quiet_killed_threads()
         self.etcd.start()
         spec = NodeSpec(endpoint=self.etcd.endpoint, **self._spec)
+        if self.processes == 1:  # the nodes' gRPC calls are this process's
+            self._grpc_wait_s = slow_grpc_wakes()
         self.nodes = (NodeHost(spec, observer=self.observer) if self.processes == 1
                       else HostedNodes(spec, self.processes, self.observer, log=self.log))
         return self
@@ -129,6 +148,9 @@ class ScaleHarness:
         if self.nodes is not None:
             self.nodes.close()
         self.etcd.stop()
+        if self._grpc_wait_s is not None:
+            slow_grpc_wakes(self._grpc_wait_s)
+            self._grpc_wait_s = None
         if self._temporary:
             shutil.rmtree(self.log_dir, ignore_errors=True)
 
@@ -244,6 +266,7 @@ class ScaleHarness:
         epoch = (self.nodes.leader_epoch(leader) if leader is not None else None) or 0
         before, largest_before = self.counts(), self.nodes.largest_write(reset=True)
         cpu, etcd_cpu, leader_cpu = self.harness_cpu(), self._etcd_cpu(), self.nodes.thread_cpu(leader)
+        by_kind = self.nodes.cpu_by_kind()
         fault_s = time.time()
         fault()
         self._wait(lambda: self._trained(epoch + 1), timeout_s, f"epoch {epoch + 1} to train ({kind})")
@@ -263,7 +286,7 @@ class ScaleHarness:
             first_step_s=self.observer.trained[epoch + 1] - fault_s, etcd=counts,
             largest_write=largest, controller_cpu_s=self.harness_cpu() - cpu,
             leader_cpu_s=self.nodes.thread_cpu(new_leader) - (leader_cpu if new_leader == leader else 0.0),
-            etcd_cpu_s=self._etcd_cpu() - etcd_cpu)
+            etcd_cpu_s=self._etcd_cpu() - etcd_cpu, cpu_by_kind=difference(self.nodes.cpu_by_kind(), by_kind))
         self.nodes.restore_largest(largest_before)
         return change
 

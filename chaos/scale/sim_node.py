@@ -31,6 +31,7 @@ from planaria.elastic.agent import Agent
 from planaria.elastic.etcd_store import EtcdStore
 from planaria.elastic.worker_supervisor import WorkerSupervisor
 from planaria.runtime.worker.epoch_metrics import EpochMetrics
+from planaria.runtime.worker.epoch_watcher import QUIET_S
 from planaria.runtime.worker.store_trace import TracingStore, trace_path
 from planaria.templates.plan import Worker
 
@@ -77,14 +78,15 @@ class SimulatedAgent(Agent):
                  trace_dir: Path | None = None, worker_start_s: float = 0.0,
                  metrics_directory: MetricsDirectory | None = None, relay_loop=None,
                  records: SharedRecords | None = None, keep_log: bool = False,
-                 relay_margin_s: float = MARGIN_S, **agent):
+                 relay_margin_s: float = MARGIN_S, watcher_quiet_s: float = QUIET_S, **agent):
         """`trace_dir`: each worker's store requests traced there, as a real worker's are
         under `PLANARIA_STORE_TRACE` (`planaria.runtime.worker.store_trace`).
         `worker_start_s`: a worker's start-up before its first request (`SimulatedWorker`).
         `metrics_directory`: the run's TensorBoard directory, shared by every node's
         workers (`MetricsReads`; one of this node's own when None). `keep_log`: the
         agent's lines also written to `log_dir`/agent.log. `relay_margin_s`: how long past
-        its own wait a worker's call to the relay may take (`sim_relay.MARGIN_S`)."""
+        its own wait a worker's call to the relay may take (`sim_relay.MARGIN_S`).
+        `watcher_quiet_s`: its workers' epoch watchers' quiet wait (`SimulatedWorker`)."""
         self.cut_client = client
         self.relay_loop = relay_loop
         self.records = records or SharedRecords()
@@ -93,7 +95,7 @@ class SimulatedAgent(Agent):
         `node_relay` (an `Agent` argument, on by default)."""
         self.trace_dir, self.worker_start_s = trace_dir, worker_start_s
         self.metrics_directory = metrics_directory or MetricsDirectory()
-        self.quiet, self.relay_margin_s = quiet, relay_margin_s
+        self.quiet, self.relay_margin_s, self.watcher_quiet_s = quiet, relay_margin_s, watcher_quiet_s
         self.lines: list[str] = []
         self.log_file: Path | None = None
         if keep_log:
@@ -139,7 +141,8 @@ class SimulatedAgent(Agent):
                                     snapshots=SimulatedSnapshots(worker, self.cfg.checkpoint.memory_every,
                                                                  self.cfg.checkpoint.memory_copies),
                                     start_s=self.worker_start_s,
-                                    metrics=self._metrics(store), records=self.records)
+                                    metrics=self._metrics(store), records=self.records,
+                                    quiet_s=self.watcher_quiet_s)
         return own.set, simulated
 
     def _metrics(self, store) -> MetricsReads | None:

@@ -36,7 +36,7 @@ from planaria.runtime.contract.epochs import EpochRecord, EpochTiming, Progress
 from planaria.runtime.contract.exactly_once import INCOMPLETE, SYNCED, CommitRecord, WorkerStatus
 from planaria.runtime.contract.exits import EXIT_LEFT
 from planaria.runtime.worker.coordination import JobEnded
-from planaria.runtime.worker.epoch_watcher import EpochWatcher
+from planaria.runtime.worker.epoch_watcher import QUIET_S, EpochWatcher
 from planaria.runtime.worker.leaving import LEAVE_LINGER_S
 from planaria.templates.plan import Worker
 
@@ -82,14 +82,16 @@ class SimulatedWorker:
                  step_s: float, total_steps: int, backend: str, log: Callable[[str], None],
                  tied_layers: tuple[int, ...] = (), wait_s: float = 3600.0,
                  snapshots: SimulatedSnapshots | None = None, start_s: float = 0.0,
-                 metrics: MetricsReads | None = None, records: SharedRecords | None = None):
+                 metrics: MetricsReads | None = None, records: SharedRecords | None = None,
+                 quiet_s: float = QUIET_S):
         """`snapshots`: the peer snapshots it keeps (`checkpoint.memory_every`,
         `memory_copies`): its status lists them, and each epoch of two nodes or more makes
         their group (none: neither). `start_s`: the seconds from the
         worker's start to its first request, which a real worker spends importing torch
         and loading its data (none by default: a simulated worker asks at once).
         `metrics`: its metrics writer's reads (over `store`), when the job writes
-        TensorBoard metrics."""
+        TensorBoard metrics. `quiet_s`: how long its epoch watcher waits for a word
+        before it asks its relay again (`EpochWatcher.quiet_s`; etcd sees none of it)."""
         # Its nodes are threads of one process: their epochs' stores are hosted on loopback.
         # `records`: the parse of each record and its plan's facts, shared by every
         # simulated worker (`shared_records`; none given: its own).
@@ -99,7 +101,7 @@ class SimulatedWorker:
         self.step_s, self.total_steps, self.backend = step_s, total_steps, backend
         self.tied_layers, self.wait_s, self._log = tied_layers, wait_s, log
         self.snapshots, self.start_s = snapshots, start_s
-        self.metrics = metrics
+        self.metrics, self.quiet_s = metrics, quiet_s
         self._in_epoch: tuple[StepBarrier, int] | None = None
         """The epoch's step barrier and this worker's rank in it, while it is in one."""
         self.last_stepped, self.commit, self.holds, self.synced = -1, None, (), False
@@ -141,6 +143,7 @@ class SimulatedWorker:
         self._timing = EpochTiming(record_s=time.time())
         watcher = EpochWatcher(self.coordinator, epoch, RankRelease(barrier, rank), self._log, stuck_s=0,
                                progress=self._progress if rank == 0 else None)
+        watcher.quiet_s = self.quiet_s
         watcher.start()
         stopped = finished = False
         try:

@@ -20,7 +20,7 @@ import threading
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from planaria.chaos.scale.data_plane import PeerGone, Released, _closed
+from planaria.chaos.scale.data_plane import WAKE_S, PeerGone, Released, _closed
 
 FLUSH_S = 0.002
 """How long a host gathers arrivals before it sends them (a step is a second or two)."""
@@ -120,7 +120,7 @@ class HostedStepBarrier:
             plane.send_arrival(self.epoch, iteration, stop, rank in self._released)
             try:
                 while (self.epoch, iteration) not in plane.outcomes:
-                    plane.cond.wait(0.5)
+                    plane.cond.wait(WAKE_S)  # `on_decided` wakes it
             finally:
                 self._waiting.pop(rank, None)
             ok, stop_after, dead = plane.outcomes[(self.epoch, iteration)]

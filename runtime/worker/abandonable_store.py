@@ -25,11 +25,15 @@ class AbandonableStore(dist.Store):
     - any other base (the job's TCPStore under a prefix) is polled: `check` every
       `poll_s` until the keys are there, `abandoned()` between two."""
 
-    def __init__(self, base: dist.Store, abandoned, message: str, poll_s: float = 0.01):
+    def __init__(self, base: dist.Store, abandoned, message: str, poll_s: float = 0.01, changes=None):
+        """`changes`: where `abandoned()` reads a mirror that a watch keeps (the control
+        plane's store follows the epoch's end): `(generation, wait_changed)`, the
+        store's, so that the watch waits for the word instead of asking every `poll_s`."""
         super().__init__()
         self.base, self.abandoned, self.message, self.poll_s = base, abandoned, message, poll_s
         interrupt = getattr(base, "interrupt", None)
-        self._watch = None if interrupt is None else _AbandonWatch(abandoned, lambda: interrupt(message), poll_s)
+        self._watch = (None if interrupt is None
+                       else _AbandonWatch(abandoned, lambda: interrupt(message), poll_s, changes))
 
     def _wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
         limit = (timeout or self.base.timeout).total_seconds()
@@ -106,13 +110,23 @@ class AbandonableStore(dist.Store):
             close()
 
 
+CHANGE_WAIT_S = 1.0
+"""With `changes`, how long the watch waits for a change before it looks anyway (a guard:
+the word wakes it at once)."""
+
+
 class _AbandonWatch:
     """A thread that calls `interrupt()` once `abandoned()` is true while an operation is
-    under way (`running`). It looks only at operations that lasted `poll_s`, then every
-    `poll_s`: an operation that returns at once (most of a rendezvous's) costs no look."""
+    under way (`running`). It looks only at operations that lasted `poll_s`: an operation
+    that returns at once (most of a rendezvous's) costs no look. Then every `poll_s`, or,
+    given `changes` (`AbandonableStore`), at each change of what the store follows: a
+    worker waiting for its peers asks its node's relay once, not a hundred times a second
+    (at 8 workers a node, thousands of nodes waiting in an epoch's bootstrap, that was
+    most of what the relays served)."""
 
-    def __init__(self, abandoned, interrupt, poll_s: float):
+    def __init__(self, abandoned, interrupt, poll_s: float, changes=None):
         self.abandoned, self.interrupt, self.poll_s = abandoned, interrupt, poll_s
+        self.changes = changes
         self.fired = False
         self._running = 0
         self._cond = threading.Condition()
@@ -144,6 +158,7 @@ class _AbandonWatch:
                 self._cond.wait_for(lambda: self._running or self._stopped)
                 if self._stopped:
                     return
+            since = self._generation()
             time.sleep(self.poll_s)
             with self._cond:
                 if not self._running:
@@ -156,3 +171,19 @@ class _AbandonWatch:
                 self.fired = True
                 self.interrupt()
                 return
+            if since is not None:
+                self._wait_changed(since)
+
+    def _generation(self) -> int | None:
+        if self.changes is None:
+            return None
+        try:
+            return self.changes[0]()
+        except Exception:  # noqa: BLE001 - the store is away: look every `poll_s` meanwhile
+            return None
+
+    def _wait_changed(self, since: int) -> None:
+        try:
+            self.changes[1](since, CHANGE_WAIT_S)
+        except Exception:  # noqa: BLE001 - as above
+            time.sleep(self.poll_s)

@@ -124,8 +124,12 @@ class StoreCoordinator:
                 return self._rendezvous_stores[epoch]
             self._close_before(epoch)
             base = self._bootstrap_store(epoch, host)
+            # The epoch watcher follows the epoch's end while it runs (`follow_epoch`): the
+            # rendezvous's looks read that mirror, and wait for its change between two.
+            followed = getattr(self.store, "follow", None) is not None
             store = AbandonableStore(base, lambda: self.reconfigure_requested(epoch),
-                                     f"epoch {epoch} was abandoned by the control plane during its rendezvous")
+                                     f"epoch {epoch} was abandoned by the control plane during its rendezvous",
+                                     changes=(self.generation, self.wait_changed) if followed else None)
             # c10d holds the store by its C++ half only: a Python subclass collected while a
             # process group still uses it has no methods left ("Not implemented"). Kept,
             # closed or not, for as long as this worker lives (a small object an epoch).

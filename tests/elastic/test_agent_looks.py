@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 import time
 import uuid
 
@@ -110,6 +111,24 @@ def test_a_registration_whose_lease_lapsed_before_it_is_made_under_a_new_one(etc
         assert client.get(key)[0] == b"mine" and client.refresh(lease)
         client._client.revoke_lease(lease.id)
         assert client.get(key)[0] is None, "the registration is not bound to the new lease"
+    finally:
+        client.close()
+
+
+def test_lease_renewals_share_one_stream(etcd):
+    """An agent renews its lease every third of its TTL: on one kept-open stream, not a
+    new call (and a thread gRPC starts to feed it) each time."""
+    client = EtcdClient(EtcdSettings(endpoint=etcd.endpoint))
+    try:
+        lease = client._client.lease(5)
+        client.refresh(lease)
+        before = {t.ident for t in threading.enumerate()}
+        for _ in range(20):
+            assert client.refresh(lease)
+        started = {t.ident for t in threading.enumerate()} - before
+        assert not started, f"renewals started threads: {started}"
+        client._client.revoke_lease(lease.id)
+        assert client.refresh(lease) is False  # a lease that is gone: TTL 0, not an error
     finally:
         client.close()
 

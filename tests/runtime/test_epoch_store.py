@@ -75,6 +75,46 @@ def test_a_blocked_wait_ends_when_the_epoch_is_abandoned():
     assert client(host.address).get("present") == b"1", "the host serves on: others may still read"
 
 
+class _Word:
+    """The control plane's word on an epoch as a followed store gives it: a flag, and a
+    generation that a change moves and whose waiters it wakes (`wait_changed`)."""
+
+    def __init__(self):
+        self.cond, self.count, self.looks, self.given = threading.Condition(), 0, 0, False
+
+    def abandoned(self) -> bool:
+        self.looks += 1
+        return self.given
+
+    def give(self) -> None:
+        with self.cond:
+            self.given, self.count = True, self.count + 1
+            self.cond.notify_all()
+
+    def generation(self) -> int:
+        return self.count
+
+    def wait_changed(self, since: int, timeout_s: float) -> bool:
+        with self.cond:
+            return self.cond.wait_for(lambda: self.count != since, timeout_s)
+
+
+def test_a_followed_word_is_waited_for_not_polled():
+    """Over a store that follows the epoch's end, a rank waiting for a late peer looks at
+    the word when it changes (and once a second), not a hundred times a second; the word
+    still ends the wait at once."""
+    host = EpochStoreHost("127.0.0.1", connect_timeout_s=5)
+    word = _Word()
+    store = AbandonableStore(client(host.address), word.abandoned, "epoch 8 was abandoned",
+                             changes=(word.generation, word.wait_changed))
+    later(2.5, word.give)
+    start = time.monotonic()
+    with pytest.raises(dist.DistStoreError, match="epoch 8 was abandoned"):
+        store.get("rank-of-a-late-peer")
+    assert 2.4 < time.monotonic() - start < 3.5
+    assert word.looks <= 5, f"{word.looks} looks in 2.5 s of waiting"
+
+
 def test_threads_have_connections_of_their_own():
     """A thread waiting for a late key never holds another thread's operations (on one
     TCPStore connection it would: c10d runs one operation at a time on it)."""
