@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import sys
 import time
@@ -40,7 +41,8 @@ def _non_leader(harness: ScaleHarness, skip: int = 0) -> int:
     return live[-1 - skip]
 
 
-def run_faults(harness: ScaleHarness, faults, log) -> list[Reconfiguration]:
+def run_faults(harness: ScaleHarness, faults, log, on_change=lambda change: None) -> list[Reconfiguration]:
+    """Each fault in turn, measured; `on_change` is given each as it is measured."""
     changes = []
     for fault in faults:
         if fault == "kill":
@@ -67,6 +69,7 @@ def run_faults(harness: ScaleHarness, faults, log) -> list[Reconfiguration]:
             f"bootstrapped {change.bootstrapped_s:.2f} s after the fault")
         log("    the nodes' CPU s by thread: " + _top(change.cpu_by_kind))
         changes.append(change)
+        on_change(change)
         time.sleep(harness.step_s * 3)  # the new epoch trains a few steps: a join is deferred until it has
     return changes
 
@@ -77,37 +80,53 @@ def _top(cpu_by_kind: dict[str, float], kinds: int = 8) -> str:
     return ", ".join(f"{kind} {cpu:.1f}" for kind, cpu in top)
 
 
-def measure(nodes: int, relay: bool, args, log) -> dict:
+def measure(nodes: int, relay: bool, args, log, save=lambda: None, result: dict | None = None) -> dict:
+    """One N: the start, the steady state and each fault. The figures are filled in as
+    they come, and `save` is called after each step: a run that fails at a thousand nodes
+    still leaves what it measured (in `result`, when given)."""
+    result = {} if result is None else result
     overrides = [*([] if args.peer_snapshots else ["checkpoint.memory_every=0"]), *args.overrides]
+    result.update({"nodes": nodes, "gpus_per_node": args.gpus_per_node, "node_relay": relay,
+              "lease_ttl_s": args.lease_ttl, "relay_margin_s": args.relay_margin,
+              "monitor_interval_s": args.monitor_interval, "watcher_quiet_s": args.watcher_quiet,
+              "step_s": args.step_s, "peer_snapshots": args.peer_snapshots, "overrides": args.overrides,
+              "changes": []})
     with ScaleHarness(nodes=nodes, gpus_per_node=args.gpus_per_node, config=args.config, step_s=args.step_s,
                       backend=args.backend, node_relay=relay, overrides=overrides, lease_ttl_s=args.lease_ttl,
                       relay_margin_s=args.relay_margin, monitor_interval_s=args.monitor_interval,
-                      watcher_quiet_s=args.watcher_quiet, log_dir=_log_dir(args.log_dir, nodes, relay),
+                      watcher_quiet_s=args.watcher_quiet, join_timeout_s=args.join_timeout, log_dir=_log_dir(args.log_dir, nodes, relay),
                       processes=_processes(nodes, args.nodes_per_process), log=log) as harness:
         started = time.monotonic()
         cpu = harness.harness_cpu()
         harness.start(timeout_s=args.timeout)
-        first_epoch, start_s = harness.epoch(), time.monotonic() - started
-        log(f"{nodes} nodes x {args.gpus_per_node}, node relay {'on' if relay else 'off'}: epoch {first_epoch} "
-            f"bootstrapped and trained {start_s:.1f} s after the start")
+        result.update(first_epoch=harness.epoch(), start_s=time.monotonic() - started, processes=harness.processes)
+        log(f"{nodes} nodes x {args.gpus_per_node}, node relay {'on' if relay else 'off'}: epoch "
+            f"{result['first_epoch']} bootstrapped and trained {result['start_s']:.1f} s after the start")
         time.sleep(args.step_s * 3)
         by_kind = harness.nodes.cpu_by_kind()
         quiet, window = harness.steady(args.steady_s)
-        steady_cpu = difference(harness.nodes.cpu_by_kind(), by_kind)
+        result.update(steady_window_s=window, steady_cpu_by_kind=difference(harness.nodes.cpu_by_kind(), by_kind),
+                      steady={"requests": dict(quiet.requests), "received_bytes": quiet.received_bytes,
+                              "sent_bytes": quiet.sent_bytes})
         log(f"  steady: {quiet.total / window:.1f} requests/s ({dict(quiet.requests)} in {window:.1f} s)")
-        log("    the nodes' CPU s by thread: " + _top(steady_cpu))
-        changes = run_faults(harness, args.faults, log)
-        return {"nodes": nodes, "gpus_per_node": args.gpus_per_node, "node_relay": relay,
-                "lease_ttl_s": args.lease_ttl, "relay_margin_s": args.relay_margin, "monitor_interval_s": args.monitor_interval, "watcher_quiet_s": args.watcher_quiet, "step_s": args.step_s, "first_epoch": first_epoch,
-                "start_s": start_s,
-                "peer_snapshots": args.peer_snapshots, "steady_window_s": window,
-                "steady_cpu_by_kind": steady_cpu,
-                "steady": {"requests": dict(quiet.requests), "received_bytes": quiet.received_bytes,
-                           "sent_bytes": quiet.sent_bytes},
-                "processes": harness.processes, "harness_cpu_s": harness.harness_cpu() - cpu, "wall_s": time.monotonic() - started,
-                "changes": [{**asdict(c), "etcd": {"requests": dict(c.etcd.requests),
-                                                   "received_bytes": c.etcd.received_bytes,
-                                                   "sent_bytes": c.etcd.sent_bytes}} for c in changes]}
+        log("    the nodes' CPU s by thread: " + _top(result["steady_cpu_by_kind"]))
+        save()
+
+        def measured(change: Reconfiguration) -> None:
+            result["changes"].append({**asdict(change), "etcd": {
+                "requests": dict(change.etcd.requests), "received_bytes": change.etcd.received_bytes,
+                "sent_bytes": change.etcd.sent_bytes}})
+            result.update(harness_cpu_s=harness.harness_cpu() - cpu, wall_s=time.monotonic() - started)
+            save()
+        run_faults(harness, args.faults, log, measured)
+    return result
+
+
+def _write_json(path: str, results: list[dict]) -> None:
+    """The figures so far, replaced whole (a reader never sees half a file)."""
+    partial = Path(path + ".partial")
+    partial.write_text(json.dumps([r for r in results if r], indent=1))
+    os.replace(partial, path)
 
 
 def _log_dir(root: str | None, nodes: int, relay: bool):
@@ -188,6 +207,8 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"how long each worker's epoch watcher waits for a word before it asks its "
                              f"node's relay again (default {QUIET_S:g} s, a real worker's; requests to the "
                              "relay, none to etcd)")
+    parser.add_argument("--join-timeout", type=float, default=600.0,
+                        help="the agents' join_timeout: how long the first nodes wait for all N to come")
     parser.add_argument("--nodes-per-process", type=int, default=64,
                         help="more nodes than this run in node processes of this many each (one "
                              "interpreter's threads carry about 64 simulated nodes of 8 workers)")
@@ -200,10 +221,16 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     log = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
     relays = {"on": [True], "off": [False], "both": [False, True]}[args.relay]
-    results = [measure(n, relay, args, log) for n in args.nodes for relay in relays]
-    if args.json:
-        with open(args.json, "w") as out:
-            json.dump(results, out, indent=1)
+    results: list[dict] = []
+
+    def save() -> None:
+        if args.json:
+            _write_json(args.json, results)
+    for n in args.nodes:
+        for relay in relays:
+            results.append({})  # this N's figures, filled in as they come
+            measure(n, relay, args, log, save=save, result=results[-1])
+            save()
     print(table(results))
     print()
     print(cpu_table(results))

@@ -73,6 +73,14 @@ class StepBarrier:
                     raise PeerGone(_closed(rank, sorted(self._dead), iteration))
                 self._cond.wait(WAKE_S)
 
+    def work(self, rank: int, iteration: int, seconds: float) -> None:
+        """The step's computation, `seconds` long, whose collectives fail as soon as a peer
+        dies or this rank is released: a real step's first collective fails within
+        milliseconds of a peer's death (or of its release), not at the step's end."""
+        with self._cond:
+            self._cond.wait_for(lambda: rank in self._released or self._dead - {rank}, seconds)
+            _raise_if_over(rank, iteration, self._released, self._dead)
+
     def release(self, rank: int) -> str:
         with self._cond:
             self._released.add(rank)
@@ -116,6 +124,14 @@ class RankRelease:
 
     def release(self) -> str:
         return self.barrier.release(self.rank)
+
+
+def _raise_if_over(rank: int, iteration: int, released, dead) -> None:
+    """What a rank's collective raises once it was released, or a peer died."""
+    if rank in released:
+        raise Released(f"rank {rank}: released at iteration {iteration}")
+    if set(dead) - {rank}:
+        raise PeerGone(_closed(rank, sorted(dead), iteration))
 
 
 def _closed(rank: int, dead: list[int], iteration: int) -> str:

@@ -93,6 +93,10 @@ class HostedNodes:
             decided = self.hub.apply(message[1])
             if decided:
                 self._broadcast(decided)
+            batches = [message[1]] if isinstance(message[1], dict) else message[1]
+            deaths = [(epoch, rank) for batch in batches for epoch, rank, _ in batch.get("dead", [])]
+            if deaths:  # the ranks still computing their step fail too (`StepBarrier.work`)
+                self._broadcast({"deaths": deaths})
         elif kind == "note":
             self.observer.noted_elsewhere(*message[1:])
         elif kind == "first_step":

@@ -56,6 +56,8 @@ class NodeSpec:
     monitor_interval_s: float = POLL_S
     """How often each agent looks at its workers and the job (`--monitor-interval`)."""
     watcher_quiet_s: float = QUIET_S
+    join_timeout_s: float = 600.0
+    """How long the first nodes wait for the job's minimum to come (the agent's `join_timeout`)."""
     """How long a worker's epoch watcher waits for a word before it asks its relay again."""
 
 
@@ -106,7 +108,7 @@ class NodeHost:
             lease_ttl_s=spec.lease_ttl_s, monitor_interval_s=spec.monitor_interval_s, trace_dir=spec.trace_dir, worker_start_s=spec.worker_start_s,
             metrics_directory=self.metrics_directory, node_relay=spec.node_relay, relay_loop=self._relay_loop,
             records=self.records, keep_log=spec.keep_logs, relay_margin_s=spec.relay_margin_s,
-            watcher_quiet_s=spec.watcher_quiet_s).start()
+            watcher_quiet_s=spec.watcher_quiet_s, join_timeout_s=spec.join_timeout_s).start()
 
     def states(self) -> dict[int, NodeState]:
         return {i: NodeState(a.exit_code, a.cut_client.killed.is_set(), a.workers_started())

@@ -184,7 +184,7 @@ class SimulatedWorker:
         """Steps until the job's last (True) or a stop the commit agreed on (False)."""
         for iteration in range(first, self.total_steps):
             began = time.monotonic()
-            time.sleep(self.step_s)
+            barrier.work(rank, iteration, self.step_s)
             self.synced = True
             stop = barrier.step(rank, iteration, watcher.requested.is_set())
             self._step_times.append(time.monotonic() - began)

@@ -20,7 +20,7 @@ import threading
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from planaria.chaos.scale.data_plane import WAKE_S, PeerGone, Released, _closed
+from planaria.chaos.scale.data_plane import WAKE_S, PeerGone, Released, _closed, _raise_if_over
 
 FLUSH_S = 0.002
 """How long a host gathers arrivals before it sends them (a step is a second or two)."""
@@ -130,9 +130,18 @@ class HostedStepBarrier:
                 raise Released(f"rank {rank}: released at iteration {iteration}")
             raise PeerGone(_closed(rank, dead, iteration))
 
+    def work(self, rank: int, iteration: int, seconds: float) -> None:
+        """`StepBarrier.work`: a death anywhere in the epoch comes from the hub."""
+        plane = self.plane
+        with plane.cond:
+            plane.cond.wait_for(lambda: rank in self._released or plane.deaths.get(self.epoch, set()) - {rank},
+                                seconds)
+            _raise_if_over(rank, iteration, self._released, plane.deaths.get(self.epoch, set()))
+
     def release(self, rank: int) -> str:
         with self.plane.cond:
             self._released.add(rank)
+            self.plane.cond.notify_all()
             if rank in self._waiting:
                 self.plane.send({"released": [(self.epoch, self._waiting[rank])]})
         return "released the simulated step"
@@ -151,6 +160,8 @@ class HostedDataPlane:
         self.link = link
         self.cond = threading.Condition()
         self.outcomes: dict[tuple[int, int], tuple[bool, bool, list[int]]] = {}
+        self.deaths: dict[int, set[int]] = {}
+        """The ranks of each epoch that died, anywhere (the hub's word)."""
         self._epochs: dict[int, HostedStepBarrier] = {}
         self._worlds: dict[int, int] = {}
         self._outbox: queue.Queue = queue.Queue()
@@ -172,8 +183,14 @@ class HostedDataPlane:
     def send(self, batch: dict) -> None:
         self._outbox.put(("batch", batch))
 
-    def on_decided(self, decisions: list[tuple]) -> None:
+    def on_decided(self, decisions) -> None:
+        """The hub's decisions (a list), or its word of deaths (`{"deaths": [(epoch, rank)]}`)."""
         with self.cond:
+            if isinstance(decisions, dict):
+                for epoch, rank in decisions["deaths"]:
+                    self.deaths.setdefault(epoch, set()).add(rank)
+                self.cond.notify_all()
+                return
             for epoch, iteration, ok, stop, dead in decisions:
                 self.outcomes[(epoch, iteration)] = (ok, stop, dead)
             self.cond.notify_all()

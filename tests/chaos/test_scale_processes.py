@@ -5,10 +5,15 @@ harness's own process does (the real agents and etcd; tests/chaos/test_scale_tra
 checks the requests, this the multi-process plumbing)."""
 from __future__ import annotations
 
+import multiprocessing
+import threading
+import time
+
 import pytest
 
+from planaria.chaos.scale.data_plane import PeerGone, Released, StepBarrier
 from planaria.chaos.scale.scale_run import ScaleHarness
-from planaria.chaos.scale.step_hub import StepHub
+from planaria.chaos.scale.step_hub import HostedDataPlane, StepHub
 from tests.launch import TINY
 
 
@@ -73,3 +78,31 @@ def test_nodes_in_two_processes_recover_from_a_death_and_take_a_join(tmp_path):
         # Both processes carried nodes of the plan, so the steps met across them.
         assert {int(node[4:]) % 2 for node, _ in harness.workers_of(joined.epoch)} == {0, 1}
         assert harness.harness_cpu() > 0
+
+
+def test_a_peers_death_fails_a_step_still_computing():
+    """A real step's first collective fails within milliseconds of a peer's death: a
+    simulated step of 10 s does too, in one process and across node processes (the hub's
+    word of the death), and so does a release."""
+    barrier = StepBarrier(2)
+    threading.Timer(0.2, barrier.fail, args=(1,)).start()
+    started = time.monotonic()
+    with pytest.raises(PeerGone):
+        barrier.work(0, 7, 10.0)
+    assert time.monotonic() - started < 2.0
+
+    sent, _ = multiprocessing.Pipe()
+    plane = HostedDataPlane(sent)
+    hosted = plane.epoch(3, 4)
+    threading.Timer(0.2, plane.on_decided, args=({"deaths": [(3, 2)]},)).start()
+    started = time.monotonic()
+    with pytest.raises(PeerGone):
+        hosted.work(0, 7, 10.0)
+    assert time.monotonic() - started < 2.0
+    other = plane.epoch(4, 2)
+    started = time.monotonic()
+    other.work(0, 0, 0.3)  # nobody of this epoch died: the step takes its time
+    assert 0.25 < time.monotonic() - started < 2.0
+    threading.Timer(0.2, other.release, args=(1,)).start()
+    with pytest.raises(Released):
+        other.work(1, 1, 10.0)
