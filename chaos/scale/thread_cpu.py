@@ -6,8 +6,8 @@ and per worker its main thread, epoch watcher and rendezvous watch). `name_threa
 gives each thread started after it a native name (Linux's 15-character `comm`) that is
 its kind: its Python name without the node, worker or epoch in it
 ("epoch-watcher-3" -> "epoch-watcher", "worker-node5.2" -> "worker", "Thread-9
-(channel_spin)" -> "channel_spin"). `ThreadCpu` samples /proc's per-thread CPU every five
-seconds (a sample of 2,000 threads costs some 0.1 CPU-s) and sums it by kind; what the
+(channel_spin)" -> "channel_spin"). `ThreadCpu` samples /proc's per-thread CPU every 20
+seconds and when asked (a sample of 2,000 threads costs some 0.1 CPU-s) and sums it by kind; what the
 samples do not account for (threads that ended between two, /proc's rounding of each
 thread's time to clock ticks) is "(unattributed)", the rest of the process's CPU.
 Written here because neither py-spy (which
@@ -61,6 +61,8 @@ def _stat(tid: str) -> tuple[str, float] | None:
         return None
     try:
         text = os.read(fd, 1024)
+    except OSError:  # the thread ended between the open and the read (ESRCH)
+        return None
     finally:
         os.close(fd)
     close = text.rindex(b")")
@@ -71,7 +73,7 @@ def _stat(tid: str) -> tuple[str, float] | None:
 class ThreadCpu:
     """This process's CPU by kind of thread, sampled every `period_s` (module docstring)."""
 
-    def __init__(self, period_s: float = 5.0):
+    def __init__(self, period_s: float = 20.0):
         self.period_s = period_s
         self._seen: dict[str, tuple[str, float]] = {}
         self._lock = threading.Lock()
@@ -79,7 +81,10 @@ class ThreadCpu:
 
     def _run(self) -> None:
         while True:
-            self.sample()
+            try:
+                self.sample()
+            except Exception:  # noqa: BLE001 - an account is not worth a node process's thread dying
+                pass
             time.sleep(self.period_s)
 
     def sample(self) -> None:
