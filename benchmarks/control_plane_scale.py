@@ -5,7 +5,11 @@ reconfiguration, for N simulated nodes of G workers (`planaria.chaos.scale`).
 
 More nodes than `--nodes-per-process` (64) run in node processes of that many each
 (one interpreter's threads carry about 64 simulated nodes of 8 workers);
-`--log-dir` keeps every agent's log. For each N, on a fresh three-member etcd: the
+`--log-dir` keeps every agent's log. At a thousand nodes this machine's two cores,
+not the control plane, are the limit: `--step-s`, `--lease-ttl`, `--monitor-interval`,
+`--watcher-quiet`, `--relay-margin` and `comm.*` overrides give the simulation room
+(docs/benchmarks.md says which were used for which figures), and each fault's line
+says where the nodes' CPU went, by kind of thread. For each N, on a fresh three-member etcd: the
 job starts (an epoch trained everywhere), a quiet
 window measures the steady state, then each fault in turn (a node killed, a node
 joining, a planned leave, the leader's node killed, a node cut off by a partition) is

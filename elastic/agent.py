@@ -353,7 +353,9 @@ class Agent:
 
     # --------------------------------------------------------- reachability
     def _probe_addresses(self) -> dict[str, str]:
-        return {key[len(keys.PROBE):]: value.decode() for key, value in self.store.items_under(keys.PROBE).items()}
+        """Every node's probe listener, parsed once per change of `probe/` (a thousand
+        nodes' addresses read every 2 s by every agent were a thousand items each time)."""
+        return self.store.derived(keys.PROBE, _probe_addresses)
 
     def _publish_reachability(self) -> None:
         """Hand the probe the other nodes' listeners (every 2 s), and publish the nodes
@@ -506,3 +508,8 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def _probe_addresses(items: dict[str, bytes]) -> dict[str, str]:
+    """{node: "host:port"} from the keys under `probe/`."""
+    return {key[len(keys.PROBE):]: value.decode() for key, value in items.items()}
