@@ -91,6 +91,11 @@ from planaria.runtime.planning.job_plans import build_planner, cost_model
 from planaria.templates.plan import Worker
 
 
+def _probe_addresses(items: dict[str, bytes]) -> dict[str, str]:
+    """{node: "host:port"} from the keys under `probe/`."""
+    return {key[len(keys.PROBE):]: value.decode() for key, value in items.items()}
+
+
 class Agent:
     """One node's agent: its loop, and the parts it holds (the module docstring lists them)."""
 
@@ -508,8 +513,3 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
-
-
-def _probe_addresses(items: dict[str, bytes]) -> dict[str, str]:
-    """{node: "host:port"} from the keys under `probe/`."""
-    return {key[len(keys.PROBE):]: value.decode() for key, value in items.items()}
