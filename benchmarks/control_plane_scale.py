@@ -98,7 +98,8 @@ def measure(nodes: int, relay: bool, args, log, save=lambda: None, result: dict 
     with ScaleHarness(nodes=nodes, gpus_per_node=args.gpus_per_node, config=args.config, step_s=args.step_s,
                       backend=args.backend, node_relay=relay, overrides=overrides, lease_ttl_s=args.lease_ttl,
                       relay_margin_s=args.relay_margin, monitor_interval_s=args.monitor_interval,
-                      watcher_quiet_s=args.watcher_quiet, join_timeout_s=args.join_timeout, log_dir=_log_dir(args.log_dir, nodes, relay),
+                      watcher_quiet_s=args.watcher_quiet, join_timeout_s=args.join_timeout,
+                      log_dir=_log_dir(args.log_dir, nodes, relay),
                       processes=_processes(nodes, args.nodes_per_process), log=log) as harness:
         started = time.monotonic()
         cpu = harness.harness_cpu()

@@ -25,7 +25,7 @@ from planaria.chaos.scale.sim_metrics import MetricsDirectory
 from planaria.chaos.scale.sim_node import SimulatedAgent
 from planaria.chaos.scale.sim_relay import MARGIN_S
 from planaria.chaos.scale.sim_worker import Observer
-from planaria.chaos.scale.thread_cpu import ThreadCpu, name_threads
+from planaria.chaos.scale.thread_cpu import ThreadCpu, cpu_of, name_threads
 from planaria.elastic.agent_options import POLL_S
 from planaria.elastic.etcd_client import EtcdClient, EtcdSettings
 from planaria.runtime.worker.epoch_watcher import QUIET_S
@@ -56,9 +56,9 @@ class NodeSpec:
     monitor_interval_s: float = POLL_S
     """How often each agent looks at its workers and the job (`--monitor-interval`)."""
     watcher_quiet_s: float = QUIET_S
+    """How long a worker's epoch watcher waits for a word before it asks its relay again."""
     join_timeout_s: float = 600.0
     """How long the first nodes wait for the job's minimum to come (the agent's `join_timeout`)."""
-    """How long a worker's epoch watcher waits for a word before it asks its relay again."""
 
 
 @dataclass
@@ -105,7 +105,8 @@ class NodeHost:
             observer=self.observer, step_s=spec.step_s, backend=spec.backend,
             log_dir=spec.log_dir / f"node{index}", settings=settings, run_id=spec.run_id,
             min_nodes=spec.min_nodes, config=spec.config, overrides=list(spec.overrides),
-            lease_ttl_s=spec.lease_ttl_s, monitor_interval_s=spec.monitor_interval_s, trace_dir=spec.trace_dir, worker_start_s=spec.worker_start_s,
+            lease_ttl_s=spec.lease_ttl_s, monitor_interval_s=spec.monitor_interval_s, trace_dir=spec.trace_dir,
+            worker_start_s=spec.worker_start_s,
             metrics_directory=self.metrics_directory, node_relay=spec.node_relay, relay_loop=self._relay_loop,
             records=self.records, keep_log=spec.keep_logs, relay_margin_s=spec.relay_margin_s,
             watcher_quiet_s=spec.watcher_quiet_s, join_timeout_s=spec.join_timeout_s).start()
@@ -277,16 +278,6 @@ def serve(commands, events, spec: NodeSpec) -> None:
 
 
 # ----------------------------------------------------- process-wide settings
-def cpu_of(stat_path: str) -> float:
-    """User + system CPU seconds of a process or thread, from its /proc stat (0 if gone)."""
-    try:
-        with open(stat_path) as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def quiet_killed_threads() -> None:
     """A thread of a killed node ends on `Killed`: the node's death, not an error to print."""
     previous = threading.excepthook

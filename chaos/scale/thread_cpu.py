@@ -53,10 +53,11 @@ def name_threads() -> None:
 _TICK = os.sysconf("SC_CLK_TCK")
 
 
-def _stat(tid: str) -> tuple[str, float] | None:
-    """A thread's kind and CPU seconds (its /proc stat: one read, no file object)."""
+def stat_of(path: str) -> tuple[str, float] | None:
+    """A process's or thread's name and CPU seconds (user + system) from its /proc stat
+    (one read, no file object); None once it is gone."""
     try:
-        fd = os.open(f"/proc/self/task/{tid}/stat", os.O_RDONLY)
+        fd = os.open(path, os.O_RDONLY)
     except OSError:
         return None
     try:
@@ -68,6 +69,12 @@ def _stat(tid: str) -> tuple[str, float] | None:
     close = text.rindex(b")")
     fields = text[close + 2:].split(b" ", 13)
     return text[text.index(b"(") + 1:close].decode(), (int(fields[11]) + int(fields[12])) / _TICK
+
+
+def cpu_of(path: str) -> float:
+    """CPU seconds of a process or thread from its /proc stat (0 once it is gone)."""
+    stat = stat_of(path)
+    return 0.0 if stat is None else stat[1]
 
 
 class ThreadCpu:
@@ -89,7 +96,7 @@ class ThreadCpu:
 
     def sample(self) -> None:
         for tid in os.listdir("/proc/self/task"):
-            stat = _stat(tid)
+            stat = stat_of(f"/proc/self/task/{tid}/stat")
             if stat is not None:
                 with self._lock:
                     self._seen[tid] = stat
