@@ -93,20 +93,23 @@ def measure(nodes: int, relay: bool, args, log, save=lambda: None, result: dict 
     result.update({"nodes": nodes, "gpus_per_node": args.gpus_per_node, "node_relay": relay,
               "lease_ttl_s": args.lease_ttl, "relay_margin_s": args.relay_margin,
               "monitor_interval_s": args.monitor_interval, "watcher_quiet_s": args.watcher_quiet,
-              "step_s": args.step_s, "peer_snapshots": args.peer_snapshots, "overrides": args.overrides,
+              "step_s": args.step_s, "niceness": args.nice, "peer_snapshots": args.peer_snapshots, "overrides": args.overrides,
               "changes": []})
     with ScaleHarness(nodes=nodes, gpus_per_node=args.gpus_per_node, config=args.config, step_s=args.step_s,
                       backend=args.backend, node_relay=relay, overrides=overrides, lease_ttl_s=args.lease_ttl,
                       relay_margin_s=args.relay_margin, monitor_interval_s=args.monitor_interval,
                       watcher_quiet_s=args.watcher_quiet, join_timeout_s=args.join_timeout,
+                      niceness=args.nice,
                       log_dir=_log_dir(args.log_dir, nodes, relay),
                       processes=_processes(nodes, args.nodes_per_process), log=log) as harness:
         started = time.monotonic()
         cpu = harness.harness_cpu()
         harness.start(timeout_s=args.timeout)
-        result.update(first_epoch=harness.epoch(), start_s=time.monotonic() - started, processes=harness.processes)
+        result.update(first_epoch=harness.epoch(), start_s=time.monotonic() - started, processes=harness.processes,
+                      start_cpu_by_kind=harness.nodes.cpu_by_kind())
         log(f"{nodes} nodes x {args.gpus_per_node}, node relay {'on' if relay else 'off'}: epoch "
             f"{result['first_epoch']} bootstrapped and trained {result['start_s']:.1f} s after the start")
+        log("    the nodes' CPU s by thread: " + _top(result["start_cpu_by_kind"]))
         time.sleep(args.step_s * 3)
         by_kind = harness.nodes.cpu_by_kind()
         quiet, window = harness.steady(args.steady_s)
@@ -214,6 +217,9 @@ def main(argv: list[str] | None = None) -> int:
                              "relay, none to etcd)")
     parser.add_argument("--join-timeout", type=float, default=600.0,
                         help="the agents' join_timeout: how long the first nodes wait for all N to come")
+    parser.add_argument("--nice", type=int, default=0,
+                        help="the node processes' niceness: above 0, etcd's members are scheduled before "
+                             "the simulated nodes' threads (the CPU each spends is measured either way)")
     parser.add_argument("--nodes-per-process", type=int, default=64,
                         help="more nodes than this run in node processes of this many each (one "
                              "interpreter's threads carry about 64 simulated nodes of 8 workers)")

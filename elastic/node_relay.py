@@ -13,7 +13,10 @@ load per reconfiguration grows with the workers, not the nodes (docs/control_pla
   record, the epoch store's address) is read once per node: simultaneous reads share
   one request, later ones are answered from what it found;
 - writes (`set`) are committed in groups: those that arrive while one is on its way,
-  or within `linger_s` of the first, go in one transaction (within etcd's limits);
+  or within `linger_s` of the first, go in one transaction (within etcd's limits); a
+  worker's status or timing of an epoch waits for its node's other workers' of that
+  epoch (`planaria.elastic.relay_reports`), so that a reconfiguration costs etcd a few
+  transactions per node whatever the node's workers and however late one of them is;
 - anything else (`add`, `compare_set`, a key not followed) goes to etcd as it would
   from the worker, one request each.
 
@@ -45,6 +48,7 @@ from dataclasses import dataclass, field
 from planaria.elastic import node_relay_protocol as wire
 from planaria.elastic.etcd_kv import EtcdKeyValue
 from planaria.elastic.etcd_limits import EtcdLimitExceeded
+from planaria.elastic.relay_reports import LINGER_S as REPORT_LINGER_S, EpochReports
 from planaria.runtime.contract import keys
 from planaria.runtime.contract.store_reads import poll_pause
 
@@ -69,12 +73,16 @@ class NodeRelay:
 
     def __init__(self, store: EtcdKeyValue, *, host: str = "127.0.0.1", linger_s: float = 0.002,
                  unfollow_linger_s: float = 10.0, loop: asyncio.AbstractEventLoop | None = None,
-                 pool_threads: int = 4, token: str | None = None):
+                 pool_threads: int = 4, token: str | None = None, report_linger_s: float = REPORT_LINGER_S):
         """`loop`: an event loop running on a thread of its own, shared with other relays
         (None: one of the relay's own). `linger_s`: how long a write waits for others to
-        commit with."""
+        commit with. `report_linger_s`: how long an epoch's reports wait for the node's
+        late workers' (`relay_reports`)."""
         self.store, self.host = store, host
         self.linger_s, self.unfollow_linger_s = linger_s, unfollow_linger_s
+        self.report_linger_s = report_linger_s
+        self._reports: EpochReports | None = None
+        """The node's workers' reports of each epoch, held until the last is in (made on the loop)."""
         self.token = token or secrets.token_hex(16)
         self._own_loop = loop is None
         self._closed = False
@@ -119,6 +127,7 @@ class NodeRelay:
 
     async def _serve(self) -> None:
         self._change = self._loop.create_future()
+        self._reports = EpochReports(self._loop, self._commit, self.report_linger_s)
         self._server = await asyncio.start_server(self._handle, self.host, 0, limit=2**16)
         self.port = self._server.sockets[0].getsockname()[1]
 
@@ -205,6 +214,8 @@ class NodeRelay:
             for _ in range(count):
                 self._release(key)
         conn.followed.clear()
+        if self._reports is not None:
+            self._reports.gone(conn)
 
     async def answer(self, conn: _Worker, request: dict) -> dict:
         """The answer to one request of `conn`'s worker (on the relay's loop)."""
@@ -309,12 +320,17 @@ class NodeRelay:
     # ------------------------------------------------------------------ writes
     async def _op_set(self, conn, key: str, value: str):
         done = self._loop.create_future()
-        self._pending.append((key, wire.unpack(value), done))
+        if not self._reports.hold(conn, key, wire.unpack(value), done):
+            self._commit([(key, wire.unpack(value), done)])
+        await done
+        return None
+
+    def _commit(self, writes: list[tuple[str, bytes, asyncio.Future]]) -> None:
+        """Into the next group commit."""
+        self._pending.extend(writes)
         if not self._flushing:
             self._flushing = True
             self._loop.create_task(self._flush())
-        await done
-        return None
 
     async def _flush(self) -> None:
         """Group commit: while writes wait, one transaction of them (the last value of a
@@ -356,6 +372,7 @@ class NodeRelay:
 
     # ------------------------------------------------------------------ follows
     async def _op_follow(self, conn, key: str, prefix: bool = False):
+        self._reports.followed(conn, key)
         conn.followed[key] += 1
         self._follows[key] += 1
         handle = self._drops.pop(key, None)

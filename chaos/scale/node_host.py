@@ -59,6 +59,10 @@ class NodeSpec:
     """How long a worker's epoch watcher waits for a word before it asks its relay again."""
     join_timeout_s: float = 600.0
     """How long the first nodes wait for the job's minimum to come (the agent's `join_timeout`)."""
+    niceness: int = 0
+    """The node processes' niceness (`os.nice`): above 0, etcd's members and the harness's
+    own waits are scheduled before the simulation's thousands of threads, as a real etcd's
+    cores are not a simulated node's. The CPU each side spends is measured either way."""
 
 
 @dataclass
@@ -250,6 +254,8 @@ def serve(commands, events, spec: NodeSpec) -> None:
     from planaria.chaos.scale.step_hub import HostedDataPlane
 
     process_limits()
+    if spec.niceness:
+        os.nice(spec.niceness)
     quiet_killed_threads()
     slow_grpc_wakes()
     link = _Link(events)

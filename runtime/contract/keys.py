@@ -198,6 +198,23 @@ def checkpoint_commit(iteration: int, epoch: int) -> str:
     return f"checkpoint/{iteration}/{epoch}/commit"
 
 
+def epoch_report(key: str) -> tuple[int, str] | None:
+    """(epoch, "status" or "timing") when `key` is a worker's status or timing of an epoch
+    (`epoch_status`, `epoch_timing`); None for any other key."""
+    parts = key.split("/")
+    if len(parts) == 4 and parts[0] == "epoch" and parts[1].isdigit() and parts[2] in ("status", "timing"):
+        return int(parts[1]), parts[2]
+    return None
+
+
+def reconfigure_epoch(key: str) -> int | None:
+    """The epoch whose end `key` is (`epoch_reconfigure`), or None."""
+    parts = key.split("/")
+    if len(parts) == 3 and parts[0] == "epoch" and parts[1].isdigit() and parts[2] == "reconfigure":
+        return int(parts[1])
+    return None
+
+
 def written_once(key: str) -> bool:
     """Whether `key` is written once and never changed or deleted while the job runs: an
     epoch's record (created if absent), a planned leave's prepared record (the same), and

@@ -38,7 +38,7 @@ def node(etcd, request):
     """A relay over a fresh job prefix, the agent's store, and eight workers' stores."""
     client = EtcdClient(EtcdSettings(endpoint=etcd))
     store = EtcdKeyValue(client, f"/planaria/{request.node.name}/")
-    relay = NodeRelay(store, unfollow_linger_s=0.5).start()
+    relay = NodeRelay(store, unfollow_linger_s=0.5, **getattr(request, "param", {})).start()
     workers = [connect_store(relay.url) for _ in range(WORKERS)]
     yield store, relay, workers
     for worker in workers:
@@ -95,6 +95,58 @@ def test_the_workers_statuses_go_in_one_transaction(node, etcd):
     assert requests(etcd) - before <= 2  # one group commit, or two when one write came late
     assert store.items_under(keys.epoch_statuses(3)) == {keys.epoch_status(3, ("node0", i)): status
                                                           for i in range(WORKERS)}
+
+
+def _in_epoch(workers, epoch: int) -> None:
+    """Each worker runs `epoch`: it follows the epoch's end, as its epoch watcher does."""
+    for w in workers:
+        w.follow(keys.epoch_reconfigure(epoch))
+
+
+def _report(worker, i: int, epoch: int = 4) -> float:
+    """Worker i's status of `epoch`, written; when its write returned (monotonic)."""
+    worker.set(keys.epoch_status(epoch, ("node0", i)), b'{"loss": 4.352497431985631}')
+    return time.monotonic()
+
+
+def test_a_late_workers_status_is_waited_for_one_transaction_a_node(node, etcd):
+    store, relay, workers = node
+    _in_epoch(workers, 4)
+    before, started = requests(etcd), time.monotonic()
+    late = threading.Timer(1.0, _report, args=(workers[-1], WORKERS - 1))
+    late.start()
+    returned = at_once([lambda i=i, w=w: _report(w, i) for i, w in enumerate(workers[:-1])])
+    late.join()
+    assert requests(etcd) - before == 1  # one transaction for the node, not one per late worker
+    assert min(returned) - started >= 0.9  # held for the late one
+    assert len(store.items_under(keys.epoch_statuses(4))) == WORKERS
+    # A write that is not a report of an epoch the worker is in is not held.
+    started = time.monotonic()
+    workers[0].set(keys.epoch_status(9, ("node0", 0)), b"{}")
+    assert time.monotonic() - started < 1.0
+
+
+def test_a_gone_worker_is_not_waited_for(node, etcd):
+    store, relay, workers = node
+    _in_epoch(workers, 4)
+    workers[-1].close()  # as its process's exit closes its connection
+    started = time.monotonic()
+    at_once([lambda i=i, w=w: _report(w, i) for i, w in enumerate(workers[:-1])])
+    assert time.monotonic() - started < 2.0
+    assert len(store.items_under(keys.epoch_statuses(4))) == WORKERS - 1
+
+
+@pytest.mark.parametrize("node", [{"report_linger_s": 0.5}], indirect=True)
+def test_a_worker_that_never_reports_holds_the_others_no_longer_than_the_linger(node, etcd):
+    store, relay, workers = node
+    _in_epoch(workers, 4)
+    started = time.monotonic()
+    at_once([lambda i=i, w=w: _report(w, i) for i, w in enumerate(workers[:-1])])
+    assert 0.4 <= time.monotonic() - started < 3.0
+    assert len(store.items_under(keys.epoch_statuses(4))) == WORKERS - 1
+    started = time.monotonic()
+    _report(workers[-1], WORKERS - 1)  # late, after the linger: at once
+    assert time.monotonic() - started < 0.4
 
 
 def test_a_key_followed_by_every_worker_is_watched_once(node, etcd):
