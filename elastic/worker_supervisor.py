@@ -16,7 +16,10 @@ Started again (`restart`, with `--max-restarts N`, up to N times), the workers j
 new capacity under a new name, `<node>~<restart>` (`member`): the leader sees a node
 join, and a worker is never mistaken for its predecessor (whose kill requests, statuses
 and commit log stay its own). A worker that asks to be started again
-(`EXIT_STUCK_AFTER_RELEASE`) is not counted against --max-restarts (`reset_asked`).
+(`EXIT_STUCK_AFTER_RELEASE`), and one its agent killed for hanging (stopped, or its
+heartbeat silent), are not counted against --max-restarts (`reset_asked`), up to
+`MAX_RESETS` and `MAX_HANG_RESTARTS` times: the machine is sound, and the node joins again
+rather than leaving the job for good.
 
 `WorkerSupervisor` owns the workers' processes, their output and error files and their
 heartbeat files; whether an exit makes the node restart or leave is the agent's call.
@@ -36,6 +39,7 @@ from typing import Callable
 
 from planaria.elastic.etcd_client import LeaseExpired
 from planaria.elastic.etcd_kv import EtcdKeyValue
+from planaria.elastic.process_state import is_stopped
 from planaria.elastic.worker_output import (OutputSpec, Tail, WorkerStreams, close_files, open_streams,
                                             start_tails)
 from planaria.runtime.config.sections import CommConfig
@@ -47,6 +51,9 @@ from planaria.templates.plan import Worker
 
 MAX_RESETS = 5
 """Workers started again because they asked (`reset_asked`), at most, on top of --max-restarts."""
+MAX_HANG_RESTARTS = 3
+"""Workers started again after one of them hung (`reset_asked`), at most, on top of
+--max-restarts: a node whose workers keep hanging leaves the job."""
 
 
 class WorkerSupervisor:
@@ -75,6 +82,11 @@ class WorkerSupervisor:
         self._streams: dict[Worker, WorkerStreams] = {}
         self._tails: list[Tail] = []
         self._exited: set[Worker] = set()
+        self._stopped_since: dict[Worker, float] = {}
+        """When each worker was first seen stopped (`kill_frozen`)."""
+        self.hung: set[Worker] = set()
+        """Workers killed for hanging, until the node's workers are started again."""
+        self.hang_restarts = 0
         self.node_address: str | None = None
         """The address the other nodes reach this one at (the agent's `node_address`), given
         to the workers: the plan's rank 0 hosts an epoch's bootstrap store there."""
@@ -93,21 +105,37 @@ class WorkerSupervisor:
 
     def restart(self, reset: bool = False) -> None:
         """Stop what is left of this node's workers, then start them again as new capacity
-        (`reset`: a worker asked to be, `reset_asked`)."""
+        (`reset`: one asked to be, or hung: `reset_asked`)."""
+        hung = bool(self.hung)
         self.stop(signal.SIGKILL)
         self.reap()
         self.restarts += 1
         self.workers.clear()
-        why = (f"a worker's collectives stayed blocked after their release: reset {self.resets} of {MAX_RESETS}, "
-               "not counted against --max-restarts" if reset else
-               f"restart {self.restarts - self.resets} of {self.max_restarts - self.resets}")
+        self.hung.clear()
+        self._stopped_since.clear()
+        if reset and hung:
+            why = (f"a worker hung: restart {self.hang_restarts} of {MAX_HANG_RESTARTS} after a hang, "
+                   "not counted against --max-restarts")
+        elif reset:
+            why = (f"a worker's collectives stayed blocked after their release: reset {self.resets} of "
+                   f"{MAX_RESETS}, not counted against --max-restarts")
+        else:
+            free = self.resets + self.hang_restarts
+            why = f"restart {self.restarts - free} of {self.max_restarts - free}"
         self.log(f"restarting this node's workers ({why}); they join the job as {self.member}")
         self.start()
 
     def reset_asked(self) -> bool:
         """A worker exited asking to be started again (`EXIT_STUCK_AFTER_RELEASE`: its
-        collectives stayed blocked after their release): not a failure of the node, so
-        not counted against --max-restarts, up to `MAX_RESETS` times."""
+        collectives stayed blocked after their release), up to `MAX_RESETS` times, or
+        was killed for hanging (`kill_frozen`), up to `MAX_HANG_RESTARTS` times: not a
+        failure of the node, so not counted against --max-restarts."""
+        if self.hung:
+            if self.hang_restarts >= MAX_HANG_RESTARTS:
+                return False
+            self.hang_restarts += 1
+            self.max_restarts += 1  # this restart is not one of the user's
+            return True
         asked = any(p.returncode == EXIT_STUCK_AFTER_RELEASE for p in self.workers.values())
         if asked and self.resets < MAX_RESETS:
             self.resets += 1
@@ -188,17 +216,35 @@ class WorkerSupervisor:
         return sum(p.returncode is None for p in list(self.workers.values()))
 
     def kill_frozen(self) -> None:
-        """SIGKILL a worker whose heartbeat stopped (runtime/contract/heartbeat.py): frozen,
+        """SIGKILL a worker that hangs: stopped (its process state) for
+        `comm.stopped_timeout_s`, or its heartbeat silent for `comm.heartbeat_timeout_s`
+        (runtime/contract/heartbeat.py: frozen, swapping, stuck in the kernel). Either way
         it would hold the job up until the leader's status timeout; dead, it is a failure
         like any other, seen at once."""
         limit = self.comm.heartbeat_timeout_s or self.comm.timeout_s
         now = time.time()
         for worker, proc in self.workers.items():
+            if proc.poll() is not None:
+                continue
+            stopped = self._stopped_for(worker, proc, now)
             silent = silent_for(self._heartbeat_file(worker), now)
-            if proc.poll() is None and silent is not None and silent > limit:
-                self.log(f"worker {worker_key(worker)} froze (no heartbeat for {silent:.0f} s); killing it")
-                proc.kill()
-                proc.wait()
+            if self.comm.stopped_timeout_s and stopped >= self.comm.stopped_timeout_s:
+                why = f"stopped for {stopped:.1f} s"
+            elif silent is not None and silent > limit:
+                why = f"froze (no heartbeat for {silent:.0f} s)"
+            else:
+                continue
+            self.log(f"worker {worker_key(worker)} {why}; killing it")
+            proc.kill()
+            proc.wait()
+            self.hung.add(worker)
+
+    def _stopped_for(self, worker: Worker, proc, now: float) -> float:
+        """Seconds since the worker was first seen stopped at a look (0: running)."""
+        if not is_stopped(proc.pid):
+            self._stopped_since.pop(worker, None)
+            return 0.0
+        return now - self._stopped_since.setdefault(worker, now)
 
     def reap(self) -> bool:
         """Delete the alive keys of exited workers; True if one exited before the job ended."""

@@ -213,6 +213,11 @@ class CommConfig:
     beats every second whatever the worker computes or waits for, is frozen with it:
     SIGSTOP, a swapping machine) for this long is killed by its agent, so that the job
     recovers in seconds rather than at its collective timeout; 0: timeout_s."""
+    stopped_timeout_s: float = 0.5
+    """An elastic worker whose process is stopped (SIGSTOP, SIGTSTP: its state in /proc)
+    this long is killed by its agent, without waiting for its heartbeat to lapse; its node
+    starts fresh workers that join again (`elastic.worker_supervisor`). 0: only the
+    heartbeat."""
     release: bool = True
     """When the control plane declares an epoch failed, every survivor releases the
     epoch's blocked collectives at once (`planaria.runtime.parallel.release`: gloo's connections

@@ -55,6 +55,9 @@ def check_config(cfg: Config) -> Config:
     if c.timeout_s <= 0 or c.connect_timeout_s <= 0:
         raise ConfigError(f"comm.timeout_s and comm.connect_timeout_s must be positive seconds; "
                           f"got {c.timeout_s} and {c.connect_timeout_s}")
+    if c.stopped_timeout_s < 0:
+        raise ConfigError(f"comm.stopped_timeout_s must be 0 (the heartbeat only) or positive seconds; "
+                          f"got {c.stopped_timeout_s}")
     if c.release_stuck_s < 0:
         raise ConfigError(f"comm.release_stuck_s must be 0 (never) or positive seconds; got {c.release_stuck_s}")
     for key in ("pp", "dp"):

@@ -5,6 +5,8 @@ parsed once), and a
 registration whose lease lapsed before it was made."""
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 import threading
@@ -157,3 +159,62 @@ def test_the_leader_parses_each_status_once_however_many_looks_see_it(monkeypatc
     del found[keys.epoch_status(3, ("node1", 0))]
     statuses = parse(dict(found))
     assert statuses[worker].last_stepped == 7 and ("node1", 0) not in statuses and len(statuses) == 511
+
+
+def _supervisor(store, tmp_path, lines: list, **comm) -> WorkerSupervisor:
+    return WorkerSupervisor(
+        node="n1", nproc=1, store=store, lease=lambda: None, store_url="", etcd_env={}, run_id="looks",
+        config="", overrides=[], comm=CommConfig(**comm), max_restarts=0, shutdown_timeout_s=0.0,
+        log_dir=tmp_path, output=None, log=lines.append)
+
+
+def _look_until_killed(supervisor, process, limit_s: float) -> float:
+    """The agent's looks (every 0.1 s, its default) until the worker is dead; how long."""
+    started = time.monotonic()
+    while process.poll() is None:
+        assert time.monotonic() - started < limit_s, "never killed"
+        supervisor.kill_frozen()
+        time.sleep(0.1)
+    return time.monotonic() - started
+
+
+def test_a_stopped_worker_is_killed_within_a_second_and_its_node_starts_again(store, tmp_path):
+    """SIGSTOP: its state says so at once, long before its heartbeat (5 s) would; killed
+    for hanging, it does not count against --max-restarts, up to MAX_HANG_RESTARTS."""
+    lines: list[str] = []
+    supervisor = _supervisor(store, tmp_path, lines)
+    process = supervisor.workers[("n1", 0)] = sleeper()
+    try:
+        for _ in range(10):  # a running worker is left alone
+            supervisor.kill_frozen()
+            time.sleep(0.05)
+        assert process.poll() is None and not supervisor.hung
+        os.kill(process.pid, signal.SIGSTOP)
+        took = _look_until_killed(supervisor, process, limit_s=3.0)
+        assert 0.4 <= took <= 1.5, took
+        assert supervisor.hung == {("n1", 0)}
+        assert any("worker n1.0 stopped for" in line for line in lines), lines
+        assert supervisor.reset_asked() and supervisor.max_restarts == 1  # not the user's
+    finally:
+        process.kill()
+        process.wait()
+
+
+def test_a_worker_whose_heartbeat_stopped_is_killed_as_hung(store, tmp_path):
+    """Stopped-state detection off: the heartbeat file's silence is what it is seen by."""
+    lines: list[str] = []
+    supervisor = _supervisor(store, tmp_path, lines, stopped_timeout_s=0.0, heartbeat_timeout_s=1.0)
+    worker = ("n1", 0)
+    process = supervisor.workers[worker] = sleeper()
+    try:
+        beat = supervisor._heartbeat_file(worker)
+        beat.parent.mkdir(parents=True, exist_ok=True)
+        beat.touch()
+        os.kill(process.pid, signal.SIGSTOP)
+        took = _look_until_killed(supervisor, process, limit_s=5.0)
+        assert took >= 0.9, took
+        assert any("worker n1.0 froze (no heartbeat for" in line for line in lines), lines
+        assert supervisor.hung == {worker}
+    finally:
+        process.kill()
+        process.wait()

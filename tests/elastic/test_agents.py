@@ -349,16 +349,23 @@ def test_same_run_id_with_another_config_is_refused(etcd, tmp_path):
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
-def test_a_frozen_worker_is_killed_by_its_agent(etcd, tmp_path, reference):
-    """node2's worker stops (SIGSTOP) in a backward. Its heartbeat stops with it, so its
-    agent kills it after comm.heartbeat_timeout_s (5 s by default), without waiting for
-    the leader; the node leaves and the others go on. (The collective timeout is made
-    longer than that, so that the heartbeat is what ends the epoch.)"""
+def test_a_stopped_worker_is_killed_by_its_agent_and_its_node_joins_again(etcd, tmp_path, reference):
+    """node2's worker stops (SIGSTOP) in a backward. Its agent sees its process stopped
+    (comm.stopped_timeout_s, 0.5 s) and kills it, without waiting for the leader or the
+    heartbeat; the others go on without node2, whose agent starts fresh workers that join
+    again (the machine is sound), and the job ends with every node in it. (The collective
+    timeout is made longer than that, so that the agent is what ends the epoch.)"""
     job = Job(etcd, tmp_path, 4, [*OVERRIDES, "comm.timeout_s=60"], run_id="frozen",
               env={"node2": {"PLANARIA_FAULTS": "node2.0:backward@2!hang"}})
-    run_until_only_this_node_left(job, "node2")
-    assert "worker node2.0 froze (no heartbeat for" in job.logs()
-    assert "did not report" not in job.logs()
+    try:
+        codes = job.wait()
+    finally:
+        job.close()
+    logs = job.logs()
+    assert all(code == 0 for code in codes.values()), f"{codes}\n{job.logs(tail=4000)}"
+    assert "worker node2.0 stopped for" in logs
+    assert "restarting this node's workers (a worker hung" in logs and "joined ['node2~1.0']" in logs
+    assert "did not report" not in logs
     check_against_reference(tmp_path, reference, job)
 
 
@@ -366,9 +373,10 @@ def test_a_frozen_worker_is_killed_by_its_agent(etcd, tmp_path, reference):
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 def test_hung_worker_is_killed_by_its_agent_on_the_leaders_request(etcd, tmp_path, reference):
-    """The same, with the heartbeat watch out of the way: node2's worker reports nothing,
+    """The same, with the agent's watches out of the way: node2's worker reports nothing,
     so the leader, after its status timeout, asks its agent to kill it."""
-    job = Job(etcd, tmp_path, 4, [*OVERRIDES, "comm.timeout_s=4", "comm.heartbeat_timeout_s=1000"],
+    job = Job(etcd, tmp_path, 4, [*OVERRIDES, "comm.timeout_s=4", "comm.heartbeat_timeout_s=1000",
+                                  "comm.stopped_timeout_s=0"],
               run_id="hung", env={"node2": {"PLANARIA_FAULTS": "node2.0:backward@2!hang"}})
     run_until_only_this_node_left(job, "node2")
     assert "worker node2.0 did not report" in job.logs()
