@@ -93,13 +93,14 @@ def measure(nodes: int, relay: bool, args, log, save=lambda: None, result: dict 
     result.update({"nodes": nodes, "gpus_per_node": args.gpus_per_node, "node_relay": relay,
               "lease_ttl_s": args.lease_ttl, "relay_margin_s": args.relay_margin,
               "monitor_interval_s": args.monitor_interval, "watcher_quiet_s": args.watcher_quiet,
-              "step_s": args.step_s, "niceness": args.nice, "peer_snapshots": args.peer_snapshots, "overrides": args.overrides,
+              "step_s": args.step_s, "niceness": args.nice, "etcd_retry_s": args.etcd_retry,
+              "peer_snapshots": args.peer_snapshots, "overrides": args.overrides,
               "changes": []})
     with ScaleHarness(nodes=nodes, gpus_per_node=args.gpus_per_node, config=args.config, step_s=args.step_s,
                       backend=args.backend, node_relay=relay, overrides=overrides, lease_ttl_s=args.lease_ttl,
                       relay_margin_s=args.relay_margin, monitor_interval_s=args.monitor_interval,
                       watcher_quiet_s=args.watcher_quiet, join_timeout_s=args.join_timeout,
-                      niceness=args.nice,
+                      niceness=args.nice, etcd_retry_s=args.etcd_retry,
                       log_dir=_log_dir(args.log_dir, nodes, relay),
                       processes=_processes(nodes, args.nodes_per_process), log=log) as harness:
         started = time.monotonic()
@@ -217,6 +218,9 @@ def main(argv: list[str] | None = None) -> int:
                              "relay, none to etcd)")
     parser.add_argument("--join-timeout", type=float, default=600.0,
                         help="the agents' join_timeout: how long the first nodes wait for all N to come")
+    parser.add_argument("--etcd-retry", type=float, default=30.0,
+                        help="how long each agent retries an etcd request before it gives up (the "
+                             "agent's --etcd-retry, default 30 s)")
     parser.add_argument("--nice", type=int, default=0,
                         help="the node processes' niceness: above 0, etcd's members are scheduled before "
                              "the simulated nodes' threads (the CPU each spends is measured either way)")

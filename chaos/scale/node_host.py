@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import os
 import resource
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -59,6 +60,10 @@ class NodeSpec:
     """How long a worker's epoch watcher waits for a word before it asks its relay again."""
     join_timeout_s: float = 600.0
     """How long the first nodes wait for the job's minimum to come (the agent's `join_timeout`)."""
+    etcd_retry_s: float = 30.0
+    """How long an agent's etcd request is retried before it gives up (the agent's
+    `--etcd-retry`): longer where the last waves of a thousand nodes start on a saturated
+    machine."""
     niceness: int = 0
     """The node processes' niceness (`os.nice`): above 0, etcd's members and the harness's
     own waits are scheduled before the simulation's thousands of threads, as a real etcd's
@@ -101,7 +106,7 @@ class NodeHost:
     def add(self, index: int) -> None:
         """Node `index` (its agent and workers), started; it joins when the leader plans it in."""
         spec = self.spec
-        settings = EtcdSettings(endpoint=spec.endpoint, retry_s=30.0)
+        settings = EtcdSettings(endpoint=spec.endpoint, retry_s=spec.etcd_retry_s)
         client = EtcdClient(settings, on_outage=lambda line: None)
         self._clients.append(client)
         self.agents[index] = SimulatedAgent(
@@ -256,6 +261,11 @@ def serve(commands, events, spec: NodeSpec) -> None:
     process_limits()
     if spec.niceness:
         os.nice(spec.niceness)
+    # A node process holds hundreds of threads that want the interpreter at once; each
+    # waiting thread wakes at every switch interval (5 ms by default) to ask for it. At
+    # 640 nodes of 16 processes those wakes were two thirds of the machine's CPU, in the
+    # kernel (futex calls), and the harness's own calls to its processes went unanswered.
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     quiet_killed_threads()
     slow_grpc_wakes()
     link = _Link(events)
@@ -317,6 +327,9 @@ def process_limits() -> None:
     # bootstrap times the harness's, not the name server's.
     os.environ.setdefault("RES_OPTIONS", "timeout:1 attempts:1")
 
+
+SWITCH_INTERVAL_S = 0.05
+"""The node processes' interpreter switch interval (`sys.setswitchinterval`; see `serve`)."""
 
 GRPC_WAIT_S = 5.0
 """How often a blocked gRPC call of the harness's nodes wakes (`slow_grpc_wakes`)."""
