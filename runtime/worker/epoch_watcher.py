@@ -54,13 +54,21 @@ class EpochWatcher(threading.Thread):
         self.stuck_s, self._exit = stuck_s, exit
         self.quiet_s = QUIET_S
         self.requested, self.done, self._local = threading.Event(), threading.Event(), threading.Event()
+        self._followed = False
+
+    def start(self) -> None:
+        # Over etcd the epoch's end is followed: the polls below read a mirror, and a watch
+        # wakes this thread at the word (docs/control_plane.md, "At scale"). Followed
+        # before the thread starts, so that the rendezvous's own asks for the word (made
+        # on the caller's thread next) read the mirror too: before, whether the first of
+        # them came before the follow was a race between two threads, a request more
+        # per worker when it lost.
+        self._followed = self.coordinator.follow_epoch(self.epoch)
+        super().start()
 
     def run(self) -> None:
-        # Over etcd the epoch's end is followed: the polls below read a mirror, and a watch
-        # wakes this thread at the word (docs/control_plane.md, "At scale").
-        followed = self.coordinator.follow_epoch(self.epoch)
         try:
-            self._watch(followed)
+            self._watch(self._followed)
         finally:
             self.coordinator.unfollow_epoch(self.epoch)
 
