@@ -215,7 +215,7 @@ class NodeRelay:
                 self._release(key)
         conn.followed.clear()
         if self._reports is not None:
-            self._reports.gone(conn)
+            self._reports.gone()
 
     async def answer(self, conn: _Worker, request: dict) -> dict:
         """The answer to one request of `conn`'s worker (on the relay's loop)."""

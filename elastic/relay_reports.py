@@ -62,8 +62,6 @@ class EpochReports:
         self._members.setdefault(epoch, {})[id(conn)] = conn
         for old in [e for e in self._members if e <= epoch - _EPOCHS_KEPT]:
             del self._members[old]
-            for report in [r for r in self._held if r[0] == old]:
-                self._flush(report)
             self._forget(old)
 
     def hold(self, conn, key: str, value: bytes, done: asyncio.Future) -> bool:
@@ -83,8 +81,8 @@ class EpochReports:
         self._flush_if_complete(report)
         return True
 
-    def gone(self, conn) -> None:
-        """`conn`'s worker has no connection left: nobody waits for its reports."""
+    def gone(self) -> None:
+        """A worker has no connection left: nobody waits for its reports any more."""
         for report in list(self._held):
             self._flush_if_complete(report)
 
@@ -115,5 +113,7 @@ class EpochReports:
             self._release(writes)
 
     def _forget(self, epoch: int) -> None:
+        """An old epoch's reports: what is still held goes now, and nothing more is kept."""
         for report in [r for r in self._held if r[0] == epoch]:
+            self._flush(report)
             del self._held[report]

@@ -83,6 +83,17 @@ class Job:
         return {node: agent.wait(timeout=timeout) for node, agent in self.agents.items()}
 
 
+def run_until_every_node_ended_ok(job: Job) -> str:
+    """Wait for the job's end, every agent "ok"; the agents' logs."""
+    try:
+        codes = job.wait()
+    finally:
+        job.close()
+    logs = job.logs()
+    assert all(code == 0 for code in codes.values()), f"{codes}\n{job.logs(tail=4000)}"
+    return logs
+
+
 def run_until_only_this_node_left(job: Job, node: str) -> None:
     """Wait for the job's end: `node` left it (exit 1), every other agent ended "ok"."""
     try:
@@ -257,12 +268,7 @@ def test_max_restarts_a_node_whose_worker_died_rejoins_as_new_capacity(etcd, tmp
     reference = reference_run([*JOB, "train.steps=60"])
     job = Job(etcd, tmp_path, 4, [*OVERRIDES, "train.steps=60"], run_id="restarts",
               env={"node3": {"PLANARIA_FAULTS": "node3.0:backward@2#2"}}, agent_args=("--max-restarts", "1"))
-    try:
-        codes = job.wait()
-    finally:
-        job.close()
-    logs = job.logs()
-    assert all(code == 0 for code in codes.values()), f"{codes}\n{job.logs(tail=4000)}"
+    logs = run_until_every_node_ended_ok(job)
     assert "restarting this node's workers (restart 1 of 1); they join the job as node3~1" in logs
     assert "joined ['node3~1.0']" in logs, logs
     assert (tmp_path / "commits-node3~1.0.jsonl").exists()
@@ -357,12 +363,7 @@ def test_a_stopped_worker_is_killed_by_its_agent_and_its_node_joins_again(etcd, 
     timeout is made longer than that, so that the agent is what ends the epoch.)"""
     job = Job(etcd, tmp_path, 4, [*OVERRIDES, "comm.timeout_s=60"], run_id="frozen",
               env={"node2": {"PLANARIA_FAULTS": "node2.0:backward@2!hang"}})
-    try:
-        codes = job.wait()
-    finally:
-        job.close()
-    logs = job.logs()
-    assert all(code == 0 for code in codes.values()), f"{codes}\n{job.logs(tail=4000)}"
+    logs = run_until_every_node_ended_ok(job)
     assert "worker node2.0 stopped for" in logs
     assert "restarting this node's workers (a worker hung" in logs and "joined ['node2~1.0']" in logs
     assert "did not report" not in logs
