@@ -215,7 +215,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--watcher-quiet", type=float, default=QUIET_S,
                         help=f"how long each worker's epoch watcher waits for a word before it asks its "
                              f"node's relay again (default {QUIET_S:g} s, a real worker's; requests to the "
-                             "relay, none to etcd)")
+                             "relay, none to etcd); other than the default, its waits for an epoch and "
+                             "its rendezvous's abandon watch wait as long")
     parser.add_argument("--join-timeout", type=float, default=600.0,
                         help="the agents' join_timeout: how long the first nodes wait for all N to come")
     parser.add_argument("--etcd-retry", type=float, default=30.0,

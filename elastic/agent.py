@@ -224,7 +224,7 @@ class Agent:
         for prefix in (keys.kill_requests_of(self.node), keys.PROBE):
             self.store.follow(prefix, prefix=True)
 
-    LEADER_PREFIXES = (keys.ALIVE, keys.UNREACHABLE, keys.NOTICE, "ready/")
+    LEADER_PREFIXES = (keys.ALIVE, keys.UNREACHABLE, keys.NOTICE, "ready/", keys.MEMBERS)
     """What the leader's controller reads at every poll, mirrored while it leads."""
 
     def _follow_as_leader(self, leading: bool) -> None:
@@ -463,7 +463,7 @@ class Agent:
             gpus_per_node=self.nproc, status_timeout_s=status_timeout_s(self.cfg.comm),
             log=lambda message: self.log(message), interrupted=lambda: self._signal is not None,
             leading=self.membership.still_leading, node=self.node, unreachable=self._unreachable_views,
-            notices=self.notices.posted, max_nodes=self.max_nodes,
+            notices=self.notices.posted, max_nodes=self.max_nodes, wait_for_nodes_s=self.join_timeout_s,
             checkpoints=CheckpointPolicy(self.cfg.checkpoint_dir, self.cfg.checkpoint.every,
                                          self.cfg.checkpoint.keep))
 

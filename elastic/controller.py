@@ -50,6 +50,7 @@ from planaria.elastic.epoch_history import EpochHistory
 from planaria.elastic.epoch_planning import EpochPlanner
 from planaria.elastic.job_checkpoints import CheckpointPolicy, JobCheckpoints
 from planaria.elastic.leave_planning import PlannedLeaves
+from planaria.elastic.node_wait import LIMIT_S as NODE_WAIT_S, NodeWait
 from planaria.elastic.reachability import Partitions
 from planaria.elastic.record_limits import RecordLimit
 from planaria.elastic.spare_nodes import Spares
@@ -88,8 +89,10 @@ class Controller:
                  leading: Callable[[], bool] = lambda: True, node: str | None = None,
                  unreachable: Callable[[], Mapping[str, Iterable[str]]] = dict,
                  notices: Callable[[], Mapping[str, LeaveNotice]] = dict, leave_overhead_s: float = 3.0,
-                 max_nodes: int | None = None):
+                 max_nodes: int | None = None, wait_for_nodes_s: float = NODE_WAIT_S):
         self.store = store
+        self.node_wait = NodeWait(store, wait_for_nodes_s, log)
+        """Below one replica's nodes the job waits for nodes this long (`node_wait`)."""
         self.spares = Spares(store, max_nodes, log)
         """`max_nodes`: the most nodes a plan uses (torchrun's `--nnodes MIN:MAX`); None:
         every node. Live nodes beyond it, and those no plan uses, wait as spares."""
@@ -252,10 +255,11 @@ class Controller:
     # ------------------------------------------------------- reconfigure
     def _reconfigure(self, alive_now: Callable[[], set[Worker]], kill: Callable[[Worker], None],
                      reason: str) -> None:
-        detected = time.time()
+        # (Tried again at each poll while the job waits for nodes: detected at the first.)
+        detected = time.time() if self.node_wait.since is None else self.node_wait.detected
         members = self._members()
-        if reason == keys.LEAVE:
-            self._prepare_leave(alive_now)
+        if reason in (keys.LEAVE, keys.JOIN):
+            self._prepare_next(alive_now)
         # A failure: every survivor releases the epoch's collectives at once; a join or a
         # leave: all stop at the next iteration boundary. Either way the epoch's rendezvous
         # is abandoned if it is still going on (a peer died before joining it).
@@ -303,13 +307,16 @@ class Controller:
             self.partitions.wait_out(cut_off, f"the largest group of nodes that all reach each other, "
                                               f"{nodes}, is too small for one replica of the model")
             return
-        self._check_progress(first, nodes)
         if len(nodes) < self.planner.n0:
+            if self.node_wait.wait(len(nodes), self.planner.n0, detected):
+                return  # tried again at the next poll, the failed epoch's statuses standing
             told = sorted(set(notices) & {w[0] for w in survivors | joiners})
             raise JobFailed(f"{len(nodes)} node(s) left, but one replica of the model needs "
                             f"n0={self.planner.n0}"
                             f"{f' ({told} were told they will be gone: a preemption notice or SIGTERM)' if told else ''}"
-                            "; add nodes and restart from the last checkpoint")
+                            f", and no node came within {self.node_wait.limit_s:g} s (--join-timeout); "
+                            "add nodes and restart from the last checkpoint")
+        self._check_progress(first, nodes)
         # Sources of layer state: what the workers of the group hold, live or in their
         # peer snapshots (a stateless worker may keep snapshots); no copy crosses a cut.
         holders = {w: s for w, s in statuses.items() if w[0] in nodes or w in leaving}
@@ -321,6 +328,7 @@ class Controller:
                 raise
             self.partitions.wait_out(cut_off, f"{nodes} cannot train on their own ({err})")
             return
+        self.node_wait.over()
         plan = choice.plan
         restoring = restore is not None or snapshot is not None
         roll = None if restoring else resolution.roll_forward  # a restore loads everything
@@ -365,13 +373,14 @@ class Controller:
         nodes, cut_off = self.partitions.largest_group([n for n in self._whole_nodes(workers) if n not in notices])
         return self.spares.cap(nodes, self.plan.nodes()), cut_off
 
-    def _prepare_leave(self, alive_now: Callable[[], set[Worker]]) -> None:
-        """Plan a leave's next epoch while the epoch in force still trains, and write it as
-        prepared (`PlannedLeaves.prepare`) before the stop is asked for: a worker that stops
-        at the agreed step boundary enters it at once, instead of waiting for every
-        status, this plan and its publication (30-40 ms of the pause with four workers on
-        two cores; with many workers, that many more statuses to wait for). Nothing is
-        prepared when the statuses could change the plan: a worker gone, a node cut off."""
+    def _prepare_next(self, alive_now: Callable[[], set[Worker]]) -> None:
+        """Plan a leave's or a join's next epoch while the epoch in force still trains, and
+        write it as prepared (`PlannedLeaves.prepare`) before the stop is asked for: a
+        worker that stops at the agreed step boundary enters it at once, instead of
+        waiting for every status, this plan and its publication (30-40 ms of the pause
+        with four workers on two cores; with many workers, that many more statuses to
+        wait for). Nothing is prepared when the statuses could change the plan: a worker
+        gone, a node cut off."""
         members = self._members()
         alive = alive_now() - self._killed
         if members - alive:

@@ -8,7 +8,11 @@ the fencing rule of docs/recovery.md ("Fencing") is decided from.
   went back from, leaves files and snapshots that nobody counts.
 - A worker is planned in again only once it has left the last epoch it was planned in
   (`out_of_their_epochs`): a node cut off and back shows its workers alive at once, while
-  they may still be blocked in the epoch they were cut off in.
+  they may still be blocked in the epoch they were cut off in. A worker never planned is
+  planned in only once it has announced itself (`keys.member`), which it does when its
+  start-up is over: a joiner still importing, loading its data or (on a GPU) making its
+  device's context and compiling would hold every other worker in the next epoch's
+  rendezvous for as long (issue 45: seconds on CPU, minutes on a GPU).
 
 Published records never change, so what is read of them is kept. The epoch in force and
 its plan are the caller's, passed in (their own record is not read back). Loaded by an
@@ -39,6 +43,8 @@ class EpochHistory:
         """Each past epoch's workers (`last_planned`)."""
         self._said: dict[Worker, int] = {}
         """The epoch each worker was last said to be still in (`out_of_their_epochs`)."""
+        self._starting: set[Worker] = set()
+        """New workers said to be starting (alive, not announced yet)."""
 
     def committing_epoch(self, iteration: int, current: Plan) -> int:
         """The epoch that commits (or committed) step `iteration` in the job's history, the
@@ -61,16 +67,26 @@ class EpochHistory:
 
     def out_of_their_epochs(self, workers: set[Worker], epoch: int) -> set[Worker]:
         """The workers of `workers` that can be planned in, the epoch in force being `epoch`:
-        new ones, and those that have left the last epoch they were planned in
-        (`keys.ready`). A node cut off and back shows its workers alive at once, but a
-        worker still blocked in the epoch it was cut off in would never reach the next
-        one's rendezvous, and the whole job would wait for it there; it is planned in once
-        it has left (said once)."""
+        new ones that have announced themselves (their start-up is over), and those that
+        have left the last epoch they were planned in (`keys.ready`). A node cut off and
+        back shows its workers alive at once, but a worker still blocked in the epoch it
+        was cut off in would never reach the next one's rendezvous, and the whole job
+        would wait for it there; it is planned in once it has left (said once). (The
+        leader follows both prefixes: these looks cost etcd no request.)"""
         ready = set()
         for worker in workers:
             last = self.last_planned(worker, epoch)
+            if last is None:
+                if self.store.check([keys.member(worker)]):
+                    ready.add(worker)
+                    self._starting.discard(worker)
+                elif worker not in self._starting:
+                    self._starting.add(worker)
+                    self.log(f"controller: {worker_key(worker)} is starting; it is planned in once it has "
+                             "announced itself (its start-up over), the job training meanwhile")
+                continue
             key = keys.ready(worker)
-            if last is None or (self.store.check([key]) and int(self.store.get(key)) >= last):
+            if self.store.check([key]) and int(self.store.get(key)) >= last:
                 ready.add(worker)
             elif self._said.get(worker) != last:
                 self._said[worker] = last

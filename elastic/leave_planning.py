@@ -7,7 +7,9 @@ over the layers only it holds before it goes.
 - The prepared epoch: the next epoch is planned while the epoch in force still trains,
   from what its plan has each worker hold, and written as prepared
   (`keys.epoch_prepared`) before the stop is asked for (`PlannedLeaves.prepare`). A
-  worker that stops at the agreed step boundary enters it at once.
+  worker that stops at the agreed step boundary enters it at once. A join is prepared
+  the same way (its joiners announced, their start-up over: `EpochHistory`), so that
+  it costs the job about what a leave does.
 - After the stop: the prepared epoch read back (`prepared`), and whether the statuses
   bear it out (`confirm`).
 
@@ -104,7 +106,7 @@ class PlannedLeaves:
         return {w for w in workers if w[0] in notices and notices[w[0]].deadline - time.time() >= self.overhead_s}
 
     def prepare(self, epoch: int, plan: Plan, choice, notices: Mapping[str, LeaveNotice]) -> None:
-        """Write the next epoch as prepared for the leave of `epoch`, whose plan is `plan`:
+        """Write the next epoch as prepared for the leave (or join) of `epoch`, whose plan is `plan`:
         `choice` (the planner's, for the nodes that stay), its transfers from what `plan`
         has each worker hold (a worker that trains holds exactly its plan's layers, and
         the stop comes after a committed step). Nothing is written when the statuses could

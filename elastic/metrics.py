@@ -39,6 +39,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
 
 from planaria.elastic.etcd_client import EtcdClient, EtcdSettings, EtcdUnavailable
+from planaria.elastic.node_wait import Waiting
 from planaria.runtime.contract import keys
 from planaria.runtime.contract.epochs import EpochEvent, EpochRecord, Progress, Reason
 
@@ -108,6 +109,8 @@ class Reading:
     reconfigurations: dict[str, int] | None = None
     """By reason (`REASONS`); None until the store was read once."""
     last_recovery_s: float | None = None
+    waiting_for_nodes: int | None = None
+    """While the job, below one replica's nodes, waits for nodes: how many more (`node_wait`)."""
     error: str | None = None
     """Why the last read failed, when it did."""
 
@@ -163,6 +166,10 @@ class JobReader:
             p = Progress.from_json(progress)
             reading = dataclasses.replace(reading, committed_step=p.step, committed_at_s=p.time_s,
                                           steps_per_s=1 / p.step_s if p.step_s > 0 else None)
+        waiting = self._value(keys.WAITING)
+        if waiting:
+            w = Waiting.from_json(waiting)
+            reading = dataclasses.replace(reading, waiting_for_nodes=w.needs - w.nodes)
         return reading
 
     def _plan_nodes(self, epoch: int | None) -> frozenset[str]:
@@ -311,6 +318,9 @@ def _job_families(reading: Reading) -> Iterator[Metric]:
         for reason, count in reading.reconfigurations.items():
             counter.add_metric([reason], count)
         yield counter
+    yield GaugeMetricFamily("planaria_waiting_for_nodes", "While the job, below one replica's nodes, waits "
+                            "for nodes (up to --join-timeout): how many more it needs; 0 otherwise",
+                            value=reading.waiting_for_nodes or 0)
     if reading.last_recovery_s is not None:
         yield GaugeMetricFamily("planaria_last_recovery_seconds", "The last recovery from a failure: "
                                 "from its detection to the first step committed after it",

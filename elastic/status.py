@@ -31,6 +31,7 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from planaria.elastic.etcd_client import EtcdClient, EtcdSettings, EtcdUnavailable
+from planaria.elastic.node_wait import Waiting
 from planaria.runtime.contract import keys
 from planaria.runtime.contract.epochs import EpochEvent, EpochRecord, Progress
 from planaria.runtime.contract.membership import LeaveNotice
@@ -92,6 +93,8 @@ class JobView:
     steps_per_s: float | None = None
     committed_s_ago: float | None = None
     recoveries: list[RecoveryView] = field(default_factory=list)
+    waiting: dict | None = None
+    """While the job, below one replica's nodes, waits for nodes: `node_wait.Waiting`'s fields."""
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)
@@ -130,6 +133,9 @@ def _read(client: EtcdClient, prefix: str, view: JobView) -> None:
     spares = value(keys.SPARES)
     view.nodes = _nodes(client, prefix, plan_nodes=set(plan.nodes()), past=past,
                         spares=set(json.loads(spares)) if spares else set())
+    waiting = value(keys.WAITING)
+    if waiting:
+        view.waiting = Waiting.from_json(waiting).to_dict()
     progress = value(keys.PROGRESS)
     if progress:
         p = Progress.from_json(progress)
@@ -190,6 +196,11 @@ def render(view: JobView):
     state = "over: " + view.outcome if view.outcome else "running"
     lines.append(Text(f"{state}; epoch {view.epoch if view.epoch is not None else '- (not started)'}; "
                       f"leader {view.leader or '-'}"))
+    if view.waiting is not None:
+        w = view.waiting
+        lines.append(Text(f"waiting for {w['needs'] - w['nodes']} more node(s): {w['nodes']} left, one replica of "
+                          f"the model needs {w['needs']}; waiting for {view.read_at - w['since']:.0f} s of at most "
+                          f"{w['limit_s']:g} s (--join-timeout)", style="yellow"))
     if view.committed_step is not None:
         lines.append(Text(f"step {view.committed_step + 1} committed {view.committed_s_ago:.1f} s ago; "
                           f"{view.steps_per_s:.2f} steps/s ({view.step_s:.3f} s a step)"))

@@ -16,8 +16,8 @@ Started again (`restart`, with `--max-restarts N`, up to N times), the workers j
 new capacity under a new name, `<node>~<restart>` (`member`): the leader sees a node
 join, and a worker is never mistaken for its predecessor (whose kill requests, statuses
 and commit log stay its own). A worker that asks to be started again
-(`EXIT_STUCK_AFTER_RELEASE`), and one its agent killed for hanging (stopped, or its
-heartbeat silent), are not counted against --max-restarts (`reset_asked`), up to
+(`EXIT_STUCK_AFTER_RELEASE`), and one its agent killed for hanging (stopped, its
+heartbeat silent, or stuck in a step: runtime/worker/progress_watch.py), are not counted against --max-restarts (`reset_asked`), up to
 `MAX_RESETS` and `MAX_HANG_RESTARTS` times: the machine is sound, and the node joins again
 rather than leaving the job for good.
 
@@ -45,7 +45,7 @@ from planaria.elastic.worker_output import (OutputSpec, Tail, WorkerStreams, clo
 from planaria.runtime.config.sections import CommConfig
 from planaria.runtime.contract import env as worker_env, keys
 from planaria.runtime.contract.exits import EXIT_STUCK_AFTER_RELEASE
-from planaria.runtime.contract.heartbeat import silent_for
+from planaria.runtime.contract.heartbeat import silent_for, stalled
 from planaria.runtime.contract.keys import worker_key
 from planaria.templates.plan import Worker
 
@@ -217,10 +217,12 @@ class WorkerSupervisor:
 
     def kill_frozen(self) -> None:
         """SIGKILL a worker that hangs: stopped (its process state) for
-        `comm.stopped_timeout_s`, or its heartbeat silent for `comm.heartbeat_timeout_s`
-        (runtime/contract/heartbeat.py: frozen, swapping, stuck in the kernel). Either way
-        it would hold the job up until the leader's status timeout; dead, it is a failure
-        like any other, seen at once."""
+        `comm.stopped_timeout_s`, its heartbeat silent for `comm.heartbeat_timeout_s`
+        (runtime/contract/heartbeat.py: frozen, swapping, stuck in the kernel), or, by its
+        heartbeat, stalled within a step outside any collective past its bound (stuck in a
+        kernel or a deadlock: runtime/worker/progress_watch.py). Any of them would hold the
+        job up until the leader's status timeout; dead, it is a failure like any other,
+        seen at once."""
         limit = self.comm.heartbeat_timeout_s or self.comm.timeout_s
         now = time.time()
         for worker, proc in self.workers.items():
@@ -228,10 +230,15 @@ class WorkerSupervisor:
                 continue
             stopped = self._stopped_for(worker, proc, now)
             silent = silent_for(self._heartbeat_file(worker), now)
+            stall = stalled(self._heartbeat_file(worker))
             if self.comm.stopped_timeout_s and stopped >= self.comm.stopped_timeout_s:
                 why = f"stopped for {stopped:.1f} s"
             elif silent is not None and silent > limit:
                 why = f"froze (no heartbeat for {silent:.0f} s)"
+            elif stall is not None and stall[0] > stall[1]:
+                why = (f"is stuck: no progress in its step for {stall[0]:.1f} s, outside any collective "
+                       f"(its bound: {stall[1]:.1f} s, comm.stuck_factor x its median step, at least "
+                       f"comm.stuck_floor_s)")
             else:
                 continue
             self.log(f"worker {worker_key(worker)} {why}; killing it")

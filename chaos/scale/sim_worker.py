@@ -91,12 +91,16 @@ class SimulatedWorker:
         and loading its data (none by default: a simulated worker asks at once).
         `metrics`: its metrics writer's reads (over `store`), when the job writes
         TensorBoard metrics. `quiet_s`: how long its epoch watcher waits for a word
-        before it asks its relay again (`EpochWatcher.quiet_s`; etcd sees none of it)."""
+        before it asks its relay again (`EpochWatcher.quiet_s`; etcd sees none of it), and,
+        when not the default, its waits for an epoch and its rendezvous's abandon watch too
+        (`StoreCoordinator.followed_wait_s`)."""
         # Its nodes are threads of one process: their epochs' stores are hosted on loopback.
         # `records`: the parse of each record and its plan's facts, shared by every
         # simulated worker (`shared_records`; none given: its own).
         self.records = records or SharedRecords(tied_layers)
         self.coordinator = SharedRecordCoordinator(store, worker, node_address="127.0.0.1", records=self.records)
+        if quiet_s != QUIET_S:  # its other waits on followed keys as long (`followed_wait_s`)
+            self.coordinator.followed_wait_s = self.coordinator.abandon_wait_s = quiet_s
         self.worker, self.plane, self.observer = worker, plane, observer
         self.step_s, self.total_steps, self.backend = step_s, total_steps, backend
         self.tied_layers, self.wait_s, self._log = tied_layers, wait_s, log

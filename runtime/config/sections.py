@@ -218,6 +218,15 @@ class CommConfig:
     this long is killed by its agent, without waiting for its heartbeat to lapse; its node
     starts fresh workers that join again (`elastic.worker_supervisor`). 0: only the
     heartbeat."""
+    stuck_factor: float = 10.0
+    """An elastic worker that makes no progress within a step, outside any collective,
+    for this many times the median of its recent steps (at least `stuck_floor_s`) is
+    stuck (a kernel that never returns, a deadlock) and killed by its agent; its node
+    starts fresh workers that join again (`runtime/worker/progress_watch.py`). A step a
+    few times slower than usual is nowhere near it."""
+    stuck_floor_s: float = 30.0
+    """The least time without progress that counts as stuck, whatever the step time (and
+    the whole bound until the epoch's first steps were measured); 0: no stuck check."""
     release: bool = True
     """When the control plane declares an epoch failed, every survivor releases the
     epoch's blocked collectives at once (`planaria.runtime.parallel.release`: gloo's connections

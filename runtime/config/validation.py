@@ -58,6 +58,11 @@ def check_config(cfg: Config) -> Config:
     if c.stopped_timeout_s < 0:
         raise ConfigError(f"comm.stopped_timeout_s must be 0 (the heartbeat only) or positive seconds; "
                           f"got {c.stopped_timeout_s}")
+    if c.stuck_floor_s < 0:
+        raise ConfigError(f"comm.stuck_floor_s must be 0 (no stuck check) or positive seconds; got {c.stuck_floor_s}")
+    if c.stuck_floor_s and c.stuck_factor < 3:
+        raise ConfigError(f"comm.stuck_factor must be at least 3 (a step a few times slower than usual is no "
+                          f"hang; 10 is the default); got {c.stuck_factor}")
     if c.release_stuck_s < 0:
         raise ConfigError(f"comm.release_stuck_s must be 0 (never) or positive seconds; got {c.release_stuck_s}")
     for key in ("pp", "dp"):

@@ -10,15 +10,21 @@ collective timeout), which turns a frozen worker into a dead one in that time. A
 that is merely busy (a long step, a collective waiting on a peer) keeps beating: its
 thread needs nothing but the interpreter.
 
+The beat also carries the worker's progress within its steps (`progress`: seconds
+stalled outside any collective, and its bound; runtime/worker/progress_watch.py), which
+the heartbeat alone cannot show: a worker stuck in a kernel or a deadlock beats on.
+
 The path comes in `PLANARIA_HEARTBEAT_FILE`; a file is a plain, local, dependency-free
 channel between two processes of one node (no etcd writes per worker per second).
 """
 from __future__ import annotations
 
+import json
 import os
 import threading
 import time
 from pathlib import Path
+from typing import Callable
 
 ENV = "PLANARIA_HEARTBEAT_FILE"
 EVERY_S = 1.0
@@ -27,14 +33,22 @@ EVERY_S = 1.0
 class Heartbeat:
     """The beating thread of one worker (`start_beating`)."""
 
-    def __init__(self, path: Path):
-        self.path = path
+    def __init__(self, path: Path, progress: Callable[[], tuple[float, float]] | None = None):
+        """`progress`: (seconds stalled, bound) at each beat, written into the file."""
+        self.path, self.progress = path, progress
         self._stop = threading.Event()
         threading.Thread(target=self._beat, daemon=True, name="heartbeat").start()
 
     def _beat(self) -> None:
         while True:
-            self.path.touch()
+            if self.progress is None:
+                self.path.touch()
+            else:
+                stalled, bound = self.progress()
+                # Whole or not at all: the agent reads it at any moment.
+                partial = self.path.with_name(self.path.name + ".partial")
+                partial.write_text(json.dumps({"stalled_s": round(stalled, 3), "bound_s": round(bound, 3)}))
+                os.replace(partial, self.path)
             if self._stop.wait(EVERY_S):
                 return
 
@@ -46,11 +60,13 @@ class Heartbeat:
         self.path.unlink(missing_ok=True)
 
 
-def start_beating(path: str | Path | None = None) -> Heartbeat | None:
+def start_beating(path: str | Path | None = None,
+                  progress: Callable[[], tuple[float, float]] | None = None) -> Heartbeat | None:
     """Touch `path` (default: from the environment) every second from a daemon thread
-    until `stop()`. None when there is no path (no agent watches this process)."""
+    until `stop()`, writing `progress` into it when given. None when there is no path
+    (no agent watches this process)."""
     path = path or os.environ.get(ENV)
-    return Heartbeat(Path(path)) if path else None
+    return Heartbeat(Path(path), progress) if path else None
 
 
 def silent_for(path: Path, now: float | None = None) -> float | None:
@@ -59,3 +75,13 @@ def silent_for(path: Path, now: float | None = None) -> float | None:
         return (now or time.time()) - Path(path).stat().st_mtime
     except FileNotFoundError:
         return None
+
+
+def stalled(path: Path) -> tuple[float, float] | None:
+    """(seconds the worker has been stalled within a step, its bound) as of its last
+    beat; None when its beat carries no progress (or none yet)."""
+    try:
+        beat = json.loads(Path(path).read_text() or "null")
+    except (FileNotFoundError, ValueError):
+        return None
+    return None if not isinstance(beat, dict) else (float(beat["stalled_s"]), float(beat["bound_s"]))

@@ -29,6 +29,8 @@ prefix in etcd, `/planaria/<run id>/`):
     spares                          the live nodes no plan uses now, waiting to replace a
                                     failed one (JSON list; beyond `--nnodes`' maximum, or
                                     that no plan can use)
+    waiting                         present while the job, below one replica's nodes,
+                                    waits for nodes (`NodeWait`: since when, how many)
 
 The agents' own keys in etcd lie beside these, under the same prefix:
 
@@ -48,6 +50,7 @@ EPOCH = "epoch"
 DONE = "done"
 PROGRESS = "progress"
 SPARES = "spares"
+WAITING = "waiting"
 MEMBERS = "members/"
 JOB = "config"
 LEADER = "leader"

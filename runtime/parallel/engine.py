@@ -133,14 +133,17 @@ class Engine:
     _evaluating = False
 
     def __init__(self, model: LayerModel, optim: OptimizerSettings, settings: EngineSettings, *,
-                 phase: Callable[[str, int], None] | None = None):
+                 phase: Callable[[str, int], None] | None = None, layer_phases: bool | None = None):
+        """`phase`: called with each phase of an iteration (fault injection, progress);
+        `layer_phases`: also each layer's forward and backward (hooks on every layer;
+        default: whenever there is a `phase`)."""
         self.model = model
         self.optim = optim
         self.settings = settings
         self.device = settings.device
         self.grad_accum_dtype = settings.wide_sums
         self._phase = phase or (lambda name, iteration: None)
-        self._has_phase_hooks = phase is not None
+        self._has_phase_hooks = phase is not None if layer_phases is None else layer_phases
         self.plan: Plan | None = None
         self.rank = -1
         self.groups: EpochGroups | None = None
@@ -349,6 +352,7 @@ class Engine:
         start = time.perf_counter()
         plan = self.plan
         self.iteration, self.synced = iteration, False
+        self._phase("begin", iteration)
         count = self.pipeline.num_microbatches * plan.micro_batch
         inputs, targets = dataset.batch(iteration, plan.global_batch, data_seed,
                                         start=self.pipeline.sample_offset, count=count)

@@ -25,15 +25,19 @@ class AbandonableStore(dist.Store):
     - any other base (the job's TCPStore under a prefix) is polled: `check` every
       `poll_s` until the keys are there, `abandoned()` between two."""
 
-    def __init__(self, base: dist.Store, abandoned, message: str, poll_s: float = 0.01, changes=None):
+    def __init__(self, base: dist.Store, abandoned, message: str, poll_s: float = 0.01, changes=None,
+                 change_wait_s: float | None = None):
         """`changes`: where `abandoned()` reads a mirror that a watch keeps (the control
         plane's store follows the epoch's end): `(generation, wait_changed)`, the
-        store's, so that the watch waits for the word instead of asking every `poll_s`."""
+        store's, so that the watch waits for the word instead of asking every `poll_s`;
+        `change_wait_s`: how long it waits for a change before it looks anyway
+        (`CHANGE_WAIT_S` by default)."""
         super().__init__()
         self.base, self.abandoned, self.message, self.poll_s = base, abandoned, message, poll_s
         interrupt = getattr(base, "interrupt", None)
         self._watch = (None if interrupt is None
-                       else _AbandonWatch(abandoned, lambda: interrupt(message), poll_s, changes))
+                       else _AbandonWatch(abandoned, lambda: interrupt(message), poll_s, changes,
+                                          CHANGE_WAIT_S if change_wait_s is None else change_wait_s))
 
     def _wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
         limit = (timeout or self.base.timeout).total_seconds()
@@ -124,9 +128,9 @@ class _AbandonWatch:
     (at 8 workers a node, thousands of nodes waiting in an epoch's bootstrap, that was
     most of what the relays served)."""
 
-    def __init__(self, abandoned, interrupt, poll_s: float, changes=None):
+    def __init__(self, abandoned, interrupt, poll_s: float, changes=None, change_wait_s: float = 1.0):
         self.abandoned, self.interrupt, self.poll_s = abandoned, interrupt, poll_s
-        self.changes = changes
+        self.changes, self.change_wait_s = changes, change_wait_s
         self.fired = False
         self._running = 0
         self._cond = threading.Condition()
@@ -184,6 +188,6 @@ class _AbandonWatch:
 
     def _wait_changed(self, since: int) -> None:
         try:
-            self.changes[1](since, CHANGE_WAIT_S)
+            self.changes[1](since, self.change_wait_s)
         except Exception:  # noqa: BLE001 - as above
             time.sleep(self.poll_s)

@@ -42,13 +42,13 @@ def engine_settings(cfg: Config, device: torch.device,
 
 
 def build_engine(cfg: Config, device: torch.device, *, phase: Callable[[str, int], None] | None = None,
-                 connect_timeout_s: float | None = None) -> Engine:
+                 connect_timeout_s: float | None = None, layer_phases: bool | None = None) -> Engine:
     """A new Engine of `cfg` on `device`, holding nothing yet: its first `enter_epoch`
     gives it a plan and its layers. `phase`: the engine's phase hook (fault injection,
-    progress)."""
+    progress); `layer_phases`: with each layer's forward and backward (`Engine`)."""
     model = LayerModel(cfg.model, seed=cfg.train.seed, recompute=cfg.train.recompute)
     return Engine(model, optimizer_settings(cfg.train), engine_settings(cfg, device, connect_timeout_s),
-                  phase=phase)
+                  phase=phase, layer_phases=layer_phases)
 
 
 def start_engine(cfg: Config, plan: Plan, rank: int, device: torch.device) -> Engine:

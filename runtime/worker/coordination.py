@@ -28,7 +28,7 @@ from planaria.runtime.contract.exactly_once import CommitRecord, WorkerStatus
 from planaria.runtime.contract.membership import Announcement
 from planaria.runtime.contract.store_reads import (follow, generation, poll_pause, read_if_present, unfollow,
                                                    wait_for_change)
-from planaria.runtime.worker.abandonable_store import AbandonableStore
+from planaria.runtime.worker.abandonable_store import CHANGE_WAIT_S, AbandonableStore
 from planaria.runtime.worker.epoch_store import EpochStoreClient, EpochStoreHost, advertised_host
 from planaria.runtime.worker.store_trace import traced
 from planaria.templates.plan import Worker
@@ -76,6 +76,11 @@ class StoreCoordinator:
         """The epochs whose own bootstrap store this worker has not closed yet."""
         self._hosted: dict[int, EpochStoreHost] = {}
         self._lock = threading.Lock()
+        self.followed_wait_s, self.abandon_wait_s = FOLLOWED_WAIT_S, CHANGE_WAIT_S
+        """How long a wait on followed keys (for an epoch; a rendezvous's abandon watch)
+        waits for a change before it looks anyway: a guard, the change wakes it at once.
+        (The scale harness lengthens both: thousands of simulated workers' looks at their
+        relays, which cost etcd nothing, are its own load, not the control plane's.)"""
 
     def announce(self) -> None:
         self.store.set(keys.member(self.worker), Announcement(os.getpid()).to_json())
@@ -95,9 +100,12 @@ class StoreCoordinator:
                 epoch = int(current)
                 return epoch, self.parse_record(self.store.get(keys.epoch_record(epoch)))
             if deadline.expired():
+                if read_if_present(self.store, keys.WAITING) is not None:
+                    deadline = ReachableDeadline(timeout_s)  # the job waits for nodes (`node_wait`): so do we
+                    continue
                 raise TimeoutError(f"worker {self._key}: no epoch after {after} within {timeout_s:.0f} s; "
                                    "is the control plane alive?")
-            wait_for_change(self.store, since, FOLLOWED_WAIT_S if followed else poll_pause(started, FAST_FOR_S, POLL_S))
+            wait_for_change(self.store, since, self.followed_wait_s if followed else poll_pause(started, FAST_FOR_S, POLL_S))
 
     def prepared_record(self, epoch: int) -> EpochRecord | None:
         """The next epoch's record as the controller prepared it before asking `epoch` to
@@ -129,7 +137,8 @@ class StoreCoordinator:
             followed = getattr(self.store, "follow", None) is not None
             store = AbandonableStore(base, lambda: self.reconfigure_requested(epoch),
                                      f"epoch {epoch} was abandoned by the control plane during its rendezvous",
-                                     changes=(self.generation, self.wait_changed) if followed else None)
+                                     changes=(self.generation, self.wait_changed) if followed else None,
+                                     change_wait_s=self.abandon_wait_s)
             # c10d holds the store by its C++ half only: a Python subclass collected while a
             # process group still uses it has no methods left ("Not implemented"). Kept,
             # closed or not, for as long as this worker lives (a small object an epoch).

@@ -41,7 +41,7 @@ import statistics
 import sys
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import asdict, replace
+from dataclasses import asdict, astuple, replace
 from datetime import timedelta
 from pathlib import Path
 
@@ -73,6 +73,7 @@ from planaria.runtime.worker.epoch_metrics import EpochMetrics
 from planaria.runtime.worker.epoch_watcher import EpochWatcher
 from planaria.runtime.worker.fault_injection import FaultInjector, corruption_after_step, flip_a_bit, writes_late
 from planaria.runtime.worker.leaving import leave
+from planaria.runtime.worker.progress_watch import ProgressWatch
 
 
 
@@ -90,10 +91,13 @@ class ElasticWorker:
     """One worker's epochs (module docstring)."""
 
     def __init__(self, cfg: Config, coordinator: StoreCoordinator, console: Console,
-                 device: torch.device, backend: str, keep_ports: frozenset[int] = frozenset()):
+                 device: torch.device, backend: str, keep_ports: frozenset[int] = frozenset(),
+                 progress: ProgressWatch | None = None):
         """`keep_ports`: the control plane's store endpoints, whose connections a release
-        of an epoch's collectives leaves open."""
+        of an epoch's collectives leaves open. `progress`: marked by the engine's phases
+        and each step's end, for the agent's stuck check (its heartbeat carries it)."""
         self.cfg = cfg
+        self.progress = progress
         self.keep_ports = keep_ports
         self.coordinator = coordinator
         self.worker = coordinator.worker
@@ -136,6 +140,10 @@ class ElasticWorker:
             self._retired.wait(timeout_s=30)
 
     def _run(self) -> int:
+        if self.faults is not None:  # a start-up made slow on purpose (chaos: a GPU worker's)
+            self.faults("start", 0)
+        # Announced once its start-up is over: a joiner is planned in only then
+        # (`EpochHistory.out_of_their_epochs`), the job training meanwhile.
         self.coordinator.announce()
         # What the process holds before any epoch (torch and the other imports, the
         # dataset: some 300,000 objects) lives as long as it does. Frozen out of the cyclic
@@ -332,7 +340,11 @@ class ElasticWorker:
         return layers.stats
 
     def _train(self, epoch: int, first: int) -> None:
-        self._steps(epoch, first, self._watcher.requested.is_set)
+        try:
+            self._steps(epoch, first, self._watcher.requested.is_set)
+        finally:  # a step that failed (a peer died) is no stall: the teardown is not watched
+            if self.progress is not None:
+                self.progress.disarm()
 
     def _steps(self, epoch: int, first: int, request) -> None:
         evaluation = Evaluation(self.val_dataset, self.cfg.data.seed, self.cfg.eval.batches, self.cfg.eval.due,
@@ -354,7 +366,12 @@ class ElasticWorker:
 
         # The commit is logged before the evaluation: a failure during it never hides a
         # committed step from the logs.
-        components = [Call(first_step), Call(lambda engine, ctx: self._record_commit(ctx.result, epoch)),
+        if self.progress is not None:
+            self.progress.epoch_started()
+        # The step's end first: what follows it (checkpoints, evaluations) is not watched.
+        components = [*([] if self.progress is None else [Call(lambda engine, ctx: self.progress.step_done(
+                          ctx.result.step_time_s))]),
+                      Call(first_step), Call(lambda engine, ctx: self._record_commit(ctx.result, epoch)),
                       Call(lambda engine, ctx: self.checkpointer.after_step(engine, epoch)),
                       Call(lambda engine, ctx: self.snapshots.after_step(
                           engine, ctx.result.busy, ctx.last or ctx.result.stop_requested)),
@@ -444,7 +461,10 @@ class ElasticWorker:
 
     def _new_engine(self) -> Engine:
         """An engine holding nothing yet, for this worker's next epoch."""
-        return build_engine(self.cfg, self.device, phase=self.faults, connect_timeout_s=self._connect_timeout_s())
+        phase = _phase_hook(None if self.progress is None else self.progress.mark, self.faults)
+        # Per-layer hooks only for fault injection: the progress watch needs the step's phases alone.
+        return build_engine(self.cfg, self.device, phase=phase, connect_timeout_s=self._connect_timeout_s(),
+                            layer_phases=self.faults is not None)
 
     def _connect_timeout_s(self) -> float:
         """An epoch's process groups connect within this: a peer that died after the
@@ -470,11 +490,25 @@ def _die_with_parent() -> None:
         os._exit(1)
 
 
+def _phase_hook(*hooks):
+    """One phase callback that calls each of `hooks` (those not None), or None."""
+    hooks = [hook for hook in hooks if hook is not None]
+    if len(hooks) <= 1:
+        return hooks[0] if hooks else None
+
+    def call(name: str, iteration: int) -> None:
+        for hook in hooks:
+            hook(name, iteration)
+    return call
+
+
 def run_elastic(cfg: Config, console: Console, device: torch.device, backend: str) -> int:
     address, node, local_rank = elastic_environment()
     if os.environ.get(env.DIE_WITH_AGENT) == "1":
         _die_with_parent()
-    heartbeat = start_beating()  # for the agent's watch on frozen workers (contract/heartbeat.py)
+    # The agent's watch on frozen workers (contract/heartbeat.py) and on stuck ones (progress_watch.py).
+    progress = (ProgressWatch(cfg.comm.stuck_factor, cfg.comm.stuck_floor_s) if cfg.comm.stuck_floor_s else None)
+    heartbeat = start_beating(progress=None if progress is None else lambda: astuple(progress.stall()))
     if not os.environ.get(env.DEBUG):
         # A failed peer makes torch's schedule runtime log its whole action table as an
         # error; here that is the expected start of a recovery, which the worker reports
@@ -489,7 +523,7 @@ def run_elastic(cfg: Config, console: Console, device: torch.device, backend: st
         for warning in env.nccl_recovery(os.environ, cfg.comm.timeout_s):
             console.print(f"[{node}.{local_rank}] warning: {warning}", markup=False)
     code = ElasticWorker(cfg, coordinator, console, device, backend,
-                         keep_ports=frozenset(store_ports(address))).run()
+                         keep_ports=frozenset(store_ports(address)), progress=progress).run()
     if heartbeat is not None:  # the job is over: leaving takes the interpreter's shutdown
         heartbeat.stop()
     return code

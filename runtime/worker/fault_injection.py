@@ -10,10 +10,14 @@ SIGKILLs itself (no cleanup, no Python exit handlers: exactly as if the node van
 on the 2nd backward call of iteration 3, and `node2.0` at its first state transfer
 whatever the iteration. A trailing `!error` raises a RuntimeError instead, as a
 collective that fails on this worker alone would (the worker lives on); `!hang` stops
-the process with SIGSTOP (it neither dies nor answers); `!slow=S` sleeps S seconds
+the process with SIGSTOP (it neither dies nor answers); `!stall` waits forever where it
+is, the process running (a kernel that never returns, a deadlock: only its progress
+shows it, `progress_watch`); `!slow=S` sleeps S seconds
 every time it matches (a straggler: with `@*`, every iteration is S seconds slower). Phases are the engine's (`planaria.runtime.parallel.engine`): forward,
 backward (counted per layer, microbatch and chunk), sync, commit, committed (the commit
-all-reduce completed, the step not yet taken), step, transfer. A fault fires once: a
+all-reduce completed, the step not yet taken), step, transfer; and start, once, before the
+worker announces itself (`node4.0:start@0!slow=30`: a worker whose start-up takes 30 s
+more, as a GPU worker's device context, NCCL and compilation do). A fault fires once: a
 worker that comes back under the same name is a new process without it (the harness
 clears the variable when it restarts a node).
 """
@@ -22,12 +26,13 @@ from __future__ import annotations
 import os
 import re
 import signal
+import threading
 import time
 from dataclasses import dataclass
 
-PHASES = ("forward", "backward", "sync", "commit", "committed", "step", "transfer")
+PHASES = ("forward", "backward", "sync", "commit", "committed", "step", "transfer", "start")
 _SPEC = re.compile(r"^(?P<worker>[^:]+):(?P<phase>\w+)@(?P<iteration>\d+|\*)(?:#(?P<count>\d+))?"
-                   r"(?P<action>!error|!hang|!slow=(?P<delay>\d+(?:\.\d*)?))?$")
+                   r"(?P<action>!error|!hang|!stall|!slow=(?P<delay>\d+(?:\.\d*)?))?$")
 
 
 @dataclass(frozen=True)
@@ -44,7 +49,8 @@ class Fault:
     """"kill": SIGKILL. "error": raise a RuntimeError instead, as a collective that fails
     on this worker alone does (with "committed": the commit all-reduce completed on the
     others but failed here, which the exactly-once rule rolls forward). "hang": SIGSTOP,
-    a worker that stops answering without dying. "slow": sleep `delay_s`, every time."""
+    a worker that stops answering without dying. "stall": wait forever, running.
+    "slow": sleep `delay_s`, every time."""
     delay_s: float = 0.0
 
 
@@ -54,7 +60,7 @@ def parse_faults(text: str) -> list[Fault]:
         match = _SPEC.match(item)
         if not match or match["phase"] not in PHASES:
             raise ValueError(f"bad fault {item!r}: expected NODE.LOCAL:PHASE@ITERATION[#COUNT]"
-                             f"[!error|!hang|!slow=SECONDS] with "
+                             f"[!error|!hang|!stall|!slow=SECONDS] with "
                              f"PHASE one of {', '.join(PHASES)} and ITERATION a number or *")
         iteration = None if match["iteration"] == "*" else int(match["iteration"])
         action = (match["action"] or "!kill")[1:].partition("=")[0]
@@ -84,6 +90,8 @@ class FaultInjector:
                 if fault.action == "slow":
                     time.sleep(fault.delay_s)
                     continue
+                if fault.action == "stall":
+                    threading.Event().wait()  # never set: stuck here, the process running
                 if fault.action == "error":
                     self.faults.remove(fault)  # once: the worker lives on
                     raise RuntimeError(f"injected fault: {phase} of iteration {iteration} failed "

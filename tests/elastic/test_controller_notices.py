@@ -19,7 +19,7 @@ from planaria.runtime.contract.epochs import EpochRecord, Progress
 from planaria.runtime.contract.keys import worker_key
 from planaria.runtime.contract.membership import LeaveNotice
 from planaria.runtime.planning.job_plans import build_planner, cost_model
-from tests.elastic.test_controller_joins import report_statuses
+from tests.elastic.test_controller_joins import report_statuses, stop_when_asked
 from tests.launch import TINY
 
 STEP_S = 0.5
@@ -35,12 +35,6 @@ def job(notices: dict):
     store.set(keys.epoch_trained(0), "1")
     store.set(keys.PROGRESS, Progress(epoch=0, step=3, time_s=time.time(), step_s=STEP_S).to_json())
     return controller, store, logs, members, plan
-
-
-def stop_when_asked(store, plan, last_stepped: int, members) -> None:
-    """The workers' side of a stop: once the controller asks, each reports its status."""
-    store.wait([keys.epoch_reconfigure(plan.epoch)])
-    report_statuses(store, plan, last_stepped, members)
 
 
 def notice(in_s: float) -> LeaveNotice:

@@ -1,0 +1,139 @@
+"""What a node's join costs the job: the pause between two commits around it, before and
+after joins were planned only once the joiner announced itself (issue 45).
+
+    python benchmarks/join.py [--before REF] [--slow-start 30] [--nodes 4] [--json out.json]
+
+Two trees side by side in one run: the working tree ("after") and `--before` (a commit,
+checked out into a temporary git worktree and imported from there: the script checks
+that the chaos run's modules came from it). On each, two chaos runs of
+`configs/tiny.yaml` on `--nodes` nodes with `add-node@5`:
+
+  join        the new node's worker starts as fast as it can (on CPU: Python, torch,
+              the dataset: a few seconds);
+  slow join   its start-up takes `--slow-start` seconds more, as a GPU worker's device
+              context, NCCL and compilation do: the joiner's worker process sleeps that
+              long as its interpreter starts (a `sitecustomize` of this script's, which
+              both trees run alike; `PLANARIA_FAULTS`'s `start` phase does the same
+              in the trees that have it).
+
+Reported from each run's chaos report (`planaria.chaos.report`): the pause (the last
+commit before the join's epoch to its first commit), the run's own step time away from
+faults, the switch (the pause less that step), the layer copy and the rendezvous of the
+join's epoch; and whether the run lost nothing (0 committed steps lost, loss diff 0).
+The goal: a pause of about one step plus the copy, the slow joiner's too.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+BEFORE = "4e972f9"
+"""The last commit at which a worker counted as ready to join as soon as its process was alive."""
+CASES = ("join", "slow join")
+
+
+SLOW_START = """\
+# The join benchmark's slow joiner: its worker process sleeps as its interpreter starts.
+import os, time
+if os.environ.get("PLANARIA_NODE") == os.environ.get("JOIN_BENCHMARK_SLOW_NODE") and "PLANARIA_HEARTBEAT_FILE" in os.environ:
+    time.sleep(float(os.environ["JOIN_BENCHMARK_SLOW_START_S"]))
+"""
+
+
+def chaos_run(tree: Path | None, case: str, args, out: Path) -> dict:
+    """One chaos run with a join, on `tree` (None: the working tree); its report's figures."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("PLANARIA_FAULTS", None)
+    paths = [] if tree is None else [str(_import_root(tree))]
+    if case == "slow join":
+        slow = out.parent / "slow-start"
+        slow.mkdir(exist_ok=True)
+        (slow / "sitecustomize.py").write_text(SLOW_START)
+        paths.append(str(slow))
+        # add-node starts the next index; only its workers (they have a heartbeat file) sleep
+        env.update(JOIN_BENCHMARK_SLOW_NODE=f"node{args.nodes}", JOIN_BENCHMARK_SLOW_START_S=f"{args.slow_start:g}")
+    env["PYTHONPATH"] = os.pathsep.join([*paths, env.get("PYTHONPATH", "")])
+    # Long enough for the slow joiner to be planned in before the end (steps of 0.05 to 0.1 s).
+    steps = 120 + (int(2.5 * args.slow_start / 0.05) if case == "slow join" else 0)
+    cmd = [sys.executable, "-m", "planaria.cli", "chaos", str(REPO / "configs/tiny.yaml"), "--nodes", str(args.nodes),
+           "--fault-tolerance", "1", "--fault", "add-node@5", "--out", str(out), "parallel.min_stages=2",
+           f"train.steps={steps}"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=out.parent, timeout=args.timeout)
+    report_path = out / "report.json"
+    if proc.returncode != 0 or not report_path.exists():
+        raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    report = json.loads(report_path.read_text())
+    join = next(r for r in report["recoveries"] if r["fault"].startswith("add-node"))
+    return {"tree": "after" if tree is None else "before", "case": case, "pause_s": join["pause_s"],
+            "own_step_s": report.get("own_step_s"), "switch_s": join["switch_s"],
+            "transfer_s": join["transfer_s"], "rendezvous_s": join["rendezvous_s"], "reason": join["reason"],
+            "lost": report["committed_steps_lost"], "loss_diff": report["max_loss_diff"]}
+
+
+def _import_root(tree: Path) -> Path:
+    """A directory whose `planaria` is `tree` (the package is the repository's root)."""
+    root = tree.parent / "import-root"
+    root.mkdir(exist_ok=True)
+    link = root / "planaria"
+    if not link.exists():
+        link.symlink_to(tree, target_is_directory=True)
+    return root
+
+
+def check_imports_from(tree: Path) -> None:
+    """Refuse to measure the wrong code: `planaria` must come from `tree`."""
+    env = dict(os.environ, PYTHONPATH=str(_import_root(tree)))
+    found = subprocess.run([sys.executable, "-c", "import planaria.elastic.controller as c; print(c.__file__)"],
+                           capture_output=True, text=True, env=env, cwd=tree.parent, check=True).stdout.strip()
+    if not Path(found).resolve().is_relative_to(tree.resolve()):
+        raise RuntimeError(f"the 'before' run would import planaria from {found}, not from {tree}; "
+                           "run this script from an environment where planaria is installed editable")
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| tree | case | pause (s) | step (s) | switch (s) | copy (s) | rendezvous (s) | lost | loss diff |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    f = lambda v: "" if v is None else f"{v:.2f}"  # noqa: E731
+    for r in rows:
+        lines.append(f"| {r['tree']} | {r['case']} | {f(r['pause_s'])} | {f(r['own_step_s'])} | {f(r['switch_s'])} | "
+                     f"{f(r['transfer_s'])} | {f(r['rendezvous_s'])} | {r['lost']} | {r['loss_diff']} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--before", default=BEFORE, help=f"the commit to compare with (default {BEFORE})")
+    parser.add_argument("--slow-start", type=float, default=30.0, help="the slow joiner's extra start-up (s)")
+    parser.add_argument("--nodes", type=int, default=4)
+    parser.add_argument("--cases", nargs="+", choices=CASES, default=list(CASES))
+    parser.add_argument("--timeout", type=float, default=900.0, help="per chaos run (s)")
+    parser.add_argument("--json", help="write the rows here")
+    args = parser.parse_args(argv)
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="planaria-join-") as tmp:
+        tree = Path(tmp) / "before"
+        subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(tree), args.before],
+                       check=True, capture_output=True)
+        try:
+            check_imports_from(tree)
+            for case in args.cases:
+                for side in (tree, None):
+                    out = Path(tmp) / f"{'before' if side else 'after'}-{case.replace(' ', '-')}"
+                    rows.append(chaos_run(side, case, args, out))
+                    print(f"{rows[-1]['tree']} {case}: " + table([rows[-1]]).splitlines()[-1], flush=True)
+        finally:
+            subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(tree)], capture_output=True)
+    print(table(rows))
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
