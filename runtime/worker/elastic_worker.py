@@ -142,9 +142,6 @@ class ElasticWorker:
     def _run(self) -> int:
         if self.faults is not None:  # a start-up made slow on purpose (chaos: a GPU worker's)
             self.faults("start", 0)
-        # Announced once its start-up is over: a joiner is planned in only then
-        # (`EpochHistory.out_of_their_epochs`), the job training meanwhile.
-        self.coordinator.announce()
         # What the process holds before any epoch (torch and the other imports, the
         # dataset: some 300,000 objects) lives as long as it does. Frozen out of the cyclic
         # collector, it is not scanned again by the collection that ends every epoch
@@ -153,6 +150,10 @@ class ElasticWorker:
         # layer dropped in a later epoch is collected as before.
         gc.collect()
         gc.freeze()
+        # Announced once its start-up is over: a joiner is planned in only then
+        # (`EpochHistory.out_of_their_epochs`), the job training meanwhile; its first look
+        # finds the epoch in force, which it is not in (`keys.ready`), then the join's.
+        self.coordinator.announce()
         epoch = -1
         wait_s = 4 * self.cfg.comm.timeout_s + 60
         prepared: tuple[int, EpochRecord] | None = None

@@ -20,10 +20,11 @@ losses, times, error messages and pids, which no two runs share) within a factor
 
 The job writes TensorBoard metrics, so that its rank 0's reads for them are compared too.
 What the harness does to be comparable, not a normalisation: a real worker asks nothing
-for the seconds it takes to import torch and load its data, by which time the join that
-planned it in is published, so its first record is of that epoch; a simulated worker
-would ask at once and first find itself out of the plan (a read of the epoch's record,
-a `ready/` key more), so the harness gives its workers that start-up (`worker_start_s`).
+for the seconds it takes to import torch and load its data, so the harness gives its
+workers that start-up too (`worker_start_s`). A joiner announces itself once started,
+and is planned in only then (`EpochHistory.out_of_their_epochs`): in both runs its
+first look finds the epoch in force, which it is not in (a read of that epoch's record,
+its `ready/` key), then the join's.
 
 Not covered here: NCCL's bootstrap (no GPU: the harness's replay of NCCL's unique ids is
 unchecked), checkpoints (the harness turns them off, `checkpoint.every=0`: a real
