@@ -199,6 +199,7 @@ class Controller:
         self.checkpoints.completed = [i for i, _ in self.checkpoints.on_disk()]
         if self.store.check([keys.DONE]):
             self.outcome = self.store.get(keys.DONE).decode()
+        self.node_wait.resume()
         self.log(f"controller: resumed at epoch {epoch}")
         return True
 
@@ -262,8 +263,11 @@ class Controller:
             self._prepare_next(alive_now)
         # A failure: every survivor releases the epoch's collectives at once; a join or a
         # leave: all stop at the next iteration boundary. Either way the epoch's rendezvous
-        # is abandoned if it is still going on (a peer died before joining it).
-        self.store.set(keys.epoch_reconfigure(self.epoch), reason)
+        # is abandoned if it is still going on (a peer died before joining it). (Once: the
+        # job waiting for nodes tries again at every poll, and each write is a watch event
+        # for every node.)
+        if self.node_wait.since is None or not self.store.check([keys.epoch_reconfigure(self.epoch)]):
+            self.store.set(keys.epoch_reconfigure(self.epoch), reason)
         if self.debounce_s:
             time.sleep(self.debounce_s)
         statuses = self._collect_statuses(members, alive_now, kill, released=reason == keys.FAILURE)

@@ -50,24 +50,41 @@ class NodeWait:
     def __init__(self, store: dist.Store, limit_s: float = LIMIT_S, log: Callable[[str], None] = print):
         self.store, self.limit_s, self.log = store, limit_s, log
         self.since: float | None = None
+        self._written: tuple[int, int] | None = None
         self.detected = 0.0
         """When the controller detected the change it waits to plan (its first try)."""
 
     def wait(self, nodes: int, needs: int, detected: float) -> bool:
         """True while the job may wait for nodes (the first call says so and writes
-        `waiting`); False once it waited `limit_s` in vain."""
+        `waiting`, written again only when the count changes: the controller asks at
+        every poll); False once it waited `limit_s` in vain (`waiting` is then gone)."""
         now = time.time()
         if self.since is None:
             self.since, self.detected = now, detected
             self.log(f"controller: {nodes} node(s) left, but one replica of the model needs n0={needs}; the "
                      f"survivors keep what they hold, and the job waits up to {self.limit_s:g} s "
                      f"(--join-timeout) for {needs - nodes} more node(s)")
-        self.store.set(keys.WAITING, Waiting(self.since, nodes, needs, self.limit_s).to_json())
-        return now - self.since <= self.limit_s
+        if self._written != (nodes, needs):
+            self._written = (nodes, needs)
+            self.store.set(keys.WAITING, Waiting(self.since, nodes, needs, self.limit_s).to_json())
+        if now - self.since < self.limit_s:
+            return True
+        self._forget()
+        return False
+
+    def resume(self) -> None:
+        """A new leader takes over a wait its predecessor began (`waiting` in the store)."""
+        value = self.store.get(keys.WAITING) if self.store.check([keys.WAITING]) else None
+        if value:
+            waiting = Waiting.from_json(value)
+            self.since, self.detected = waiting.since, waiting.since
 
     def over(self) -> None:
         """Nodes came (or the job went on otherwise): the wait is over."""
         if self.since is not None:
             self.log(f"controller: nodes came after {time.time() - self.since:.1f} s of waiting; the job goes on")
-            self.since = None
-            self.store.delete_key(keys.WAITING)
+            self._forget()
+
+    def _forget(self) -> None:
+        self.since, self._written = None, None
+        self.store.delete_key(keys.WAITING)

@@ -221,7 +221,8 @@ class CommConfig:
     stuck_factor: float = 10.0
     """An elastic worker that makes no progress within a step, outside any collective,
     for this many times the median of its recent steps (at least `stuck_floor_s`) is
-    stuck (a kernel that never returns, a deadlock) and killed by its agent; its node
+    stuck (a deadlock, a call that never returns; on GPUs, what holds the host thread:
+    runtime/worker/progress_watch.py says what it cannot see) and killed by its agent; its node
     starts fresh workers that join again (`runtime/worker/progress_watch.py`). A step a
     few times slower than usual is nowhere near it."""
     stuck_floor_s: float = 30.0

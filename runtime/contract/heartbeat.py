@@ -82,6 +82,6 @@ def stalled(path: Path) -> tuple[float, float] | None:
     beat; None when its beat carries no progress (or none yet)."""
     try:
         beat = json.loads(Path(path).read_text() or "null")
-    except (FileNotFoundError, ValueError):
+        return (float(beat["stalled_s"]), float(beat["bound_s"])) if isinstance(beat, dict) else None
+    except (FileNotFoundError, ValueError, KeyError, TypeError):
         return None
-    return None if not isinstance(beat, dict) else (float(beat["stalled_s"]), float(beat["bound_s"]))

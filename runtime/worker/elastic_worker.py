@@ -265,6 +265,8 @@ class ElasticWorker:
             if self.late_writer and self.engine is not None and self.engine.last_commit is not None:
                 self._write_late(epoch)  # (a worker that has committed nothing has nothing to write)
         finally:
+            if self.progress is not None:  # a failed step, a teardown, the wait for an epoch: no stalls
+                self.progress.disarm()
             self._leave_epoch(stopped=early_status is not None)
             self._watcher.done.set()
         if early_status is not None:
@@ -341,11 +343,7 @@ class ElasticWorker:
         return layers.stats
 
     def _train(self, epoch: int, first: int) -> None:
-        try:
-            self._steps(epoch, first, self._watcher.requested.is_set)
-        finally:  # a step that failed (a peer died) is no stall: the teardown is not watched
-            if self.progress is not None:
-                self.progress.disarm()
+        self._steps(epoch, first, self._watcher.requested.is_set)
 
     def _steps(self, epoch: int, first: int, request) -> None:
         evaluation = Evaluation(self.val_dataset, self.cfg.data.seed, self.cfg.eval.batches, self.cfg.eval.due,
@@ -462,7 +460,7 @@ class ElasticWorker:
 
     def _new_engine(self) -> Engine:
         """An engine holding nothing yet, for this worker's next epoch."""
-        phase = _phase_hook(None if self.progress is None else self.progress.mark, self.faults)
+        phase = _chained(None if self.progress is None else self.progress.mark, self.faults)
         # Per-layer hooks only for fault injection: the progress watch needs the step's phases alone.
         return build_engine(self.cfg, self.device, phase=phase, connect_timeout_s=self._connect_timeout_s(),
                             layer_phases=self.faults is not None)
@@ -491,7 +489,7 @@ def _die_with_parent() -> None:
         os._exit(1)
 
 
-def _phase_hook(*hooks):
+def _chained(*hooks):
     """One phase callback that calls each of `hooks` (those not None), or None."""
     hooks = [hook for hook in hooks if hook is not None]
     if len(hooks) <= 1:

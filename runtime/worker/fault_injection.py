@@ -13,8 +13,9 @@ collective that fails on this worker alone would (the worker lives on); `!hang` 
 the process with SIGSTOP (it neither dies nor answers); `!stall` waits forever where it
 is, the process running (a kernel that never returns, a deadlock: only its progress
 shows it, `progress_watch`); `!slow=S` sleeps S seconds
-every time it matches (a straggler: with `@*`, every iteration is S seconds slower). Phases are the engine's (`planaria.runtime.parallel.engine`): forward,
-backward (counted per layer, microbatch and chunk), sync, commit, committed (the commit
+every time it matches (a straggler: with `@*`, every iteration is S seconds slower).
+Phases are the engine's (`planaria.runtime.parallel.engine`): begin (a step's start),
+forward, backward (counted per layer, microbatch and chunk), sync, commit, committed (the commit
 all-reduce completed, the step not yet taken), step, transfer; and start, once, before the
 worker announces itself (`node4.0:start@0!slow=30`: a worker whose start-up takes 30 s
 more, as a GPU worker's device context, NCCL and compilation do). A fault fires once: a
@@ -30,7 +31,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-PHASES = ("forward", "backward", "sync", "commit", "committed", "step", "transfer", "start")
+PHASES = ("begin", "forward", "backward", "sync", "commit", "committed", "step", "transfer", "start")
 _SPEC = re.compile(r"^(?P<worker>[^:]+):(?P<phase>\w+)@(?P<iteration>\d+|\*)(?:#(?P<count>\d+))?"
                    r"(?P<action>!error|!hang|!stall|!slow=(?P<delay>\d+(?:\.\d*)?))?$")
 

@@ -23,10 +23,16 @@ worker into a dead one, the failure every survivor already recovers from.
   this worker (compilation, allocator warm-up, the first pipeline fill), nor outside
   steps (evaluations, checkpoint writes, peer snapshots, rendezvous and copies have their
   own timeouts), nor while the engine evaluates (its phases are silent then).
+- Its marks are the step's phases (begin, sync, commit, committed, step), not each
+  layer's (those hooks are registered only for fault injection): a stall is measured
+  from the last of them, and the bound, ten steps, is far above a step's forward and
+  backward.
 
-On GPUs with NCCL a peer's host can also block in a device synchronisation elsewhere in
-the step (a loss read); the floor bounds that case, and the stuck worker, stalled first,
-is killed first. Written by hand: no library watches a PyTorch step's progress from
+What it sees is the host's thread. On CPUs (gloo) that is where a stuck kernel or a
+deadlock holds it. On GPUs with NCCL the host runs ahead of the device and waits for
+it at synchronisation points, the commit's read among them, which counts as a wait in a
+collective: a kernel that never returns there is left to NCCL's own watchdog and the
+collective timeout; a host stuck elsewhere (a data loader, a deadlock) is seen. Written by hand: no library watches a PyTorch step's progress from
 within (NVIDIA's Resiliency Extension does it from its own monitor process and section
 API, which would be a dependency on its launcher).
 """
@@ -73,16 +79,17 @@ class ProgressWatch:
         self._steps_in_epoch, self._armed = 0, False
 
     def mark(self, phase: str, iteration: int) -> None:
-        """The engine's phase callback: progress. The first mark of a step arms the watch
-        (past the epoch's warm-up steps)."""
+        """The engine's phase callback: progress. A step's `begin` arms the watch (past the
+        epoch's warm-up steps); no other mark does (a copy's `transfer` is no step's)."""
         self._last_mark = time.monotonic()
         self._in_comm = phase in _COMM_PHASES
-        if not self._armed and self._steps_in_epoch >= WARMUP_STEPS and self._step_times:
+        if phase == "begin" and self._steps_in_epoch >= WARMUP_STEPS and self._step_times:
             self._armed = True
 
     def disarm(self) -> None:
-        """The epoch's steps are over (a failure, a stop, the end): not watched until the next."""
-        self._armed = False
+        """The epoch is over on this worker (a failure, a stop, the end): nothing is watched
+        until the next epoch's steps are past their warm-up."""
+        self._armed, self._steps_in_epoch = False, 0
 
     def step_done(self, step_time_s: float) -> None:
         """A step returned (committed, its optimizer step taken): disarmed until the next."""

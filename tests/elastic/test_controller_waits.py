@@ -65,5 +65,6 @@ def test_below_the_minimum_no_node_within_the_limit_fails_the_job_saying_so():
     time.sleep(0.4)
     assert controller.poll(lambda: alive, kill=lambda worker: None) == "failed"
     outcome = store.get(keys.DONE).decode()
+    assert not store.check([keys.WAITING])  # (status and metrics no longer say it waits)
     assert "1 node(s) left, but one replica of the model needs n0=2" in outcome
     assert "no node came within 0.3 s (--join-timeout)" in outcome

@@ -154,7 +154,13 @@ def test_a_key_followed_by_every_worker_is_watched_once(node, etcd):
     key = keys.epoch_reconfigure(5)
     before = requests(etcd)
     at_once([lambda w=w: w.follow(key) for w in workers])
-    assert requests(etcd) - before == 2  # the mirror's first read and its watch
+    # The mirror's first read and its watch (whose create message etcd may count a moment
+    # after the follow returned: the mirror watches from the read's revision on).
+    deadline = time.monotonic() + 5
+    while requests(etcd) - before < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.2)
+    assert requests(etcd) - before == 2
     since = [w.generation() for w in workers]
     woken = at_once([lambda w=w, s=s: w.wait_changed(s, 10.0) for w, s in zip(workers, since)]
                     + [lambda: time.sleep(0.3) or store.set(key, keys.FAILURE)])

@@ -80,7 +80,7 @@ def test_a_node_joins_under_nccl(one_stage_reference, tmp_path):
         if not added and log.exists() and len(log.read_text().splitlines()) >= 2:
             added.append(job.add_node())
 
-    job, result = run(tmp_path, (1, ["parallel.min_stages=1"]), faults="node0.0:commit@2!slow=3",
+    job, result = run(tmp_path, (1, ["parallel.min_stages=1"]), faults="node0.0:commit@2!slow=10",
                       actions=add_after_iteration_1, f=0)
     check_against_reference(tmp_path, one_stage_reference, job)
     (event,) = result.controller.events

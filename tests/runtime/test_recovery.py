@@ -167,11 +167,10 @@ def test_node_joining_mid_run_receives_its_layers(reference, tmp_path):
     """A fifth node starts after iteration 1 committed; the job stops at an iteration
     boundary (no failure, nothing re-run) and the newcomer receives its layers."""
     added = []
-    # An iteration takes ~50 ms: the remaining four could end before this test's poll
-    # sees iteration 1's commit on a busy machine, and the newcomer would find the job
-    # done. node0 dawdles 3 s in iteration 2 (a straggler: nothing fails) to hold the
-    # window open.
-    straggler = "node0.0:commit@2!slow=3"
+    # An iteration takes ~50 ms: the remaining four could end before the newcomer has
+    # started (it is planned in once started: imports, data) on a busy machine. node0
+    # dawdles 10 s in iteration 2 (a straggler: nothing fails) to hold the window open.
+    straggler = "node0.0:commit@2!slow=10"
 
     def add_after_iteration_1(job, elapsed):
         log = tmp_path / "commits-node0.0.jsonl"
