@@ -179,3 +179,25 @@ def test_an_interrupted_run_stops_its_cluster_and_reports_the_run_so_far(tmp_pat
     assert report["steps_committed"] > 30 and report["recoveries"]
     leftover = subprocess.run(["pgrep", "-f", str(out)], capture_output=True, text=True).stdout.split()
     assert not leftover, f"processes of the stopped cluster are still running: {leftover}"
+
+
+@pytest.mark.slow  # ~1 min; the controller's side is tests/elastic/test_controller_waits.py; `make test-slow`
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_a_job_below_its_minimum_waits_for_a_node_and_goes_on(tmp_path, cache):
+    """Four nodes (pipelines of two stages); node1 dies, then nodes 2 and 3 together: one
+    node is left where one replica needs two. The job waits; a node added 4 s later is
+    planned in with node0, and the job goes on from node0's layers and its peer
+    snapshots, to the end, with the reference's losses. Only the steps since the snapshot
+    it had to go back to are trained again (the verdict counts them as lost)."""
+    proc = chaos(["--nodes", "4", "--fault-tolerance", "1", "--fault", "kill-node@5:target=1",
+                  "--fault", "kill-node@12:target=2", "--fault", "kill-node@12:target=3",
+                  "--fault", "add-node@12+4", "parallel.min_stages=2", "train.steps=60"], tmp_path, cache)
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert report["completed"] and report["steps_committed"] == 60, proc.stdout[-6000:]
+    assert report["max_loss_diff"] < 1e-6 and report["checkpoint_loads"] == 0, report
+    back = [r for r in report["recoveries"] if r["fault"].startswith("kill-node@12")]
+    assert {r["source"] for r in back} == {"memory"}, report["recoveries"]
+    assert report["committed_steps_lost"] == back[0]["rerun"], report
+    assert "the job waits up to 600 s (--join-timeout) for 1 more node(s)" in proc.stdout + proc.stderr or \
+        any("waits up to 600 s" in p.read_text() for p in (tmp_path / "out").rglob("*.log"))
