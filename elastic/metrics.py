@@ -39,9 +39,9 @@ from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
 
 from planaria.elastic.etcd_client import EtcdClient, EtcdSettings, EtcdUnavailable
-from planaria.elastic.node_wait import Waiting
 from planaria.runtime.contract import keys
 from planaria.runtime.contract.epochs import EpochEvent, EpochRecord, Progress, Reason
+from planaria.runtime.contract.membership import Waiting
 
 PORT_ENV = "PLANARIA_METRICS_PORT"
 """`planaria-run`'s way to ask for metrics (its command line is torchrun's): the port of

@@ -18,30 +18,16 @@ Loaded by an agent: no torch.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
 from planaria.runtime.contract import keys
-from planaria.runtime.contract.record import JsonRecord
+from planaria.runtime.contract.membership import Waiting
 
 if TYPE_CHECKING:
     import torch.distributed as dist
 
 LIMIT_S = 600.0
 """torchrun's `join_timeout`: how long a job below its minimum waits for nodes."""
-
-
-@dataclass(frozen=True)
-class Waiting(JsonRecord):
-    """The job waits for nodes (`keys.WAITING`)."""
-
-    since: float
-    """When it began to wait (wall clock)."""
-    nodes: int
-    """The nodes it has."""
-    needs: int
-    """The nodes one replica of the model needs (n0)."""
-    limit_s: float
 
 
 class NodeWait:

@@ -31,10 +31,9 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from planaria.elastic.etcd_client import EtcdClient, EtcdSettings, EtcdUnavailable
-from planaria.elastic.node_wait import Waiting
 from planaria.runtime.contract import keys
 from planaria.runtime.contract.epochs import EpochEvent, EpochRecord, Progress
-from planaria.runtime.contract.membership import LeaveNotice
+from planaria.runtime.contract.membership import LeaveNotice, Waiting
 
 RECOVERIES = 50
 """Reconfigurations shown (the newest), and epochs looked back through for gone nodes."""

@@ -45,3 +45,17 @@ class LeaveNotice(JsonRecord):
     """When the node will be gone (seconds since the epoch, wall clock)."""
     posted: float
     """When its agent wrote the notice."""
+
+
+@dataclass(frozen=True)
+class Waiting(JsonRecord):
+    """The job, below one replica's nodes, waits for nodes (`keys.WAITING`;
+    `planaria.elastic.node_wait`)."""
+
+    since: float
+    """When it began to wait (wall clock)."""
+    nodes: int
+    """The nodes it has."""
+    needs: int
+    """The nodes one replica of the model needs (n0)."""
+    limit_s: float

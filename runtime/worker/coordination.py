@@ -25,7 +25,7 @@ from planaria.runtime.contract import keys
 from planaria.runtime.contract.deadline import ReachableDeadline
 from planaria.runtime.contract.epochs import EpochRecord, EpochTiming, Progress
 from planaria.runtime.contract.exactly_once import CommitRecord, WorkerStatus
-from planaria.runtime.contract.membership import Announcement
+from planaria.runtime.contract.membership import Announcement, Waiting
 from planaria.runtime.contract.store_reads import (follow, generation, poll_pause, read_if_present, unfollow,
                                                    wait_for_change)
 from planaria.runtime.worker.abandonable_store import CHANGE_WAIT_S, AbandonableStore
@@ -100,12 +100,21 @@ class StoreCoordinator:
                 epoch = int(current)
                 return epoch, self.parse_record(self.store.get(keys.epoch_record(epoch)))
             if deadline.expired():
-                if read_if_present(self.store, keys.WAITING) is not None:
-                    deadline = ReachableDeadline(timeout_s)  # the job waits for nodes (`node_wait`): so do we
+                if self._job_waits_for_nodes(timeout_s):
+                    deadline = ReachableDeadline(timeout_s)  # so does this worker
                     continue
                 raise TimeoutError(f"worker {self._key}: no epoch after {after} within {timeout_s:.0f} s; "
                                    "is the control plane alive?")
             wait_for_change(self.store, since, self.followed_wait_s if followed else poll_pause(started, FAST_FOR_S, POLL_S))
+
+    def _job_waits_for_nodes(self, timeout_s: float) -> bool:
+        """The job, below one replica's nodes, waits for nodes (`keys.WAITING`), and not
+        for longer than its limit and `timeout_s` more (a key its leader could not delete)."""
+        value = read_if_present(self.store, keys.WAITING)
+        if value is None:
+            return False
+        waiting = Waiting.from_json(value)
+        return time.time() < waiting.since + waiting.limit_s + timeout_s
 
     def prepared_record(self, epoch: int) -> EpochRecord | None:
         """The next epoch's record as the controller prepared it before asking `epoch` to

@@ -5,14 +5,16 @@ from __future__ import annotations
 
 import time
 
+import pytest
 import torch.distributed as dist
 
 from planaria.elastic.controller import Controller
-from planaria.elastic.node_wait import Waiting
 from planaria.runtime.config.loading import load_config
 from planaria.runtime.contract import keys
+from planaria.runtime.contract.membership import Waiting
 from planaria.runtime.contract.exactly_once import INCOMPLETE, CommitRecord, SnapshotHeld, WorkerStatus
 from planaria.runtime.planning.job_plans import build_planner, cost_model
+from planaria.runtime.worker.coordination import StoreCoordinator
 from tests.elastic.test_controller_joins import announce
 from tests.launch import TINY
 
@@ -68,3 +70,21 @@ def test_below_the_minimum_no_node_within_the_limit_fails_the_job_saying_so():
     assert not store.check([keys.WAITING])  # (status and metrics no longer say it waits)
     assert "1 node(s) left, but one replica of the model needs n0=2" in outcome
     assert "no node came within 0.3 s (--join-timeout)" in outcome
+
+
+def test_a_worker_waits_for_its_next_epoch_while_the_job_waits_for_nodes_but_not_past_its_limit():
+    """A worker's wait for its next epoch outlasts its own limit while `waiting` says the
+    job waits for nodes, up to that wait's limit and its own more (a key that its leader
+    could not delete holds nobody for ever)."""
+    store = dist.HashStore()
+    coordinator = StoreCoordinator(store, ("node0", 0))
+    started = time.monotonic()
+    with pytest.raises(TimeoutError):
+        coordinator.wait_for_epoch(-1, timeout_s=0.2)
+    alone = time.monotonic() - started
+    store.set(keys.WAITING, Waiting(since=time.time(), nodes=1, needs=2, limit_s=1.0).to_json())
+    started = time.monotonic()
+    with pytest.raises(TimeoutError):
+        coordinator.wait_for_epoch(-1, timeout_s=0.2)
+    waited = time.monotonic() - started
+    assert alone < 0.6 and 1.0 < waited < 3.0, (alone, waited)
