@@ -23,7 +23,7 @@ from planaria.runtime.contract.epochs import EpochEvent, EpochRecord, EpochTimin
 from planaria.runtime.contract.exactly_once import STATES, CommitRecord, SnapshotHeld, WorkerStatus
 from planaria.runtime.contract.logs import (AuditEntry, CommitEntry, EpochStep, EvalEntry, MetricsEntry, Mismatch,
                                             StepEntry)
-from planaria.runtime.contract.membership import Announcement, JobSpec, LeaveNotice, NodeRegistration
+from planaria.runtime.contract.membership import Announcement, JobSpec, LeaveNotice, NodeRegistration, Waiting
 from planaria.runtime.contract.record import RecordError
 from planaria.templates.layout import plan_from_layout
 from planaria.templates.plan import Transfer
@@ -88,6 +88,8 @@ RECORDS = {
     Announcement: st.builds(Announcement, pid=st.integers(1, 2**22)),
     NodeRegistration: st.builds(NodeRegistration, gpus=st.integers(1, 8), agent=names),
     LeaveNotice: st.builds(LeaveNotice, source=names, deadline=seconds, posted=seconds),
+    Waiting: st.builds(Waiting, since=seconds, nodes=st.integers(0, 10**5), needs=st.integers(1, 10**5),
+                       limit_s=seconds),
     Progress: st.builds(Progress, epoch=st.integers(0, 10**6), step=steps, time_s=seconds, step_s=seconds),
     JobSpec: st.builds(JobSpec, config=names, overrides=small_tuples(names)),
     MetricsEntry: st.builds(MetricsEntry, step=steps, loss=anything_float, grad_norm=anything_float,
