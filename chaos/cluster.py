@@ -38,19 +38,22 @@ class LocalCluster:
     def __init__(self, config: str | Path, overrides: list[str], *, nodes: int, nproc: int,
                  out_dir: Path, run_id: str, etcd_members: int = 1, lease_ttl_s: int = 3,
                  env: dict[str, str] | None = None, hosts: bool = False, metrics_port: int = 0,
-                 min_nodes: int | None = None, max_nodes: int | None = None):
+                 min_nodes: int | None = None, max_nodes: int | None = None,
+                 preemption_grace_s: float | None = None):
         """`hosts`: each node and each etcd member a host of its own, in a network namespace
         with its own address (`planaria.chaos.hosts`); everything then talks over those
         addresses, never loopback. Off: every process on this machine's loopback.
         `metrics_port`: node i's agent serves Prometheus metrics on port `metrics_port` + i
         (`metrics_endpoint`); 0: none. `min_nodes`, `max_nodes`: the agents' `--nnodes MIN:MAX`
         (epoch 0 waits for MIN, default all `nodes`; a plan uses at most MAX, the nodes
-        beyond wait as spares; default: no maximum)."""
+        beyond wait as spares; default: no maximum). `preemption_grace_s`: with `hosts`,
+        the agents' --preemption-grace (`preempt` sends the notice as a signal)."""
         self.config, self.overrides = str(config), list(overrides)
         self.nproc, self.run_id, self.lease_ttl_s = nproc, run_id, lease_ttl_s
         self.min_nodes = min_nodes or nodes
         self.max_nodes = max_nodes
         self.metrics_port = metrics_port
+        self.preemption_grace_s = preemption_grace_s
         self.out_dir = Path(out_dir)
         self.log_dir = self.out_dir / "logs"
         self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -90,6 +93,8 @@ class LocalCluster:
         launch, env, notices = [], self.env, []
         if self.cloud is not None:
             notices = ["--preemption-notice", "aws", "--preemption-endpoint", self.cloud.endpoint(f"node{index}")]
+        elif self.preemption_grace_s is not None:
+            notices = ["--preemption-grace", f"{self.preemption_grace_s:g}"]
         if self.network is not None:
             # The node's workers reach their peers through its own interface, as on a host.
             launch = self.network.run_in(self.network.ensure_host(index), [])
@@ -163,8 +168,13 @@ class LocalCluster:
         return lambda: self.network.slow(index, None)
 
     def preempt(self, index: int, notice_s: float) -> float:
-        """Announce node `index`'s preemption `notice_s` from now, through its metadata;
-        returns the deadline, at which the caller kills the node if it is still there."""
+        """Announce node `index`'s preemption `notice_s` from now, through its metadata
+        (with `hosts`, which cannot reach it: its agent's SIGTERM, the scheduler's notice,
+        with the agents' --preemption-grace); returns the deadline, at which the caller
+        kills the node if it is still there."""
+        if self.cloud is None:
+            self.agents[index].send_signal(signal.SIGTERM)
+            return time.time() + notice_s
         node = f"node{index}"
         self.cloud.preempt(node, time.time() + notice_s)
         return self.cloud.deadline(node)

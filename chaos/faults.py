@@ -20,9 +20,11 @@
     kill-etcd-member@7       SIGKILL one etcd member (with --etcd-members 3)
     preempt-node@8:target=2:notice=20
                              node 2's cloud announces its preemption 20 s ahead (its
-                             instance metadata, as EC2 spot does: `planaria.chaos.cloud`);
+                             instance metadata, as EC2 spot does: `planaria.chaos.cloud`;
+                             with --hosts, which cannot reach it, its agent gets SIGTERM,
+                             the scheduler's notice, with a 20 s --preemption-grace);
                              the node should leave at a step boundary; if it is still
-                             there at the deadline, it is SIGKILLed (not with --hosts)
+                             there at the deadline, it is SIGKILLed
     add-node@9               start one more node
     kill-node@3+1.5          1.5 s after step 3 is reached (during the recovery of a
                              fault at step 3, say)
@@ -122,6 +124,13 @@ def parse_fault(text: str) -> FaultSpec:
     return FaultSpec(kind, int(match["step"]), node, local, float(match["delay"] or 0), duration, group, notice)
 
 
+def preemption_grace(faults: list[FaultSpec]) -> float | None:
+    """The notice of the run's first preemption, in seconds (None: none): with --hosts,
+    every agent's --preemption-grace (their notice is the scheduler's signal; the
+    simulated hosts cannot reach the local cloud's metadata)."""
+    return next((f.notice_s for f in sorted(faults, key=lambda f: f.step) if f.kind == "preempt-node"), None)
+
+
 def validate(faults: list[FaultSpec], *, steps: int, nodes: int, nproc: int, etcd_members: int,
              hosts: bool = False) -> None:
     """Refuse faults the job cannot meet: a step at or beyond `train.steps`, a target that
@@ -129,9 +138,10 @@ def validate(faults: list[FaultSpec], *, steps: int, nodes: int, nproc: int, etc
     a single-member etcd, a network fault without simulated hosts."""
     launched = nodes
     for fault in sorted(faults, key=lambda f: f.step):
-        if fault.kind == "preempt-node" and hosts:
-            raise FaultSpecError(f"{fault}: the simulated hosts cannot reach the local cloud that announces "
-                                 "preemptions; run preempt-node without --hosts")
+        if fault.kind == "preempt-node" and hosts and fault.notice_s != preemption_grace(faults):
+            raise FaultSpecError(f"{fault}: with --hosts a preemption's notice is its agent's SIGTERM and "
+                                 "--preemption-grace, one for every node; give every preempt-node the same "
+                                 f"notice (the first says {preemption_grace(faults):g})")
         if fault.kind in NETWORK_KINDS and not hosts:
             raise FaultSpecError(f"{fault}: a network fault needs nodes with networks of their own; "
                                  "run with --hosts")

@@ -27,7 +27,7 @@ from typing import Callable
 from rich.console import Console
 
 from planaria.chaos.cluster import LocalCluster
-from planaria.chaos.faults import ETCD_KINDS, NETWORK_KINDS, FaultSpec, FaultSpecError, validate
+from planaria.chaos.faults import ETCD_KINDS, NETWORK_KINDS, FaultSpec, FaultSpecError, preemption_grace, validate
 from planaria.chaos.plot import plot_report
 from planaria.chaos.progress import RunProgress
 from planaria.chaos.report import (InjectedFault, Report, build_report, CommitTail, read_commits, read_evals,
@@ -280,7 +280,8 @@ class _Run:
                                nodes=self.settings.nodes, nproc=self.settings.nproc, out_dir=self.out_dir,
                                run_id=f"chaos-{uuid.uuid4().hex[:8]}",
                                etcd_members=self.settings.etcd_members, hosts=self.settings.hosts,
-                               metrics_port=self.settings.metrics_port)
+                               metrics_port=self.settings.metrics_port,
+                               preemption_grace_s=preemption_grace(self.settings.faults) if self.settings.hosts else None)
         try:
             self._announce_metrics(cluster, list(cluster.agents), self.console.print)
             try:

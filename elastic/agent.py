@@ -464,8 +464,13 @@ class Agent:
             log=lambda message: self.log(message), interrupted=lambda: self._signal is not None,
             leading=self.membership.still_leading, node=self.node, unreachable=self._unreachable_views,
             notices=self.notices.posted, max_nodes=self.max_nodes, wait_for_nodes_s=self.join_timeout_s,
+            gone=self._probed_gone, cut_wait_s=self.cfg.fault_tolerance.cut_wait_s,
             checkpoints=CheckpointPolicy(self.cfg.checkpoint_dir, self.cfg.checkpoint.every,
                                          self.cfg.checkpoint.keep))
+
+    def _probed_gone(self) -> set[str]:
+        """The nodes whose agent this node's probe found gone (a refused connection)."""
+        return set(self.probe.gone) if self.probe is not None else set()
 
     def _alive_now(self) -> set[Worker]:
         """Workers under `alive/`, less those of nodes whose agent this node's probe found
@@ -475,7 +480,7 @@ class Agent:
         loop is the leader's controller while it collects an epoch's statuses: a worker
         of the leader's own node that exited then was waited for until the status
         timeout (minutes), the whole job with it."""
-        gone = set(self.probe.gone) if self.probe is not None else set()
+        gone = self._probed_gone()
         exited = self.supervisor.exited()
         alive = self.store.derived(keys.ALIVE, _alive_workers)  # parsed once per change of `alive/`
         if not gone and not exited:

@@ -33,7 +33,7 @@ The controller keeps the loop (`poll`) and the life cycle of an epoch: its start
 stop, the statuses, the exactly-once rule and the publication. What it decides along the
 way has a module of its own in `planaria.elastic`: the next epoch's plan and its layers'
 sources (`epoch_planning`), a planned leave and its prepared epoch (`leave_planning`), a
-split network (`reachability`), the nodes that wait as spares (`spare_nodes`), the job's
+split network (`reachability`), layers held only by nodes out of reach (`cut_wait`), the nodes that wait as spares (`spare_nodes`), the job's
 checkpoints and where a lost layer comes back from (`job_checkpoints`), the history of
 published epochs that fencing is decided from (`epoch_history`), an epoch record against
 etcd's request limit (`record_limits`), and how a controller stops (`controller_errors`).
@@ -45,7 +45,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import replace
 from typing import TYPE_CHECKING, Callable
 
-from planaria.elastic.controller_errors import Interrupted, JobFailed, StaleLeader
+from planaria.elastic.controller_errors import CutHoldsState, Interrupted, JobFailed, StaleLeader
+from planaria.elastic.cut_wait import LIMIT_S as CUT_WAIT_S, CutWait, may_hold
 from planaria.elastic.epoch_history import EpochHistory
 from planaria.elastic.epoch_planning import EpochPlanner
 from planaria.elastic.job_checkpoints import CheckpointPolicy, JobCheckpoints
@@ -89,10 +90,17 @@ class Controller:
                  leading: Callable[[], bool] = lambda: True, node: str | None = None,
                  unreachable: Callable[[], Mapping[str, Iterable[str]]] = dict,
                  notices: Callable[[], Mapping[str, LeaveNotice]] = dict, leave_overhead_s: float = 3.0,
-                 max_nodes: int | None = None, wait_for_nodes_s: float = NODE_WAIT_S):
+                 max_nodes: int | None = None, wait_for_nodes_s: float = NODE_WAIT_S,
+                 gone: Callable[[], set[str]] = set, cut_wait_s: float = CUT_WAIT_S):
         self.store = store
         self.node_wait = NodeWait(store, wait_for_nodes_s, log)
         """Below one replica's nodes the job waits for nodes this long (`node_wait`)."""
+        self.cut_wait = CutWait(cut_wait_s, log)
+        """Layers held only by nodes out of reach are waited for this long (`cut_wait`)."""
+        self.gone = gone
+        """The nodes a probe finds dead now (their agent refused its connection): never waited for."""
+        self._found_gone: set[str] = set()
+        """Nodes found gone and not back since (`poll`)."""
         self.spares = Spares(store, max_nodes, log)
         """`max_nodes`: the most nodes a plan uses (torchrun's `--nnodes MIN:MAX`); None:
         every node. Live nodes beyond it, and those no plan uses, wait as spares."""
@@ -212,6 +220,9 @@ class Controller:
         self._complete_checkpoints()
         alive = alive_now() - self._killed
         self.spares.keep_alive({node for node, _ in alive})
+        # Found dead once, dead until it is back: a probe forgets a node soon after its
+        # lease lapses (its address goes with it), and a wait may outlast that.
+        self._found_gone = (self._found_gone | self.gone()) - {node for node, _ in alive}
         members = self._members()
         gone = (members - alive) | self._lost_sources(alive)
         statuses = self._statuses(members)
@@ -257,7 +268,9 @@ class Controller:
     def _reconfigure(self, alive_now: Callable[[], set[Worker]], kill: Callable[[Worker], None],
                      reason: str) -> None:
         # (Tried again at each poll while the job waits for nodes: detected at the first.)
-        detected = time.time() if self.node_wait.since is None else self.node_wait.detected
+        detected = (self.node_wait.detected if self.node_wait.since is not None
+                    else self.cut_wait.detected if self.cut_wait.since is not None else time.time())
+        waiting = self.node_wait.since is not None or self.cut_wait.since is not None
         members = self._members()
         if reason in (keys.LEAVE, keys.JOIN):
             self._prepare_next(alive_now)
@@ -266,7 +279,7 @@ class Controller:
         # is abandoned if it is still going on (a peer died before joining it). (Once: the
         # job waiting for nodes tries again at every poll, and each write is a watch event
         # for every node.)
-        if self.node_wait.since is None or not self.store.check([keys.epoch_reconfigure(self.epoch)]):
+        if not waiting or not self.store.check([keys.epoch_reconfigure(self.epoch)]):
             self.store.set(keys.epoch_reconfigure(self.epoch), reason)
         if self.debounce_s:
             time.sleep(self.debounce_s)
@@ -324,14 +337,12 @@ class Controller:
         # Sources of layer state: what the workers of the group hold, live or in their
         # peer snapshots (a stateless worker may keep snapshots); no copy crosses a cut.
         holders = {w: s for w, s in statuses.items() if w[0] in nodes or w in leaving}
-        try:
-            choice, transfers, restore, snapshot, first = self.epoch_planner.plan(nodes, holders, first, self.plan,
-                                                                                  leaving)
-        except JobFailed as err:
-            if not cut_off:
-                raise
-            self.partitions.wait_out(cut_off, f"{nodes} cannot train on their own ({err})")
-            return
+        out_of_reach = may_hold(self.plan, members, statuses, nodes, cut_off, still, self._found_gone | self.gone())
+        planned = self._plan_from(nodes, holders, first, leaving, cut_off, out_of_reach, detected)
+        if planned is None:
+            return  # waiting for nodes out of reach: tried again at the next poll
+        choice, transfers, restore, snapshot, first = planned
+        cut_wait_s = self.cut_wait.over()
         self.node_wait.over()
         plan = choice.plan
         restoring = restore is not None or snapshot is not None
@@ -351,8 +362,28 @@ class Controller:
             transfers=len(transfers), restored=None if restore is None else first - 1,
             snapshot=None if snapshot is None else snapshot.step, rerun=resolution.first_iteration - first,
             moved_bytes=choice.moved_bytes, plan_shape=tuple(len(p.stages) for p in plan.pipelines),
-            cut_off=tuple(cut_off), left=left, handed_off=sum(t.src in leaving for t in transfers))
+            cut_off=tuple(cut_off), left=left, handed_off=sum(t.src in leaving for t in transfers),
+            cut_wait_s=cut_wait_s)
         self._account(event)
+
+    def _plan_from(self, nodes: list[str], holders: dict[Worker, WorkerStatus], first: int, leaving: set[Worker],
+                   cut_off: list[str], out_of_reach: dict[Worker, set], detected: float):
+        """The epoch planner's plan and sources, or None while the job waits for nodes out
+        of reach: the holders of layers nobody reachable has (`cut_wait`), or a partition's
+        other side when this side cannot train alone (`Partitions.wait_out`)."""
+        try:
+            try:
+                return self.epoch_planner.plan(nodes, holders, first, self.plan, leaving,
+                                               out_of_reach if self.cut_wait.limit_s > 0 else None)
+            except CutHoldsState as cut:
+                if self.cut_wait.wait(cut.missing, cut.holders, cut.back_to, cut.first, detected):
+                    return None
+                return self.epoch_planner.plan(nodes, holders, first, self.plan, leaving)
+        except JobFailed as err:
+            if not cut_off:
+                raise
+            self.partitions.wait_out(cut_off, f"{nodes} cannot train on their own ({err})")
+            return None
 
     def _account(self, event: EpochEvent, note: str = "") -> None:
         """Keep, publish and log a published epoch's account."""
@@ -407,7 +438,8 @@ class Controller:
         """Publish the prepared epoch: workers that stopped at the step boundary entered it
         already, from the step after it. True when it goes on.
 
-        False when the statuses do not bear it out (`PlannedLeaves.confirm`): no step can
+        False when the statuses do not bear it out (`PlannedLeaves.confirm`), or when two of
+        its nodes cannot reach each other (a partition during the stop): no step can
         be committed in it then, so it is declared failed before its record is published
         (the record still is, for the workers that may be in it to see that it failed),
         and the caller plans the next one from these statuses, as if it had never been
@@ -417,11 +449,12 @@ class Controller:
                                             lambda: alive_now() - self._killed)
         plan, first = record.plan, resolution.first_iteration
         newcomers = set(plan.rank_of_worker()) - members
-        if not sound:
+        if not sound or self.partitions.cut(plan.nodes(), plan.epoch, self.partitions.unreachable()):
             self.store.set(keys.epoch_reconfigure(plan.epoch), keys.FAILURE)
             self._publish(record)
             self.log(f"controller: epoch {plan.epoch}, prepared for the leave of {list(record.leaving)}, cannot go "
-                     f"on (a worker it needs failed during the stop, or holds other layers than planned); "
+                     f"on (a worker it needs failed during the stop, is cut off, or holds other layers than "
+                     f"planned); "
                      f"ended at once, and epoch {plan.epoch + 1} planned from the statuses of epoch {plan.epoch - 1}")
             return False
         self._publish(record)
@@ -453,7 +486,9 @@ class Controller:
         while True:
             since = generation(self.store)
             expected = members & (alive_now() - self._killed)
-            if not released and expected != members:
+            # A peer gone, or cut off, while the epoch stops at a step boundary: that step
+            # never ends (its collectives wait on the peer), so the stop becomes a failure.
+            if not released and (expected != members or self._cut()):
                 self.store.set(keys.epoch_reconfigure(self.epoch), keys.FAILURE)
                 released = True
             statuses = self._statuses(expected)
@@ -479,6 +514,10 @@ class Controller:
             kill(worker)
             self._killed.add(worker)
         return statuses
+
+    def _cut(self) -> bool:
+        """Two nodes of the epoch in force cannot reach each other (`Partitions.cut`)."""
+        return self.partitions.cut(self.plan.nodes(), self.epoch, self.partitions.unreachable())
 
     def _check_leading(self) -> None:
         if not self.leading():

@@ -20,3 +20,13 @@ class Interrupted(StepDown):
 
 class JobFailed(RuntimeError):
     """The job cannot go on; the message says why and what would fix it."""
+
+
+class CutHoldsState(Exception):
+    """Layer shards no reachable worker holds are held by nodes out of reach but maybe
+    alive (`cut_wait`): the controller may wait for them rather than go back to `back_to`
+    (None: no older state)."""
+
+    def __init__(self, missing: list, holders: dict, back_to: int | None, first: int):
+        super().__init__(f"layer shards {missing} are held only by nodes out of reach")
+        self.missing, self.holders, self.back_to, self.first = missing, holders, back_to, first

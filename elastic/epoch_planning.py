@@ -16,9 +16,10 @@ controller: no torch.
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Callable
 
-from planaria.elastic.controller_errors import JobFailed
+from planaria.elastic.controller_errors import CutHoldsState, JobFailed
 from planaria.elastic.epoch_history import EpochHistory
 from planaria.elastic.job_checkpoints import JobCheckpoints
 from planaria.elastic.spare_nodes import Spares
@@ -45,13 +46,13 @@ class EpochPlanner:
                                         epoch=current.epoch + 1, first_iteration=first)
 
     def plan(self, nodes: list[str], statuses: dict[Worker, WorkerStatus], first: int, current: Plan,
-             leaving: set[Worker] = frozenset()):
+             leaving: set[Worker] = frozenset(), out_of_reach: Mapping[Worker, set] | None = None):
         """`with_sources` for `nodes`. Where no set of pipelines uses them all, the planner's
         plan leaves some idle (new nodes first), and they wait (`Spares.leave_idle`); where
         it has no plan at all, the one for the nodes already in the job, the new ones left
-        waiting the same way."""
+        waiting the same way. `out_of_reach`: see `with_sources`."""
         try:
-            found = self.with_sources(nodes, statuses, first, current, leaving)
+            found = self.with_sources(nodes, statuses, first, current, leaving, out_of_reach)
             self.spares.leave_idle(found[0], nodes)
             return found
         except ValueError as err:
@@ -61,16 +62,21 @@ class EpochPlanner:
             self.log(f"controller: no plan uses {len(nodes)} nodes ({err}); {newcomers} wait "
                      "until a node fails")
             self.spares.set_nodes(self.spares.nodes | set(newcomers))
-            return self.plan([n for n in nodes if n not in newcomers], statuses, first, current, leaving)
+            return self.plan([n for n in nodes if n not in newcomers], statuses, first, current, leaving,
+                             out_of_reach)
 
     def with_sources(self, nodes: list[str], statuses: dict[Worker, WorkerStatus], first: int, current: Plan,
-                     leaving: set[Worker] = frozenset()):
+                     leaving: set[Worker] = frozenset(), out_of_reach: Mapping[Worker, set] | None = None):
         """(plan choice, transfers, checkpoint to restore or None, peer snapshot to restore
         or None, first iteration): the planner's plan for `nodes`, fed from what the
         survivors hold (the `leaving` workers' layers too, for the shards nobody staying
         holds: a planned leave); when some shard has no holder left, from the newest step whose
         every shard some survivor keeps in its peer snapshots, or else from the newest
-        checkpoint (whichever is newer: replicas first, peers' memory second, disk last)."""
+        checkpoint (whichever is newer: replicas first, peers' memory second, disk last).
+        `out_of_reach`: {worker: the shards it may hold} of workers out of reach but maybe
+        alive (`cut_wait.may_hold`); when they hold every missing shard and going back
+        would train steps again (or there is nothing to go back to), `CutHoldsState` is
+        raised instead, for the controller to wait for them."""
         choice = self.instantiate(nodes, first, current)
         if first == 0:  # before the first step every layer is its seeded initial state
             return choice, [], None, None, first
@@ -81,6 +87,7 @@ class EpochPlanner:
         missing = missing_from(held, choice.plan, leaving)
         if not missing:
             return choice, transfers_from(held, choice.plan, leaving), None, None, first
+        self._check_out_of_reach(missing, out_of_reach, statuses, first, choice.plan, current)
         restore = self.checkpoints.restore(statuses, first, choice.plan, missing,
                                            lambda step: self.history.committing_epoch(step, current))
         if restore is None:
@@ -92,3 +99,15 @@ class EpochPlanner:
         transfers = [] if restore.snapshot is None else transfers_from(restore.keepers, choice.plan)
         return choice, transfers, restore.checkpoint, restore.snapshot, restore.step + 1
 
+    def _check_out_of_reach(self, missing, out_of_reach, statuses, first: int, plan: Plan, current: Plan) -> None:
+        """Raise `CutHoldsState` when the workers out of reach hold every `missing` shard
+        and the newest older state would train steps again (`with_sources`)."""
+        if not out_of_reach:
+            return
+        holders = {w: shards & set(missing) for w, shards in out_of_reach.items() if shards & set(missing)}
+        if not set(missing) <= set().union(*holders.values()):
+            return  # waiting would not bring them all back
+        back_to = self.checkpoints.newest_step(statuses, first, plan,
+                                               lambda step: self.history.committing_epoch(step, current))
+        if back_to is None or back_to + 1 < first:
+            raise CutHoldsState(missing, holders, back_to, first)

@@ -116,6 +116,19 @@ class JobCheckpoints:
             prune(self.policy.directory, self.policy.keep, after=iteration)
         self.completed = [k for k in self.completed if k <= iteration]
 
+    def newest_step(self, statuses: dict[Worker, WorkerStatus], first: int, plan: Plan,
+                    committing_epoch: Callable[[int], int]) -> int | None:
+        """The step `restore` would go back to, without going back (nothing forgotten,
+        nothing said); None when neither a whole peer snapshot nor a checkpoint is there."""
+        found, on_disk = self._newest(statuses, first, plan, committing_epoch)
+        steps = ([found[0].step] if found is not None else []) + [i for i, _ in on_disk[-1:]]
+        return max(steps, default=None)
+
+    def _newest(self, statuses, first: int, plan: Plan, committing_epoch):
+        """(the newest whole peer snapshot before `first` or None, the complete checkpoints before it)."""
+        return (newest_whole_snapshot(statuses, first, plan, committing_epoch),
+                [(i, path) for i, path in self.on_disk() if i < first])
+
     def restore(self, statuses: dict[Worker, WorkerStatus], first: int, plan: Plan, missing,
                 committing_epoch: Callable[[int], int]) -> Restore | None:
         """Where shards `missing` of `plan`, which starts at `first`, come back from: the
@@ -123,8 +136,7 @@ class JobCheckpoints:
         peer snapshots, or the newest complete checkpoint before `first` if it is newer.
         The job forgets the checkpoints after the step it goes back to. None: there is
         neither."""
-        found = newest_whole_snapshot(statuses, first, plan, committing_epoch)
-        on_disk = [(i, path) for i, path in self.on_disk() if i < first]
+        found, on_disk = self._newest(statuses, first, plan, committing_epoch)
         if found is not None and (not on_disk or found[0].step >= on_disk[-1][0]):
             snapshot, keepers = found
             self.log(f"controller: layer shards {missing} lost every replica; going back to the peer "

@@ -87,7 +87,9 @@ class LocalJob:
                               else default_status_timeout(self.cfg.comm)),
             log=self.log, checkpoints=CheckpointPolicy(self.cfg.checkpoint_dir, self.cfg.checkpoint.every,
                                                       self.cfg.checkpoint.keep),
-            notices=self._live_notices)
+            # One host, its workers its own children: a worker not alive has exited, and
+            # nothing is ever cut off (`cut_wait`).
+            notices=self._live_notices, cut_wait_s=0)
         self._notices: dict[str, LeaveNotice] = {}
         self.processes: dict[Worker, subprocess.Popen] = {}
         self.nodes = [f"node{i}" for i in range(nodes)]

@@ -251,6 +251,13 @@ class FaultToleranceConfig:
     f: int = 1
     """Failures to survive without a checkpoint: the planner keeps f+1 replicas of every
     layer (Oobleck's f)."""
+    cut_wait_s: float = 60.0
+    """When the nodes the leader can reach hold neither every layer nor a peer snapshot
+    as new as the job, but nodes out of reach may (cut off by a partition, or out of
+    etcd with no probe finding their agent gone), the job waits this long for them to
+    come back before it trains steps again from older state (`elastic.cut_wait`); a
+    machine that vanished looks the same, so this bounds what a lost one costs. 0: never
+    waits."""
 
 
 @dataclass(frozen=True)

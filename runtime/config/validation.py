@@ -70,6 +70,9 @@ def check_config(cfg: Config) -> Config:
             raise ConfigError(f"parallel.{key} must not be negative, got {getattr(p, key)}")
     if cfg.fault_tolerance.f < 0:
         raise ConfigError(f"fault_tolerance.f must not be negative, got {cfg.fault_tolerance.f}")
+    if cfg.fault_tolerance.cut_wait_s < 0:
+        raise ConfigError(f"fault_tolerance.cut_wait_s must be 0 (never wait for nodes out of reach) or "
+                          f"positive seconds; got {cfg.fault_tolerance.cut_wait_s}")
     if m.d_model % m.n_heads:
         raise ConfigError(f"model.n_heads={m.n_heads} does not divide model.d_model={m.d_model}; "
                           "pick n_heads among the divisors of d_model")

@@ -96,6 +96,9 @@ class EpochEvent(JsonRecord):
     """Nodes that left with notice (a planned leave)."""
     handed_off: int = 0
     """Layer shards the leaving nodes sent before they left (no other holder had them)."""
+    cut_wait_s: float | None = None
+    """Seconds the job waited for nodes out of reach that held layers nobody reachable
+    had (a cut is not a death: `planaria.elastic.cut_wait`), when it did."""
 
     @property
     def source(self) -> str:

@@ -236,3 +236,41 @@ def test_an_etcd_member_cut_off_from_the_others_changes_nothing(tmp_path, cache)
     assert cut["note"] == "etcd member: no reconfiguration needed", cut
     logs = "".join(p.read_text() for p in (tmp_path / "out" / "run" / "logs").glob("agent-*.log"))
     assert "controller: epoch" not in logs and "registering again" not in logs, logs[-3000:]
+
+
+CUT_6 = ["--nodes", "6", "--hosts", "--etcd-members", "3", "--fault-tolerance", "1", "parallel.min_stages=2",
+         "train.steps=120"]
+"""Six nodes, three pipelines of two stages: nodes 0, 2 and 4 hold the first stage's
+layers in epoch 0, nodes 1, 3 and 5 the second's."""
+
+
+@pytest.mark.slow  # ~1 min; the default suite's time (~15 min on 2 cores): `make test-slow`
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+@AS_ROOT
+def test_a_cut_is_not_a_death_the_job_waits_for_the_layers_only_cut_off_nodes_hold(tmp_path, cache):
+    """--hosts: node1 killed at step 10, and a moment later nodes 3 and 5, the other
+    holders of the second stage, cut off the network (etcd included) for 15 s: their
+    leases lapse, but no probe found their agents gone. The survivors' peer snapshots
+    would train a step again; the leader waits for the cut-off nodes instead, and copies
+    their layers when they come back: nothing trained again, nothing lost."""
+    proc = chaos([*CUT_6, "--fault", "kill-node@10:target=1", "--fault", "isolate-node@10+0.2:target=3:for=15",
+                  "--fault", "isolate-node@10+0.2:target=5:for=15"], tmp_path, cache)
+    report = assert_nothing_lost(proc, tmp_path, 120)
+    assert report["memory_restores"] == 0, report
+    logs = "".join(p.read_text() for p in (tmp_path / "out" / "run" / "logs").glob("agent-*.log"))
+    assert "out of reach but not known dead" in logs and "the nodes out of reach came back after" in logs, logs
+
+
+@pytest.mark.slow  # ~1 min; the default suite's time (~15 min on 2 cores): `make test-slow`
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+@AS_ROOT
+def test_a_partition_during_a_planned_leave_loses_nothing(tmp_path, cache):
+    """--hosts: node1 told (SIGTERM, 20 s of grace) that it will be gone, and a moment
+    later nodes 3 and 5 cut off the others for 15 s, both sides reaching etcd. The leave
+    and the cut meet; the job completes, nothing lost, losses as without faults."""
+    proc = chaos([*CUT_6, "--fault", "preempt-node@10:target=1:notice=20",
+                  "--fault", "partition@10+0.1:target=3+5:for=15"], tmp_path, cache)
+    report = assert_nothing_lost(proc, tmp_path, 120)
+    assert report["planned_leaves"] == 1, report

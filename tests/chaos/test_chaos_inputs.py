@@ -57,12 +57,16 @@ def test_fault_specs_and_targets():
                  steps=10, nodes=4, nproc=1, etcd_members=1)
 
 
-def test_a_preemption_names_its_notice_and_needs_the_local_cloud():
+def test_a_preemption_names_its_notice_and_on_hosts_every_notice_is_the_same():
     fault = parse_fault("preempt-node@8:target=2,notice=20")  # the spelling too
     assert fault == FaultSpec("preempt-node", 8, 2, notice_s=20.0)
     assert str(fault) == "preempt-node@8:target=2:notice=20"
-    with pytest.raises(FaultSpecError, match="cannot reach the local cloud"):
-        validate([fault], steps=10, nodes=4, nproc=1, etcd_members=1, hosts=True)
+    validate([fault], steps=10, nodes=4, nproc=1, etcd_members=1, hosts=True)
+    # On hosts the notice is a signal and every agent's --preemption-grace: one for all.
+    other = parse_fault("preempt-node@9:target=1:notice=10")
+    validate([fault, other], steps=10, nodes=4, nproc=1, etcd_members=1)
+    with pytest.raises(FaultSpecError, match="give every preempt-node the same notice"):
+        validate([fault, other], steps=10, nodes=4, nproc=1, etcd_members=1, hosts=True)
 
 
 def test_network_faults_last_a_while_and_need_hosts():

@@ -26,7 +26,10 @@ def job(wait_s: float):
     cfg = load_config(TINY, ["fault_tolerance.f=1", "parallel.min_stages=2"])
     planner = build_planner(cfg, cost_model(cfg, hardware_name="h100", gpus_per_node=1))
     store, logs = dist.HashStore(), []
-    controller = Controller(store, planner, total_steps=100, debounce_s=0, log=logs.append, wait_for_nodes_s=wait_s)
+    # Nodes 1 to 3 died: their agents refused the probes (`gone`), so nobody waits for them
+    # as for nodes cut off (tests/elastic/test_controller_cuts.py).
+    controller = Controller(store, planner, total_steps=100, debounce_s=0, log=logs.append, wait_for_nodes_s=wait_s,
+                            gone=lambda: {"node1", "node2", "node3"})
     members = [(f"node{i}", 0) for i in range(4)]
     plan = controller.start(members)
     store.set(keys.epoch_trained(0), "1")

@@ -77,7 +77,7 @@ RECORDS = {
         failed=small_tuples(names), joined=small_tuples(names), first_iteration=steps,
         rolled_forward=maybe(steps), transfers=counts, restored=maybe(steps), moved_bytes=counts,
         plan_shape=small_tuples(st.integers(1, 64)), cut_off=small_tuples(names), snapshot=maybe(steps),
-        rerun=counts, left=small_tuples(names), handed_off=counts),
+        rerun=counts, left=small_tuples(names), handed_off=counts, cut_wait_s=maybe(seconds)),
     EpochTiming: st.builds(
         EpochTiming, record_s=seconds, rendezvous_s=maybe(seconds), transfer_s=maybe(seconds),
         first_step_s=maybe(seconds), failed_s=maybe(seconds), error=maybe(names), bytes_received=counts,
