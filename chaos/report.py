@@ -255,14 +255,26 @@ def recoveries(faults: list[InjectedFault], events: list[EpochEvent], timings: d
             total_s=None if resumed is None else resumed - fault.time,
             bytes_moved=moved, epoch=epoch, plan_shape=list(event.plan_shape),
             transfers=event.transfers, source=event.source, rerun=event.rerun,
-            note=(f"{'arrived' if fault.fault.startswith('add-node') else 'struck'} while the "
-                  f"reconfiguration to epoch {epoch} was under way; it took this in" if under_way else ""),
+            note=_note(fault, event, epoch, under_way),
             rendezvous_s=max(rendezvous) if rendezvous else None,
             first_step_s=max(first_steps) if first_steps else None,
             release_s=max(0.0, max(left) - event.detected_s) if left and not under_way else None,
             step_time_ratio=ratios.get(fault), reason=event.reason,
             pause_s=_pause(commit_times, event.published_s, resumed)))
     return found
+
+
+def _note(fault, event, epoch: int, under_way: bool) -> str:
+    """What the reconfiguration did beyond its figures: took in a fault that struck while
+    it was under way; waited for nodes out of reach that held layers nobody else had."""
+    notes = []
+    if under_way:
+        notes.append(f"{'arrived' if fault.fault.startswith('add-node') else 'struck'} while the "
+                     f"reconfiguration to epoch {epoch} was under way; it took this in")
+    if event.cut_wait_s is not None:
+        notes.append(f"waited {event.cut_wait_s:.1f} s for nodes out of reach that held layers nobody else "
+                     "had, rather than train steps again")
+    return "; ".join(notes)
 
 
 def _pause(commit_times: list[float], published_s: float, resumed: float | None) -> float | None:

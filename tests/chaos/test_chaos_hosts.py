@@ -260,6 +260,7 @@ def test_a_cut_is_not_a_death_the_job_waits_for_the_layers_only_cut_off_nodes_ho
     assert report["memory_restores"] == 0, report
     logs = "".join(p.read_text() for p in (tmp_path / "out" / "run" / "logs").glob("agent-*.log"))
     assert "out of reach but not known dead" in logs and "the nodes out of reach came back after" in logs, logs
+    assert any("waited" in r["note"] and "for nodes out of reach" in r["note"] for r in report["recoveries"]), report
 
 
 @pytest.mark.slow  # ~1 min; the default suite's time (~15 min on 2 cores): `make test-slow`
