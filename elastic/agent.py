@@ -163,7 +163,6 @@ class Agent:
         self.metrics: MetricsServer | None = None
         """The Prometheus endpoint (`--metrics-port`, `planaria.elastic.metrics`); None: off."""
         self._published_view: list[str] | None = None
-        self._views: tuple[float, dict[str, list[str]]] = (-1.0, {})
         self._peers_read = -1.0
         self._said_never: list[str] = []
 
@@ -384,14 +383,11 @@ class Agent:
         self._published_view = view
 
     def _unreachable_views(self) -> dict[str, list[str]]:
-        """{node: the nodes it cannot reach}, as the nodes published them (read at most
-        twice a second: the leader asks at every poll), this node's own as its probe
-        sees it now (the leader's agent publishes nothing while its controller waits)."""
-        read_at, views = self._views
-        if time.monotonic() - read_at >= 0.5:
-            views = {key[len(keys.UNREACHABLE):]: json.loads(value)
-                     for key, value in self.store.items_under(keys.UNREACHABLE).items()}
-            self._views = (time.monotonic(), views)
+        """{node: the nodes it cannot reach}, as the nodes published them (parsed once per
+        change of `unreachable/`, which the leader mirrors: it asks at every poll), this
+        node's own as its probe sees it now (the leader's agent publishes nothing while
+        its controller waits)."""
+        views = self.store.derived(keys.UNREACHABLE, _parse_views)
         return {**views, self.node: list(self.probe.unreachable)}
 
     # --------------------------------------------------------------- leader
@@ -489,6 +485,11 @@ class Agent:
 
     def _kill(self, worker: Worker) -> None:
         self.store.set(keys.kill_request(worker), "1")
+
+
+def _parse_views(found: dict[str, bytes]) -> dict[str, list[str]]:
+    """{node: the nodes it reports it cannot reach}, from the `unreachable/<node>` keys in `found`."""
+    return {key[len(keys.UNREACHABLE):]: json.loads(value) for key, value in found.items()}
 
 
 def _alive_workers(found: dict[str, bytes]) -> frozenset[Worker]:

@@ -52,7 +52,7 @@ from planaria.elastic.epoch_planning import EpochPlanner
 from planaria.elastic.job_checkpoints import CheckpointPolicy, JobCheckpoints
 from planaria.elastic.leave_planning import PlannedLeaves
 from planaria.elastic.node_wait import LIMIT_S as NODE_WAIT_S, NodeWait
-from planaria.elastic.reachability import Partitions
+from planaria.elastic.reachability import Partitions, isolated
 from planaria.elastic.record_limits import RecordLimit
 from planaria.elastic.spare_nodes import Spares
 from planaria.runtime.contract import keys
@@ -337,7 +337,11 @@ class Controller:
         # Sources of layer state: what the workers of the group hold, live or in their
         # peer snapshots (a stateless worker may keep snapshots); no copy crosses a cut.
         holders = {w: s for w, s in statuses.items() if w[0] in nodes or w in leaving}
-        out_of_reach = may_hold(self.plan, members, statuses, nodes, cut_off, still, self._found_gone | self.gone())
+        # (Out of reach: across a partition, or cut off from every node: `_isolated_workers`.
+        # A worker killed as silent is no holder.)
+        out_of_reach = may_hold(self.plan, members - self._killed, statuses, nodes,
+                                set(cut_off) | {w[0] for w in self._isolated_workers(members)}, still,
+                                self._found_gone | self.gone())
         planned = self._plan_from(nodes, holders, first, leaving, cut_off, out_of_reach, detected)
         if planned is None:
             return  # waiting for nodes out of reach: tried again at the next poll
@@ -479,20 +483,26 @@ class Controller:
     def _collect_statuses(self, members: set[Worker], alive_now: Callable[[], set[Worker]],
                           kill: Callable[[Worker], None], released: bool) -> dict[Worker, WorkerStatus]:
         """Statuses of the epoch's live workers (one that dies meanwhile is no longer
-        waited for); the ones that stay silent are killed. A worker lost while a join
+        waited for, nor is one on a node cut off from every other: it cannot be heard
+        from until the cut heals); the ones that stay silent are killed. A worker lost while a join
         stops the epoch turns the join into a failure: the survivors blocked on it are
         released rather than left to their collective timeout."""
         deadline = ReachableDeadline(self.status_timeout_s)  # an etcd outage is no silence
         while True:
             since = generation(self.store)
-            expected = members & (alive_now() - self._killed)
+            # A node every other node of the epoch reports cut off cannot be heard from
+            # until the cut heals, whatever its lease says: counted out as a node a probe
+            # found gone is (its peers cannot commit a step without it either), and waited
+            # for, if it holds what nobody else does, by `cut_wait`.
+            live = members & (alive_now() - self._killed)
+            waited = live - self._isolated_workers(members)
             # A peer gone, or cut off, while the epoch stops at a step boundary: that step
             # never ends (its collectives wait on the peer), so the stop becomes a failure.
-            if not released and (expected != members or self._cut()):
+            if not released and (live != members or self._cut()):
                 self.store.set(keys.epoch_reconfigure(self.epoch), keys.FAILURE)
                 released = True
-            statuses = self._statuses(expected)
-            if len(statuses) == len(expected) or deadline.expired():
+            statuses = self._statuses(live)
+            if set(statuses) >= waited or deadline.expired():
                 break
             if self.interrupted():
                 raise Interrupted("the leader's node is leaving; the next leader takes the "
@@ -506,14 +516,22 @@ class Controller:
                 # moment, so that the statuses of thousands of workers are looked at in tens
                 # of looks rather than one look per status (each look is O(workers)).
                 time.sleep(STATUS_GATHER_S)
-        if expected - set(statuses):
+        silent = waited - set(statuses)
+        if silent:
             self._check_leading()
-        for worker in sorted(expected - set(statuses)):
+        for worker in sorted(silent):
             self.log(f"controller: worker {worker_key(worker)} did not report within "
                      f"{self.status_timeout_s:.0f} s; killing it")
             kill(worker)
             self._killed.add(worker)
         return statuses
+
+    def _isolated_workers(self, members: frozenset[Worker]) -> set[Worker]:
+        """The workers of `members` on nodes cut off from every other node of the epoch
+        (none when every node is: then nobody would be heard from)."""
+        nodes = self.plan.nodes()
+        alone = isolated(nodes, self.partitions.unreachable())
+        return set() if len(alone) == len(nodes) else {w for w in members if w[0] in alone}
 
     def _cut(self) -> bool:
         """Two nodes of the epoch in force cannot reach each other (`Partitions.cut`)."""

@@ -42,8 +42,9 @@ def may_hold(plan: Plan, members: Iterable[Worker], statuses: Mapping[Worker, Wo
              planned: Iterable[str], cut_off: Iterable[str], alive: set[Worker],
              gone: set[str]) -> dict[Worker, set[Shard]]:
     """{worker: the shards it may hold} of the failed epoch's workers that are out of
-    reach but maybe alive (module docstring): on a node of `cut_off`, or not `alive`
-    on a node not `gone` and not `planned`."""
+    reach but maybe alive (module docstring): on a node of `cut_off`, or not `alive`,
+    on a node neither `gone` nor `planned`. What its status says it holds, or without
+    one (it could not report), its rank's layers in the failed plan."""
     planned, cut_off = set(planned), set(cut_off)
     rank_of = plan.rank_of_worker()
     found: dict[Worker, set[Shard]] = {}
@@ -51,9 +52,11 @@ def may_hold(plan: Plan, members: Iterable[Worker], statuses: Mapping[Worker, Wo
         node = worker[0]
         if node in planned or node in gone:
             continue
-        if node in cut_off and worker in statuses:
+        if node not in cut_off and worker in alive:
+            continue  # reachable and alive: it reported
+        if worker in statuses:
             found[worker] = {tuple(shard) for shard in statuses[worker].holds}
-        elif worker not in alive and worker in rank_of:
+        elif worker in rank_of:
             rank = rank_of[worker]
             tp_rank = plan.rank_info(rank).tp_rank
             found[worker] = {(layer, tp_rank) for layer in plan.layers_of(rank)}

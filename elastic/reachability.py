@@ -113,27 +113,42 @@ class Partitions:
             self._said["waiting"] = (tuple(cut_off), why)
             self.log(f"controller: {why}; waiting for the partition to heal ({cut_off} alive, out of reach)")
 
-    def settled_views(self, nodes: list[str], quiet_s: float = 4.0, limit_s: float = 12.0):
+    def settled_views(self, nodes: list[str], quiet_s: float = 1.0, limit_s: float = 6.0):
         """The nodes' reachability once every cut is reported from both ends (a moment
-        later), or once nothing changed for `quiet_s` (longer than a probe round: a node
-        cut off etcd as well cannot report), at most `limit_s`. Each node's probes see a
-        cut on their own clock: planned over the first reports alone, a side could keep
-        a node whose own cuts were not reported yet, and the epoch would fail once more."""
+        later), or once nothing changed for `quiet_s` (several probe rounds: a node cut
+        off etcd as well cannot report), at most `limit_s`. Each node's probes see a cut
+        on their own clock (within a round or two of each other: `peer_probe`): planned
+        over the first reports alone, a side could keep a node whose own cuts were not
+        reported yet, and the epoch would fail once more."""
         views = self.unreachable()
         if not cut_pairs(nodes, views):
             return views
         started = changed = time.monotonic()
         while time.monotonic() - started < limit_s:
             quiet = time.monotonic() - changed
-            if quiet >= quiet_s or (quiet >= 0.5 and _both_ends_report(cut_pairs(nodes, views), views)):
+            if quiet >= quiet_s or (quiet >= 0.25 and _seen_whole(nodes, views)):
                 break
-            time.sleep(0.25)
+            time.sleep(0.05)
             now = self.unreachable()
             if cut_pairs(nodes, now) != cut_pairs(nodes, views):
                 views, changed = now, time.monotonic()
         return views
 
 
-def _both_ends_report(cuts: list[tuple[str, str]], views: Mapping[str, Iterable[str]]) -> bool:
-    """True when each node of every cut pair reports the other (a cut seen whole)."""
-    return all(b in views.get(a, ()) and a in views.get(b, ()) for a, b in cuts)
+def isolated(nodes: Iterable[str], views: Mapping[str, Iterable[str]]) -> set[str]:
+    """The nodes of `nodes` that every other node of them reports unreachable: cut off
+    from all of them (it may not reach etcd to report anything itself; whatever it
+    reports, no plan keeps it with any of them)."""
+    nodes = list(nodes)
+    if len(nodes) < 2:
+        return set()
+    reported = [set(views.get(n, ())) for n in nodes]
+    return {node for node in nodes if all(node in r for other, r in zip(nodes, reported) if other != node)}
+
+
+def _seen_whole(nodes: list[str], views: Mapping[str, Iterable[str]]) -> bool:
+    """True when every cut between `nodes` is seen whole: each end of it reports the
+    other, or one end is cut off from all the others (`isolated`)."""
+    alone = isolated(nodes, views)
+    return all((b in views.get(a, ()) and a in views.get(b, ())) or a in alone or b in alone
+               for a, b in cut_pairs(nodes, views))

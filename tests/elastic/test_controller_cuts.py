@@ -128,3 +128,20 @@ def test_a_partition_whose_other_side_holds_layers_is_waited_for_and_no_step_is_
     assert controller.epoch == 1 and sorted(controller.plan.nodes()) == NODES
     event = controller.events[-1]
     assert event.snapshot is None and event.rerun == 0 and event.first_iteration == 6
+
+
+def test_a_node_cut_off_from_every_other_is_not_waited_for_while_its_lease_runs():
+    """node1 cut off the network, etcd included, before its lease lapsed: every other node
+    reports it, its worker still shows alive but cannot report. The leader does not wait
+    the status timeout for it: it plans without it at once (its layers have replicas)."""
+    views: dict[str, list[str]] = {}
+    controller, store, logs, plan = job(views=views)
+    controller.status_timeout_s = 30.0
+    views.update({n: ["node1"] for n in NODES if n != "node1"})
+    workers = [(n, 0) for n in NODES]
+    report(store, plan, [w for w in workers if w[0] != "node1"])
+    started = time.monotonic()
+    assert poll(controller, workers) == "running"  # node1.0 alive, silent
+    assert time.monotonic() - started < 10, "waited for the cut-off node's status"
+    assert controller.epoch == 1 and "node1" not in controller.plan.nodes()
+    assert controller.events[-1].failed == ("node1.0",) and controller.events[-1].snapshot is None
