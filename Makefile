@@ -26,7 +26,7 @@ soak: setup
 
 soak-net: setup
 	$(PYTHON) -m planaria.cli chaos configs/tiny.yaml --nodes 6 --etcd-members 3 --hosts --fault-tolerance 1 \
-		--random 1.5 --random-nodes 4-6 --seed 2 --fresh-reference --timeout 5400 --out soak-net-out \
+		--random 1.5 --random-follow-up 0.3 --random-nodes 4-6 --seed 2 --fresh-reference --timeout 5400 --out soak-net-out \
 		parallel.min_stages=2 comm.timeout_s=10 checkpoint.every=100 train.steps=6000 train.log_every=500 $(ARGS)
 
 # A peer snapshot on every node (memory_copies=5 of 6): the trace takes 4 of 6 nodes at

@@ -61,6 +61,9 @@ class ChaosSettings:
     random_nodes: tuple[int, int] | None = None
     """Live nodes the random process keeps to (low, high); None: (nodes - 2, nodes), at least 1."""
     random_kinds: tuple[str, ...] | None = None
+    random_follow_up: float = 0.0
+    """The chance that a random fault comes during the recovery from the last one
+    (`RandomFaults.follow_up`)."""
     """Kinds the random process draws; None: every kind that applies."""
     trace: Path | None = None
     """A preemption trace to replay (`--trace`); None: none."""
@@ -90,7 +93,8 @@ class ChaosSettings:
         if self.random_rate is not None:
             low, high = self.random_nodes or (max(1, self.nodes - 2), self.nodes)
             random_faults = RandomFaults(self.random_rate, self.seed, low=low, high=high,
-                                         kinds=self.random_kinds or random_kinds(None, self.etcd_members, self.hosts))
+                                         kinds=self.random_kinds or random_kinds(None, self.etcd_members, self.hosts),
+                                         follow_up=self.random_follow_up)
         if self.trace is not None:
             if self.notice_s is not None and self.hosts:
                 raise FaultSpecError("--notice announces removals through a local cloud that the simulated "

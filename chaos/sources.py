@@ -21,6 +21,9 @@ NOTICE_S = (5.0, 30.0)
 OPT_IN_KINDS = ("preempt-node",)
 """Drawn only when --random-kinds names them: the soak's default mix stays what it was."""
 NETWORK_DURATION_S = (5.0, 30.0)
+FOLLOW_UP_S = (0.3, 4.0)
+"""A follow-up fault comes this long after the last one (`RandomFaults.follow_up`): while
+the job detects it, plans, copies layers or takes its first step."""
 """A drawn network fault lasts between these (uniform): from shorter than a lease's TTL
 (a blip the job should ride out) to several TTLs (a node or side planned out, then in)."""
 
@@ -32,14 +35,23 @@ class RandomFaults:
     `kinds`, but the live nodes are kept within [low, high]: at `low` the next fault adds
     a node, at `high` it removes one (or kills an etcd member). A network fault's
     duration is drawn too (`NETWORK_DURATION_S`). The harness picks targets with its own
-    seeded generator."""
+    seeded generator.
 
-    def __init__(self, rate_per_min: float, seed: int, *, low: int, high: int, kinds: tuple[str, ...]):
+    `follow_up`: the chance that a fault is followed by another within `FOLLOW_UP_S` (a
+    node killed, cut off or added while the job recovers from the last fault: a cut
+    while an epoch is being planned, a kill during a partition), instead of the usual
+    gap."""
+
+    def __init__(self, rate_per_min: float, seed: int, *, low: int, high: int, kinds: tuple[str, ...],
+                 follow_up: float = 0.0):
         if rate_per_min <= 0:
             raise FaultSpecError(f"--random {rate_per_min:g}: the rate is faults per minute and must be > 0")
         if not 1 <= low <= high:
             raise FaultSpecError(f"--random-nodes {low}-{high}: need 1 <= LOW <= HIGH")
+        if not 0 <= follow_up <= 1:
+            raise FaultSpecError(f"--random-follow-up {follow_up:g}: a chance, from 0 to 1")
         self.mean_s, self.low, self.high, self.kinds = 60.0 / rate_per_min, low, high, kinds
+        self.follow_up = follow_up
         self.rng = random.Random(seed)
         self.next_s = self._gap()
 
@@ -49,7 +61,10 @@ class RandomFaults:
     def due(self, elapsed_s: float, live_nodes: int, etcd_all_up: bool) -> list[FaultSpec]:
         if elapsed_s < self.next_s:
             return []
-        self.next_s = elapsed_s + self._gap()
+        # (Drawn from its own stream of the generator only when asked for: a run without
+        # follow-ups draws the faults it always did for its seed.)
+        followed = self.follow_up > 0 and self.rng.random() < self.follow_up
+        self.next_s = elapsed_s + (self.rng.uniform(*FOLLOW_UP_S) if followed else self._gap())
         if live_nodes <= self.low and "add-node" in self.kinds:
             return [FaultSpec("add-node", 0)]
         choices = [k for k in self.kinds

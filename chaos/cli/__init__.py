@@ -176,6 +176,7 @@ def _chaos(args: argparse.Namespace) -> int:
             random_rate=args.random,
             random_nodes=None if args.random_nodes is None else parse_node_range(args.random_nodes),
             random_kinds=None if args.random_kinds is None else random_kinds(args.random_kinds, args.etcd_members, args.hosts),
+            random_follow_up=args.random_follow_up or 0.0,
             trace=None if args.trace is None else Path(args.trace),
             time_scale=1.0 if args.time_scale is None else args.time_scale,
             fresh_reference=args.fresh_reference, hosts=args.hosts, notice_s=args.notice,
@@ -209,7 +210,8 @@ def _chaos_options_refused(args: argparse.Namespace) -> str | None:
     if not args.timeout > 0:  # --random and --time-scale: checked where they are read
         return f"--timeout must be positive, got {args.timeout:g}"
     if args.random is None:
-        given = [f for f, v in (("--random-nodes", args.random_nodes), ("--random-kinds", args.random_kinds)) if v]
+        given = [f for f, v in (("--random-nodes", args.random_nodes), ("--random-kinds", args.random_kinds),
+                                ("--random-follow-up", args.random_follow_up)) if v]
         if given:
             return f"{' and '.join(given)} shape(s) the faults of --random RATE, which was not given"
     if args.time_scale is not None and args.trace is None:
@@ -300,6 +302,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "60/RATE s: 1.5 gives one every 20 to 60 s), from the job's first step on")
     chaos.add_argument("--random-nodes", default=None, metavar="LOW-HIGH",
                        help="keep the live nodes within LOW-HIGH under --random (default: N-2 to N)")
+    chaos.add_argument("--random-follow-up", type=float, default=None, metavar="CHANCE",
+                       help="under --random, the chance (0 to 1) that a fault is followed by another within "
+                            "0.3 to 4 s, while the job recovers from it (default 0)")
     chaos.add_argument("--random-kinds", default=None, metavar="KIND,...",
                        help="the kinds --random draws (default: all; kill-etcd-member with 3 members)")
     chaos.add_argument("--trace", default=None, metavar="FILE",

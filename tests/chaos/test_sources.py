@@ -106,6 +106,29 @@ def test_random_faults_keep_the_live_nodes_in_range():
     assert kinds == set(random_kinds(None, etcd_members=3))
 
 
+def test_some_random_faults_come_during_the_recovery_from_the_last():
+    """--random-follow-up: about that share of the faults is followed by another within
+    0.3 to 4 s (while the job recovers); without it, the seed's faults are as before."""
+    def gaps(follow_up: float) -> list[tuple[float, str]]:
+        source = RandomFaults(1.5, seed=7, low=4, high=6, kinds=("kill-node", "add-node", "partition"),
+                              follow_up=follow_up)
+        found, last, elapsed, live = [], 0.0, 0.0, 6
+        while elapsed < 3600:
+            elapsed = round(elapsed + 0.1, 1)
+            for fault in source.due(elapsed, live, etcd_all_up=True):
+                found.append((round(elapsed - last, 1), fault.kind))
+                last = elapsed
+                live += 1 if fault.kind == "add-node" else -(fault.kind in NODE_LOSSES)
+        return found
+    followed = [gap for gap, _ in gaps(0.3)]
+    quick = [gap for gap in followed if gap <= 4.1]
+    assert all(0.3 <= gap for gap in followed) and 0.15 <= len(quick) / len(followed) <= 0.45, followed
+    plain = [gap for gap, _ in gaps(0.0)]
+    assert min(plain) >= 19.9 and len(plain) >= 60
+    with pytest.raises(FaultSpecError, match="a chance, from 0 to 1"):
+        RandomFaults(1.5, seed=0, low=1, high=2, kinds=("add-node",), follow_up=2)
+
+
 def test_random_kinds_are_checked():
     assert "kill-etcd-member" not in random_kinds(None, etcd_members=1)
     assert random_kinds("kill-node, add-node", etcd_members=1) == ("kill-node", "add-node")
