@@ -30,6 +30,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import tomllib
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -77,23 +78,30 @@ def chaos_run(tree: Path | None, case: str, args, out: Path) -> dict:
 
 
 def _import_root(tree: Path) -> Path:
-    """A directory whose `planaria` is `tree` (the package is the repository's root)."""
+    """A directory whose `planaria` is `tree`'s: each of its subpackages linked to the
+    folder `tree`'s pyproject.toml maps it to (`planaria.cli` is `chaos/cli`), so that
+    none of them is found in the installed working tree instead."""
     root = tree.parent / "import-root"
-    root.mkdir(exist_ok=True)
-    link = root / "planaria"
-    if not link.exists():
-        link.symlink_to(tree, target_is_directory=True)
+    package = root / "planaria"
+    if not package.exists():
+        package.mkdir(parents=True)
+        folders = tomllib.loads((tree / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+        for name, folder in folders.items():
+            parts = name.split(".")
+            if len(parts) == 2 and parts[0] == "planaria":
+                (package / parts[1]).symlink_to((tree / folder).resolve(), target_is_directory=True)
     return root
 
 
 def check_imports_from(tree: Path) -> None:
-    """Refuse to measure the wrong code: `planaria` must come from `tree`."""
+    """Refuse to measure the wrong code: `planaria` (its command line too) must come from `tree`."""
     env = dict(os.environ, PYTHONPATH=str(_import_root(tree)))
-    found = subprocess.run([sys.executable, "-c", "import planaria.elastic.controller as c; print(c.__file__)"],
-                           capture_output=True, text=True, env=env, cwd=tree.parent, check=True).stdout.strip()
-    if not Path(found).resolve().is_relative_to(tree.resolve()):
-        raise RuntimeError(f"the 'before' run would import planaria from {found}, not from {tree}; "
-                           "run this script from an environment where planaria is installed editable")
+    for module in ("planaria.elastic.controller", "planaria.cli"):
+        found = subprocess.run([sys.executable, "-c", f"import {module} as m; print(m.__file__)"],
+                               capture_output=True, text=True, env=env, cwd=tree.parent, check=True).stdout.strip()
+        if not Path(found).resolve().is_relative_to(tree.resolve()):
+            raise RuntimeError(f"the 'before' run would import {module} from {found}, not from {tree}; "
+                               "run this script from an environment where planaria is installed editable")
 
 
 def table(rows: list[dict]) -> str:
