@@ -33,7 +33,8 @@ The controller keeps the loop (`poll`) and the life cycle of an epoch: its start
 stop, the statuses, the exactly-once rule and the publication. What it decides along the
 way has a module of its own in `planaria.elastic`: the next epoch's plan and its layers'
 sources (`epoch_planning`), a planned leave and its prepared epoch (`leave_planning`), a
-split network (`reachability`), layers held only by nodes out of reach (`cut_wait`), the nodes that wait as spares (`spare_nodes`), the job's
+split network (`reachability`), layers held only by nodes out of reach (`cut_wait`), the
+nodes that wait as spares (`spare_nodes`), the job's
 checkpoints and where a lost layer comes back from (`job_checkpoints`), the history of
 published epochs that fencing is decided from (`epoch_history`), an epoch record against
 etcd's request limit (`record_limits`), and how a controller stops (`controller_errors`).
