@@ -36,6 +36,7 @@ socket listener and non-blocking connects on one thread.
 """
 from __future__ import annotations
 
+import collections
 import errno
 import fcntl
 import selectors
@@ -54,6 +55,10 @@ UNREACHABLE_AFTER_S = 1.5
 them, is unreachable: a cut is acted on in about 2 s. A slow link answers later, but
 keeps answering: its probes overlap, and one of every few gets through."""
 MIN_MISSES = 3
+MAX_WAITING = 4
+"""Probes of one peer left waiting for an answer at a time (each holds a socket): enough
+to count MIN_MISSES within the window, without a socket per round for every peer across
+a cut."""
 ANSWER_S = 0.5
 """A probe unanswered this long counts as a miss while it waits (a peer on the same
 network answers in a millisecond)."""
@@ -166,8 +171,10 @@ class PeerProbe:
                     next_round = now + self.period_s
                     peers = self._addresses
                     self._forget_all_but(peers)
+                    waiting = collections.Counter(peer for peer, _, _ in self._pending.values())
                     for peer, address in peers.items():
-                        self._start(peer, address)
+                        if waiting[peer] < MAX_WAITING:
+                            self._start(peer, address)
                     self._judge(peers)
                 self._serve(min(next_round, *(d for _, _, d in self._pending.values()), next_round) - now)
                 self._judge(self._addresses)

@@ -9,7 +9,7 @@ import torch.distributed as dist
 from hypothesis import given, settings, strategies as st
 
 from planaria.elastic.controller import Controller
-from planaria.elastic.peer_probe import PeerProbe, node_address
+from planaria.elastic.peer_probe import MAX_WAITING, PeerProbe, node_address
 from planaria.elastic.reachability import cut_pairs, reachable_group, reaches_all
 from planaria.runtime.config.loading import load_config
 from planaria.runtime.contract import keys
@@ -85,6 +85,51 @@ def test_the_probe_finds_a_peer_that_stopped_answering_and_sees_it_back():
     finally:
         probe.stop()
         peer.stop()
+
+
+def test_a_peer_that_stops_answering_is_unreachable_within_two_seconds_and_probes_stay_few():
+    """The running probe against a peer reached before whose port then drops every SYN (a
+    listener whose accept queue is full, on loopback: the silence of a cut): unreachable
+    within about 2 s (1.5 s without an answer, over three probes), and no more than
+    MAX_WAITING probes of it waiting at a time; reachable again at its first answer."""
+    server = socket.create_server(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+    probe = PeerProbe("me", "127.0.0.1").start()
+    clogged, held = None, []
+    try:
+        probe.set_peers({"peer": f"127.0.0.1:{port}"})
+        deadline = time.monotonic() + 5
+        while "peer" not in probe._last_ok and time.monotonic() < deadline:
+            time.sleep(0.05)
+        server.close()
+        clogged = socket.create_server(("127.0.0.1", port), backlog=0)
+        for _ in range(3):  # fill its accept queue: later SYNs are dropped
+            held.append(socket.socket())
+            held[-1].setblocking(False)
+            held[-1].connect_ex(("127.0.0.1", port))
+        cut = time.monotonic()
+        while probe.unreachable != ["peer"] and time.monotonic() - cut < 10:
+            assert len(probe._pending) <= MAX_WAITING
+            time.sleep(0.05)
+        seen = time.monotonic() - cut
+        assert probe.unreachable == ["peer"] and probe.gone == [] and 1.2 <= seen <= 5.0, seen  # (6 s and more before)
+        for sock in held:
+            sock.close()
+        clogged.close()
+        back = socket.create_server(("127.0.0.1", port))
+        try:
+            deadline = time.monotonic() + 5
+            while probe.unreachable and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert probe.unreachable == []
+        finally:
+            back.close()
+    finally:
+        probe.stop()
+        for sock in held:
+            sock.close()
+        if clogged is not None:
+            clogged.close()
 
 
 def test_a_nodes_address_is_the_one_given_else_its_route_to_etcd():
