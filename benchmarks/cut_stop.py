@@ -31,7 +31,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from join import _import_root, check_imports_from
+from join import _import_root, before_tree
 
 REPO = Path(__file__).resolve().parent.parent
 BEFORE = "83fcd91"
@@ -109,20 +109,13 @@ def main(argv: list[str] | None = None) -> int:
     if os.geteuid() != 0:
         parser.error("the simulated hosts (--hosts) need root: network namespaces and veth links")
     rows = []
-    with tempfile.TemporaryDirectory(prefix="planaria-cut-") as tmp:
-        tree = Path(tmp) / "before"
-        subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(tree), args.before],
-                       check=True, capture_output=True)
-        try:
-            check_imports_from(tree)
-            for repeat in range(args.repeats):
-                for kind in args.kinds:  # interleaved: the machine's drift spreads over both trees
-                    for side in (tree, None):
-                        out = Path(tmp) / f"{'before' if side else 'after'}-{kind}-{repeat}"
-                        rows.append(chaos_run(side, kind, out, args.timeout))
-                        print(table([rows[-1]]).splitlines()[-1], flush=True)
-        finally:
-            subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(tree)], capture_output=True)
+    with tempfile.TemporaryDirectory(prefix="planaria-cut-") as tmp, before_tree(args.before, Path(tmp)) as tree:
+        for repeat in range(args.repeats):
+            for kind in args.kinds:  # interleaved: the machine's drift spreads over both trees
+                for side in (tree, None):
+                    out = Path(tmp) / f"{'before' if side else 'after'}-{kind}-{repeat}"
+                    rows.append(chaos_run(side, kind, out, args.timeout))
+                    print(table([rows[-1]]).splitlines()[-1], flush=True)
     print(table(rows))
     print()
     print(medians(rows))

@@ -25,6 +25,7 @@ The goal: a pause of about one step plus the copy, the slow joiner's too.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -104,6 +105,20 @@ def check_imports_from(tree: Path) -> None:
                                "run this script from an environment where planaria is installed editable")
 
 
+@contextlib.contextmanager
+def before_tree(ref: str, tmp: Path):
+    """`ref` checked out into a git worktree under `tmp`, checked to be what a run with
+    `_import_root` imports, and removed afterwards."""
+    tree = tmp / "before"
+    subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(tree), ref],
+                   check=True, capture_output=True)
+    try:
+        check_imports_from(tree)
+        yield tree
+    finally:
+        subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(tree)], capture_output=True)
+
+
 def table(rows: list[dict]) -> str:
     lines = ["| tree | case | pause (s) | step (s) | switch (s) | copy (s) | rendezvous (s) | lost | loss diff |",
              "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
@@ -124,19 +139,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args(argv)
     rows = []
-    with tempfile.TemporaryDirectory(prefix="planaria-join-") as tmp:
-        tree = Path(tmp) / "before"
-        subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(tree), args.before],
-                       check=True, capture_output=True)
-        try:
-            check_imports_from(tree)
-            for case in args.cases:
-                for side in (tree, None):
-                    out = Path(tmp) / f"{'before' if side else 'after'}-{case.replace(' ', '-')}"
-                    rows.append(chaos_run(side, case, args, out))
-                    print(f"{rows[-1]['tree']} {case}: " + table([rows[-1]]).splitlines()[-1], flush=True)
-        finally:
-            subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(tree)], capture_output=True)
+    with tempfile.TemporaryDirectory(prefix="planaria-join-") as tmp, before_tree(args.before, Path(tmp)) as tree:
+        for case in args.cases:
+            for side in (tree, None):
+                out = Path(tmp) / f"{'before' if side else 'after'}-{case.replace(' ', '-')}"
+                rows.append(chaos_run(side, case, args, out))
+                print(f"{rows[-1]['tree']} {case}: " + table([rows[-1]]).splitlines()[-1], flush=True)
     print(table(rows))
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
