@@ -93,8 +93,8 @@ class WatchStream:
         """The mirror whose creation was asked for (or whose re-read is under way) and
         not yet answered: one at a time, so that the next `created` answer is its."""
         self._creation = 0
-        """Counts creations asked for: the no-answer timer of an earlier one is stale."""
-        self._timer: threading.Timer | None = None
+        """Counts creations asked for: the no-answer alarm of an earlier one is stale."""
+        self._alarm = _Alarm(f"planaria-watch alarm {client.endpoint}")
         self._no_answer: str | None = None
         self._handling = False
         """True while the reader handles a response (a callback may be slow): an answer
@@ -166,6 +166,7 @@ class WatchStream:
     def _stop(self) -> None:
         """The stream has ended: cut short whatever its thread waits on, and join it."""
         self._wake.set()
+        self._alarm.close()
         with self._lock:
             call, read = self._call, self._inflight_read
             if self._requests is not None:
@@ -178,6 +179,12 @@ class WatchStream:
 
     # -- the reader thread -------------------------------------------------------------------
     def _run(self) -> None:
+        try:
+            self._read_members()
+        finally:
+            self._alarm.close()  # (however the stream ended: closed, the last mirror gone, aborted)
+
+    def _read_members(self) -> None:
         targets = self._client.stream_targets()  # the client's member in use first
         turn = 0
         while not self._ended:
@@ -353,11 +360,7 @@ class WatchStream:
         self._arm_timer(call)
 
     def _arm_timer(self, call) -> None:
-        self._cancel_timer()
-        self._timer = threading.Timer(self._client.settings.timeout_s, self._not_answered,
-                                      args=(call, self._creation))
-        self._timer.daemon = True
-        self._timer.start()
+        self._alarm.arm(self._client.settings.timeout_s, self._not_answered, call, self._creation)
 
     def _ask_cancel(self, watch_id: int) -> None:
         from pyetcd import etcdrpc
@@ -366,9 +369,7 @@ class WatchStream:
             self._requests.put(etcdrpc.WatchRequest(cancel_request=etcdrpc.WatchCancelRequest(watch_id=watch_id)))
 
     def _cancel_timer(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()  # its thread ends at once; not joined under the lock
-            self._timer = None
+        self._alarm.cancel()
 
     def _not_answered(self, call, creation: int) -> None:
         with self._lock:
@@ -413,6 +414,55 @@ class WatchStream:
                                    "their client was told to abort")
         for mirror in stopped:
             mirror._detached(aborted=True)
+
+
+class _Alarm:
+    """Calls `fire(*args)` once the deadline it was last armed with passes, on one thread
+    for the stream's life. Every watch's creation arms it and its answer cancels it: a
+    `threading.Timer` each was a thread started per creation, some per epoch for every
+    node (each node's relay follows the epoch's keys), and where thousands of threads
+    share an interpreter (the scale harness's node processes) a thread's start waits
+    for all of them."""
+
+    def __init__(self, name: str):
+        self._name = name
+        self._cond = threading.Condition()
+        self._armed: tuple | None = None
+        """(deadline, fire, args) while armed."""
+        self._closed = False
+        self._thread: threading.Thread | None = None
+
+    def arm(self, delay_s: float, fire, *args) -> None:
+        with self._cond:
+            if self._closed:
+                return
+            self._armed = (time.monotonic() + delay_s, fire, args)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, daemon=True, name=self._name)
+                self._thread.start()
+            self._cond.notify()
+
+    def cancel(self) -> None:
+        """Not fired for the deadline armed (a fire under way goes on: `fire` checks)."""
+        with self._cond:
+            self._armed = None
+            self._cond.notify()
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed, self._armed = True, None
+            self._cond.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._closed and (self._armed is None or time.monotonic() < self._armed[0]):
+                    self._cond.wait(None if self._armed is None else self._armed[0] - time.monotonic())
+                if self._closed:
+                    return
+                _, fire, args = self._armed
+                self._armed = None
+            fire(*args)
 
 
 def _watches(mirrors: list["Mirror"]) -> str:

@@ -219,7 +219,15 @@ class NodeHost:
                 client.close()
             except Exception:  # noqa: BLE001 - closing what is already gone
                 pass
-        self._relay_loop.call_soon_threadsafe(self._relay_loop.stop)
+        self._relay_loop.call_soon_threadsafe(_cancel_and_stop, self._relay_loop)
+
+
+def _cancel_and_stop(loop: asyncio.AbstractEventLoop) -> None:
+    """Stop the relays' loop, its tasks canceled first (the dead workers' watches waiting
+    for a change: left pending, asyncio would say each was destroyed so)."""
+    for task in asyncio.all_tasks(loop):
+        task.cancel()
+    loop.call_soon(loop.stop)
 
 
 # ------------------------------------------------------------ a node process

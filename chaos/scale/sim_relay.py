@@ -58,6 +58,19 @@ class InProcessRelayStore(NodeRelayStore):
             raise Killed(op)
         return self._result(answer, op)
 
+    async def call_async(self, op: str, wait_s: float = 0.0, **args):
+        """`_call` from the relay's own loop (the simulated workers' watches, `loop_watches`):
+        the same request and answer, awaited instead of waited for on a thread."""
+        if self._killed.is_set():
+            raise Killed(op)
+        if self._closed:
+            raise ConnectionError(f"the store through the node's relay at {self.host}:{self.port} was closed")
+        answer = await asyncio.wait_for(self._relay.answer(self._conn, {"op": op, "args": args}),
+                                        wait_s + self.connect_timeout_s)
+        if self._killed.is_set():
+            raise Killed(op)
+        return self._result(answer, op)
+
     def close(self) -> None:
         if not self._closed:
             self._closed = True

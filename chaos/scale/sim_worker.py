@@ -17,6 +17,7 @@ the peer snapshots its status lists are those it would keep (`sim_snapshots`).
 """
 from __future__ import annotations
 
+import asyncio
 import collections
 import statistics
 import threading
@@ -29,13 +30,14 @@ import torch.distributed as dist
 from planaria.chaos.scale.bootstrap import HANDOFF, PEER_SNAPSHOTS, gloo_direct, mesh, replay
 from planaria.chaos.scale.cutoff import Killed
 from planaria.chaos.scale.data_plane import DataPlane, PeerGone, Released, RankRelease, StepBarrier
+from planaria.chaos.scale.loop_watches import LoopAbandonWatch, LoopEpochWatcher, LoopStore, watches_on_loop
 from planaria.chaos.scale.shared_records import SharedRecordCoordinator, SharedRecords
 from planaria.chaos.scale.sim_metrics import MetricsReads
 from planaria.chaos.scale.sim_snapshots import SimulatedSnapshots
 from planaria.runtime.contract.epochs import EpochRecord, EpochTiming, Progress
 from planaria.runtime.contract.exactly_once import INCOMPLETE, SYNCED, CommitRecord, WorkerStatus
 from planaria.runtime.contract.exits import EXIT_LEFT
-from planaria.runtime.worker.coordination import JobEnded
+from planaria.runtime.worker.coordination import JobEnded, close_stores
 from planaria.runtime.worker.epoch_watcher import QUIET_S, EpochWatcher
 from planaria.runtime.worker.leaving import LEAVE_LINGER_S
 from planaria.templates.plan import Worker
@@ -101,6 +103,12 @@ class SimulatedWorker:
         self.coordinator = SharedRecordCoordinator(store, worker, node_address="127.0.0.1", records=self.records)
         if quiet_s != QUIET_S:  # its other waits on followed keys as long (`followed_wait_s`)
             self.coordinator.followed_wait_s = self.coordinator.abandon_wait_s = quiet_s
+        # Over its relay in this process, its watches are tasks of the relay's loop, not
+        # threads an epoch (`loop_watches`); so is the closing of its old epochs' stores.
+        self._loop_store = LoopStore(store) if watches_on_loop(store) else None
+        if self._loop_store is not None:
+            self.coordinator.abandon_watch = self._abandon_watch
+            self.coordinator.close_later = self._close_later
         self.worker, self.plane, self.observer = worker, plane, observer
         self.step_s, self.total_steps, self.backend = step_s, total_steps, backend
         self.tied_layers, self.wait_s, self._log = tied_layers, wait_s, log
@@ -145,8 +153,13 @@ class SimulatedWorker:
         if self.metrics is not None:
             self.metrics.begin(epoch)
         self._timing = EpochTiming(record_s=time.time())
-        watcher = EpochWatcher(self.coordinator, epoch, RankRelease(barrier, rank), self._log, stuck_s=0,
-                               progress=self._progress if rank == 0 else None)
+        progress = self._progress if rank == 0 else None
+        if self._loop_store is not None:
+            watcher = LoopEpochWatcher(self.coordinator, self._loop_store, epoch, RankRelease(barrier, rank),
+                                       self._log, progress=progress)
+        else:
+            watcher = EpochWatcher(self.coordinator, epoch, RankRelease(barrier, rank), self._log, stuck_s=0,
+                                   progress=progress)
         watcher.quiet_s = self.quiet_s
         watcher.start()
         stopped = finished = False
@@ -216,6 +229,15 @@ class SimulatedWorker:
         self.last_stepped, self.synced = first - 1, False
         tp_rank = plan.rank_info(rank).tp_rank
         self.holds = tuple((layer, tp_rank) for layer in plan.layers_of(rank))
+
+    def _abandon_watch(self, epoch: int, interrupt, poll_s: float, change_wait_s: float) -> LoopAbandonWatch:
+        return LoopAbandonWatch(self._loop_store, epoch, interrupt, poll_s, change_wait_s)
+
+    def _close_later(self, stores, hosted) -> None:
+        """Its old epochs' stores closed by the loop's pool of threads (`close_stores`)."""
+        async def close() -> None:
+            await asyncio.to_thread(close_stores, stores, hosted)
+        asyncio.run_coroutine_threadsafe(close(), self._loop_store.loop)
 
     # ----------------------------------------------------------- leaving
     def _handoff(self, epoch: int, record: EpochRecord) -> bool:

@@ -26,18 +26,25 @@ class AbandonableStore(dist.Store):
       `poll_s` until the keys are there, `abandoned()` between two."""
 
     def __init__(self, base: dist.Store, abandoned, message: str, poll_s: float = 0.01, changes=None,
-                 change_wait_s: float | None = None):
+                 change_wait_s: float | None = None, make_watch=None):
         """`changes`: where `abandoned()` reads a mirror that a watch keeps (the control
         plane's store follows the epoch's end): `(generation, wait_changed)`, the
         store's, so that the watch waits for the word instead of asking every `poll_s`;
         `change_wait_s`: how long it waits for a change before it looks anyway
-        (`CHANGE_WAIT_S` by default)."""
+        (`CHANGE_WAIT_S` by default). `make_watch(interrupt, poll_s, change_wait_s)`:
+        the watch of an interruptible base, when not a thread of its own (`_AbandonWatch`:
+        the scale harness runs thousands of them as tasks of one event loop; it has
+        `running()`, `fired` and `stop()`)."""
         super().__init__()
         self.base, self.abandoned, self.message, self.poll_s = base, abandoned, message, poll_s
         interrupt = getattr(base, "interrupt", None)
-        self._watch = (None if interrupt is None
-                       else _AbandonWatch(abandoned, lambda: interrupt(message), poll_s, changes,
-                                          CHANGE_WAIT_S if change_wait_s is None else change_wait_s))
+        change_wait_s = CHANGE_WAIT_S if change_wait_s is None else change_wait_s
+        if interrupt is None:
+            self._watch = None
+        elif make_watch is not None:
+            self._watch = make_watch(lambda: interrupt(message), poll_s, change_wait_s)
+        else:
+            self._watch = _AbandonWatch(abandoned, lambda: interrupt(message), poll_s, changes, change_wait_s)
 
     def _wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
         limit = (timeout or self.base.timeout).total_seconds()

@@ -81,6 +81,10 @@ class StoreCoordinator:
         waits for a change before it looks anyway: a guard, the change wakes it at once.
         (The scale harness lengthens both: thousands of simulated workers' looks at their
         relays, which cost etcd nothing, are its own load, not the control plane's.)"""
+        self.abandon_watch = None
+        """`abandon_watch(epoch, interrupt, poll_s, change_wait_s)`: the watch of an epoch's
+        rendezvous store (`AbandonableStore`'s `make_watch`), when not a thread of its own
+        (the scale harness's simulated workers: tasks of one event loop)."""
 
     def announce(self) -> None:
         self.store.set(keys.member(self.worker), Announcement(os.getpid()).to_json())
@@ -147,7 +151,7 @@ class StoreCoordinator:
             store = AbandonableStore(base, lambda: self.reconfigure_requested(epoch),
                                      f"epoch {epoch} was abandoned by the control plane during its rendezvous",
                                      changes=(self.generation, self.wait_changed) if followed else None,
-                                     change_wait_s=self.abandon_wait_s)
+                                     change_wait_s=self.abandon_wait_s, make_watch=self._make_watch(epoch))
             # c10d holds the store by its C++ half only: a Python subclass collected while a
             # process group still uses it has no methods left ("Not implemented"). Kept,
             # closed or not, for as long as this worker lives (a small object an epoch).
@@ -155,6 +159,11 @@ class StoreCoordinator:
             if isinstance(base, EpochStoreClient):
                 self._open.add(epoch)
             return store
+
+    def _make_watch(self, epoch: int):
+        if self.abandon_watch is None:
+            return None
+        return lambda interrupt, poll_s, change_wait_s: self.abandon_watch(epoch, interrupt, poll_s, change_wait_s)
 
     def _bootstrap_store(self, epoch: int, host: bool) -> dist.Store:
         """Where the epoch's groups bootstrap. Over a job's store that can follow keys
@@ -209,14 +218,19 @@ class StoreCoordinator:
             self._open.difference_update(old)
             stores = [self._rendezvous_stores[e] for e in old]
             hosted = [self._hosted.pop(e) for e in old if e in self._hosted]
-            threading.Thread(target=_close, args=(stores, hosted), daemon=True, name="close-epoch-stores").start()
+            self.close_later(stores, hosted)
+
+    def close_later(self, stores: list[AbandonableStore], hosted: list[EpochStoreHost]) -> None:
+        """Close `stores` and stop serving `hosted` on a thread of their own (the scale
+        harness's simulated workers hand them to one shared thread instead)."""
+        threading.Thread(target=close_stores, args=(stores, hosted), daemon=True, name="close-epoch-stores").start()
 
     def close(self) -> None:
         """Close every epoch's bootstrap store this worker holds or hosts (it is done)."""
         with self._lock:
             stores = [self._rendezvous_stores[e] for e in self._open]
             hosted, self._hosted, self._open = list(self._hosted.values()), {}, set()
-        _close(stores, hosted)
+        close_stores(stores, hosted)
 
     def mark_ready(self, epoch: int) -> None:
         """This worker is in no epoch, waiting for one after `epoch` (`keys.ready`)."""
@@ -285,7 +299,7 @@ class StoreCoordinator:
         return None if value is None else value.decode()
 
 
-def _close(stores: list[AbandonableStore], hosted: list[EpochStoreHost]) -> None:
+def close_stores(stores: list[AbandonableStore], hosted: list[EpochStoreHost]) -> None:
     for store in stores:
         store.close()
     for host in hosted:

@@ -52,17 +52,22 @@ class TracingStore(dist.Store):
         self._out = open(self.path, "a", encoding="utf-8", buffering=1)
 
     def _traced(self, call, op: str, key: str | None = None, keys=None, size: int | None = None):
-        line: dict = {"op": op}
-        if key is not None:
-            line["key"] = key
-        if keys is not None:
-            line["keys"] = list(keys)
-        if size is not None:
-            line["bytes"] = size
-        line["t"], started = round(time.time(), 6), time.monotonic()
+        line, started = _line(op, key, keys, size), time.monotonic()
         try:
             result = call()
         except Exception as err:  # (a simulated node's death, a BaseException, is no answer)
+            self._write(line, started, error=type(err).__name__)
+            raise
+        self._write(line, started)
+        return result
+
+    async def traced_async(self, call, op: str, key: str | None = None, keys=None, size: int | None = None):
+        """`_traced` of a coroutine function's call, for a caller on an event loop (the
+        scale harness's simulated workers' watches); the same line."""
+        line, started = _line(op, key, keys, size), time.monotonic()
+        try:
+            result = await call()
+        except Exception as err:
             self._write(line, started, error=type(err).__name__)
             raise
         self._write(line, started)
@@ -148,6 +153,19 @@ def traced(store: dist.Store, environ) -> dist.Store:
         raise RuntimeError(f"{env.STORE_TRACE} is set but {', '.join(missing)} is not: a trace is named "
                            "after its worker")
     return TracingStore(store, trace_path(directory, (environ[env.NODE], int(environ[env.LOCAL_RANK]))))
+
+
+def _line(op: str, key: str | None, keys, size: int | None) -> dict:
+    """A trace line's fields before the operation's outcome: what was asked, and when."""
+    line: dict = {"op": op}
+    if key is not None:
+        line["key"] = key
+    if keys is not None:
+        line["keys"] = list(keys)
+    if size is not None:
+        line["bytes"] = size
+    line["t"] = round(time.time(), 6)
+    return line
 
 
 def _bytes(value) -> bytes:

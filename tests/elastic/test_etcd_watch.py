@@ -291,7 +291,9 @@ def test_the_mirrors_of_a_client_share_one_stream_and_its_threads(etcd):
     assert all(m.wait_watching(5) for m in mirrors)
     assert threads_within(with_one, 2.0), [t.name for t in threading.enumerate()]
     ours = [t.name for t in watch_threads() - _OTHERS if t.name.startswith("planaria-watch")]
-    assert len(ours) == 1, ours  # the stream's reader, for all twenty
+    # The stream's reader and the alarm of its watches' creations, for all twenty (no
+    # thread per creation).
+    assert sorted(name.split()[1] for name in ours) == ["alarm", "stream"], ours
     assert server_counts(etcd.endpoint)["watch_streams"] - streams == 1
     for i in range(20):
         c.put(f"/w9/{i}/k", str(i).encode())
