@@ -94,13 +94,14 @@ def measure(nodes: int, relay: bool, args, log, save=lambda: None, result: dict 
               "lease_ttl_s": args.lease_ttl, "relay_margin_s": args.relay_margin,
               "monitor_interval_s": args.monitor_interval, "watcher_quiet_s": args.watcher_quiet,
               "step_s": args.step_s, "niceness": args.nice, "etcd_retry_s": args.etcd_retry,
+              "etcd_timeout_s": args.etcd_timeout,
               "peer_snapshots": args.peer_snapshots, "overrides": args.overrides,
               "changes": []})
     with ScaleHarness(nodes=nodes, gpus_per_node=args.gpus_per_node, config=args.config, step_s=args.step_s,
                       backend=args.backend, node_relay=relay, overrides=overrides, lease_ttl_s=args.lease_ttl,
                       relay_margin_s=args.relay_margin, monitor_interval_s=args.monitor_interval,
                       watcher_quiet_s=args.watcher_quiet, join_timeout_s=args.join_timeout,
-                      niceness=args.nice, etcd_retry_s=args.etcd_retry,
+                      niceness=args.nice, etcd_retry_s=args.etcd_retry, etcd_timeout_s=args.etcd_timeout,
                       log_dir=_log_dir(args.log_dir, nodes, relay),
                       processes=_processes(nodes, args.nodes_per_process), log=log) as harness:
         started = time.monotonic()
@@ -222,6 +223,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--etcd-retry", type=float, default=30.0,
                         help="how long each agent retries an etcd request before it gives up (the "
                              "agent's --etcd-retry, default 30 s)")
+    parser.add_argument("--etcd-timeout", type=float, default=5.0,
+                        help="each agent's etcd request timeout and its streams' ping timeout (the "
+                             "agent's --etcd-timeout, default 5 s)")
     parser.add_argument("--nice", type=int, default=0,
                         help="the node processes' niceness: above 0, etcd's members are scheduled before "
                              "the simulated nodes' threads (the CPU each spends is measured either way)")

@@ -47,6 +47,26 @@ def parse_signals(names: str) -> list[signal.Signals]:
     return found
 
 
+def _seconds(text: str) -> float:
+    """A positive number of seconds."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a number of seconds above 0")
+    return value
+
+
+def etcd_timeouts(timeout_s: float) -> dict:
+    """EtcdSettings' per-request timeout and the keep-alive of its streams, which follows
+    it: a stream's member is pinged every 2 x `timeout_s` (10 s at least: etcd refuses
+    pings more often than 5 s) and must answer within `timeout_s`, so that an etcd whose
+    answers take longer than 5 s (far away, or loaded) does not have every watch and
+    lease stream of every node broken and reopened again and again."""
+    return {"timeout_s": timeout_s, "keepalive_s": max(10.0, 2 * timeout_s)}
+
+
 def _metrics_port(text: str) -> int:
     try:
         return port_number(text)
@@ -75,6 +95,9 @@ def agent_parser() -> argparse.ArgumentParser:
     parser.add_argument("--hardware", default="h100", help="cost model preset for the planner")
     parser.add_argument("--etcd-retry", type=float, default=30.0,
                         help="seconds to retry an unreachable etcd while starting (default 30)")
+    parser.add_argument("--etcd-timeout", type=_seconds, default=5.0,
+                        help="seconds an etcd request may take before it is retried, and a watch or "
+                             "lease stream's member may take to answer a ping (default 5)")
     parser.add_argument("--etcd-outage-limit", type=float, default=0.0,
                         help="seconds a running job waits for etcd to come back before this agent "
                              "gives up and stops its workers (default 0: as long as it takes)")
@@ -144,7 +167,7 @@ def etcd_settings(args: argparse.Namespace) -> EtcdSettings:
     return EtcdSettings(endpoint=args.etcd, retry_s=args.etcd_retry, **{
         name: value if value is not None else getattr(from_env, name) for name, value in given.items()},
         password=from_env.password, max_request_bytes=from_env.max_request_bytes,
-        max_txn_ops=from_env.max_txn_ops)
+        max_txn_ops=from_env.max_txn_ops, **etcd_timeouts(args.etcd_timeout))
 
 
 def output_spec(args: argparse.Namespace) -> OutputSpec | None:

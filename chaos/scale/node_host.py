@@ -27,7 +27,7 @@ from planaria.chaos.scale.sim_node import SimulatedAgent
 from planaria.chaos.scale.sim_relay import MARGIN_S
 from planaria.chaos.scale.sim_worker import Observer
 from planaria.chaos.scale.thread_cpu import ThreadCpu, cpu_of, name_threads
-from planaria.elastic.agent_options import POLL_S
+from planaria.elastic.agent_options import POLL_S, etcd_timeouts
 from planaria.elastic.etcd_client import EtcdClient, EtcdSettings
 from planaria.runtime.worker.epoch_watcher import QUIET_S
 from planaria.runtime.contract.epochs import EpochEvent
@@ -64,6 +64,11 @@ class NodeSpec:
     """How long an agent's etcd request is retried before it gives up (the agent's
     `--etcd-retry`): longer where the last waves of a thousand nodes start on a saturated
     machine."""
+    etcd_timeout_s: float = 5.0
+    """The agents' `--etcd-timeout`: per request, and their streams' pings (`etcd_timeouts`).
+    On two cores carrying a thousand simulated nodes an answer can take longer than 5 s,
+    and a stream whose ping goes unanswered is broken and opened again (gRPC starts two
+    threads per stream), which adds to the load that delayed it."""
     niceness: int = 0
     """The node processes' niceness (`os.nice`): above 0, etcd's members and the harness's
     own waits are scheduled before the simulation's thousands of threads, as a real etcd's
@@ -106,7 +111,8 @@ class NodeHost:
     def add(self, index: int) -> None:
         """Node `index` (its agent and workers), started; it joins when the leader plans it in."""
         spec = self.spec
-        settings = EtcdSettings(endpoint=spec.endpoint, retry_s=spec.etcd_retry_s)
+        settings = EtcdSettings(endpoint=spec.endpoint, retry_s=spec.etcd_retry_s,
+                                **etcd_timeouts(spec.etcd_timeout_s))
         client = EtcdClient(settings, on_outage=lambda line: None)
         self._clients.append(client)
         self.agents[index] = SimulatedAgent(
