@@ -94,7 +94,7 @@ def measure(nodes: int, relay: bool, args, log, save=lambda: None, result: dict 
               "lease_ttl_s": args.lease_ttl, "relay_margin_s": args.relay_margin,
               "monitor_interval_s": args.monitor_interval, "watcher_quiet_s": args.watcher_quiet,
               "step_s": args.step_s, "niceness": args.nice, "etcd_retry_s": args.etcd_retry,
-              "etcd_timeout_s": args.etcd_timeout,
+              "etcd_timeout_s": args.etcd_timeout, "idle": args.idle,
               "peer_snapshots": args.peer_snapshots, "overrides": args.overrides,
               "changes": []})
     with ScaleHarness(nodes=nodes, gpus_per_node=args.gpus_per_node, config=args.config, step_s=args.step_s,
@@ -102,6 +102,7 @@ def measure(nodes: int, relay: bool, args, log, save=lambda: None, result: dict 
                       relay_margin_s=args.relay_margin, monitor_interval_s=args.monitor_interval,
                       watcher_quiet_s=args.watcher_quiet, join_timeout_s=args.join_timeout,
                       niceness=args.nice, etcd_retry_s=args.etcd_retry, etcd_timeout_s=args.etcd_timeout,
+                      idle=args.idle,
                       log_dir=_log_dir(args.log_dir, nodes, relay),
                       processes=_processes(nodes, args.nodes_per_process), log=log) as harness:
         started = time.monotonic()
@@ -229,6 +230,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--nice", type=int, default=0,
                         help="the node processes' niceness: above 0, etcd's members are scheduled before "
                              "the simulated nodes' threads (the CPU each spends is measured either way)")
+    parser.add_argument("--idle", action="store_true",
+                        help="the node processes under SCHED_IDLE: they run on what CPU etcd's members "
+                             "and the harness leave (stronger than --nice where hundreds of their threads "
+                             "are runnable at once)")
     parser.add_argument("--nodes-per-process", type=int, default=64,
                         help="more nodes than this run in node processes of this many each (one "
                              "interpreter's threads carry about 64 simulated nodes of 8 workers)")

@@ -236,6 +236,9 @@ class EtcdClient:
         while etcd is away must not wait for etcd first)."""
         self.back_at: float | None = None
         """time.monotonic() when the last outage ended; None if there was none."""
+        self.away_s = 0.0
+        """How long the last outage lasted: from this client's first failed try to its
+        next answer."""
         self._down_since: float | None = None
         self._reported = False
         self._lock = threading.Lock()
@@ -332,7 +335,7 @@ class EtcdClient:
             if self._down_since is None:
                 return
             down_s, reported = time.monotonic() - self._down_since, self._reported
-            self._down_since, self.back_at = None, time.monotonic()
+            self._down_since, self.back_at, self.away_s = None, time.monotonic(), down_s
         if reported:
             self.on_outage(f"etcd at {self.endpoint} answers again, after {down_s:.1f} s away")
 

@@ -150,9 +150,16 @@ class Membership:
     def settled(self) -> bool:
         """False for a lease period (and a margin) after an etcd outage ended: every agent
         renews its lease or registers again meanwhile, so that the leader never takes a
-        worker whose key has not come back yet for a dead one."""
+        worker whose key has not come back yet for a dead one.
+
+        Not after an outage shorter than a third of the TTL (an agent's renewal period): a
+        lease renewed every third of its TTL has two thirds of it left when its renewal
+        is due, so a renewal held up for less than a third still lands in time, and no
+        agent's key can have lapsed for it. Such blips (a request retried once on a
+        loaded etcd, a member's failover) would otherwise hold every decision for a whole
+        TTL: at a long TTL, minutes."""
         back_at = self.client.back_at
-        if back_at is None:
+        if back_at is None or self.client.away_s < self.ttl_s / 3:
             return True
         wait = back_at + self.ttl_s + 2 - time.monotonic()
         if wait <= 0:

@@ -9,9 +9,10 @@ processes (`node_host`, `hosted_nodes`; their steps meet in `step_hub`):
   workers are threads instead of processes and whose reachability probe is told the
   network by the harness instead of probing it (`sim_node`);
 - each worker makes every request a real worker makes to the control plane, through the
-  runtime's own `StoreCoordinator` and `EpochWatcher` and the process groups' bootstrap
-  keys (`sim_worker`, `bootstrap`), with the same keys, sizes and order; a step is a
-  sleep, and the steps of an epoch meet in an in-memory stand-in for the commit
+  runtime's own `StoreCoordinator` and the process groups' bootstrap keys (`sim_worker`,
+  `bootstrap`), with the same keys, sizes and order; its epoch watcher and its
+  rendezvous's abandon watch, threads of a real worker, are tasks of its node process's
+  relay loop making the same requests (`loop_watches`); a step is a sleep, and the steps of an epoch meet in an in-memory stand-in for the commit
   all-reduce (`data_plane`), so that every worker stops after the same step;
 - faults are a node killed (its agent and workers stop making requests, its lease
   lapses, and its epoch's peers fail their step at once, as gloo's collectives do on

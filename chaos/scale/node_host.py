@@ -70,6 +70,12 @@ class NodeSpec:
     and a stream whose ping goes unanswered is broken and opened again (gRPC starts two
     threads per stream), which adds to the load that delayed it."""
     niceness: int = 0
+    idle: bool = False
+    """The node processes under Linux's SCHED_IDLE: they run only on CPU that etcd's
+    members and the harness's own process leave. Niceness alone does not do it: a nice-10
+    thread weighs a tenth of one of etcd's, but a hundred of them runnable at once outweigh
+    etcd's few (at 1,024 nodes, nice 10, etcd's raft leader missed its heartbeats by 4.5 s
+    and a lease grant took 7 s)."""
     """The node processes' niceness (`os.nice`): above 0, etcd's members and the harness's
     own waits are scheduled before the simulation's thousands of threads, as a real etcd's
     cores are not a simulated node's. The CPU each side spends is measured either way."""
@@ -275,6 +281,8 @@ def serve(commands, events, spec: NodeSpec) -> None:
     process_limits()
     if spec.niceness:
         os.nice(spec.niceness)
+    if spec.idle:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # (threads made later inherit it)
     # A node process holds hundreds of threads that want the interpreter at once; each
     # waiting thread wakes at every switch interval (5 ms by default) to ask for it. At
     # 640 nodes of 16 processes those wakes were two thirds of the machine's CPU, in the

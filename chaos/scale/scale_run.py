@@ -87,7 +87,7 @@ class ScaleHarness:
                  processes: int = 1, relay_margin_s: float = MARGIN_S,
                  monitor_interval_s: float = POLL_S, watcher_quiet_s: float = QUIET_S,
                  join_timeout_s: float = 600.0, niceness: int = 0, etcd_retry_s: float = 30.0,
-                 etcd_timeout_s: float = 5.0, log: Callable[[str], None] = print):
+                 etcd_timeout_s: float = 5.0, idle: bool = False, log: Callable[[str], None] = print):
         """`trace_dir`: every simulated worker's store requests traced there, one file per
         worker, as `PLANARIA_STORE_TRACE` traces a real worker's (`traffic` compares them).
         `log_dir`: where etcd's and every agent's logs are kept (node<i>/agent.log; none
@@ -108,7 +108,8 @@ class ScaleHarness:
         third of a core here). `join_timeout_s`: the agents' `join_timeout` (a thousand
         nodes started in waves on two cores take minutes to come). `niceness`: the node
         processes' (`NodeSpec.niceness`; with `processes` > 1). `etcd_retry_s`: the agents'
-        `--etcd-retry`; `etcd_timeout_s`, their `--etcd-timeout`."""
+        `--etcd-retry`; `etcd_timeout_s`, their `--etcd-timeout`. `idle`: the node processes
+        under SCHED_IDLE (`NodeSpec.idle`)."""
         if processes < 1:
             raise ValueError(f"processes={processes}: the nodes need at least one process to run in")
         self.n0, self.gpus = nodes, gpus_per_node
@@ -124,7 +125,8 @@ class ScaleHarness:
                           worker_start_s=worker_start_s, node_relay=node_relay, keep_logs=log_dir is not None,
                           relay_margin_s=relay_margin_s, monitor_interval_s=monitor_interval_s,
                           watcher_quiet_s=watcher_quiet_s, join_timeout_s=join_timeout_s,
-                          niceness=niceness, etcd_retry_s=etcd_retry_s, etcd_timeout_s=etcd_timeout_s)
+                          niceness=niceness, etcd_retry_s=etcd_retry_s, etcd_timeout_s=etcd_timeout_s,
+                          idle=idle)
         self.observer = Observer()
         self.nodes: NodeHost | HostedNodes | None = None
         """Where the nodes run: here, or in node processes (made once etcd is up)."""

@@ -4,7 +4,9 @@ with no arithmetic (a step is a sleep).
 It follows `planaria.runtime.worker.elastic_worker.ElasticWorker` call for call, through
 the same objects: the runtime's `StoreCoordinator` over an etcd store of the job's
 prefix, its `EpochWatcher` (the progress it publishes, its polls, the release on a
-failure), the epoch's rendezvous store with the process groups' bootstrap replayed on it
+failure; over its node's relay in this process, `loop_watches.LoopEpochWatcher`, the same
+requests from a task of the relay's loop instead of a thread an epoch, and so its
+rendezvous's abandon watch), the epoch's rendezvous store with the process groups' bootstrap replayed on it
 (`bootstrap`: on a real TCPStore that the plan's rank 0 hosts, found by the others
 through etcd, as a real worker's: the epoch's groups, a planned leave's handoff group, and the peer snapshots'
 group, which connects on a thread of its own as the real one does), a planned leave's
