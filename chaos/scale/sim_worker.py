@@ -196,8 +196,7 @@ class SimulatedWorker:
         self.coordinator.publish_timing(epoch, self._timing)
         if prepared is None:
             return None
-        first = self.last_stepped + 1
-        return epoch + 1, replace(prepared, plan=replace(prepared.plan, first_iteration=first))
+        return epoch + 1, self.records.starting_at(prepared, self.last_stepped + 1)
 
     def _train(self, epoch: int, first: int, barrier, rank: int, watcher: EpochWatcher) -> bool:
         """Steps until the job's last (True) or a stop the commit agreed on (False)."""
