@@ -17,6 +17,7 @@ blocking), a comment says so.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 from typing import Callable
 
@@ -157,8 +158,14 @@ class LoopAbandonWatch:
         self._started = False
         self._kick: asyncio.Event | None = None
 
+    @contextlib.contextmanager
     def running(self):
-        return _Running(self)
+        """Around an operation of the epoch's store, on the worker's thread."""
+        self._enter()
+        try:
+            yield
+        finally:
+            self._exit()
 
     def _enter(self) -> None:
         with self._lock:
@@ -221,15 +228,3 @@ class LoopAbandonWatch:
         except Exception:  # noqa: BLE001 - the store is away: look every `poll_s` meanwhile
             return None
 
-
-class _Running:
-    """`with watch.running():` (a context manager of the worker's thread)."""
-
-    def __init__(self, watch: LoopAbandonWatch):
-        self.watch = watch
-
-    def __enter__(self) -> None:
-        self.watch._enter()
-
-    def __exit__(self, *exc) -> None:
-        self.watch._exit()
