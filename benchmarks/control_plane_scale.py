@@ -56,9 +56,13 @@ def run_faults(harness: ScaleHarness, faults, log, on_change=lambda change: None
             change = harness.reconfigure(harness.add_node, "node joins")
         elif fault == "leave":
             victim = _non_leader(harness)
-            # A notice just inside the controller's window (`PlannedLeaves.leaving`): acted
-            # on at once, rather than a training-long wait for its deadline to come near.
-            grace = 2 * harness.step_s + 5.0
+            # A notice just inside the controller's window (`PlannedLeaves.leaving`: a leave
+            # needs two of the job's measured steps and 3 s, and is planned from 10 s more
+            # than that): acted on at once, rather than a training-long wait for its deadline
+            # to come near. The measured step is the sleep and the wait for the other ranks,
+            # up to 15% longer than --step-s at 1,024 nodes: with 2 steps + 5 s, that made
+            # the notice too short for a planned leave, which went down the failure path.
+            grace = 2.3 * harness.step_s + 8.0
             change = harness.reconfigure(lambda: harness.notice(victim, grace), "planned leave")
         elif fault == "kill-leader":
             change = harness.reconfigure(harness.kill_leader, "leader's node killed")

@@ -274,7 +274,7 @@ class Controller:
         waiting = self.node_wait.since is not None or self.cut_wait.since is not None
         members = self._members()
         if reason in (keys.LEAVE, keys.JOIN):
-            self._prepare_next(alive_now)
+            self._prepare_next(alive_now, connect_ahead=reason == keys.JOIN)
         # A failure: every survivor releases the epoch's collectives at once; a join or a
         # leave: all stop at the next iteration boundary. Either way the epoch's rendezvous
         # is abandoned if it is still going on (a peer died before joining it). (Once: the
@@ -284,7 +284,8 @@ class Controller:
             self.store.set(keys.epoch_reconfigure(self.epoch), reason)
         if self.debounce_s:
             time.sleep(self.debounce_s)
-        statuses = self._collect_statuses(members, alive_now, kill, released=reason == keys.FAILURE)
+        statuses = self._collect_statuses(members, alive_now, kill, released=reason == keys.FAILURE,
+                                          joining=self._connecting_ahead(reason, members))
         # One that died after it reported (a second failure a moment after the first) is
         # failed too: its status is of no use to a plan that would count on it.
         still = alive_now() - self._killed
@@ -413,14 +414,16 @@ class Controller:
         nodes, cut_off = self.partitions.largest_group([n for n in self._whole_nodes(workers) if n not in notices])
         return self.spares.cap(nodes, self.plan.nodes()), cut_off
 
-    def _prepare_next(self, alive_now: Callable[[], set[Worker]]) -> None:
+    def _prepare_next(self, alive_now: Callable[[], set[Worker]], connect_ahead: bool = False) -> None:
         """Plan a leave's or a join's next epoch while the epoch in force still trains, and
         write it as prepared (`PlannedLeaves.prepare`) before the stop is asked for: a
         worker that stops at the agreed step boundary enters it at once, instead of
         waiting for every status, this plan and its publication (30-40 ms of the pause
         with four workers on two cores; with many workers, that many more statuses to
         wait for). Nothing is prepared when the statuses could change the plan: a worker
-        gone, a node cut off."""
+        gone, a node cut off. A join's (`connect_ahead`) has its groups connected by its
+        workers before they stop (`EpochRecord.connect_ahead`): its statuses come that
+        much later, the job training meanwhile."""
         members = self._members()
         alive = alive_now() - self._killed
         if members - alive:
@@ -433,7 +436,7 @@ class Controller:
             if cut_off or len(nodes) < self.planner.n0:
                 return
             choice = self.epoch_planner.instantiate(nodes, max(1, self.plan.first_iteration), self.plan)
-            self.leaves.prepare(self.epoch, self.plan, choice, notices)
+            self.leaves.prepare(self.epoch, self.plan, choice, notices, connect_ahead)
         except ValueError:  # no plan now: the usual way says why, after the statuses
             return
 
@@ -481,13 +484,25 @@ class Controller:
         if self.plan is not None:
             self.checkpoints.complete(self.plan, lambda step: self.history.committing_epoch(step, self.plan))
 
+    def _connecting_ahead(self, reason: str, members: set[Worker]) -> set[Worker]:
+        """The joiners of a join whose next epoch's groups connect before the stop
+        (`EpochRecord.connect_ahead`): the survivors' statuses wait for that."""
+        prepared = self.leaves.prepared(self.epoch) if reason == keys.JOIN else None
+        if prepared is None or not prepared.connect_ahead:
+            return set()
+        return set(prepared.plan.rank_of_worker()) - members
+
     def _collect_statuses(self, members: set[Worker], alive_now: Callable[[], set[Worker]],
-                          kill: Callable[[Worker], None], released: bool) -> dict[Worker, WorkerStatus]:
+                          kill: Callable[[Worker], None], released: bool,
+                          joining: set[Worker] = frozenset()) -> dict[Worker, WorkerStatus]:
         """Statuses of the epoch's live workers (one that dies meanwhile is no longer
         waited for, nor is one on a node cut off from every other: it cannot be heard
         from until the cut heals); the ones that stay silent are killed. A worker lost while a join
         stops the epoch turns the join into a failure: the survivors blocked on it are
-        released rather than left to their collective timeout."""
+        released rather than left to their collective timeout. A joiner (`joining`) lost
+        while the next epoch's groups connect ahead gives that epoch up at once: the
+        survivors, waiting for it in their connection, stop then instead of at its
+        timeout, and the epoch is planned again without it (`_publish_prepared`)."""
         deadline = ReachableDeadline(self.status_timeout_s)  # an etcd outage is no silence
         while True:
             since = generation(self.store)
@@ -502,6 +517,11 @@ class Controller:
             if not released and (live != members or self._cut()):
                 self.store.set(keys.epoch_reconfigure(self.epoch), keys.FAILURE)
                 released = True
+            if joining and not joining <= alive_now() - self._killed:
+                self.log(f"controller: {sorted(worker_key(w) for w in joining - alive_now())} gone while the "
+                         f"groups of epoch {self.epoch + 1} connected; given up")
+                self.store.set(keys.epoch_reconfigure(self.epoch + 1), keys.FAILURE)
+                joining = set()
             statuses = self._statuses(live)
             if set(statuses) >= waited or deadline.expired():
                 break

@@ -105,13 +105,16 @@ class PlannedLeaves:
         over the layers only they hold."""
         return {w for w in workers if w[0] in notices and notices[w[0]].deadline - time.time() >= self.overhead_s}
 
-    def prepare(self, epoch: int, plan: Plan, choice, notices: Mapping[str, LeaveNotice]) -> None:
+    def prepare(self, epoch: int, plan: Plan, choice, notices: Mapping[str, LeaveNotice],
+                connect_ahead: bool = False) -> None:
         """Write the next epoch as prepared for the leave (or join) of `epoch`, whose plan is `plan`:
         `choice` (the planner's, for the nodes that stay), its transfers from what `plan`
         has each worker hold (a worker that trains holds exactly its plan's layers, and
         the stop comes after a committed step). Nothing is written when the statuses could
         change it: a plan that leaves nodes idle, or that would restore a layer from
-        elsewhere. Its first iteration is a placeholder (`confirm` sets it)."""
+        elsewhere. Its first iteration is a placeholder (`confirm` sets it).
+        `connect_ahead` (a join's): its workers connect its groups before they stop
+        (`EpochRecord.connect_ahead`); a leave's stop is not held for that (its deadline)."""
         held = plan_holds(plan)
         members = set(plan.rank_of_worker())
         leaving = self.handing_over(members, notices)
@@ -119,7 +122,8 @@ class PlannedLeaves:
             return
         left = tuple(sorted(set(notices) & {w[0] for w in members}))
         self.prepared_moves = choice.moved_bytes
-        record = EpochRecord(choice.plan, transfers=tuple(transfers_from(held, choice.plan, leaving)), leaving=left)
+        record = EpochRecord(choice.plan, transfers=tuple(transfers_from(held, choice.plan, leaving)), leaving=left,
+                             connect_ahead=connect_ahead and not left)
         self.store.compare_set(keys.epoch_prepared(epoch), "", record.to_json())
 
     def prepared(self, epoch: int) -> EpochRecord | None:

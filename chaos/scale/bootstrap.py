@@ -17,6 +17,7 @@ store (`StoreCoordinator.rendezvous_store`), for the world group and every group
 from __future__ import annotations
 
 from planaria.runtime.parallel.groups import creation_order
+from planaria.runtime.parallel.prepared_groups import PREFIX as PREPARED
 from planaria.templates.plan import Plan
 
 GLOO_WORLD = "0//cpu//0/"
@@ -65,6 +66,23 @@ def unique_id(store, key: str, rank: int) -> None:
     else:
         store.wait([key])
         store.get(key)
+
+
+def replay_prepared(store, plan: Plan, rank: int, backend: str, tied_layers: tuple[int, ...] = (),
+                    groups: list[tuple[int, ...]] | None = None) -> None:
+    """The groups of a join's next epoch connected ahead (`PreparedGroups`), as `rank`:
+    the world and every group of the rank, each made directly on `PrefixStore(<prefix>,
+    PrefixStore("prepared", store))` (c10d joins prefixes with "/"; gloo's own keys are
+    "0/<rank>", an NCCL communicator's unique id "0"). The barrier that ends it is a
+    collective: no store operation."""
+    groups = creation_order(plan, tied_layers) if groups is None else groups
+    mine = [("world", rank, plan.world_size)] + [
+        (str(index), ranks.index(rank), len(ranks)) for index, ranks in enumerate(groups, start=1) if rank in ranks]
+    for name, group_rank, size in mine:
+        if backend == "gloo":
+            mesh(store, f"{PREPARED}/{name}/0/", group_rank, size)
+        else:
+            unique_id(store, f"{PREPARED}/{name}/0", group_rank)
 
 
 def replay(store, plan: Plan, rank: int, backend: str, tied_layers: tuple[int, ...] = (),

@@ -82,8 +82,10 @@ class LoopEpochWatcher:
 
     def __init__(self, coordinator: StoreCoordinator, store: LoopStore, epoch: int, release,
                  log: Callable[[str], None], period_s: float = 0.2,
-                 progress: Callable[[], Progress | None] | None = None):
+                 progress: Callable[[], Progress | None] | None = None,
+                 connect_ahead: Callable[[], threading.Event | None] | None = None):
         self.coordinator, self.store, self.epoch = coordinator, store, epoch
+        self.connect_ahead = connect_ahead
         self.release, self.log, self.period_s, self.progress = release, log, period_s, progress
         self.quiet_s = QUIET_S
         self.requested, self.done = threading.Event(), threading.Event()
@@ -123,12 +125,38 @@ class LoopEpochWatcher:
                 else:  # (the thread's `done.wait(period_s)`; `done` is looked at after the next read)
                     await asyncio.sleep(self.period_s)
                 continue
+            if reason == keys.JOIN and self.connect_ahead is not None:
+                reason = await self._connected_ahead(reason)
+                if reason is None:
+                    return
             self.requested.set()
             if reason == keys.FAILURE and self.release is not None:
                 done = self.release.release()
                 self.log(f"epoch {self.epoch}: the control plane declared it failed; released "
                          f"its collectives ({done})")
             return
+
+    async def _connected_ahead(self, reason: str) -> str | None:
+        """`EpochWatcher._connected_ahead`: the connection starts off the loop (its requests
+        are the worker's own, made from a thread as the real watcher's are); the wait for
+        it looks at the word every period, as the thread's `wait(period_s)` does."""
+        connecting = await asyncio.to_thread(self.connect_ahead)
+        if connecting is None:
+            return reason
+        while not connecting.is_set():
+            await asyncio.sleep(self.period_s)
+            if connecting.is_set():
+                break
+            if self.done.is_set():
+                return None
+            try:
+                value = await self.store.get_if_present(keys.epoch_reconfigure(self.epoch))
+                reason = reason if value is None else value.decode()
+            except Exception:  # noqa: BLE001 - the store away: the connection goes on
+                pass
+            if reason == keys.FAILURE:
+                break
+        return reason
 
     async def _publish_progress(self, now: float, every_s: float = 1.0) -> None:
         if self.progress is None or now - self._published[1] < every_s:

@@ -29,7 +29,7 @@ from typing import Callable
 
 import torch.distributed as dist
 
-from planaria.chaos.scale.bootstrap import HANDOFF, PEER_SNAPSHOTS, gloo_direct, mesh, replay
+from planaria.chaos.scale.bootstrap import HANDOFF, PEER_SNAPSHOTS, gloo_direct, mesh, replay, replay_prepared
 from planaria.chaos.scale.cutoff import Killed
 from planaria.chaos.scale.data_plane import DataPlane, PeerGone, Released, RankRelease, StepBarrier
 from planaria.chaos.scale.loop_watches import LoopAbandonWatch, LoopEpochWatcher, LoopStore, watches_on_loop
@@ -39,6 +39,7 @@ from planaria.chaos.scale.sim_snapshots import SimulatedSnapshots
 from planaria.runtime.contract.epochs import EpochRecord, EpochTiming, Progress
 from planaria.runtime.contract.exactly_once import INCOMPLETE, SYNCED, CommitRecord, WorkerStatus
 from planaria.runtime.contract.exits import EXIT_LEFT
+from planaria.runtime.worker.connect_ahead import teller, tell_first, told_first
 from planaria.runtime.worker.coordination import JobEnded, close_stores
 from planaria.runtime.worker.epoch_watcher import QUIET_S, EpochWatcher
 from planaria.runtime.worker.leaving import LEAVE_LINGER_S
@@ -123,15 +124,21 @@ class SimulatedWorker:
         self._timing = EpochTiming(record_s=0.0)
         """This epoch's: when each of its phases ended on this worker."""
         self._step_times: collections.deque[float] = collections.deque(maxlen=9)
+        self._entered: object | None = None
+        """The plan of the last epoch it entered (the engine's plan, for a real worker)."""
+        self._ahead: tuple[int, object, threading.Event, list[bool]] | None = None
+        """A join's next epoch whose groups it connects ahead: (epoch, plan, done, [connected])."""
 
     # ------------------------------------------------------------------ loop
     def run(self) -> int:
         time.sleep(self.start_s)
         self.coordinator.announce()
         epoch, prepared = -1, None
+        outside = False
         while True:
             try:
-                epoch, record = prepared or self.coordinator.wait_for_epoch(epoch, self.wait_s)
+                epoch, record = prepared or self.coordinator.wait_for_epoch(
+                    epoch, self.wait_s, on_prepared=self._planned_in if outside else None)
             except JobEnded as end:
                 return 0 if end.outcome == "ok" else 1
             self.observer.note(self.observer.held, epoch, self.worker)
@@ -143,13 +150,16 @@ class SimulatedWorker:
                 continue
             if self.worker not in self.records.facts(epoch, record.plan).rank_of_worker:
                 self.coordinator.mark_ready(epoch)
+                outside = True
                 continue
+            outside = False
             prepared = self._run_epoch(epoch, record)
 
     def _run_epoch(self, epoch: int, record: EpochRecord) -> tuple[int, EpochRecord] | None:
         plan = record.plan
         facts = self.records.facts(epoch, plan)
         rank = facts.rank_of_worker[self.worker]
+        ahead = self._take_ahead(epoch, plan)
         barrier = self.plane.epoch(epoch, plan.world_size)
         self._in_epoch = (barrier, rank)
         if self.metrics is not None:
@@ -158,16 +168,19 @@ class SimulatedWorker:
         progress = self._progress if rank == 0 else None
         if self._loop_store is not None:
             watcher = LoopEpochWatcher(self.coordinator, self._loop_store, epoch, RankRelease(barrier, rank),
-                                       self._log, progress=progress)
+                                       self._log, progress=progress, connect_ahead=lambda: self._connect_ahead(epoch))
         else:
             watcher = EpochWatcher(self.coordinator, epoch, RankRelease(barrier, rank), self._log, stuck_s=0,
-                                   progress=progress)
+                                   progress=progress, connect_ahead=lambda: self._connect_ahead(epoch))
         watcher.quiet_s = self.quiet_s
         watcher.start()
         stopped = finished = False
         try:
             store = self.coordinator.rendezvous_store(epoch, host=rank == 0)
-            replay(store, plan, rank, self.backend, self.tied_layers, facts.groups)
+            if ahead:
+                plan = self._agree_on_first(store, plan, rank)
+            else:
+                replay(store, plan, rank, self.backend, self.tied_layers, facts.groups)
             self._handoff(epoch, record)
             self._enter(plan, rank)
             if self.snapshots is not None:
@@ -222,8 +235,68 @@ class SimulatedWorker:
                 return False
         return True
 
+    # ----------------------------------------------------- connect ahead
+    def _planned_in(self, record: EpochRecord) -> bool:
+        """`ElasticWorker._planned_in`: a joiner connects a join's prepared epoch's groups
+        and enters it once they are."""
+        done = self._start_ahead(record.plan.epoch - 1, record)
+        return done is not None and done.wait(self.wait_s) and self._ahead is not None and self._ahead[3][0]
+
+    def _connect_ahead(self, epoch: int) -> threading.Event | None:
+        """`ElasticWorker._connect_ahead`, at a join's word (off the step)."""
+        record = self.coordinator.prepared_record(epoch)
+        if record is None:
+            return None
+        return self._start_ahead(epoch, record)
+
+    def _start_ahead(self, before: int, record: EpochRecord) -> threading.Event | None:
+        """`ConnectAhead.start`: the prepared epoch's bootstrap replayed on a thread."""
+        facts = self.records.facts(before + 1, record.plan)
+        if not record.connect_ahead or self.worker not in facts.rank_of_worker:
+            return None
+        epoch, rank = before + 1, facts.rank_of_worker[self.worker]
+        if self._ahead is not None and self._ahead[0] == epoch:
+            return self._ahead[2]
+        done, connected = threading.Event(), [False]
+        self._ahead = (epoch, record.plan, done, connected)
+
+        def connect() -> None:
+            try:
+                self.coordinator.follow_epoch(epoch)
+                store = self.coordinator.rendezvous_store(epoch, host=rank == 0, close_older=False)
+                self.coordinator.epoch_store_port(epoch)
+                replay_prepared(store, record.plan, rank, self.backend, self.tied_layers, facts.groups)
+                connected[0] = True
+            except (dist.DistStoreError, RuntimeError):
+                pass
+            finally:
+                done.set()
+        threading.Thread(target=connect, daemon=True, name=f"prepared-groups-{epoch}").start()
+        return done
+
+    def _take_ahead(self, epoch: int, plan) -> bool:
+        """`ConnectAhead.take`: whether it enters `epoch` over groups connected ahead."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is None:
+            return False
+        taken = (ahead[0] == epoch and ahead[1].rank_of_worker() == plan.rank_of_worker()
+                 and ahead[2].wait(self.wait_s) and ahead[3][0])
+        if ahead[2].is_set():
+            self.coordinator.unfollow_epoch(ahead[0])
+        return taken
+
+    def _agree_on_first(self, store, plan, rank: int):
+        """`ElasticWorker._agree_on_first`: a survivor tells the first iteration, a joiner
+        waits for it."""
+        if self._entered is not None:
+            if rank == teller(self._entered, plan):
+                tell_first(store, plan.first_iteration)
+            return plan
+        return replace(plan, first_iteration=told_first(store))
+
     def _enter(self, plan, rank: int) -> None:
         """Hold the plan's layers at the step before its first (received, or rolled forward)."""
+        self._entered = plan
         first = plan.first_iteration
         if self.last_stepped != first - 1:
             self.commit = None  # received the state, not the step

@@ -53,6 +53,11 @@ class EpochRecord(JsonRecord):
     """Nodes that leave with notice (`keys.LEAVE`): in no plan any more, their workers
     send the layers whose only holders they are (the `transfers` from them, over a group
     of their own: `planaria.runtime.state.transfer.exchange_handoff`), then exit."""
+    connect_ahead: bool = False
+    """Set on a join's prepared record (`keys.epoch_prepared`): its workers, the
+    survivors still training and the joiners, connect its process groups before the
+    stop (`planaria.runtime.parallel.prepared_groups`); a survivor lets the epoch in
+    force stop only once they are connected, so that the switch holds no rendezvous."""
 
 
 Reason = Literal["failure", "join", "leave"]

@@ -159,6 +159,12 @@ class Engine:
         self._tied = dict(model.tied_parameters())
         """Layer -> the name of its copy of the tied weight (tied embeddings)."""
 
+    @property
+    def tied_layers(self) -> tuple[int, ...]:
+        """The layers holding copies of one tied weight, as the epoch's groups are built
+        for them (`EpochGroups.build`)."""
+        return tuple(self._tied)
+
     def enter_epoch(self, plan: Plan, rank: int, world: dist.ProcessGroup | None = None, *,
                     layers: LayerSource | None = None) -> None:
         """Move to `plan` as `rank` of `world` (None: the default group), from wherever
@@ -219,7 +225,7 @@ class Engine:
         self.pipeline = plan.pipelines[self.info.pipeline]
         self.groups = EpochGroups.build(plan, self.rank, world, timeout=self.settings.collective_timeout,
                                         connect_timeout=self.settings.connect_timeout,
-                                        tied_layers=tuple(self._tied))
+                                        tied_layers=self.tied_layers)
         new_tp = self.groups.tensor_parallel
         if self.tp is None:
             self.tp = new_tp

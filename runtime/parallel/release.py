@@ -117,6 +117,13 @@ class SocketRelease:
         self._lock = threading.Lock()
         self.released = False
 
+    def keep(self, port: int) -> None:
+        """Leave connections to or from `port` alone too: the next epoch's bootstrap store,
+        connected to while this epoch trains (`prepared_groups`), which that epoch needs
+        whether or not this one fails."""
+        with self._lock:
+            self.keep_ports = self.keep_ports | {port}
+
     def release(self) -> str:
         """Shut down the epoch's connections; says how many. Safe from any thread, at any
         time, more than once."""
@@ -141,6 +148,9 @@ class CommunicatorAbort:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self.released = False
+
+    def keep(self, port: int) -> None:
+        """(Sockets are not what an abort touches: `SocketRelease.keep`.)"""
 
     def release(self) -> str:
         """Abort the process's communicators; says how many."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -89,15 +90,34 @@ class StoreCoordinator:
     def announce(self) -> None:
         self.store.set(keys.member(self.worker), Announcement(os.getpid()).to_json())
 
-    def wait_for_epoch(self, after: int, timeout_s: float) -> tuple[int, EpochRecord]:
+    def wait_for_epoch(self, after: int, timeout_s: float,
+                       on_prepared: Callable[[EpochRecord], bool] | None = None) -> tuple[int, EpochRecord]:
         """The first epoch newer than `after` and its record; JobEnded if the job ended
-        first, TimeoutError if nothing came within `timeout_s`."""
-        deadline = ReachableDeadline(timeout_s)
-        started = time.monotonic()
+        first, TimeoutError if nothing came within `timeout_s`. `on_prepared`: given the
+        record the controller prepared for the epoch after `after` (`prepared_record`),
+        once, as soon as it is written (a joiner connects its groups meanwhile): when it
+        returns True, that epoch and the prepared record are returned at once (its first
+        iteration a placeholder, which the epoch's workers agree on as they enter it)."""
         # Followed (an etcd store): asked of a mirror, woken by its watch, no request.
         followed = follow(self.store, keys.DONE) & follow(self.store, keys.EPOCH)
+        watching = on_prepared is not None and after >= 0
+        if watching:
+            followed &= follow(self.store, keys.epoch_prepared(after))
+        try:
+            return self._wait_for_epoch(after, timeout_s, followed, on_prepared if watching else None)
+        finally:
+            if watching:
+                unfollow(self.store, keys.epoch_prepared(after))
+
+    def _wait_for_epoch(self, after: int, timeout_s: float, followed: bool, on_prepared) -> tuple[int, EpochRecord]:
+        deadline = ReachableDeadline(timeout_s)
+        started = time.monotonic()
         while True:
             since = generation(self.store)
+            if on_prepared is not None and (prepared := self.prepared_record(after)) is not None:
+                if on_prepared(prepared):
+                    return after + 1, prepared
+                on_prepared = None
             if (done := read_if_present(self.store, keys.DONE)) is not None:
                 raise JobEnded(done.decode())
             if (current := read_if_present(self.store, keys.EPOCH)) is not None and int(current) > after:
@@ -132,18 +152,21 @@ class StoreCoordinator:
         share one parse of each: `planaria.chaos.scale.shared_records`)."""
         return EpochRecord.from_json(value)
 
-    def rendezvous_store(self, epoch: int, host: bool = False) -> dist.Store:
+    def rendezvous_store(self, epoch: int, host: bool = False, close_older: bool = True) -> dist.Store:
         """The epoch's process-group rendezvous, given up as soon as the control plane
         moves past the epoch: a peer that dies before it has registered would otherwise
         hold everyone in the rendezvous until the store's timeout. One per epoch: the
         world's and a planned leave's groups (`transfer.Handoff`), and the peer snapshots',
         meet in the same. `host`: this worker is the plan's rank 0, which hosts the epoch's
         store (over etcd; the epoch's first call says). Asked for a newer epoch, the stores
-        of older ones are closed (`_close_before`)."""
+        of older ones are closed (`_close_before`), unless `close_older` is False: asked
+        for while the epoch before it trains (its groups connected ahead:
+        `prepared_groups`), whose store a late peer-snapshot connection may still use."""
         with self._lock:
+            if close_older:
+                self._close_before(epoch)
             if epoch in self._rendezvous_stores:
                 return self._rendezvous_stores[epoch]
-            self._close_before(epoch)
             base = self._bootstrap_store(epoch, host)
             # The epoch watcher follows the epoch's end while it runs (`follow_epoch`): the
             # rendezvous's looks read that mirror, and wait for its change between two.
@@ -159,6 +182,16 @@ class StoreCoordinator:
             if isinstance(base, EpochStoreClient):
                 self._open.add(epoch)
             return store
+
+    def epoch_store_port(self, epoch: int) -> int | None:
+        """The port of `epoch`'s own bootstrap store (`_bootstrap_store`), once its host
+        published it; None where the epoch bootstraps on the job's store (its connections
+        are the control plane's, which no release touches)."""
+        if getattr(self.store, "follow", None) is None:
+            return None
+        hosted = self._hosted.get(epoch)
+        address = hosted.address if hosted is not None else self._published_store(epoch)
+        return int(address.rpartition(":")[2])
 
     def _make_watch(self, epoch: int):
         if self.abandon_watch is None:

@@ -68,6 +68,7 @@ from planaria.runtime.state.peer_snapshots import PeerSnapshots
 from planaria.runtime.state.saved_model import save_model_shards
 from planaria.runtime.state.transfer import Handoff, SnapshotSource, TransferStats
 from planaria.runtime.worker.build import build_engine
+from planaria.runtime.worker.connect_ahead import ConnectAhead, teller, tell_first, told_first
 from planaria.runtime.worker.coordination import JobEnded, StoreCoordinator, connect_store, store_ports
 from planaria.runtime.worker.epoch_metrics import EpochMetrics
 from planaria.runtime.worker.epoch_watcher import EpochWatcher
@@ -127,6 +128,9 @@ class ElasticWorker:
         """Publishes the status of a stop at a step boundary while the epoch is torn down."""
         self._retired = GroupRetirement()
         """Destroys each ended epoch's groups on a thread (`_leave_epoch`)."""
+        self.ahead = ConnectAhead(coordinator, backend, device, self._connect_timeout_s(), release=cfg.comm.release,
+                                  keep_ports=keep_ports, log=self._log)
+        """A join's next epoch's groups, connected while the epoch before it trains."""
         self.snapshots = PeerSnapshots(cfg.checkpoint.memory_every, cfg.checkpoint.memory_copies,
                                        timeout_s=cfg.comm.timeout_s, connect_timeout_s=self._connect_timeout_s(),
                                        log=self._log)
@@ -157,9 +161,11 @@ class ElasticWorker:
         epoch = -1
         wait_s = 4 * self.cfg.comm.timeout_s + 60
         prepared: tuple[int, EpochRecord] | None = None
+        outside = False  # in no plan: a joiner (or a spare) connects ahead when planned in
         while True:
             try:
-                epoch, record = prepared or self.coordinator.wait_for_epoch(epoch, wait_s)
+                epoch, record = prepared or self.coordinator.wait_for_epoch(
+                    epoch, wait_s, on_prepared=self._planned_in if outside else None)
             except JobEnded as end:
                 self._log(f"job ended: {end.outcome}")
                 self.metrics.close()
@@ -173,7 +179,9 @@ class ElasticWorker:
             if self.worker not in record.plan.rank_of_worker():
                 self._log(f"epoch {epoch}: not in the plan, waiting")
                 self.coordinator.mark_ready(epoch)  # out of any epoch: it can be planned in
+                outside = True
                 continue
+            outside = False
             try:
                 prepared = self._run_epoch(epoch, record)
             except TornStep as err:
@@ -181,6 +189,41 @@ class ElasticWorker:
                 # and has its layers copied from their replicas (or a checkpoint).
                 self._log(f"epoch {epoch}: leaving the job: {err}")
                 return EXIT_TORN_STEP
+
+    def _planned_in(self, record: EpochRecord) -> bool:
+        """A join's next epoch, prepared while this worker waits outside the plan: its
+        engine built now if it is new (its layers come at the epoch's start), and the
+        epoch's groups connected ahead if it is in the plan (`ConnectAhead`). True when
+        they connected: it enters the epoch at once, and waits in it for the survivors,
+        whose stop came once every rank had connected (`_agree_on_first`)."""
+        if not record.connect_ahead or self.worker not in record.plan.rank_of_worker():
+            return False
+        if self.engine is None:
+            self.engine = self._new_engine()
+        if self.faults is not None:  # (chaos: a joiner lost, or slow, as it connects)
+            self.faults("connect", 0)
+        done = self.ahead.start(record.plan.epoch - 1, record, self.engine.tied_layers)
+        return done is not None and done.wait(self._connect_timeout_s()) and self.ahead.connected(record.plan.epoch)
+
+    def _agree_on_first(self, epoch: int, plan, rank: int, record: EpochRecord) -> tuple[object, EpochRecord]:
+        """In an epoch entered over groups connected ahead: its first iteration, the
+        survivors' (the step after the stop they agreed on), told by one of them to the
+        joiners, which entered from the prepared record before the stop (`tell_first`)."""
+        store = self.coordinator.rendezvous_store(epoch)
+        if self.engine is not None and self.engine.last_stepped is not None:  # a survivor
+            if rank == teller(self.engine.plan, plan):
+                tell_first(store, plan.first_iteration)
+            return plan, record
+        plan = replace(plan, first_iteration=told_first(store))
+        return plan, replace(record, plan=plan)
+
+    def _connect_ahead(self, epoch: int):
+        """At a join's word for `epoch` (the epoch watcher's thread): connect the prepared
+        next epoch's groups; the event its stop waits for, or None."""
+        record = self.coordinator.prepared_record(epoch)
+        if record is None or self.engine is None:
+            return None
+        return self.ahead.start(epoch, record, self.engine.tied_layers, current_release=self._watcher.release)
 
     def _leave(self, epoch: int, record: EpochRecord) -> int | None:
         """This node leaves with notice (`leaving.leave`): the exit code, or None when the
@@ -217,17 +260,27 @@ class ElasticWorker:
                       f"the job is at {plan.first_iteration}: it was left out; joining as a new worker")
             self.engine.destroy()
             self.engine = None
-        # Made before the epoch's first group: it releases what the epoch opens.
-        release = epoch_release(self.backend, self.keep_ports) if self.cfg.comm.release else None
+        ahead = self.ahead.take(epoch, plan)
+        # Made before the epoch's first group: it releases what the epoch opens (groups
+        # connected ahead: made before they were).
+        release = (ahead.release if ahead is not None
+                   else epoch_release(self.backend, self.keep_ports) if self.cfg.comm.release else None)
         self._watcher = EpochWatcher(self.coordinator, epoch, release, self._log,
                                       stuck_s=self.cfg.comm.release_stuck_s,
-                                      progress=self._progress if rank == 0 else None)
+                                      progress=self._progress if rank == 0 else None,
+                                      connect_ahead=lambda: self._connect_ahead(epoch))
         self._watcher.start()
         try:
-            dist.init_process_group(self.backend, store=self.coordinator.rendezvous_store(epoch, host=rank == 0),
+            if ahead is not None:
+                self._log(f"epoch {epoch}: its groups were connected ahead ({ahead.seconds:.2f} s, while the "
+                          "epoch before trained)")
+            dist.init_process_group(ahead.install() if ahead is not None else self.backend,
+                                    store=self.coordinator.rendezvous_store(epoch, host=rank == 0),
                                     rank=rank, world_size=plan.world_size, timeout=timedelta(seconds=self._connect_timeout_s()),
-                                    pg_options=group_options(self.backend))
+                                    pg_options=None if ahead is not None else group_options(self.backend))
             set_operation_timeout(None, timedelta(seconds=self.cfg.comm.timeout_s))
+            if ahead is not None:
+                plan, record = self._agree_on_first(epoch, plan, rank, record)
             self._mark(rendezvous_s=time.time())
             moved = self._enter_epoch(plan, rank, record)
             self.snapshots.begin_epoch(self.engine, epoch, self.coordinator.rendezvous_store(epoch))
@@ -269,6 +322,8 @@ class ElasticWorker:
                 self.progress.disarm()
             self._leave_epoch(stopped=early_status is not None)
             self._watcher.done.set()
+            if release is not None and release.released:
+                self.ahead.drop()  # its connections were shut down with the epoch's
         if early_status is not None:
             early_status.result()  # (raises what the publication raised)
         else:
@@ -326,8 +381,8 @@ class ElasticWorker:
             # layers, receives them or loads them, in the same epoch as every other worker.
             with self._watcher.local_work():
                 self.engine = self._new_engine()
-        elif (record.restore is None and record.roll_forward is not None
-              and self.engine.roll_forward(record.roll_forward)):
+        elif (record.restore is None and record.roll_forward is not None and self.engine.last_stepped is not None
+              and self.engine.roll_forward(record.roll_forward)):  # (a joiner's, built ahead: nothing to roll)
             committed_in = plan.epoch - 1 if self._trained_in is None else self._trained_in
             self._record_commit(record.roll_forward, committed_in, rolled_forward=True)
             self.checkpointer.after_step(self.engine, committed_in)
@@ -426,7 +481,7 @@ class ElasticWorker:
     def _status(self, finished: bool):
         from planaria.runtime.contract.exactly_once import INCOMPLETE, WorkerStatus
 
-        if self.engine is None:
+        if self.engine is None or self.engine.last_stepped is None:  # (built, never in an epoch)
             status = WorkerStatus(worker=self.worker, last_stepped=-1, state=INCOMPLETE, finished=finished)
         else:
             status = self.engine.status(self.worker, finished=finished)

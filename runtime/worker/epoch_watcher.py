@@ -29,7 +29,9 @@ class EpochWatcher(threading.Thread):
     only means that no word is seen until it is back.
 
     A join (`keys.JOIN`) sets `requested`: the commit of the current iteration carries
-    it, and every worker stops after the same step. A failure (`keys.FAILURE`) releases
+    it, and every worker stops after the same step; when the join's next epoch asks for
+    its groups to be connected ahead (`connect_ahead`), only once they are, the epoch
+    training meanwhile. A failure (`keys.FAILURE`) releases
     the epoch's collectives at once (`release`), wherever the main thread is blocked:
     a peer that stopped answering without closing anything holds nobody up past the
     controller's decision. Runs from before the epoch's rendezvous to after its groups
@@ -46,10 +48,15 @@ class EpochWatcher(threading.Thread):
 
     def __init__(self, coordinator: StoreCoordinator, epoch: int, release, log: Callable[[str], None],
                  period_s: float = 0.2, stuck_s: float = 10.0, exit=os._exit,
-                 progress: Callable[[], Progress | None] | None = None):
+                 progress: Callable[[], Progress | None] | None = None,
+                 connect_ahead: Callable[[], threading.Event | None] | None = None):
+        """`connect_ahead`: called at a join's word; an event set once the next epoch's
+        groups are connected (or failed to), the stop waiting for it, or None when there
+        is nothing to connect (`prepared_groups`)."""
         super().__init__(daemon=True, name=f"epoch-watcher-{epoch}")
         self.coordinator, self.epoch, self.period_s = coordinator, epoch, period_s
         self.progress, self._published = progress, (None, 0.0)
+        self.connect_ahead = connect_ahead
         self.release, self.log = release, log
         self.stuck_s, self._exit = stuck_s, exit
         self.quiet_s = QUIET_S
@@ -92,6 +99,10 @@ class EpochWatcher(threading.Thread):
                 elif self.done.wait(self.period_s):
                     return
                 continue
+            if reason == keys.JOIN and self.connect_ahead is not None:
+                reason = self._connected_ahead(reason)
+                if reason is None:
+                    return
             self.requested.set()
             if reason == keys.FAILURE and self.release is not None:
                 done = self.release.release()
@@ -99,6 +110,23 @@ class EpochWatcher(threading.Thread):
                          f"its collectives ({done})")
                 self._exit_if_stuck()
             return
+
+    def _connected_ahead(self, reason: str) -> str | None:
+        """At a join's word: wait, the epoch training on, until the next epoch's groups
+        are connected (`connect_ahead`), so that the stop at the step boundary holds no
+        rendezvous. The word becoming a failure meanwhile (a peer lost) ends the wait; so
+        does the worker leaving the epoch (None). The word that ends it."""
+        connecting = self.connect_ahead()
+        if connecting is None:
+            return reason
+        while not connecting.wait(self.period_s):
+            if self.done.is_set():
+                return None
+            with contextlib.suppress(Exception):  # the store away: the connection goes on
+                reason = self.coordinator.epoch_over(self.epoch) or reason
+            if reason == keys.FAILURE:
+                break
+        return reason
 
     def _publish_progress(self, every_s: float = 1.0) -> None:
         """The job's progress (`keys.PROGRESS`), at most every `every_s`, when it moved:

@@ -18,7 +18,9 @@ Phases are the engine's (`planaria.runtime.parallel.engine`): begin (a step's st
 forward, backward (counted per layer, microbatch and chunk), sync, commit, committed (the commit
 all-reduce completed, the step not yet taken), step, transfer; and start, once, before the
 worker announces itself (`node4.0:start@0!slow=30`: a worker whose start-up takes 30 s
-more, as a GPU worker's device context, NCCL and compilation do). A fault fires once: a
+more, as a GPU worker's device context, NCCL and compilation do); and connect, once, as a
+joiner starts connecting a join's next epoch's groups ahead of the stop
+(`connect_ahead`; `node4.0:connect@0` dies there, `!slow=10` connects 10 s late). A fault fires once: a
 worker that comes back under the same name is a new process without it (the harness
 clears the variable when it restarts a node).
 """
@@ -31,7 +33,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-PHASES = ("begin", "forward", "backward", "sync", "commit", "committed", "step", "transfer", "start")
+PHASES = ("begin", "forward", "backward", "sync", "commit", "committed", "step", "transfer", "start", "connect")
 _SPEC = re.compile(r"^(?P<worker>[^:]+):(?P<phase>\w+)@(?P<iteration>\d+|\*)(?:#(?P<count>\d+))?"
                    r"(?P<action>!error|!hang|!stall|!slow=(?P<delay>\d+(?:\.\d*)?))?$")
 

@@ -1,0 +1,135 @@
+"""An epoch's process groups connected while the epoch before it still trains (a join's).
+
+A join's next epoch is planned and written as prepared before its stop is asked for
+(`planaria.elastic.leave_planning`, `EpochRecord.connect_ahead`). Its workers, the
+survivors still training and the joiners, connect that epoch's world and every group
+`EpochGroups.build` will create (`creation_order`), each a backend made directly on the
+epoch's bootstrap store, on a thread of their own (`PreparedGroups.start`); a barrier over
+the world ends it. A barrier that returned anywhere means that every rank entered it, so
+had connected all its groups: a survivor lets the epoch in force stop only then
+(`EpochWatcher`), and the switch at the step boundary holds no rendezvous.
+
+At the switch the connected backends become torch's groups through torch's extension
+point for third-party backends (`Backend.register_backend`): `init_process_group` and
+each `dist.new_group` of the epoch call the registered creator, which hands them out in
+creation order (`install`). They are then registered like any other group, which
+torch.distributed.pipelining needs (its stages translate ranks through the registry:
+`get_rank(group)`, `get_global_rank`). A group made outside the registry would not do,
+and torch has one default group per process: the next epoch's world cannot be
+initialised while the current one trains.
+
+Every rank decides alone whether it enters over the prepared groups (they connected) or
+over a fresh rendezvous, and all decide alike: each stops only once its own connection
+ended, and a barrier completes on every rank or on none (short of a fault during it,
+which fails the epoch it would have run, and the usual recovery follows).
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from planaria.runtime.parallel.groups import creation_order
+from planaria.runtime.parallel.release import group_options
+from planaria.templates.plan import Plan
+
+PREPARED_BACKEND = "planaria_prepared"
+"""The name under which the connected backends are handed to torch (`install`)."""
+PREFIX = "prepared"
+"""The key prefix of the prepared groups on the epoch's bootstrap store: a world and
+groups of their own, apart from those of a rendezvous the epoch may fall back to."""
+
+
+class PreparedGroups:
+    """One rank's groups of a prepared epoch, connected on a thread (module docstring)."""
+
+    def __init__(self, epoch: int, plan: Plan, rank: int, store: Callable[[], dist.Store], backend: str,
+                 device: torch.device, connect_timeout: timedelta, tied_layers: tuple[int, ...] = ()):
+        """`store`: the epoch's bootstrap store, asked for on the connecting thread (over
+        etcd, finding it can wait for its host to publish it)."""
+        self.epoch, self.plan, self.rank = epoch, plan, rank
+        self.backend, self.device, self.connect_timeout = backend, device, connect_timeout
+        self.tied_layers = tied_layers
+        self._store = store
+        self.release = None
+        """The release of the epoch's collectives, made before its first connection (the
+        caller's: `epoch_release`)."""
+        self.done = threading.Event()
+        """Set when the connection ended, connected or not (`error`)."""
+        self.error: str | None = None
+        self.seconds: float | None = None
+        self._backends: list = []
+
+    def start(self) -> "PreparedGroups":
+        threading.Thread(target=self._connect, daemon=True, name=f"prepared-groups-{self.epoch}").start()
+        return self
+
+    def _connect(self) -> None:
+        started = time.perf_counter()
+        try:
+            prepared = dist.PrefixStore(PREFIX, self._store())
+            made = [self._make(dist.PrefixStore("world", prepared), self.rank, self.plan.world_size)]
+            for index, ranks in enumerate(creation_order(self.plan, self.tied_layers), start=1):
+                if self.rank in ranks:
+                    made.append(self._make(dist.PrefixStore(str(index), prepared), ranks.index(self.rank),
+                                           len(ranks)))
+            self._barrier(made[0])
+            self._backends = made
+            self.seconds = time.perf_counter() - started
+        except Exception as err:  # noqa: BLE001 - any failure means a rendezvous at the switch
+            self.error = str(err).splitlines()[0][:300] if str(err) else type(err).__name__
+        finally:
+            self.done.set()
+
+    def _make(self, store: dist.Store, rank: int, size: int):
+        """A backend of `size` ranks as `rank`, connected (NCCL: its communicator made now,
+        `eager_connect_single_device`, not at its first collective)."""
+        if self.backend == "nccl":
+            options = group_options("nccl")
+            options._timeout = self.connect_timeout
+            backend = dist.ProcessGroupNCCL(store, rank, size, options)
+            backend.eager_connect_single_device(self.device)
+            return backend
+        return dist.ProcessGroupGloo(store, rank, size, self.connect_timeout)
+
+    def _barrier(self, world) -> None:
+        world.allreduce([torch.zeros(1, device=self.device)]).wait()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    @property
+    def connected(self) -> bool:
+        return self.done.is_set() and self.error is None
+
+    def matches(self, epoch: int, plan: Plan) -> bool:
+        """Prepared for `epoch` with `plan` (its first iteration aside: set at the stop)."""
+        return (epoch == self.epoch and plan.world_size == self.plan.world_size
+                and plan.rank_of_worker() == self.plan.rank_of_worker()
+                and creation_order(plan, self.tied_layers) == creation_order(self.plan, self.tied_layers))
+
+    def install(self) -> str:
+        """Register the backend whose creator hands the connected backends to torch, in
+        creation order (the world first); its name, for `init_process_group`."""
+        queue, self._backends = deque(self._backends), []
+
+        def create(store, rank: int, size: int, timeout):
+            if not queue:
+                raise RuntimeError(f"epoch {self.epoch}: torch asked for more process groups than were prepared "
+                                   f"({creation_order(self.plan, self.tied_layers)})")
+            backend = queue.popleft()
+            if (backend.rank(), backend.size()) != (rank, size):
+                raise RuntimeError(f"epoch {self.epoch}: torch asked for a group as rank {rank} of {size}, "
+                                   f"but the next one prepared is rank {backend.rank()} of {backend.size()}")
+            return backend
+
+        dist.Backend.register_backend(PREPARED_BACKEND, create, devices=["cuda" if self.backend == "nccl" else "cpu"])
+        return PREPARED_BACKEND
+
+    def discard(self) -> None:
+        """Drop the connected backends (their destructors close their connections)."""
+        self._backends = []

@@ -1,0 +1,96 @@
+"""An epoch's groups connected while the epoch before it trains (`prepared_groups`), in
+three real gloo processes: connected on a thread while the old world's all-reduces run,
+then handed to torch at the switch, where the epoch's groups (`EpochGroups.build`) are
+the connected ones: torch's registry knows them (as its pipelining needs), and their
+collectives sum what they should."""
+from __future__ import annotations
+
+import multiprocessing as mp
+import socket
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from planaria.runtime.parallel.groups import EpochGroups
+from planaria.runtime.parallel.prepared_groups import PREPARED_BACKEND, PreparedGroups
+from planaria.templates.plan import PipelinePlan, Plan, StagePlan
+
+TIMEOUT = timedelta(seconds=60)
+
+
+def _plan() -> Plan:
+    """Three ranks: a pipeline of two stages (rank 0: layers 0-1, rank 1: layers 2-3) and
+    one of a single stage (rank 2: every layer)."""
+    two = PipelinePlan("two", (StagePlan("n0", (0,), ((0, 2),)), StagePlan("n1", (1,), ((2, 4),))), 2, 0)
+    one = PipelinePlan("one", (StagePlan("n2", (2,), ((0, 4),)),), 2, 2)
+    return Plan(epoch=1, first_iteration=0, num_layers=4, tp=1, schedule="1f1b", virtual_stages=1,
+                global_batch=4, micro_batch=1, pipelines=(two, one))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank(rank: int, port: int, out) -> None:
+    store = dist.TCPStore("127.0.0.1", port, 3, is_master=rank == 0, timeout=TIMEOUT)
+    dist.init_process_group("gloo", store=dist.PrefixStore("epoch0", store), rank=rank, world_size=3,
+                            timeout=TIMEOUT)
+    plan = _plan()
+    prepared = PreparedGroups(1, plan, rank, lambda: dist.PrefixStore("epoch1", store), "gloo",
+                              torch.device("cpu"), TIMEOUT).start()
+    steps = 0
+    while not prepared.done.is_set() or steps < 20:  # the old epoch trains meanwhile
+        total = torch.ones(1)
+        dist.all_reduce(total)
+        assert total.item() == 3
+        steps += 1
+    assert prepared.connected, prepared.error
+    dist.destroy_process_group()
+    dist.init_process_group(prepared.install(), store=dist.PrefixStore("unused", store), rank=rank, world_size=3,
+                            timeout=TIMEOUT)
+    groups = EpochGroups.build(plan, rank, timeout=TIMEOUT, connect_timeout=TIMEOUT)
+    sums = {}
+    for bucket in groups.buckets:
+        value = torch.tensor([float(rank + 1)])
+        dist.all_reduce(value, group=bucket.group)
+        sums[str(bucket.ranks)] = value.item()
+    world = torch.ones(1)
+    dist.all_reduce(world)
+    out.put({"rank": rank, "steps": steps, "backend": dist.get_backend(), "world": world.item(), "sums": sums,
+             "pipeline_rank": dist.get_rank(groups.pipeline), "pipeline_size": dist.get_world_size(groups.pipeline)})
+    dist.destroy_process_group()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_groups_connected_while_the_old_world_trains_are_the_next_epochs_groups():
+    ctx = mp.get_context("spawn")
+    out, port = ctx.Queue(), _free_port()
+    procs = [ctx.Process(target=_rank, args=(r, port, out)) for r in range(3)]
+    for proc in procs:
+        proc.start()
+    try:
+        results = {r["rank"]: r for r in (out.get(timeout=90) for _ in procs)}
+    finally:
+        for proc in procs:
+            proc.join(timeout=15)
+            proc.kill()
+    assert all(r["steps"] >= 20 and r["backend"] == PREPARED_BACKEND and r["world"] == 3
+               for r in results.values()), results
+    # Layers 0-1 live on ranks 0 and 2, layers 2-3 on ranks 1 and 2: two buckets.
+    assert results[0]["sums"] == {"(0, 2)": 4.0} and results[1]["sums"] == {"(1, 2)": 5.0}
+    assert results[2]["sums"] == {"(0, 2)": 4.0, "(1, 2)": 5.0}
+    assert [(results[r]["pipeline_rank"], results[r]["pipeline_size"]) for r in range(3)] == [(0, 2), (1, 2), (0, 1)]
+
+
+def test_torch_asking_for_a_group_that_was_not_prepared_is_a_clear_error():
+    plan = _plan()
+    prepared = PreparedGroups(1, plan, 2, lambda: None, "gloo", torch.device("cpu"), TIMEOUT)  # never connected
+    prepared.install()
+    create = dist.Backend._plugins[PREPARED_BACKEND.upper()].creator_fn
+    with pytest.raises(RuntimeError, match="more process groups than were prepared"):
+        create(None, 0, 3, TIMEOUT)
