@@ -20,6 +20,7 @@ Groups of a rank:
 """
 from __future__ import annotations
 
+import gc
 import threading
 from dataclasses import dataclass, field
 
@@ -219,13 +220,19 @@ class GroupRetirement:
         """References to every group of the process, taken before the epoch's teardown."""
         return registered_groups() or []
 
-    def retire(self, held: list[dist.ProcessGroup]) -> None:
-        """Drop `held` (from `hold`) on a thread, after the groups it held are destroyed."""
+    def retire(self, held: list[dist.ProcessGroup], collect: bool = False) -> None:
+        """Drop `held` (from `hold`) on a thread, after the groups it held are destroyed.
+        `collect`: that thread also runs the cyclic collector, which frees what the epoch's
+        objects (stages, schedules) still held of its groups: off the path into the next
+        epoch (up to 27 ms of a join's switch, measured with four workers on two cores),
+        which the caller then does not collect itself."""
         self.wait()
         groups, held[:] = list(held), []
 
         def drop() -> None:
             groups.clear()
+            if collect:
+                gc.collect()
 
         self._thread = threading.Thread(target=drop, name="planaria-retire-groups", daemon=True)
         self._thread.start()

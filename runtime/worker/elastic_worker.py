@@ -467,8 +467,13 @@ class ElasticWorker:
             except Exception:  # a broken group may refuse; it is dropped all the same
                 pass
         forget_failed_world()
-        gc.collect()
-        self._retired.retire(held)
+        if not stopped:
+            # After a failure, at once: what the epoch's objects still hold of its groups
+            # goes now, and peers blocked on this worker see its connections close. After
+            # a stop at a step boundary nobody waits on them: the retirement's thread
+            # collects, off the path into the next epoch.
+            gc.collect()
+        self._retired.retire(held, collect=stopped)
         if self.device.type == "cuda":
             # After an abort NCCL's kernels have returned: wait for every stream, so that no
             # work of the old epoch runs on into the next, then give the old groups' and
