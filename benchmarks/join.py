@@ -1,7 +1,7 @@
 """What a node's join costs the job: the pause between two commits around it, before and
 after joins were planned only once the joiner announced itself (issue 45).
 
-    python benchmarks/join.py [--before REF] [--slow-start 30] [--nodes 4] [--json out.json]
+    python benchmarks/join.py [--before REF] [--slow-start 30] [--nodes 4] [--repeats 3] [--json out.json]
 
 Two trees side by side in one run: the working tree ("after") and `--before` (a commit,
 checked out into a temporary git worktree and imported from there: the script checks
@@ -20,7 +20,9 @@ Reported from each run's chaos report (`planaria.chaos.report`): the pause (the 
 commit before the join's epoch to its first commit), the run's own step time away from
 faults, the switch (the pause less that step), the layer copy and the rendezvous of the
 join's epoch; and whether the run lost nothing (0 committed steps lost, loss diff 0).
-The goal: a pause of about one step plus the copy, the slow joiner's too.
+The goal: a pause of about one step plus the copy, the slow joiner's too (`over`:
+the pause less the step and the copy, per run). With `--repeats`, the trees' runs
+alternate, and a last table gives each tree's and case's medians.
 """
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ import argparse
 import contextlib
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -72,10 +75,12 @@ def chaos_run(tree: Path | None, case: str, args, out: Path) -> dict:
         raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     report = json.loads(report_path.read_text())
     join = next(r for r in report["recoveries"] if r["fault"].startswith("add-node"))
-    return {"tree": "after" if tree is None else "before", "case": case, "pause_s": join["pause_s"],
+    row = {"tree": "after" if tree is None else "before", "case": case, "pause_s": join["pause_s"],
             "own_step_s": report.get("own_step_s"), "switch_s": join["switch_s"],
             "transfer_s": join["transfer_s"], "rendezvous_s": join["rendezvous_s"], "reason": join["reason"],
             "lost": report["committed_steps_lost"], "loss_diff": report["max_loss_diff"]}
+    row["over_s"] = over_s(row)
+    return row
 
 
 def _import_root(tree: Path) -> Path:
@@ -119,14 +124,39 @@ def before_tree(ref: str, tmp: Path):
         subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(tree)], capture_output=True)
 
 
+FIGURES = ("pause_s", "own_step_s", "switch_s", "transfer_s", "rendezvous_s", "over_s")
+
+
+def over_s(row: dict) -> float | None:
+    """How far the pause is over one step plus the copy (the goal), in one run."""
+    if None in (row["pause_s"], row["own_step_s"], row["transfer_s"]):
+        return None
+    return row["pause_s"] - row["own_step_s"] - row["transfer_s"]
+
+
 def table(rows: list[dict]) -> str:
-    lines = ["| tree | case | pause (s) | step (s) | switch (s) | copy (s) | rendezvous (s) | lost | loss diff |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
-    f = lambda v: "" if v is None else f"{v:.2f}"  # noqa: E731
+    lines = ["| tree | case | runs | pause (s) | step (s) | switch (s) | copy (s) | rendezvous (s) | over (s) | lost "
+             "| loss diff |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    f = lambda v: "" if v is None else f"{v:.3f}"  # noqa: E731
     for r in rows:
-        lines.append(f"| {r['tree']} | {r['case']} | {f(r['pause_s'])} | {f(r['own_step_s'])} | {f(r['switch_s'])} | "
-                     f"{f(r['transfer_s'])} | {f(r['rendezvous_s'])} | {r['lost']} | {r['loss_diff']} |")
+        figures = " | ".join(f(r[k]) for k in FIGURES)
+        lines.append(f"| {r['tree']} | {r['case']} | {r.get('runs', 1)} | {figures} | {r['lost']} | {r['loss_diff']} |")
     return "\n".join(lines)
+
+
+def medians(rows: list[dict]) -> list[dict]:
+    """One row per tree and case: the median of each figure over its runs, the worst
+    of what was lost."""
+    found = []
+    for key in dict.fromkeys((r["tree"], r["case"]) for r in rows):
+        runs = [r for r in rows if (r["tree"], r["case"]) == key]
+        row = {"tree": key[0], "case": key[1], "runs": len(runs), "lost": max(r["lost"] for r in runs),
+               "loss_diff": max(r["loss_diff"] for r in runs)}
+        for k in FIGURES:
+            values = [r[k] for r in runs if r[k] is not None]
+            row[k] = statistics.median(values) if values else None
+        found.append(row)
+    return found
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -136,16 +166,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--nodes", type=int, default=4)
     parser.add_argument("--cases", nargs="+", choices=CASES, default=list(CASES))
     parser.add_argument("--timeout", type=float, default=900.0, help="per chaos run (s)")
+    parser.add_argument("--repeats", type=int, default=1, help="runs of each case on each tree")
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args(argv)
     rows = []
     with tempfile.TemporaryDirectory(prefix="planaria-join-") as tmp, before_tree(args.before, Path(tmp)) as tree:
-        for case in args.cases:
-            for side in (tree, None):
-                out = Path(tmp) / f"{'before' if side else 'after'}-{case.replace(' ', '-')}"
-                rows.append(chaos_run(side, case, args, out))
-                print(f"{rows[-1]['tree']} {case}: " + table([rows[-1]]).splitlines()[-1], flush=True)
+        for repeat in range(args.repeats):
+            for case in args.cases:
+                for side in (tree, None):
+                    out = Path(tmp) / f"{'before' if side else 'after'}-{case.replace(' ', '-')}-{repeat}"
+                    rows.append(chaos_run(side, case, args, out))
+                    print(f"{rows[-1]['tree']} {case}: " + table([rows[-1]]).splitlines()[-1], flush=True)
     print(table(rows))
+    if args.repeats > 1:
+        print("\nmedians\n" + table(medians(rows)))
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
     return 0

@@ -124,6 +124,8 @@ class SimulatedWorker:
         self._timing = EpochTiming(record_s=0.0)
         """This epoch's: when each of its phases ended on this worker."""
         self._step_times: collections.deque[float] = collections.deque(maxlen=9)
+        self._entry = "published"
+        """How it enters its next epoch (`ElasticWorker._entry`)."""
         self._entered: object | None = None
         """The plan of the last epoch it entered (the engine's plan, for a real worker)."""
         self._ahead: tuple[int, object, threading.Event, list[bool]] | None = None
@@ -136,6 +138,7 @@ class SimulatedWorker:
         epoch, prepared = -1, None
         outside = False
         while True:
+            self._entry = "stopped" if prepared else "published"  # (`ElasticWorker._run`)
             try:
                 epoch, record = prepared or self.coordinator.wait_for_epoch(
                     epoch, self.wait_s, on_prepared=self._planned_in if outside else None)
@@ -240,7 +243,10 @@ class SimulatedWorker:
         """`ElasticWorker._planned_in`: a joiner connects a join's prepared epoch's groups
         and enters it once they are."""
         done = self._start_ahead(record.plan.epoch - 1, record)
-        return done is not None and done.wait(self.wait_s) and self._ahead is not None and self._ahead[3][0]
+        early = done is not None and done.wait(self.wait_s) and self._ahead is not None and self._ahead[3][0]
+        if early:
+            self._entry = "early"
+        return early
 
     def _connect_ahead(self, epoch: int) -> threading.Event | None:
         """`ElasticWorker._connect_ahead`, at a join's word (off the step)."""
@@ -286,13 +292,14 @@ class SimulatedWorker:
         return taken
 
     def _agree_on_first(self, store, plan, rank: int):
-        """`ElasticWorker._agree_on_first`: a survivor tells the first iteration, a joiner
-        waits for it."""
-        if self._entered is not None:
-            if rank == teller(self._entered, plan):
-                tell_first(store, plan.first_iteration)
-            return plan
-        return replace(plan, first_iteration=told_first(store))
+        """`ElasticWorker._agree_on_first`: a joiner that entered early waits for the first
+        iteration, the survivors' teller (or a worker that entered from the published
+        record) tells it."""
+        if self._entry == "early":
+            return replace(plan, first_iteration=told_first(store))
+        if self._entry == "published" or rank == teller(self._entered, plan):
+            tell_first(store, plan.first_iteration)
+        return plan
 
     def _enter(self, plan, rank: int) -> None:
         """Hold the plan's layers at the step before its first (received, or rolled forward)."""

@@ -111,6 +111,8 @@ class ElasticWorker:
         self.corrupt_after = corruption_after_step(self.name)
         self.late_writer = writes_late(self.name)
         self.engine: Engine | None = None
+        self._entry = "published"
+        """How this worker enters its next epoch (`_run`'s loop says)."""
         self._trained_in: int | None = None
         """The last epoch this worker trained in: the one that committed a step it rolls
         forward (a later epoch may have failed before anyone trained in it)."""
@@ -163,6 +165,10 @@ class ElasticWorker:
         prepared: tuple[int, EpochRecord] | None = None
         outside = False  # in no plan: a joiner (or a spare) connects ahead when planned in
         while True:
+            # How this worker enters the epoch (`_agree_on_first`): from its stop at the step
+            # boundary ("stopped"), from the prepared record as a joiner ("early", set by
+            # `_planned_in`), or from the published record.
+            self._entry = "stopped" if prepared else "published"
             try:
                 epoch, record = prepared or self.coordinator.wait_for_epoch(
                     epoch, wait_s, on_prepared=self._planned_in if outside else None)
@@ -198,24 +204,37 @@ class ElasticWorker:
         whose stop came once every rank had connected (`_agree_on_first`)."""
         if not record.connect_ahead or self.worker not in record.plan.rank_of_worker():
             return False
+        if self.engine is not None and self.engine.last_stepped is not None:
+            # Layers of an epoch before the one in force, which committed steps without
+            # this worker (a join waits for one): it joins as a new worker, its old state
+            # never used (the prepared plan counts only on the epoch in force's holders).
+            self._log(f"epoch {record.plan.epoch}: planned in; this worker's layers are of step "
+                      f"{self.engine.last_stepped}, behind the job's: it was left out; joining as a new worker")
+            self.engine.destroy()
+            self.engine = None
         if self.engine is None:
             self.engine = self._new_engine()
         if self.faults is not None:  # (chaos: a joiner lost, or slow, as it connects)
             self.faults("connect", 0)
         done = self.ahead.start(record.plan.epoch - 1, record, self.engine.tied_layers)
-        return done is not None and done.wait(self._connect_timeout_s()) and self.ahead.connected(record.plan.epoch)
+        early = done is not None and done.wait(self._connect_timeout_s()) and self.ahead.connected(record.plan.epoch)
+        if early:
+            self._entry = "early"
+        return early
 
     def _agree_on_first(self, epoch: int, plan, rank: int, record: EpochRecord) -> tuple[object, EpochRecord]:
         """In an epoch entered over groups connected ahead: its first iteration, the
-        survivors' (the step after the stop they agreed on), told by one of them to the
-        joiners, which entered from the prepared record before the stop (`tell_first`)."""
+        survivors' (the step after the stop they agreed on), told by the lowest-ranked
+        of them (`teller`) to the joiners, which entered from the prepared record before
+        the stop (`tell_first`). A worker that entered from the published record, whose
+        first iteration is the controller's, tells it too (the same value)."""
         store = self.coordinator.rendezvous_store(epoch)
-        if self.engine is not None and self.engine.last_stepped is not None:  # a survivor
-            if rank == teller(self.engine.plan, plan):
-                tell_first(store, plan.first_iteration)
-            return plan, record
-        plan = replace(plan, first_iteration=told_first(store))
-        return plan, replace(record, plan=plan)
+        if self._entry == "early":
+            plan = replace(plan, first_iteration=told_first(store))
+            return plan, replace(record, plan=plan)
+        if self._entry == "published" or rank == teller(self.engine.plan, plan):
+            tell_first(store, plan.first_iteration)
+        return plan, record
 
     def _connect_ahead(self, epoch: int):
         """At a join's word for `epoch` (the epoch watcher's thread): connect the prepared
