@@ -189,6 +189,7 @@ class Engine:
             # layers (never a mix of the old step's and the restored one's).
             self._shards.clear()
         self._build_epoch(plan, world)
+        self._check_agreed_start(plan)
         if layers is not None:
             layers.fill(self)
             dist.barrier(group=self.groups.world)
@@ -197,6 +198,22 @@ class Engine:
         self._add_fresh_layers()
         self.iteration, self.synced = plan.first_iteration, False
         self._build_pipeline()
+
+    def _check_agreed_start(self, plan: Plan) -> None:
+        """Every rank of the epoch starts it at the same iteration, checked before any
+        layer moves: ranks whose plans disagree on it would otherwise train on, their
+        collectives lining up step for step, each on its own iteration's data (a
+        joiner told a wrong first iteration did: docs/recovery.md). The sum of the
+        iteration and of its square over the ranks equals the world's size times this
+        rank's only if every rank has the same (taken modulo 2^16, exact in float64 up
+        to millions of ranks)."""
+        first = float(plan.first_iteration % 65536)
+        found = torch.tensor([first, first * first], dtype=torch.float64, device=self.device)
+        dist.all_reduce(found, group=self.groups.world)
+        size = dist.get_world_size(self.groups.world)
+        if found.tolist() != [size * first, size * first * first]:
+            raise RuntimeError(f"the ranks of epoch {plan.epoch} disagree on its first iteration (this rank's: "
+                               f"{plan.first_iteration}); the epoch is given up before any layer moves")
 
     def _check_continues(self, plan: Plan) -> None:
         """A plan must start right after this worker's last step; a new engine (no step

@@ -10,13 +10,13 @@ import pytest
 
 from tests.chaos.faulted_runs import assert_nothing_lost, chaos
 
-STEPS = 200
+STEPS = 170
 
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(600)
 def test_a_join_connects_ahead_and_a_joiner_lost_while_connecting_costs_nothing(tmp_path, cache):
-    proc = chaos(["--nodes", "4", "--fault-tolerance", "1", "--fault", "add-node@5", "--fault", "add-node@60",
+    proc = chaos(["--nodes", "4", "--fault-tolerance", "1", "--fault", "add-node@5", "--fault", "add-node@30",
                   "parallel.min_stages=2", f"train.steps={STEPS}"], tmp_path, cache,
                  env={"PLANARIA_FAULTS": "node5.0:connect@0"})  # the second joiner dies as it connects
     report = assert_nothing_lost(proc, tmp_path, STEPS)
