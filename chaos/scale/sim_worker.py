@@ -39,7 +39,7 @@ from planaria.chaos.scale.sim_snapshots import SimulatedSnapshots
 from planaria.runtime.contract.epochs import EpochRecord, EpochTiming, Progress
 from planaria.runtime.contract.exactly_once import INCOMPLETE, SYNCED, CommitRecord, WorkerStatus
 from planaria.runtime.contract.exits import EXIT_LEFT
-from planaria.runtime.worker.connect_ahead import teller, tell_first, told_first
+from planaria.runtime.worker.connect_ahead import agree_on_first
 from planaria.runtime.worker.coordination import JobEnded, close_stores
 from planaria.runtime.worker.epoch_watcher import QUIET_S, EpochWatcher
 from planaria.runtime.worker.leaving import LEAVE_LINGER_S
@@ -295,11 +295,7 @@ class SimulatedWorker:
         """`ElasticWorker._agree_on_first`: a joiner that entered early waits for the first
         iteration, the survivors' teller (or a worker that entered from the published
         record) tells it."""
-        if self._entry == "early":
-            return replace(plan, first_iteration=told_first(store))
-        if self._entry == "published" or rank == teller(self._entered, plan):
-            tell_first(store, plan.first_iteration)
-        return plan
+        return replace(plan, first_iteration=agree_on_first(store, self._entry, plan, self._entered, rank))
 
     def _enter(self, plan, rank: int) -> None:
         """Hold the plan's layers at the step before its first (received, or rolled forward)."""

@@ -52,6 +52,21 @@ def teller(old: Plan | None, new: Plan) -> int | None:
     return min((r for w, r in new.rank_of_worker().items() if w in kept), default=None)
 
 
+def agree_on_first(store, entry: str, plan: Plan, trained: Plan | None, rank: int) -> int:
+    """An epoch entered over groups connected ahead: its first iteration, as the worker
+    that enters it as `rank` of `plan` knows it or is told. `entry` is how it enters:
+    "early" (a joiner, from the prepared record, before the stop: it is told the
+    survivors' first iteration), "stopped" (a survivor, at the step boundary all agreed
+    on: the lowest-ranked of them, `teller` of `trained`, the plan it trained under,
+    tells it) or "published" (from the controller's record: its first iteration, told
+    too, the same value)."""
+    if entry == "early":
+        return told_first(store)
+    if entry == "published" or rank == teller(trained, plan):
+        tell_first(store, plan.first_iteration)
+    return plan.first_iteration
+
+
 class ConnectAhead:
     """The groups this worker connects ahead for its next epoch, at most one set."""
 

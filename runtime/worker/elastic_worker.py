@@ -68,7 +68,7 @@ from planaria.runtime.state.peer_snapshots import PeerSnapshots
 from planaria.runtime.state.saved_model import save_model_shards
 from planaria.runtime.state.transfer import Handoff, SnapshotSource, TransferStats
 from planaria.runtime.worker.build import build_engine
-from planaria.runtime.worker.connect_ahead import ConnectAhead, teller, tell_first, told_first
+from planaria.runtime.worker.connect_ahead import ConnectAhead, agree_on_first
 from planaria.runtime.worker.coordination import JobEnded, StoreCoordinator, connect_store, store_ports
 from planaria.runtime.worker.epoch_metrics import EpochMetrics
 from planaria.runtime.worker.epoch_watcher import EpochWatcher
@@ -228,13 +228,12 @@ class ElasticWorker:
         of them (`teller`) to the joiners, which entered from the prepared record before
         the stop (`tell_first`). A worker that entered from the published record, whose
         first iteration is the controller's, tells it too (the same value)."""
-        store = self.coordinator.rendezvous_store(epoch)
-        if self._entry == "early":
-            plan = replace(plan, first_iteration=told_first(store))
-            return plan, replace(record, plan=plan)
-        if self._entry == "published" or rank == teller(self.engine.plan, plan):
-            tell_first(store, plan.first_iteration)
-        return plan, record
+        first = agree_on_first(self.coordinator.rendezvous_store(epoch), self._entry, plan,
+                               None if self.engine is None else self.engine.plan, rank)
+        if first == plan.first_iteration:
+            return plan, record
+        plan = replace(plan, first_iteration=first)
+        return plan, replace(record, plan=plan)
 
     def _connect_ahead(self, epoch: int):
         """At a join's word for `epoch` (the epoch watcher's thread): connect the prepared
