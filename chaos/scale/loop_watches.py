@@ -92,10 +92,11 @@ class LoopEpochWatcher:
         self._published: tuple[Progress | None, float] = (None, 0.0)
         self._followed = False
 
-    def start(self) -> None:
+    def start(self, followed: bool | None = None) -> None:
         """On the worker's thread, as `EpochWatcher.start`: the epoch's end followed first
-        (so that the rendezvous's asks read the mirror), then the watch goes on the loop."""
-        self._followed = self.coordinator.follow_epoch(self.epoch)
+        (so that the rendezvous's asks read the mirror; `followed`: already, by groups
+        connected ahead), then the watch goes on the loop."""
+        self._followed = self.coordinator.follow_epoch(self.epoch) if followed is None else followed
         asyncio.run_coroutine_threadsafe(self._run(), self.store.loop)
 
     async def _run(self) -> None:

@@ -24,7 +24,7 @@ import collections
 import statistics
 import threading
 import time
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import torch.distributed as dist
@@ -44,6 +44,17 @@ from planaria.runtime.worker.coordination import JobEnded, close_stores
 from planaria.runtime.worker.epoch_watcher import QUIET_S, EpochWatcher
 from planaria.runtime.worker.leaving import LEAVE_LINGER_S
 from planaria.templates.plan import Worker
+
+
+@dataclass
+class _Ahead:
+    """`ConnectAhead`'s one set of groups connected ahead, as a simulated worker replays it."""
+
+    epoch: int
+    record: EpochRecord
+    done: threading.Event = field(default_factory=threading.Event)
+    connected: bool = False
+    followed: bool = False
 
 
 class Observer:
@@ -128,7 +139,7 @@ class SimulatedWorker:
         """How it enters its next epoch (`ElasticWorker._entry`)."""
         self._entered: object | None = None
         """The plan of the last epoch it entered (the engine's plan, for a real worker)."""
-        self._ahead: tuple[int, object, threading.Event, list[bool]] | None = None
+        self._ahead: _Ahead | None = None
         """A join's next epoch whose groups it connects ahead: (epoch, plan, done, [connected])."""
 
     # ------------------------------------------------------------------ loop
@@ -176,12 +187,12 @@ class SimulatedWorker:
             watcher = EpochWatcher(self.coordinator, epoch, RankRelease(barrier, rank), self._log, stuck_s=0,
                                    progress=progress, connect_ahead=lambda: self._connect_ahead(epoch))
         watcher.quiet_s = self.quiet_s
-        watcher.start()
+        watcher.start(followed=ahead.followed if ahead is not None else None)
         stopped = finished = False
         try:
             store = self.coordinator.rendezvous_store(epoch, host=rank == 0)
-            if ahead:
-                plan = self._agree_on_first(store, plan, rank)
+            if ahead is not None:
+                plan = self._agree_on_first(store, record, rank)
             else:
                 replay(store, plan, rank, self.backend, self.tied_layers, facts.groups)
             self._handoff(epoch, record)
@@ -206,9 +217,11 @@ class SimulatedWorker:
             watcher.done.set()
             self._in_epoch = None
         # In `ElasticWorker._run_epoch`'s order: after a stop its publisher thread sends the
-        # status, then reads the prepared record, then sends the timing.
+        # status, then reads the prepared record (not a join's: the one its groups were
+        # connected for), then sends the timing.
+        held = self._ahead.record if stopped and self._ahead is not None and self._ahead.epoch == epoch + 1 else None
         self.coordinator.publish_status(epoch, self._status(finished))
-        prepared = self.coordinator.prepared_record(epoch) if stopped else None
+        prepared = held or (self.coordinator.prepared_record(epoch) if stopped else None)
         self.coordinator.publish_timing(epoch, self._timing)
         if prepared is None:
             return None
@@ -243,7 +256,7 @@ class SimulatedWorker:
         """`ElasticWorker._planned_in`: a joiner connects a join's prepared epoch's groups
         and enters it once they are."""
         done = self._start_ahead(record.plan.epoch - 1, record)
-        early = done is not None and done.wait(self.wait_s) and self._ahead is not None and self._ahead[3][0]
+        early = done is not None and done.wait(self.wait_s) and self._ahead is not None and self._ahead.connected
         if early:
             self._entry = "early"
         return early
@@ -261,41 +274,47 @@ class SimulatedWorker:
         if not record.connect_ahead or self.worker not in facts.rank_of_worker:
             return None
         epoch, rank = before + 1, facts.rank_of_worker[self.worker]
-        if self._ahead is not None and self._ahead[0] == epoch:
-            return self._ahead[2]
-        done, connected = threading.Event(), [False]
-        self._ahead = (epoch, record.plan, done, connected)
+        if self._ahead is not None and self._ahead.epoch == epoch:
+            return self._ahead.done
+        ahead = self._ahead = _Ahead(epoch, record)
 
         def connect() -> None:
             try:
-                self.coordinator.follow_epoch(epoch)
+                ahead.followed = self.coordinator.follow_epoch(epoch)
                 store = self.coordinator.rendezvous_store(epoch, host=rank == 0, close_older=False)
                 self.coordinator.epoch_store_port(epoch)
                 replay_prepared(store, record.plan, rank, self.backend, self.tied_layers, facts.groups)
-                connected[0] = True
+                ahead.connected = True
             except (dist.DistStoreError, RuntimeError):
                 pass
             finally:
-                done.set()
+                ahead.done.set()
         threading.Thread(target=connect, daemon=True, name=f"prepared-groups-{epoch}").start()
-        return done
+        return ahead.done
 
-    def _take_ahead(self, epoch: int, plan) -> bool:
-        """`ConnectAhead.take`: whether it enters `epoch` over groups connected ahead."""
+    def _take_ahead(self, epoch: int, plan) -> _Ahead | None:
+        """`ConnectAhead.take`: the groups connected ahead it enters `epoch` over, their
+        follow of the epoch's word kept for its watcher; else None."""
         ahead, self._ahead = self._ahead, None
         if ahead is None:
-            return False
-        taken = (ahead[0] == epoch and ahead[1].rank_of_worker() == plan.rank_of_worker()
-                 and ahead[2].wait(self.wait_s) and ahead[3][0])
-        if ahead[2].is_set():
-            self.coordinator.unfollow_epoch(ahead[0])
-        return taken
+            return None
+        if (ahead.epoch == epoch and ahead.record.plan.rank_of_worker() == plan.rank_of_worker()
+                and ahead.done.wait(self.wait_s) and ahead.connected):
+            return ahead
+        if ahead.done.is_set():
+            self.coordinator.unfollow_epoch(ahead.epoch)
+        return None
 
-    def _agree_on_first(self, store, plan, rank: int):
+    def _agree_on_first(self, store, record: EpochRecord, rank: int):
         """`ElasticWorker._agree_on_first`: a joiner that entered early waits for the first
         iteration, the survivors' teller (or a worker that entered from the published
-        record) tells it."""
-        return replace(plan, first_iteration=agree_on_first(store, self._entry, plan, self._entered, rank))
+        record) tells it. The plan as it was when the first iteration is the same (a
+        survivor's), else one copy shared by every worker (`SharedRecords.starting_at`:
+        a copy per worker derived its rank table again, 8,192 ranks for each of 8,192
+        workers through one lock, and held a join at 1,024 nodes for minutes)."""
+        plan = record.plan
+        first = agree_on_first(store, self._entry, plan, self._entered, rank)
+        return plan if first == plan.first_iteration else self.records.starting_at(record, first).plan
 
     def _enter(self, plan, rank: int) -> None:
         """Hold the plan's layers at the step before its first (received, or rolled forward)."""

@@ -78,6 +78,8 @@ class ConnectAhead:
         self.connect_timeout_s, self.release, self.keep_ports = connect_timeout_s, release, keep_ports
         self.log = log
         self._prepared: PreparedGroups | None = None
+        self._record: EpochRecord | None = None
+        """The prepared record `_prepared` was connected for."""
 
     def start(self, before: int, record: EpochRecord, tied_layers: tuple[int, ...],
               current_release=None) -> threading.Event | None:
@@ -100,7 +102,8 @@ class ConnectAhead:
         def store():
             # Its word followed while the groups connect: the rendezvous's looks whether the
             # epoch was given up read a mirror, not etcd (each 10 ms of a wait, per worker).
-            self.coordinator.follow_epoch(epoch)
+            # Kept when the groups are taken: the epoch's watcher follows it from there.
+            prepared.followed = self.coordinator.follow_epoch(epoch)
             found = self.coordinator.rendezvous_store(epoch, host=rank == 0, close_older=False)
             port = self.coordinator.epoch_store_port(epoch)
             if port is not None and current_release is not None:
@@ -109,9 +112,16 @@ class ConnectAhead:
 
         prepared = PreparedGroups(epoch, record.plan, rank, store, self.backend, self.device,
                                   timedelta(seconds=self.connect_timeout_s), tied_layers)
-        prepared.release = release
-        self._prepared = prepared.start()
+        prepared.release, prepared.followed = release, False
+        self._prepared, self._record = prepared.start(), record
         return prepared.done
+
+    def prepared_record(self, epoch: int) -> EpochRecord | None:
+        """The prepared record of `epoch` whose groups this worker connects (or connected),
+        or None. The controller writes a prepared record once (`PlannedLeaves.prepare`):
+        this is what a read of it would return, without the read."""
+        prepared = self._prepared
+        return self._record if prepared is not None and prepared.epoch == epoch else None
 
     def connected(self, epoch: int) -> bool:
         """The groups of `epoch` are connected ahead."""
@@ -121,8 +131,9 @@ class ConnectAhead:
     def take(self, epoch: int, plan: Plan) -> PreparedGroups | None:
         """The groups connected ahead for `epoch` and `plan`, waited for if still
         connecting (a joiner can be a moment behind); None, the others dropped, when
-        there are none or they did not connect."""
-        prepared, self._prepared = self._prepared, None
+        there are none or they did not connect. The epoch's word stays followed
+        (`followed`): the epoch's watcher takes the follow over (`EpochWatcher.start`)."""
+        prepared, self._prepared, self._record = self._prepared, None, None
         if prepared is None:
             return None
         if not prepared.matches(epoch, plan):
@@ -133,13 +144,12 @@ class ConnectAhead:
                      f"({prepared.error or 'still connecting'}); a rendezvous instead")
             self._discard(prepared)
             return None
-        self.coordinator.unfollow_epoch(prepared.epoch)  # (the epoch's watcher follows it now)
         return prepared
 
     def drop(self) -> None:
         """Give up the groups connected ahead (the epoch before was released: their
         connections were shut down with its own)."""
-        prepared, self._prepared = self._prepared, None
+        prepared, self._prepared, self._record = self._prepared, None, None
         if prepared is not None:
             self._discard(prepared)
 

@@ -128,6 +128,8 @@ class ElasticWorker:
                                               coordinator.report_checkpoint, data_source=cfg.data.source)
         self._publisher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="status")
         """Publishes the status of a stop at a step boundary while the epoch is torn down."""
+        self._unsent: Future | None = None
+        """A stop's status still on its way as this worker entered a join's epoch."""
         self._retired = GroupRetirement()
         """Destroys each ended epoch's groups on a thread (`_leave_epoch`)."""
         self.ahead = ConnectAhead(coordinator, backend, device, self._connect_timeout_s(), release=cfg.comm.release,
@@ -268,6 +270,7 @@ class ElasticWorker:
         finished = False
         early_status: Future | None = None
         next_record: Future | None = None
+        held: EpochRecord | None = None
         if self._left_out(record):
             # The job went on without this worker (it was cut off, and declared failed): the
             # plan counts on none of its layers, which are of an older step. It joins as a
@@ -287,7 +290,7 @@ class ElasticWorker:
                                       stuck_s=self.cfg.comm.release_stuck_s,
                                       progress=self._progress if rank == 0 else None,
                                       connect_ahead=lambda: self._connect_ahead(epoch))
-        self._watcher.start()
+        self._watcher.start(followed=ahead.followed if ahead is not None else None)
         try:
             if ahead is not None:
                 self._log(f"epoch {epoch}: its groups were connected ahead ({ahead.seconds:.2f} s, while the "
@@ -324,9 +327,11 @@ class ElasticWorker:
             # the pause at a planned leave or a join); it is out before the epoch is left.
             status = self._status(finished)
             early_status = self._publisher.submit(self.coordinator.publish_status, epoch, status)
-            # A leave's next epoch was prepared before the stop was asked for: read while
-            # the groups close, it spares the wait for every status and the plan.
-            next_record = self._publisher.submit(self.coordinator.prepared_record, epoch)
+            # A leave's or a join's next epoch was prepared before the stop was asked for:
+            # it spares the wait for every status and the plan. A join's record is the one
+            # its groups were connected for; a leave's is read while the groups close.
+            held = self.ahead.prepared_record(epoch + 1)
+            next_record = None if held else self._publisher.submit(self.coordinator.prepared_record, epoch)
         except TornStep:
             raise  # past the status below: this worker's state must not be used
         except (RuntimeError, TimeoutError) as err:  # dist errors are RuntimeErrors
@@ -342,13 +347,19 @@ class ElasticWorker:
             self._watcher.done.set()
             if release is not None and release.released:
                 self.ahead.drop()  # its connections were shut down with the epoch's
-        if early_status is not None:
+        self._check_sent()
+        if held is not None:
+            # Going on to a join's epoch over groups connected ahead, which needs nothing
+            # of the controller: the status goes on its way meanwhile (its round trip to
+            # etcd was part of the join's pause), checked before this worker's next one.
+            self._unsent = early_status
+        elif early_status is not None:
             early_status.result()  # (raises what the publication raised)
         else:
             self.coordinator.publish_status(epoch, self._status(finished))
         # For reports: after what the controller waits for (the same thread, in order).
         self._publisher.submit(self.coordinator.publish_timing, epoch, self._timing)
-        prepared = None
+        prepared = held
         if next_record is not None:
             try:
                 prepared = next_record.result()
@@ -361,6 +372,13 @@ class ElasticWorker:
         self._log(f"epoch {epoch}: going on to epoch {epoch + 1}, prepared by the controller before the stop, "
                   f"from iteration {first}")
         return epoch + 1, replace(prepared, plan=replace(prepared.plan, first_iteration=first))
+
+    def _check_sent(self) -> None:
+        """The status of the last stop, sent while this worker went on into a join's
+        epoch (`_unsent`): raises what its publication raised, as it would have then."""
+        unsent, self._unsent = self._unsent, None
+        if unsent is not None:
+            unsent.result()
 
     def _write_late(self, epoch: int) -> None:
         """The fencing test's late writer (`writes_late`): this worker's layers, of its last

@@ -63,14 +63,17 @@ class EpochWatcher(threading.Thread):
         self.requested, self.done, self._local = threading.Event(), threading.Event(), threading.Event()
         self._followed = False
 
-    def start(self) -> None:
+    def start(self, followed: bool | None = None) -> None:
+        """`followed`: the epoch's word is followed already (True, or False where the store
+        cannot follow it), by groups connected ahead for it (`ConnectAhead.take`): this
+        watcher takes the follow over, and ends it as its own."""
         # Over etcd the epoch's end is followed: the polls below read a mirror, and a watch
         # wakes this thread at the word (docs/control_plane.md, "At scale"). Followed
         # before the thread starts, so that the rendezvous's own asks for the word (made
         # on the caller's thread next) read the mirror too: before, whether the first of
         # them came before the follow was a race between two threads, a request more
         # per worker when it lost.
-        self._followed = self.coordinator.follow_epoch(self.epoch)
+        self._followed = self.coordinator.follow_epoch(self.epoch) if followed is None else followed
         super().start()
 
     def run(self) -> None:
