@@ -450,6 +450,7 @@ class ElasticWorker:
         def first_step(engine: Engine, ctx) -> None:
             if self._timing.first_step_s is None:
                 self._mark(first_step_s=time.time())
+                self._retired.go()  # the epoch before's groups (`_leave_epoch`), now
                 # Every rank committed it: one word says so (not a write per worker).
                 if engine.rank == 0:
                     self.coordinator.mark_trained(epoch)
@@ -491,7 +492,9 @@ class ElasticWorker:
         reconfiguration's pause, off the path to the status and the next epoch). Closing
         our sockets there, in parallel, still makes peers blocked on us fail within
         milliseconds instead of at their timeout. `stopped`: at a step boundary all agreed
-        on (a peer snapshot exchange under way goes on: `PeerSnapshots.end_epoch`)."""
+        on (a peer snapshot exchange under way goes on: `PeerSnapshots.end_epoch`); nobody
+        waits on the groups then, and their destructors wait for the next epoch's first
+        step (`GroupRetirement.go`), not to take the CPU from every worker's entry."""
         held = GroupRetirement.hold()
         if self.engine is not None:
             self.engine.abandon_epoch()
@@ -509,7 +512,7 @@ class ElasticWorker:
             # a stop at a step boundary nobody waits on them: the retirement's thread
             # collects, off the path into the next epoch.
             gc.collect()
-        self._retired.retire(held, collect=stopped)
+        self._retired.retire(held, collect=stopped, deferred=stopped)
         if self.device.type == "cuda":
             # After an abort NCCL's kernels have returned: wait for every stream, so that no
             # work of the old epoch runs on into the next, then give the old groups' and

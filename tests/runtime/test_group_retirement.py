@@ -5,12 +5,14 @@ Two real processes over gloo, three epochs: each epoch's world and subgroups are
 taken out of torch's registry, and retired; the next world must connect and reduce
 correctly while the last one's destructors may still run, and once a retirement is
 waited for, the old epochs' connections must be closed (no socket opened after the
-store's is still open).
+store's is still open). Retired after a stop at a step boundary (`deferred`), the last
+epoch's groups keep their connections until the next epoch's first step says go.
 """
 from __future__ import annotations
 
 import multiprocessing as mp
 import socket
+import time
 from datetime import timedelta
 
 import pytest
@@ -49,8 +51,11 @@ def _worker(rank: int, port: int, out) -> None:
         del pipeline
         dist.destroy_process_group()
         assert not dist.is_initialized()
-        retirement.retire(held)  # the next epoch connects while these groups go
+        retirement.retire(held, deferred=epoch == 2)  # the next epoch connects while these groups go
         assert held == []
+    time.sleep(0.5)
+    open_after_wait.append(len(set(socket_inodes()) - store_only))  # the last epoch's: deferred
+    retirement.go()
     retirement.wait(timeout_s=30)
     open_after_wait.append(len(set(socket_inodes()) - store_only))  # opened since, still open
     out.put((rank, sums, open_after_wait, len(GroupRetirement.hold())))
@@ -71,5 +76,7 @@ def test_the_next_world_connects_while_the_last_ones_groups_are_destroyed_and_th
         sums, open_after_wait, registered = results[rank]
         # each epoch: (1 + e) + (2 + e), doubled by the second all-reduce over the world
         assert sums == [2 * (3 + 2 * e) for e in range(3)]
-        assert open_after_wait == [0], "the retired groups' connections are still open"
+        deferred, after = open_after_wait
+        assert deferred > 0, "a deferred retirement closed its groups' connections before it was told to go"
+        assert after == 0, "the retired groups' connections are still open"
         assert registered == 0
