@@ -22,6 +22,7 @@ the raw figures to --json.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import signal
@@ -45,15 +46,19 @@ def _non_leader(harness: ScaleHarness, skip: int = 0) -> int:
     return live[-1 - skip]
 
 
-def run_faults(harness: ScaleHarness, faults, log, on_change=lambda change: None) -> list[Reconfiguration]:
-    """Each fault in turn, measured; `on_change` is given each as it is measured."""
+def run_faults(harness: ScaleHarness, faults, log, on_change=lambda change: None,
+               timeout_s: float = 900.0) -> list[Reconfiguration]:
+    """Each fault in turn, measured, each given `timeout_s` (`--timeout`, per phase: a
+    join at 1,024 nodes outlasted the harness's own 600 s); `on_change` is given each as
+    it is measured."""
     changes = []
     for fault in faults:
+        reconfigure = functools.partial(harness.reconfigure, timeout_s=timeout_s)
         if fault == "kill":
             victim = _non_leader(harness)
-            change = harness.reconfigure(lambda: harness.kill_node(victim), "node killed")
+            change = reconfigure(lambda: harness.kill_node(victim), "node killed")
         elif fault == "join":
-            change = harness.reconfigure(harness.add_node, "node joins")
+            change = reconfigure(harness.add_node, "node joins")
         elif fault == "leave":
             victim = _non_leader(harness)
             # A notice just inside the controller's window (`PlannedLeaves.leaving`: a leave
@@ -63,13 +68,13 @@ def run_faults(harness: ScaleHarness, faults, log, on_change=lambda change: None
             # up to 15% longer than --step-s at 1,024 nodes: with 2 steps + 5 s, that made
             # the notice too short for a planned leave, which went down the failure path.
             grace = 2.3 * harness.step_s + 8.0
-            change = harness.reconfigure(lambda: harness.notice(victim, grace), "planned leave")
+            change = reconfigure(lambda: harness.notice(victim, grace), "planned leave")
         elif fault == "kill-leader":
-            change = harness.reconfigure(harness.kill_leader, "leader's node killed")
+            change = reconfigure(harness.kill_leader, "leader's node killed")
         elif fault == "partition":
             victim = _non_leader(harness)
             heals = []
-            change = harness.reconfigure(lambda: heals.append(harness.partition([victim])), "node cut off")
+            change = reconfigure(lambda: heals.append(harness.partition([victim])), "node cut off")
             heals[0]()
         else:
             raise ValueError(f"unknown fault {fault!r}; choose from {', '.join(FAULTS)}")
@@ -133,7 +138,7 @@ def measure(nodes: int, relay: bool, args, log, save=lambda: None, result: dict 
                 "sent_bytes": change.etcd.sent_bytes}})
             result.update(harness_cpu_s=harness.harness_cpu() - cpu, wall_s=time.monotonic() - started)
             save()
-        run_faults(harness, args.faults, log, measured)
+        run_faults(harness, args.faults, log, measured, timeout_s=args.timeout)
     return result
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 from functools import cached_property
+from types import MappingProxyType
 from typing import Iterable, Iterator, Literal, Mapping, get_args
 
 ScheduleName = Literal["gpipe", "1f1b", "interleaved", "zb1f1b"]
@@ -158,8 +159,16 @@ class Plan:
         """The nodes the plan uses, in rank order."""
         return list(dict.fromkeys(stage.node for p in self.pipelines for stage in p.stages))
 
-    def rank_of_worker(self) -> dict[Worker, int]:
-        return {self.worker(r): r for r in self._rank_index}
+    @cached_property
+    def _worker_index(self) -> dict[Worker, int]:
+        # Derived once per plan, as `_rank_index`: every worker asks for it at each epoch
+        # (and the scale harness's thousands of simulated workers, sharing one plan,
+        # made it O(N^2) when each call built it again: 8,192 ranks for each of 8,192).
+        return {(info.node, info.tp_rank): rank for rank, info in self._rank_index.items()}
+
+    def rank_of_worker(self) -> Mapping[Worker, int]:
+        """Worker -> its global rank (a read-only view of one table per plan)."""
+        return MappingProxyType(self._worker_index)
 
     def layers_of(self, rank: int) -> list[int]:
         return list(self.stage_of(rank).layers())
