@@ -121,7 +121,8 @@ class EpochTiming(JsonRecord):
     record_s: float
     """It read the epoch's record."""
     rendezvous_s: float | None = None
-    """Its process group was up."""
+    """Its process groups were up and every rank was in the epoch (its ranks agreed on its
+    first iteration: `Engine.agreed_s`)."""
     transfer_s: float | None = None
     """It held every layer of the plan (transfers, a restore, or nothing to do)."""
     first_step_s: float | None = None

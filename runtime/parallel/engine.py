@@ -154,6 +154,9 @@ class Engine:
         self.last_commit: CommitRecord | None = None
         self.synced = False
         """The gradients of iteration last_stepped + 1 are fully synced."""
+        self.agreed_s: float | None = None
+        """When this epoch's ranks were found to start it at the same iteration (wall
+        clock; `_check_agreed_start`): every rank was in the epoch then."""
         self._shards: dict[int, LayerState] = {}
         self.tp = None  # one TensorParallel for the engine's life: layers keep it
         self._tied = dict(model.tied_parameters())
@@ -179,6 +182,7 @@ class Engine:
         holders it had (`held()` says which). Layers still missing are built from their
         seeds, which is allowed only before the first step."""
         restoring = layers is not None and layers.restores
+        self.agreed_s = None
         if not restoring:
             self._check_continues(plan)
         self.abandon_epoch()
@@ -214,6 +218,7 @@ class Engine:
         if found.tolist() != [size * first, size * first * first]:
             raise RuntimeError(f"the ranks of epoch {plan.epoch} disagree on its first iteration (this rank's: "
                                f"{plan.first_iteration}); the epoch is given up before any layer moves")
+        self.agreed_s = time.time()
 
     def _check_continues(self, plan: Plan) -> None:
         """A plan must start right after this worker's last step; a new engine (no step

@@ -304,6 +304,11 @@ class ElasticWorker:
                 plan, record = self._agree_on_first(epoch, plan, rank, record)
             self._mark(rendezvous_s=time.time())
             moved = self._enter_epoch(plan, rank, record)
+            if self.engine.agreed_s is not None:
+                # Every rank was in the epoch once they agreed on its first iteration: the
+                # copy is timed from there, as a rendezvous lines the ranks up (without it, a
+                # worker's copy counted its wait for the last worker's teardown).
+                self._mark(rendezvous_s=self.engine.agreed_s)
             self.snapshots.begin_epoch(self.engine, epoch, self.coordinator.rendezvous_store(epoch))
             self._mark(transfer_s=time.time())
             if moved is not None:
