@@ -16,6 +16,8 @@ store (`StoreCoordinator.rendezvous_store`), for the world group and every group
 """
 from __future__ import annotations
 
+from datetime import timedelta
+
 from planaria.runtime.parallel.groups import creation_order
 from planaria.runtime.parallel.prepared_groups import PREFIX as PREPARED
 from planaria.templates.plan import Plan
@@ -50,26 +52,34 @@ def gloo_direct(prefix: str) -> str:
     return f"{prefix}/0/"
 
 
-def mesh(store, prefix: str, rank: int, size: int) -> None:
-    """A gloo full mesh's rendezvous, as rank `rank` of `size`."""
+def mesh(store, prefix: str, rank: int, size: int, timeout: timedelta | None = None) -> None:
+    """A gloo full mesh's rendezvous, as rank `rank` of `size` (`timeout`: its waits',
+    as the group's own connect timeout bounds a real one's; None: the store's)."""
     store.set(f"{prefix}{rank}", b"a" * gloo_address_bytes(size))
     for peer in range(size):
         key = f"{prefix}{peer}"
-        store.wait([key])
+        _wait(store, key, timeout)
         store.get(key)
 
 
-def unique_id(store, key: str, rank: int) -> None:
+def _wait(store, key: str, timeout: timedelta | None) -> None:
+    if timeout is None:
+        store.wait([key])
+    else:
+        store.wait([key], timeout)
+
+
+def unique_id(store, key: str, rank: int, timeout: timedelta | None = None) -> None:
     """An NCCL communicator's rendezvous: rank 0 publishes the id, the others read it."""
     if rank == 0:
         store.set(key, b"n" * NCCL_UNIQUE_ID_BYTES)
     else:
-        store.wait([key])
+        _wait(store, key, timeout)
         store.get(key)
 
 
 def replay_prepared(store, plan: Plan, rank: int, backend: str, tied_layers: tuple[int, ...] = (),
-                    groups: list[tuple[int, ...]] | None = None) -> None:
+                    groups: list[tuple[int, ...]] | None = None, timeout: timedelta | None = None) -> None:
     """The groups of a join's next epoch connected ahead (`PreparedGroups`), as `rank`:
     the world and every group of the rank, each made directly on `PrefixStore(<prefix>,
     PrefixStore("prepared", store))` (c10d joins prefixes with "/"; gloo's own keys are
@@ -80,23 +90,23 @@ def replay_prepared(store, plan: Plan, rank: int, backend: str, tied_layers: tup
         (str(index), ranks.index(rank), len(ranks)) for index, ranks in enumerate(groups, start=1) if rank in ranks]
     for name, group_rank, size in mine:
         if backend == "gloo":
-            mesh(store, f"{PREPARED}/{name}/0/", group_rank, size)
+            mesh(store, f"{PREPARED}/{name}/0/", group_rank, size, timeout)
         else:
-            unique_id(store, f"{PREPARED}/{name}/0", group_rank)
+            unique_id(store, f"{PREPARED}/{name}/0", group_rank, timeout)
 
 
 def replay(store, plan: Plan, rank: int, backend: str, tied_layers: tuple[int, ...] = (),
-           groups: list[tuple[int, ...]] | None = None) -> None:
+           groups: list[tuple[int, ...]] | None = None, timeout: timedelta | None = None) -> None:
     """The world group's rendezvous and every group of the epoch, as `rank` of `plan`
     (`groups`: the plan's `creation_order`, when the caller has it already)."""
     groups = creation_order(plan, tied_layers) if groups is None else groups
     if backend == "gloo":
-        mesh(store, GLOO_WORLD, rank, plan.world_size)
+        mesh(store, GLOO_WORLD, rank, plan.world_size, timeout)
         for index, ranks in enumerate(groups, start=1):
             if rank in ranks:
-                mesh(store, gloo_group(index), ranks.index(rank), len(ranks))
+                mesh(store, gloo_group(index), ranks.index(rank), len(ranks), timeout)
         return
-    unique_id(store, "world/0", rank)
+    unique_id(store, "world/0", rank, timeout)
     for index, ranks in enumerate(groups, start=1):
         if rank in ranks:
-            unique_id(store, f"{index}/0", ranks.index(rank))
+            unique_id(store, f"{index}/0", ranks.index(rank), timeout)

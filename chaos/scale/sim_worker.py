@@ -24,6 +24,7 @@ import collections
 import statistics
 import threading
 import time
+from datetime import timedelta
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
@@ -194,7 +195,7 @@ class SimulatedWorker:
             if ahead is not None:
                 plan = self._agree_on_first(store, record, rank)
             else:
-                replay(store, plan, rank, self.backend, self.tied_layers, facts.groups)
+                replay(store, plan, rank, self.backend, self.tied_layers, facts.groups, self._connect_timeout)
             self._handoff(epoch, record)
             self._enter(plan, rank)
             if self.snapshots is not None:
@@ -283,7 +284,8 @@ class SimulatedWorker:
                 ahead.followed = self.coordinator.follow_epoch(epoch)
                 store = self.coordinator.rendezvous_store(epoch, host=rank == 0, close_older=False)
                 self.coordinator.epoch_store_port(epoch)
-                replay_prepared(store, record.plan, rank, self.backend, self.tied_layers, facts.groups)
+                replay_prepared(store, record.plan, rank, self.backend, self.tied_layers, facts.groups,
+                                self._connect_timeout)
                 ahead.connected = True
             except (dist.DistStoreError, RuntimeError):
                 pass
@@ -304,6 +306,14 @@ class SimulatedWorker:
         if ahead.done.is_set():
             self.coordinator.unfollow_epoch(ahead.epoch)
         return None
+
+    @property
+    def _connect_timeout(self) -> timedelta:
+        """How long a group's connection waits for its peers' keys: as a real group's
+        connect timeout bounds it, not the store's own 300 s, which a harness saturated
+        by 8,192 simulated workers outlasted at 1,024 nodes (240 workers' connections
+        failed, and the join's epoch with them). The worker's wait for an epoch."""
+        return timedelta(seconds=self.wait_s)
 
     def _agree_on_first(self, store, record: EpochRecord, rank: int):
         """`ElasticWorker._agree_on_first`: a joiner that entered early waits for the first
