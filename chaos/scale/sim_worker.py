@@ -24,8 +24,8 @@ import collections
 import statistics
 import threading
 import time
-from datetime import timedelta
 from dataclasses import dataclass, field, replace
+from datetime import timedelta
 from typing import Callable
 
 import torch.distributed as dist
@@ -141,7 +141,7 @@ class SimulatedWorker:
         self._entered: object | None = None
         """The plan of the last epoch it entered (the engine's plan, for a real worker)."""
         self._ahead: _Ahead | None = None
-        """A join's next epoch whose groups it connects ahead: (epoch, plan, done, [connected])."""
+        """A join's next epoch whose groups it connects ahead (`_start_ahead`)."""
 
     # ------------------------------------------------------------------ loop
     def run(self) -> int:

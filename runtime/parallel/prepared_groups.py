@@ -59,6 +59,9 @@ class PreparedGroups:
         self.release = None
         """The release of the epoch's collectives, made before its first connection (the
         caller's: `epoch_release`)."""
+        self.followed = False
+        """The epoch's word is followed by the caller for the connection (the caller's:
+        `ConnectAhead`, whose taker's epoch watcher keeps the follow)."""
         self.done = threading.Event()
         """Set when the connection ended, connected or not (`error`)."""
         self.error: str | None = None

@@ -112,7 +112,7 @@ class ConnectAhead:
 
         prepared = PreparedGroups(epoch, record.plan, rank, store, self.backend, self.device,
                                   timedelta(seconds=self.connect_timeout_s), tied_layers)
-        prepared.release, prepared.followed = release, False
+        prepared.release = release
         self._prepared, self._record = prepared.start(), record
         return prepared.done
 
