@@ -78,8 +78,10 @@ def run_faults(harness: ScaleHarness, faults, log, on_change=lambda change: None
             heals[0]()
         else:
             raise ValueError(f"unknown fault {fault!r}; choose from {', '.join(FAULTS)}")
+        failed = change.notes.get("failed_epochs")
         log(f"  {change.kind}: epoch {change.epoch}, {change.etcd.total} requests, "
-            f"bootstrapped {change.bootstrapped_s:.2f} s after the fault")
+            f"bootstrapped {change.bootstrapped_s:.2f} s after the fault"
+            + (f" (epochs {failed} failed on the way)" if failed else ""))
         log("    the nodes' CPU s by thread: " + _top(change.cpu_by_kind))
         changes.append(change)
         on_change(change)

@@ -7,12 +7,16 @@ epoch arrived for the iteration, with the OR of their stop requests, and blocks,
 collective, while a rank is missing (dead, or cut off) until that rank's own collectives
 are released (`release`: what the epoch watcher does on a failure). A rank whose
 process died (`fail`) fails every other rank's step at once, as gloo's collectives fail
-on a connection its peer's death closed. None of it touches the control plane: it is
-what the harness simulates, not what it measures.
+on a connection its peer's death closed. A join's groups connected ahead end with a
+barrier over the prepared world (`PreparedGroups`), which completes on every rank or on
+none: its ranks meet in a barrier of its own (`connect_barrier`), its one all-reduce bounded by
+their connect timeout. None of it touches the control plane: it is what the harness
+simulates, not what it measures.
 """
 from __future__ import annotations
 
 import threading
+import time
 
 
 WAKE_S = 5.0
@@ -43,8 +47,12 @@ class StepBarrier:
         """Each iteration's all-reduce: completed (True) or failed (False), once decided."""
         self._blocked = False
 
-    def step(self, rank: int, iteration: int, stop: bool) -> bool:
-        """Wait for every rank at `iteration`; True when any asked to stop after it."""
+    def step(self, rank: int, iteration: int, stop: bool, timeout_s: float | None = None) -> bool:
+        """Wait for every rank at `iteration`; True when any asked to stop after it.
+        `timeout_s`: how long it waits at most, as a real collective's timeout bounds it;
+        undecided then, it fails for every rank (this one counted as dead: a real rank
+        whose collective timed out drops its connections)."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
         with self._cond:
             arrived = self._arrived.setdefault(iteration, set())
             arrived.add(rank)
@@ -71,7 +79,12 @@ class StepBarrier:
                     if rank in self._released:
                         raise Released(f"rank {rank}: released at iteration {iteration}")
                     raise PeerGone(_closed(rank, sorted(self._dead), iteration))
-                self._cond.wait(WAKE_S)
+                if deadline is not None and time.monotonic() >= deadline:
+                    self._outcome[iteration] = False
+                    self._dead.add(rank)
+                    self._cond.notify_all()
+                    raise PeerGone(_timed_out(rank, iteration, timeout_s))
+                self._cond.wait(WAKE_S if deadline is None else min(WAKE_S, max(0.0, deadline - time.monotonic())))
 
     def work(self, rank: int, iteration: int, seconds: float) -> None:
         """The step's computation, `seconds` long, whose collectives fail as soon as a peer
@@ -97,6 +110,13 @@ class StepBarrier:
         """No step completes any more (a partition across the epoch's groups)."""
         with self._cond:
             self._blocked = True
+
+
+def connect_barrier(epoch: int) -> tuple[str, int]:
+    """The key, among a data plane's epochs, of the barrier that ends the connection
+    ahead of `epoch`'s groups: apart from the epoch's steps, whose barrier a rank that
+    failed to connect ahead must not fail (the epoch then trains after a rendezvous)."""
+    return ("prepared", epoch)
 
 
 class DataPlane:
@@ -132,6 +152,12 @@ def _raise_if_over(rank: int, iteration: int, released, dead) -> None:
         raise Released(f"rank {rank}: released at iteration {iteration}")
     if set(dead) - {rank}:
         raise PeerGone(_closed(rank, sorted(dead), iteration))
+
+
+def _timed_out(rank: int, iteration: int, timeout_s: float) -> str:
+    """A rank's error when its collective timed out (gloo's words, about as long)."""
+    return (f"[simulated gloo/transport/tcp/unbound_buffer.cc] Timed out waiting {timeout_s:.0f} s for the "
+            f"collective of iteration {iteration} (rank {rank}): a peer never entered it.")
 
 
 def _closed(rank: int, dead: list[int], iteration: int) -> str:

@@ -269,7 +269,9 @@ class ScaleHarness:
 
     def reconfigure(self, fault: Callable[[], None], kind: str, timeout_s: float = 600.0) -> Reconfiguration:
         """Cause `fault`, wait until the next epoch is published, held, bootstrapped and
-        trained by every worker of its plan, and measure it."""
+        trained by every worker of its plan, and measure it. When that epoch fails and a
+        later one trains, the change is measured to that one (detection, statuses and
+        publication stay the first epoch's), its failed epochs in `notes`."""
         leader = self.leader()
         epoch = (self.nodes.leader_epoch(leader) if leader is not None else None) or 0
         before, largest_before = self.counts(), self.nodes.largest_write(reset=True)
@@ -277,24 +279,34 @@ class ScaleHarness:
         by_kind = self.nodes.cpu_by_kind()
         fault_s = time.time()
         fault()
-        self._wait(lambda: self._trained(epoch + 1), timeout_s, f"epoch {epoch + 1} to train ({kind})")
+        trained: list[int] = []
+
+        def one_trained() -> bool:
+            trained[:] = [e for e in range(epoch + 1, (self.epoch() or 0) + 1) if self._trained(e)][:1]
+            return bool(trained)
+        self._wait(one_trained, timeout_s, f"epoch {epoch + 1} or a later one to train ({kind})")
         counts = self.counts() - before
+        # The fault's epoch, when it trained; else the first after it that did (the
+        # fault's failed: what it cost runs to the epoch that trained, and is noted).
+        first = trained[0]
         event = self._event(epoch + 1)
         new_leader = self.leader()
-        workers = self._plans[epoch + 1]
-        held = self.observer.held.get(epoch + 1, {})
-        booted = self.observer.bootstrapped.get(epoch + 1, {})
+        workers = self._plans[first]
+        held = self.observer.held.get(first, {})
+        booted = self.observer.bootstrapped.get(first, {})
         largest = self.nodes.largest_write()
         change = Reconfiguration(
-            kind=kind, epoch=epoch + 1, nodes=len({w[0] for w in workers}), workers=len(workers),
+            kind=kind, epoch=first, nodes=len({w[0] for w in workers}), workers=len(workers),
             detected_s=event.detected_s - fault_s, statuses_s=event.statuses_s - fault_s,
             planned_s=event.planned_s - fault_s, published_s=event.published_s - fault_s,
             records_held_s=max(held[w] for w in workers) - fault_s,
             bootstrapped_s=max(booted[w] for w in workers) - fault_s,
-            first_step_s=self.observer.trained[epoch + 1] - fault_s, etcd=counts,
+            first_step_s=self.observer.trained[first] - fault_s, etcd=counts,
             largest_write=largest, controller_cpu_s=self.harness_cpu() - cpu,
             leader_cpu_s=self.nodes.thread_cpu(new_leader) - (leader_cpu if new_leader == leader else 0.0),
             etcd_cpu_s=self._etcd_cpu() - etcd_cpu, cpu_by_kind=difference(self.nodes.cpu_by_kind(), by_kind))
+        if first > epoch + 1:
+            change.notes["failed_epochs"] = list(range(epoch + 1, first))
         self.nodes.restore_largest(largest_before)
         return change
 

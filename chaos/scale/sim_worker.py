@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from planaria.chaos.scale.bootstrap import HANDOFF, PEER_SNAPSHOTS, gloo_direct, mesh, replay, replay_prepared
 from planaria.chaos.scale.cutoff import Killed
-from planaria.chaos.scale.data_plane import DataPlane, PeerGone, Released, RankRelease, StepBarrier
+from planaria.chaos.scale.data_plane import DataPlane, PeerGone, Released, RankRelease, StepBarrier, connect_barrier
 from planaria.chaos.scale.loop_watches import LoopAbandonWatch, LoopEpochWatcher, LoopStore, watches_on_loop
 from planaria.chaos.scale.shared_records import SharedRecordCoordinator, SharedRecords
 from planaria.chaos.scale.sim_metrics import MetricsReads
@@ -279,6 +279,11 @@ class SimulatedWorker:
             return self._ahead.done
         ahead = self._ahead = _Ahead(epoch, record)
 
+        # The barrier that ends a real connection (all-or-none: `PreparedGroups`), met in
+        # the data plane: a rank that fails to connect fails it for every rank, as its
+        # dropped connections fail the real one.
+        barrier = self.plane.epoch(connect_barrier(epoch), record.plan.world_size)
+
         def connect() -> None:
             try:
                 ahead.followed = self.coordinator.follow_epoch(epoch)
@@ -286,9 +291,10 @@ class SimulatedWorker:
                 self.coordinator.epoch_store_port(epoch)
                 replay_prepared(store, record.plan, rank, self.backend, self.tied_layers, facts.groups,
                                 self._connect_timeout)
+                barrier.step(rank, 0, False, timeout_s=self.wait_s)
                 ahead.connected = True
-            except (dist.DistStoreError, RuntimeError):
-                pass
+            except (dist.DistStoreError, RuntimeError, Killed):
+                barrier.fail(rank)
             finally:
                 ahead.done.set()
         threading.Thread(target=connect, daemon=True, name=f"prepared-groups-{epoch}").start()

@@ -20,7 +20,7 @@ import threading
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from planaria.chaos.scale.data_plane import WAKE_S, PeerGone, Released, _closed, _raise_if_over
+from planaria.chaos.scale.data_plane import WAKE_S, PeerGone, Released, _closed, _raise_if_over, _timed_out
 
 FLUSH_S = 0.002
 """How long a host gathers arrivals before it sends them (a step is a second or two)."""
@@ -113,14 +113,23 @@ class HostedStepBarrier:
         """Rank -> the iteration it waits in."""
         self._released: set[int] = set()
 
-    def step(self, rank: int, iteration: int, stop: bool) -> bool:
-        plane = self.plane
+    def step(self, rank: int, iteration: int, stop: bool, timeout_s: float | None = None) -> bool:
+        """`StepBarrier.step`. Timed out undecided, the rank tells the hub it died, not
+        waiting in it (which fails the all-reduce for every rank, as a real rank's
+        dropped connections do), and waits as long again for the hub's word: the hub
+        may have decided it complete before the word came."""
+        plane, key = self.plane, (self.epoch, iteration)
         with plane.cond:
             self._waiting[rank] = iteration
             plane.send_arrival(self.epoch, iteration, stop, rank in self._released)
             try:
-                while (self.epoch, iteration) not in plane.outcomes:
-                    plane.cond.wait(WAKE_S)  # `on_decided` wakes it
+                if timeout_s is None:
+                    while key not in plane.outcomes:
+                        plane.cond.wait(WAKE_S)  # `on_decided` wakes it
+                elif not plane.cond.wait_for(lambda: key in plane.outcomes, timeout_s):
+                    self.plane.send({"dead": [(self.epoch, rank, None)]})
+                    if not plane.cond.wait_for(lambda: key in plane.outcomes, timeout_s):
+                        raise PeerGone(_timed_out(rank, iteration, timeout_s))
             finally:
                 self._waiting.pop(rank, None)
             ok, stop_after, dead = plane.outcomes[(self.epoch, iteration)]

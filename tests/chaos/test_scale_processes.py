@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from planaria.chaos.scale.data_plane import PeerGone, Released, StepBarrier
+from planaria.chaos.scale.data_plane import DataPlane, PeerGone, Released, StepBarrier, connect_barrier
 from planaria.chaos.scale.scale_run import ScaleHarness
 from planaria.chaos.scale.shared_records import SharedRecords
 from planaria.chaos.scale.step_hub import HostedDataPlane, StepHub
@@ -122,3 +122,60 @@ def test_a_prepared_record_starting_at_a_step_is_made_once_for_every_simulated_w
     assert first.plan.first_iteration == 7 and first.plan.layers_of(0) == prepared.plan.layers_of(0)
     assert records.starting_at(prepared, 7) is first
     assert records.starting_at(prepared, 8).plan.first_iteration == 8
+
+
+def _meet(barrier, rank: int, outcomes: dict, timeout_s: float) -> None:
+    try:
+        barrier.step(rank, 0, False, timeout_s=timeout_s)
+        outcomes[rank] = True
+    except (PeerGone, Released):
+        outcomes[rank] = False
+
+
+def _all_meet(barrier, ranks, timeout_s: float) -> dict:
+    outcomes: dict[int, bool] = {}
+    threads = [threading.Thread(target=_meet, args=(barrier, rank, outcomes, timeout_s)) for rank in ranks]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    return outcomes
+
+
+def test_a_join_connected_ahead_is_entered_by_every_rank_or_by_none():
+    """The barrier that ends a connection ahead (`PreparedGroups`): a rank whose groups did
+    not connect fails it for every rank, and a rank that never comes fails it once the
+    others' wait lapses; the epoch's own steps are not touched (its ranks train after a
+    rendezvous). At 1,024 nodes, without it, 781 simulated workers entered a join's epoch
+    over a rendezvous while its rank 0 took the prepared groups, and the epoch failed."""
+    plane = DataPlane()
+    joined = plane.epoch(connect_barrier(5), 3)
+    assert _all_meet(joined, [0, 1, 2], 10.0) == {0: True, 1: True, 2: True}
+
+    failed = plane.epoch(connect_barrier(6), 3)
+    threading.Timer(0.3, failed.fail, args=(2,)).start()  # rank 2's replay timed out
+    assert _all_meet(failed, [0, 1], 10.0) == {0: False, 1: False}
+    started = time.monotonic()
+    assert _all_meet(plane.epoch(connect_barrier(7), 3), [0, 1], 0.5) == {0: False, 1: False}
+    assert time.monotonic() - started < 5.0
+    late = plane.epoch(connect_barrier(7), 3)
+    assert _all_meet(late, [2], 10.0) == {2: False}  # decided: it failed for every rank
+    steps = plane.epoch(6, 3)
+    assert _all_meet(steps, [0, 1, 2], 10.0) == {0: True, 1: True, 2: True}
+
+    # Across node processes: a rank whose wait lapsed tells the hub it gave up, which
+    # fails the all-reduce for every rank, however many came.
+    hub = StepHub()
+    key = connect_barrier(8)
+    hub.apply({"worlds": {key: 3}})
+    arrive(hub, key, 0, 2)
+    assert hub.apply({"dead": [(key, 1, None)]}) == [(key, 0, False, False, [1])]
+    sent, received = multiprocessing.Pipe()
+    hosted = HostedDataPlane(sent).epoch(key, 3)
+    started = time.monotonic()
+    assert _all_meet(hosted, [0], 0.3) == {0: False}
+    assert time.monotonic() - started < 5.0
+    said = []
+    while received.poll(1.0):
+        said += [batch for batch in received.recv()[1]]
+    assert {"dead": [(key, 0, None)]} in said
