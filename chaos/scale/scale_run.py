@@ -258,7 +258,9 @@ class ScaleHarness:
 
     # ------------------------------------------------------- measurement
     def steady(self, window_s: float) -> tuple[EtcdCounts, float]:
-        """etcd's counts over `window_s` while nothing changes, and the window's length."""
+        """etcd's counts over `window_s` while nothing changes, and the window's length
+        (from when the epoch in force has trained)."""
+        self._wait(self._started, max(600.0, window_s), "the epoch in force to train before the quiet window")
         before, started = self.counts(), time.monotonic()
         time.sleep(window_s)
         return self.counts() - before, time.monotonic() - started
@@ -272,6 +274,9 @@ class ScaleHarness:
         trained by every worker of its plan, and measure it. When that epoch fails and a
         later one trains, the change is measured to that one (detection, statuses and
         publication stay the first epoch's), its failed epochs in `notes`."""
+        # From a settled job: an epoch still recovering from something else (a node lost
+        # during the start, on this saturated machine) would be counted in this fault's figures.
+        self._wait(self._started, timeout_s, f"the epoch in force to train before the fault ({kind})")
         leader = self.leader()
         epoch = (self.nodes.leader_epoch(leader) if leader is not None else None) or 0
         before, largest_before = self.counts(), self.nodes.largest_write(reset=True)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import signal
 import threading
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -164,7 +165,11 @@ class SimulatedAgent(Agent):
         except Killed:
             self.exit_code = -9
         except Exception as err:  # noqa: BLE001 - said, and the node is gone as a crash would leave it
-            self.lines.append(f"agent failed: {type(err).__name__}: {err}")
+            # In its log file too, with where it was raised: a node that vanished from a
+            # run of a thousand left nothing else to find it by.
+            where = traceback.extract_tb(err.__traceback__)[-3:]
+            self.log(f"agent failed: {type(err).__name__}: {err} (at "
+                     + " < ".join(f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in reversed(where)) + ")")
             self.exit_code = 1
 
     def _simulated_run(self) -> int:

@@ -61,6 +61,7 @@ from planaria.runtime.parallel.engine import Engine, StepResult, TornStep
 from planaria.runtime.parallel.groups import GroupRetirement, forget_failed_world, set_operation_timeout
 from planaria.runtime.parallel.loop import Call, Evaluation, Every, run_steps
 from planaria.runtime.parallel.release import epoch_release, group_options
+from planaria.runtime.parallel.warm_up import warm_up
 from planaria.runtime.state.audit import audit_replicas
 from planaria.runtime.state.checkpoints import AsyncCheckpointer, snapshot_layer
 from planaria.runtime.state.layer_sources import FromCheckpoint, FromReplicas, FromSnapshots
@@ -216,6 +217,7 @@ class ElasticWorker:
             self.engine = None
         if self.engine is None:
             self.engine = self._new_engine()
+            self._warm_up(record.plan)
         if self.faults is not None:  # (chaos: a joiner lost, or slow, as it connects)
             self.faults("connect", 0)
         done = self.ahead.start(record.plan.epoch - 1, record, self.engine.tied_layers)
@@ -223,6 +225,18 @@ class ElasticWorker:
         if early:
             self._entry = "early"
         return early
+
+    def _warm_up(self, plan) -> None:
+        """A new worker's cold start, taken before it connects: the job trains meanwhile,
+        and the join's first step is not its first (`warm_up`)."""
+        try:
+            seconds = warm_up(self.engine.model, self.engine.optim, self.engine.settings, plan,
+                              plan.rank_of_worker()[self.worker])
+        except (RuntimeError, ValueError) as err:  # (out of memory, say): the first step will tell
+            self._log(f"epoch {plan.epoch}: the warm-up failed ({str(err).splitlines()[0][:200]}); joining cold")
+            return
+        if seconds is not None:
+            self._log(f"epoch {plan.epoch}: warmed up its stage's computation in {seconds:.2f} s")
 
     def _agree_on_first(self, epoch: int, plan, rank: int, record: EpochRecord) -> tuple[object, EpochRecord]:
         """In an epoch entered over groups connected ahead: its first iteration, the
