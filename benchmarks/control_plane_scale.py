@@ -67,7 +67,9 @@ def run_faults(harness: ScaleHarness, faults, log, on_change=lambda change: None
             # to come near. The measured step is the sleep and the wait for the other ranks,
             # up to 15% longer than --step-s at 1,024 nodes: with 2 steps + 5 s, that made
             # the notice too short for a planned leave, which went down the failure path.
-            grace = 2.3 * harness.step_s + 8.0
+            # Sized from the step the controller measures (`measured_step_s`), not --step-s.
+            grace = 2.3 * harness.measured_step_s() + 8.0
+            log(f"  planned leave: node{victim} noticed, {grace:.0f} s of grace")
             change = reconfigure(lambda: harness.notice(victim, grace), "planned leave")
         elif fault == "kill-leader":
             change = reconfigure(harness.kill_leader, "leader's node killed")

@@ -29,9 +29,11 @@ from planaria.chaos.scale.sim_relay import MARGIN_S
 from planaria.chaos.scale.sim_worker import Observer
 from planaria.chaos.scale.thread_cpu import difference
 from planaria.elastic.agent_options import POLL_S
+from planaria.elastic.etcd_client import EtcdClient, EtcdSettings
 from planaria.elastic.etcd_server import EmbeddedEtcdCluster
 from planaria.elastic.peer_probe import PERIOD_S
-from planaria.runtime.contract.epochs import EpochEvent
+from planaria.runtime.contract import keys
+from planaria.runtime.contract.epochs import EpochEvent, Progress
 from planaria.runtime.worker.epoch_watcher import QUIET_S
 
 START_WAVE = 64
@@ -246,6 +248,19 @@ class ScaleHarness:
 
     def notice(self, index: int, grace_s: float = 120.0) -> None:
         self.nodes.notice(index, grace_s)
+
+    def measured_step_s(self) -> float:
+        """The job's step as its controller measures it (`keys.PROGRESS`: the median of
+        rank 0's recent steps), read from etcd; `step_s` while none is published. At a
+        thousand nodes it runs well past the simulated sleep (the steps meet across
+        node processes on a saturated machine), and a planned leave's notice must leave
+        two of those steps and more."""
+        client = EtcdClient(EtcdSettings(endpoint=self.etcd.endpoint, timeout_s=30.0, retry_s=60.0))
+        try:
+            value, _ = client.get(keys.run_prefix(self.run_id) + keys.PROGRESS)
+        finally:
+            client.close()
+        return self.step_s if value is None else max(self.step_s, Progress.from_json(value).step_s)
 
     def partition(self, cut: list[int]) -> Callable[[], None]:
         """The nodes `cut` and the others cannot reach each other (etcd reaches both);

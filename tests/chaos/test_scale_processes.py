@@ -70,6 +70,7 @@ def test_nodes_in_two_processes_recover_from_a_death_and_take_a_join(tmp_path):
     with ScaleHarness(nodes=4, gpus_per_node=2, config=str(TINY), step_s=0.2, backend="gloo", processes=2,
                       overrides=["fault_tolerance.f=1"], log_dir=tmp_path, log=lambda line: None) as harness:
         harness.start(timeout_s=120)
+        assert harness.measured_step_s() >= 0.2  # what a planned leave's notice is sized from
         leader = harness.leader()
         victim = next(i for i in reversed(harness.live()) if i != leader)
         killed = harness.reconfigure(lambda: harness.kill_node(victim), "node killed", timeout_s=120)
