@@ -17,11 +17,14 @@ that the chaos run's modules came from it). On each, two chaos runs of
               in the trees that have it).
 
 Reported from each run's chaos report (`planaria.chaos.report`): the pause (the last
-commit before the join's epoch to its first commit), the run's own step time away from
-faults, the switch (the pause less that step), the layer copy and the rendezvous of the
-join's epoch; and whether the run lost nothing (0 committed steps lost, loss diff 0).
-The goal: a pause of about one step plus the copy, the slow joiner's too (`over`:
-the pause less the step and the copy, per run). With `--repeats`, the trees' runs
+commit before the join's epoch to its first commit), the longest gap between two
+commits around the join (the pause, or one of the join's epoch's next five steps, which
+the switch can still slow; from the run's commit logs, so that both trees are measured
+alike), the run's own step time away from faults, the switch (the pause less that step),
+the layer copy and the rendezvous of the join's epoch; and whether the run lost nothing
+(0 committed steps lost, loss diff 0). The goal: a longest gap of about one step plus
+the copy, the slow joiner's too (`over`: the longest gap less the step and the copy,
+per run). With `--repeats`, the trees' runs
 alternate, and a last table gives each tree's and case's medians.
 """
 from __future__ import annotations
@@ -36,6 +39,8 @@ import sys
 import tempfile
 import tomllib
 from pathlib import Path
+
+from planaria.chaos.report import longest_commit_gap
 
 REPO = Path(__file__).resolve().parent.parent
 BEFORE = "4e972f9"
@@ -76,11 +81,28 @@ def chaos_run(tree: Path | None, case: str, args, out: Path) -> dict:
     report = json.loads(report_path.read_text())
     join = next(r for r in report["recoveries"] if r["fault"].startswith("add-node"))
     row = {"tree": "after" if tree is None else "before", "case": case, "pause_s": join["pause_s"],
+           "gap_s": longest_gap(out, join["epoch"]),
             "own_step_s": report.get("own_step_s"), "switch_s": join["switch_s"],
             "transfer_s": join["transfer_s"], "rendezvous_s": join["rendezvous_s"], "reason": join["reason"],
             "lost": report["committed_steps_lost"], "loss_diff": report["max_loss_diff"]}
     row["over_s"] = over_s(row)
     return row
+
+
+def longest_gap(out: Path, epoch: int) -> float | None:
+    """The job's longest gap between two commits around the join (`Recovery.longest_gap_s`:
+    the pause or one of the join's epoch's next steps), from the run's commit logs, so
+    that a tree whose report does not have it is measured alike."""
+    first: dict[tuple[int, int], float] = {}
+    for path in (out / "run").glob("commits-*.jsonl"):
+        for line in path.read_text().splitlines():
+            entry = json.loads(line)
+            if not entry["rolled_forward"]:
+                key = (entry["step"], entry["epoch"])
+                first[key] = min(first.get(key, entry["time"]), entry["time"])
+    commits = sorted((t, e) for (_, e), t in first.items())
+    resumed = next((t for t, e in commits if e >= epoch), None)
+    return longest_commit_gap(commits, epoch, resumed)
 
 
 def _import_root(tree: Path) -> Path:
@@ -124,19 +146,20 @@ def before_tree(ref: str, tmp: Path):
         subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(tree)], capture_output=True)
 
 
-FIGURES = ("pause_s", "own_step_s", "switch_s", "transfer_s", "rendezvous_s", "over_s")
+FIGURES = ("pause_s", "gap_s", "own_step_s", "switch_s", "transfer_s", "rendezvous_s", "over_s")
 
 
 def over_s(row: dict) -> float | None:
-    """How far the pause is over one step plus the copy (the goal), in one run."""
-    if None in (row["pause_s"], row["own_step_s"], row["transfer_s"]):
+    """How far the longest gap between commits around the join is over one step plus the
+    copy (the goal), in one run."""
+    if None in (row["gap_s"], row["own_step_s"], row["transfer_s"]):
         return None
-    return row["pause_s"] - row["own_step_s"] - row["transfer_s"]
+    return row["gap_s"] - row["own_step_s"] - row["transfer_s"]
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| tree | case | runs | pause (s) | step (s) | switch (s) | copy (s) | rendezvous (s) | over (s) | lost "
-             "| loss diff |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| tree | case | runs | pause (s) | longest gap (s) | step (s) | switch (s) | copy (s) | rendezvous (s) "
+             "| over (s) | lost | loss diff |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     f = lambda v: "" if v is None else f"{v:.3f}"  # noqa: E731
     for r in rows:
         figures = " | ".join(f(r[k]) for k in FIGURES)

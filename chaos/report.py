@@ -83,6 +83,10 @@ class Recovery:
     """What the switch took from training: `pause_s` less one step of the run away from
     faults (`Report.own_step_s`), the step the pause contains. A planned leave's goal is
     one step plus its copies at most (docs/chaos.md)."""
+    longest_gap_s: float | None = None
+    """The longest gap between two commits from the last before the new epoch to the
+    `GAP_STEPS`-th after its first: the pause, or a later step of the new epoch that the
+    switch still slowed (its first steps, with what the switch left to them)."""
 
 
 @dataclass
@@ -211,10 +215,16 @@ def recoveries(faults: list[InjectedFault], events: list[EpochEvent], timings: d
         return next((t for t, e in stepped if t > fault_time and e >= epoch), None)
     found = []
     first_commits: dict[int, float] = {}
+    in_epochs: dict[tuple[int, int], float] = {}
+    """Each step's first commit in each epoch that committed it (a step trained again
+    after a restore from an older checkpoint is committed in two)."""
     for entries in logs.values():
         for e in entries:
             first_commits[e.step] = min(first_commits.get(e.step, e.time), e.time)
+            if not e.rolled_forward:
+                in_epochs[e.step, e.epoch] = min(in_epochs.get((e.step, e.epoch), e.time), e.time)
     ratios = _step_time_ratios(faults, sorted(first_commits.values()))
+    step_commits = sorted((t, epoch) for (_, epoch), t in in_epochs.items())
     commit_times = sorted(t for t, _ in stepped)
     for fault in faults:
         event = _handling_event(fault, events)
@@ -260,7 +270,8 @@ def recoveries(faults: list[InjectedFault], events: list[EpochEvent], timings: d
             first_step_s=max(first_steps) if first_steps else None,
             release_s=max(0.0, max(left) - event.detected_s) if left and not under_way else None,
             step_time_ratio=ratios.get(fault), reason=event.reason,
-            pause_s=_pause(commit_times, event.published_s, resumed)))
+            pause_s=_pause(commit_times, event.published_s, resumed),
+            longest_gap_s=longest_commit_gap(step_commits, epoch, resumed)))
     return found
 
 
@@ -281,6 +292,22 @@ def _pause(commit_times: list[float], published_s: float, resumed: float | None)
     """From the last commit before the epoch's publication to the first after it."""
     before = [t for t in commit_times if t <= published_s]
     return None if resumed is None or not before else resumed - before[-1]
+
+
+GAP_STEPS = 5
+"""How many commits of a new epoch after its first `Recovery.longest_gap_s` looks at."""
+
+
+def longest_commit_gap(steps: list[tuple[float, int]], epoch: int, resumed: float | None) -> float | None:
+    """The longest gap between the commits of consecutive steps (`steps`: each step's
+    first commit in an epoch, and that epoch, in order) from the last one before `epoch`, the new
+    epoch, to the `GAP_STEPS`-th after the new epoch's first (fewer at the job's end)."""
+    before = [t for t, e in steps if e < epoch and (resumed is None or t < resumed)]
+    if resumed is None or not before:
+        return None
+    after = [t for t, e in steps if e >= epoch and t >= resumed][:GAP_STEPS + 1]
+    times = [before[-1], *after]
+    return max(b - a for a, b in zip(times, times[1:]))
 
 
 UNSEEN_KINDS = ("kill-etcd-member", "isolate-etcd-member", "slow-link")

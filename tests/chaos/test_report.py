@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from planaria.chaos.plot import plot_report
-from planaria.chaos.report import InjectedFault, build_report, load_report, write_report
+from planaria.chaos.report import InjectedFault, build_report, load_report, longest_commit_gap, write_report
 from planaria.chaos.report_tables import format_epoch_event
 from planaria.runtime.contract.epochs import EpochEvent, EpochTiming
 from planaria.runtime.contract.logs import CommitEntry
@@ -56,6 +56,9 @@ def test_a_report_from_commit_logs_round_trips_and_draws(tmp_path):
     # From step 4's commit (t0 + 4.01) to the next (t0 + 7), one step of 1 s of it training.
     assert abs(recovery.pause_s - 2.99) < 1e-9 and report.own_step_s == 1.0
     assert abs(recovery.switch_s - 1.99) < 1e-9
+    # The steps after it are of 1 s again: the longest gap around the change is the pause,
+    # counted from each step's first commit (step 4's: node0's, at t0 + 4).
+    assert abs(recovery.longest_gap_s - 3.0) < 1e-9
 
     write_report(report, tmp_path)
     again = load_report(tmp_path / "report.json")
@@ -173,3 +176,12 @@ def test_a_kill_is_credited_to_the_epoch_that_names_its_node_not_a_join_in_betwe
                         entry(8, 1.0, 3, 14.5)]}
     (kill,) = recoveries([InjectedFault("kill-node@7:target=3", 7, 10.0)], events, {}, logs)
     assert kill.epoch == 3 and abs(kill.detect_s - 3.1) < 1e-9
+
+
+def test_the_longest_gap_around_a_change_can_be_a_step_after_it():
+    """A switch can leave work to the new epoch's next steps: the longest gap between two
+    commits is looked for up to `GAP_STEPS` steps after its first."""
+    steps = [(0.0, 0), (1.0, 0), (2.0, 0), (3.5, 1), (5.5, 1), (6.5, 1), (7.5, 1)]
+    assert longest_commit_gap(steps, 1, resumed=3.5) == 2.0
+    assert longest_commit_gap(steps[:4], 1, resumed=3.5) == 1.5  # the job's end
+    assert longest_commit_gap(steps, 1, resumed=None) is None
