@@ -3,10 +3,12 @@
 A process's first iterations cost more than its later ones: the allocator's first
 blocks, autograd's first graph, each operator's first dispatch (on a GPU also cuBLAS's
 and cuDNN's handles and workspaces, SDPA's choice of kernel, a compiled block's
-compilation). Measured on CPU for the tiny config: a new process's first step took
-1.5-2x the CPU of a steady one, and the next few about 1.3x. A joiner's first steps are
-the join's epoch's first steps, and in a pipeline every rank waits for the slowest: the
-whole job paid for the joiner's cold start at the switch.
+compilation). Measured on CPU for the tiny config (two ranks): a new process's first
+step took 1.5-2x the CPU of a steady one, and the next four about 1.3x. A joiner's first
+steps are the join's epoch's first steps, and in a pipeline every rank waits for the
+slowest: the whole job pays for the joiner's cold start at the switch. On CPU with the
+tiny config that is milliseconds, lost in the noise of the join's pause
+(docs/benchmarks.md); on a GPU it is cuBLAS's and the compiler's seconds.
 
 `warm_up` runs the iterations a joiner's rank will run, on throwaway copies of the
 layers it is planned to hold, with synthetic data and no collective: each of its
@@ -29,9 +31,9 @@ from planaria.runtime.parallel.grad_sync import accumulate_wide
 from planaria.runtime.parallel.optim import OptimizerSettings, build_optimizer
 from planaria.templates.plan import Plan
 
-ITERATIONS = 2
-"""Enough on CPU for the steps after it to cost what steady ones do (the third step of a
-cold process already did, within the noise)."""
+ITERATIONS = 3
+"""The first iteration carries most of a cold start, the next few the rest (above); three
+took 0.13 s in a new process for the tiny config on CPU, most of it the first."""
 
 
 def warm_up(model: LayerModel, optim: OptimizerSettings, settings, plan: Plan, rank: int,
