@@ -305,7 +305,9 @@ def longest_commit_gap(steps: list[tuple[float, int]], epoch: int, resumed: floa
     before = [t for t, e in steps if e < epoch and (resumed is None or t < resumed)]
     if resumed is None or not before:
         return None
-    after = [t for t, e in steps if e >= epoch and t >= resumed][:GAP_STEPS + 1]
+    # The steps of the epoch it resumed in only: a second fault within them is its own.
+    resumed_in = next((e for t, e in steps if t == resumed), epoch)
+    after = [t for t, e in steps if e == resumed_in and t >= resumed][:GAP_STEPS + 1]
     times = [before[-1], *after]
     return max(b - a for a, b in zip(times, times[1:]))
 

@@ -240,8 +240,8 @@ class SimulatedWorker:
             self.commit = CommitRecord(iteration, loss=LOSS, grad_norm=GRAD_NORM)
             if iteration == first:
                 self._mark(first_step_s=time.time())
-                if rank == 0:  # as the real worker: one word for the epoch
-                    self.coordinator.mark_trained(epoch)
+                if rank == 0:  # as the real worker: one word for the epoch (its request; the real
+                    self.coordinator.mark_trained(epoch)  # one sends it from its publisher thread)
                 self.observer.first_step(epoch)
             self._last_commit = (epoch, iteration, time.time())
             if self.snapshots is not None:
@@ -377,10 +377,15 @@ class SimulatedWorker:
         threading.Thread(target=connect, daemon=True, name=f"peer-snapshots-connect-{epoch}").start()
 
     def die(self) -> None:
-        """The process died: its epoch's peers' steps fail (their connections to it closed)."""
+        """The process died: its epoch's peers' steps fail (their connections to it closed),
+        and so does the barrier of a join's connection ahead it was in."""
         if self._in_epoch is not None:
             barrier, rank = self._in_epoch
             barrier.fail(rank)
+        ahead = self._ahead
+        if ahead is not None and not ahead.done.is_set():
+            plan = ahead.record.plan
+            self.plane.epoch(connect_barrier(ahead.epoch), plan.world_size).fail(plan.rank_of_worker()[self.worker])
 
     def _leave(self, epoch: int, record: EpochRecord) -> int | None:
         """`leaving.leave`'s requests: the handoff, the word that it landed, the wait for

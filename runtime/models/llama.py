@@ -261,18 +261,20 @@ class LayerModel:
         return torch.Generator().manual_seed(self.seed * 100_003 + index)
 
     def build_layer(self, index: int, tp: TensorParallel, dtype: torch.dtype,
-                    device: torch.device, *, pretrained: bool) -> nn.Module:
+                    device: torch.device, *, pretrained: bool, initialised: bool = True) -> nn.Module:
         """Layer `index`'s shard for `tp`. With `model.init_from` and `pretrained`, its
         parameters are the Hugging Face checkpoint's (`planaria.runtime.models.hf_weights`) instead of
         the seeded init, which is then not drawn; a layer about to receive state (a
-        checkpoint, a replica) passes pretrained=False and the checkpoint is not read for it."""
+        checkpoint, a replica) passes pretrained=False and the checkpoint is not read for it.
+        `initialised=False`: its parameters left as allocated, neither drawn nor read, for
+        a throwaway copy whose values do not matter (`warm_up`)."""
         cls = self.layer_class(index)
-        from_checkpoint = pretrained and bool(self.cfg.init_from)
-        gen = None if from_checkpoint else self._generator(index)
+        from_checkpoint = initialised and pretrained and bool(self.cfg.init_from)
+        gen = None if from_checkpoint or not initialised else self._generator(index)
         if cls is Block:
             layer = Block(self.cfg, gen, tp, recompute=self.recompute)
         elif cls is Head and self.cfg.tie_embeddings:
-            tied_gen = None if from_checkpoint else self._generator(0)
+            tied_gen = None if from_checkpoint or not initialised else self._generator(0)
             layer = Head(self.cfg, gen, tp, tied=embedding_init(self.cfg, tied_gen))
         else:
             layer = cls(self.cfg, gen, tp)

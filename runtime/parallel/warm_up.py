@@ -27,7 +27,7 @@ import torch
 
 from planaria.runtime.models.llama import LayerModel
 from planaria.runtime.models.tensor_parallel import TensorParallel
-from planaria.runtime.parallel.grad_sync import accumulate_wide
+from planaria.runtime.parallel.grad_sync import accumulate_wide, local_grad
 from planaria.runtime.parallel.optim import OptimizerSettings, build_optimizer
 from planaria.templates.plan import Plan
 
@@ -37,10 +37,13 @@ took 0.13 s in a new process for the tiny config on CPU, most of it the first.""
 
 
 def warm_up(model: LayerModel, optim: OptimizerSettings, settings, plan: Plan, rank: int,
-            iterations: int = ITERATIONS) -> float | None:
+            iterations: int = ITERATIONS, budget_s: float | None = None) -> float | None:
     """Run `iterations` of rank `rank`'s computation of `plan` on throwaway layers
     (module docstring); the seconds it took, or None when it was skipped (tp > 1).
-    `settings`: the engine's (`EngineSettings`): dtypes, device, wide gradient sums."""
+    `settings`: the engine's (`EngineSettings`): dtypes, device, wide gradient sums.
+    `budget_s`: no iteration after the first starts once this much has passed (the
+    job's other workers wait for this one's connection meanwhile, up to their connect
+    timeout)."""
     if plan.tp > 1:
         return None
     started = time.perf_counter()
@@ -48,23 +51,43 @@ def warm_up(model: LayerModel, optim: OptimizerSettings, settings, plan: Plan, r
     chunks = plan.stage_of(rank).chunks
     layers = {index: _layer(model, settings, index, tp) for start, stop in chunks for index in range(start, stop)}
     optimizers = [build_optimizer(layer, optim) for layer in layers.values()]
-    for _ in range(iterations):
+    for iteration in range(iterations):
+        if iteration and budget_s is not None and time.perf_counter() - started > budget_s:
+            break
         for start, stop in chunks:
             _forward_backward(model, settings, [layers[i] for i in range(start, stop)], start, stop,
                               plan.micro_batch, tp)
-        for optimizer in optimizers:
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+        for layer, optimizer in zip(layers.values(), optimizers):
+            _step(layer, optimizer, settings.wide_sums)
     if settings.device.type == "cuda":
         torch.cuda.synchronize(settings.device)
     return time.perf_counter() - started
 
 
 def _layer(model: LayerModel, settings, index: int, tp: TensorParallel) -> torch.nn.Module:
-    layer = model.build_layer(index, tp, settings.param_dtype, settings.device, pretrained=False)
+    """Layer `index` as the engine builds it, its values neither drawn nor read (a
+    large model's seeded init costs as much as a checkpoint read) but zeroed (what was
+    in the memory could be anything)."""
+    layer = model.build_layer(index, tp, settings.param_dtype, settings.device, pretrained=False,
+                              initialised=False)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.zero_()
     if settings.wide_sums is not None:
         accumulate_wide(layer, settings.wide_sums)
     return layer
+
+
+def _step(layer: torch.nn.Module, optimizer: torch.optim.Optimizer, wide: torch.dtype | None) -> None:
+    """The optimizer's step as the engine takes it: with gradients summed wide, each
+    rounded into `grad` first (`grad_sync.sync_gradients`; without it the step would
+    skip every parameter, their `grad` empty)."""
+    if wide is not None:
+        for p in layer.parameters():
+            p.grad = local_grad(p, wide).to(p.dtype)
+            p.main_grad = None
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
 
 
 def _forward_backward(model: LayerModel, settings, layers: list[torch.nn.Module], start: int, stop: int,

@@ -286,11 +286,12 @@ class StoreCoordinator:
         self.store.set(keys.checkpoint_commit(iteration, epoch), commit.to_json())
         self.store.add(keys.checkpoint_shards(iteration, epoch), shards)
 
-    def mark_trained(self, epoch: int) -> None:
+    def mark_trained(self, epoch: int, at: float | None = None) -> None:
         """This epoch committed a step: the controller may now absorb joiners (it defers
         a join until the epoch in force has made progress, so churn cannot livelock it).
-        The value is when (wall clock): the end of a recovery, for the agents' metrics."""
-        self.store.set(keys.epoch_trained(epoch), f"{time.time():.3f}")
+        The value is when (wall clock, `at` or now): the end of a recovery, for the
+        agents' metrics."""
+        self.store.set(keys.epoch_trained(epoch), f"{time.time() if at is None else at:.3f}")
 
     def wait_until_trained(self, epoch: int, timeout_s: float) -> bool:
         """Wait until `epoch` committed a step (`mark_trained`), or the control plane moved

@@ -230,10 +230,14 @@ class ElasticWorker:
         """A new worker's cold start, taken before it connects: the job trains meanwhile,
         and the join's first step is not its first (`warm_up`)."""
         try:
+            # Its connection, and so the survivors' (up to their connect timeout), waits
+            # for it: its later iterations only within a quarter of that.
             seconds = warm_up(self.engine.model, self.engine.optim, self.engine.settings, plan,
-                              plan.rank_of_worker()[self.worker])
-        except (RuntimeError, ValueError) as err:  # (out of memory, say): the first step will tell
+                              plan.rank_of_worker()[self.worker], budget_s=self._connect_timeout_s() / 4)
+        except Exception as err:  # noqa: BLE001 - (out of memory, say): best effort, the first step will tell
             self._log(f"epoch {plan.epoch}: the warm-up failed ({str(err).splitlines()[0][:200]}); joining cold")
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
             return
         if seconds is not None:
             self._log(f"epoch {plan.epoch}: warmed up its stage's computation in {seconds:.2f} s")
@@ -392,12 +396,13 @@ class ElasticWorker:
                   f"from iteration {first}")
         return epoch + 1, replace(prepared, plan=replace(prepared.plan, first_iteration=first))
 
-    def _mark_trained(self, epoch: int) -> None:
-        """`StoreCoordinator.mark_trained`, off the step. Not written (etcd away), the
+    def _mark_trained(self, epoch: int, at: float) -> None:
+        """`StoreCoordinator.mark_trained`, off the step, with the time the step committed
+        (what the publisher sends first can hold it up). Not written (etcd away), the
         controller defers a join and a leaving worker lingers until its bound, as when
         rank 0 dies before it: said, not raised."""
         try:
-            self.coordinator.mark_trained(epoch)
+            self.coordinator.mark_trained(epoch, at)
         except Exception as err:  # noqa: BLE001 - a word for the controller; training goes on
             self._log(f"epoch {epoch}: could not say that it trained ({str(err).splitlines()[0][:200]})")
 
@@ -484,7 +489,7 @@ class ElasticWorker:
                 # Written from the step's path, its round trip to etcd held rank 0's next
                 # step, and every rank's with it (60 ms of a join's pause on 2 cores).
                 if engine.rank == 0:
-                    self._publisher.submit(self._mark_trained, epoch)
+                    self._publisher.submit(self._mark_trained, epoch, self._timing.first_step_s)
 
         # The commit is logged before the evaluation: a failure during it never hides a
         # committed step from the logs.

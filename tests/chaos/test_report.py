@@ -185,3 +185,5 @@ def test_the_longest_gap_around_a_change_can_be_a_step_after_it():
     assert longest_commit_gap(steps, 1, resumed=3.5) == 2.0
     assert longest_commit_gap(steps[:4], 1, resumed=3.5) == 1.5  # the job's end
     assert longest_commit_gap(steps, 1, resumed=None) is None
+    # A second change within those steps is its own: its pause is not the first's.
+    assert longest_commit_gap([*steps[:5], (9.5, 2)], 1, resumed=3.5) == 2.0

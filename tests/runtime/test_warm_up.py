@@ -7,7 +7,9 @@ import pytest
 import torch
 
 from planaria.runtime.config.loading import load_config
-from planaria.runtime.parallel.warm_up import warm_up
+from planaria.runtime.models.tensor_parallel import TensorParallel
+from planaria.runtime.parallel.optim import build_optimizer
+from planaria.runtime.parallel.warm_up import _forward_backward, _layer, _step, warm_up
 from planaria.runtime.worker.build import build_engine
 from planaria.templates.layout import plan_from_layout
 from tests.launch import TINY
@@ -40,3 +42,19 @@ def test_a_tensor_parallel_rank_is_not_warmed_up():
     plan = plan_from_layout(layout=[[2, 2]], n_blocks=cfg.model.n_layers, tp=2, schedule="1f1b", virtual_stages=1,
                             global_batch=8, micro_batch=2)
     assert warm_up(engine.model, engine.optim, engine.settings, plan, 0) is None
+
+
+def test_with_wide_gradient_sums_the_optimizer_step_is_warmed_up_too():
+    """`train.exact_reduction` sums gradients in `main_grad` and leaves `grad` empty until
+    the sync rounds them into it: the warm-up does the same, or its optimizer step would
+    skip every parameter and warm nothing."""
+    cfg = load_config(TINY, ["train.dtype=float32", "train.exact_reduction=true"])
+    engine = build_engine(cfg, torch.device("cpu"))
+    assert engine.settings.wide_sums == torch.float64
+    tp = TensorParallel()
+    layer = _layer(engine.model, engine.settings, 1, tp)
+    optimizer = build_optimizer(layer, engine.optim)
+    _forward_backward(engine.model, engine.settings, [layer], 1, 2, 2, tp)
+    assert all(p.grad is None and p.main_grad is not None for p in layer.parameters())
+    _step(layer, optimizer, engine.settings.wide_sums)
+    assert all(optimizer.state[p] for p in layer.parameters())
