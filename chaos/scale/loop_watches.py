@@ -141,7 +141,12 @@ class LoopEpochWatcher:
         """`EpochWatcher._connected_ahead`: the connection starts off the loop (its requests
         are the worker's own, made from a thread as the real watcher's are); the wait for
         it looks at the word every period, as the thread's `wait(period_s)` does."""
-        connecting = await asyncio.to_thread(self.connect_ahead)
+        try:
+            connecting = await asyncio.to_thread(self.connect_ahead)
+        except Exception as err:  # noqa: BLE001 - as `EpochWatcher._connected_ahead`: the watch goes on
+            self.log(f"epoch {self.epoch}: could not connect the next epoch's groups ahead "
+                     f"({str(err).splitlines()[0][:200] if str(err) else type(err).__name__}); stopping without")
+            return reason
         if connecting is None:
             return reason
         while not connecting.is_set():

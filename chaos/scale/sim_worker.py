@@ -266,6 +266,7 @@ class SimulatedWorker:
         """`ElasticWorker._connect_ahead`, at a join's word (off the step)."""
         record = self.coordinator.prepared_record(epoch)
         if record is None:
+            self._log(f"epoch {epoch}: a join's word, but no prepared record: stopping without connecting ahead")
             return None
         return self._start_ahead(epoch, record)
 

@@ -259,6 +259,11 @@ class ElasticWorker:
         """At a join's word for `epoch` (the epoch watcher's thread): connect the prepared
         next epoch's groups; the event its stop waits for, or None."""
         record = self.coordinator.prepared_record(epoch)
+        if record is None:
+            # (The controller prepares none when the statuses could change the plan: then
+            # every survivor stops without; one that reads none while the others find it
+            # makes them wait their connect timeout at the switch. Said, to tell which.)
+            self._log(f"epoch {epoch}: a join's word, but no prepared record: stopping without connecting ahead")
         if record is None or self.engine is None:
             return None
         return self.ahead.start(epoch, record, self.engine.tied_layers, current_release=self._watcher.release)

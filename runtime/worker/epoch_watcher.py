@@ -119,7 +119,14 @@ class EpochWatcher(threading.Thread):
         are connected (`connect_ahead`), so that the stop at the step boundary holds no
         rendezvous. The word becoming a failure meanwhile (a peer lost) ends the wait; so
         does the worker leaving the epoch (None). The word that ends it."""
-        connecting = self.connect_ahead()
+        try:
+            connecting = self.connect_ahead()
+        except Exception as err:  # noqa: BLE001 - the watch must go on: a later failure's release needs it
+            # (A store error reading the prepared record, say: unguarded, it ended this
+            # thread, and with it the release of the epoch's collectives at a failure.)
+            self.log(f"epoch {self.epoch}: could not connect the next epoch's groups ahead "
+                     f"({str(err).splitlines()[0][:200] if str(err) else type(err).__name__}); stopping without")
+            return reason
         if connecting is None:
             return reason
         while not connecting.wait(self.period_s):

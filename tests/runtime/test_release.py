@@ -252,3 +252,29 @@ def test_an_epoch_given_up_before_it_began_is_seen_at_once_not_a_period_later():
     assert watcher.requested.wait(5) and released == [1]
     watcher.done.set()
     watcher.join(timeout=5)
+
+
+def test_a_joins_connection_that_cannot_start_does_not_end_the_watch():
+    """At a join's word the watcher starts the connection ahead; an error there (the
+    prepared record unreadable, say) is said and the epoch stops without it, as when no
+    record was prepared, instead of ending the watcher's thread silently."""
+    from types import SimpleNamespace
+
+    from planaria.runtime.contract import keys
+    from planaria.runtime.worker.coordination import StoreCoordinator
+    from planaria.runtime.worker.epoch_watcher import EpochWatcher
+
+    store = dist.HashStore()
+    store.set(keys.epoch_reconfigure(2), keys.JOIN)
+    said: list[str] = []
+
+    def connect_ahead():
+        raise ConnectionError("the node's relay at 127.0.0.1:1 did not answer")
+
+    watcher = EpochWatcher(StoreCoordinator(store, ("node0", 0)), 2, SimpleNamespace(release=lambda: "released"),
+                           said.append, period_s=0.05, stuck_s=0, connect_ahead=connect_ahead)
+    watcher.start()
+    assert watcher.requested.wait(5)
+    watcher.join(timeout=5)
+    assert not watcher.is_alive()
+    assert any("could not connect the next epoch's groups ahead" in line for line in said), said
