@@ -27,6 +27,7 @@ from planaria.elastic import node_relay_protocol as wire
 from planaria.elastic.etcd_kv import store_bytes
 from planaria.runtime.contract import keys
 from planaria.runtime.contract.epochs import Progress
+from planaria.runtime.contract.logs import error_line
 from planaria.runtime.worker.coordination import StoreCoordinator
 from planaria.runtime.worker.epoch_watcher import QUIET_S
 from planaria.runtime.worker.store_trace import TracingStore
@@ -145,7 +146,7 @@ class LoopEpochWatcher:
             connecting = await asyncio.to_thread(self.connect_ahead)
         except Exception as err:  # noqa: BLE001 - as `EpochWatcher._connected_ahead`: the watch goes on
             self.log(f"epoch {self.epoch}: could not connect the next epoch's groups ahead "
-                     f"({str(err).splitlines()[0][:200] if str(err) else type(err).__name__}); stopping without")
+                     f"({error_line(err)}); stopping without")
             return reason
         if connecting is None:
             return reason

@@ -40,6 +40,7 @@ from planaria.chaos.scale.sim_snapshots import SimulatedSnapshots
 from planaria.runtime.contract.epochs import EpochRecord, EpochTiming, Progress
 from planaria.runtime.contract.exactly_once import INCOMPLETE, SYNCED, CommitRecord, WorkerStatus
 from planaria.runtime.contract.exits import EXIT_LEFT
+from planaria.runtime.contract.logs import error_line
 from planaria.runtime.worker.connect_ahead import agree_on_first
 from planaria.runtime.worker.coordination import JobEnded, close_stores
 from planaria.runtime.worker.epoch_watcher import QUIET_S, EpochWatcher
@@ -211,9 +212,9 @@ class SimulatedWorker:
             # are synced (the commit all-reduce comes last): a real survivor reports the
             # step incomplete.
             self.synced = False
-            self._mark(failed_s=time.time(), error=str(err).splitlines()[0][:300])
+            self._mark(failed_s=time.time(), error=error_line(err, 300))
         except (dist.DistStoreError, Released, RuntimeError) as err:
-            self._mark(failed_s=time.time(), error=str(err).splitlines()[0][:300])
+            self._mark(failed_s=time.time(), error=error_line(err, 300))
         finally:
             watcher.done.set()
             self._in_epoch = None

@@ -10,6 +10,8 @@ One vocabulary in every log: `step` is the 0-based index of an optimizer step (t
 plan contract's "iteration"); progress lines print it 1-based, as "step k/n". Logs of
 earlier versions wrote `iteration` in commits, evals and audits: they are read still.
 
+`error_line` says an error in one line, as every log line and timing record does.
+
 The elastic worker and the trainer write them; the chaos harness and its report read
 them. Free of torch, so that reading a finished run's logs does not import it.
 """
@@ -20,6 +22,13 @@ from pathlib import Path
 from typing import IO, TypeVar
 
 from planaria.runtime.contract.record import JsonRecord, RecordError
+
+def error_line(err: BaseException, limit: int = 200) -> str:
+    """`err`'s first line, at most `limit` characters; its type's name when it says
+    nothing (a bare `TimeoutError()`)."""
+    text = str(err)
+    return text.splitlines()[0][:limit] if text.strip() else type(err).__name__
+
 
 COMMITS = "commits"
 EVALS = "evals"

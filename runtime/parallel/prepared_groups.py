@@ -34,6 +34,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from planaria.runtime.contract.logs import error_line
 from planaria.runtime.parallel.groups import creation_order
 from planaria.runtime.parallel.release import group_options
 from planaria.templates.plan import Plan
@@ -85,7 +86,7 @@ class PreparedGroups:
             self._backends = made
             self.seconds = time.perf_counter() - started
         except Exception as err:  # noqa: BLE001 - any failure means a rendezvous at the switch
-            self.error = str(err).splitlines()[0][:300] if str(err) else type(err).__name__
+            self.error = error_line(err, 300)
         finally:
             self.done.set()
 

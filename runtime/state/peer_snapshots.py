@@ -55,6 +55,7 @@ import torch
 import torch.distributed as dist
 
 from planaria.runtime.contract.exactly_once import CommitRecord, SnapshotHeld
+from planaria.runtime.contract.logs import error_line
 from planaria.runtime.parallel.release import shut_down_sockets, socket_inodes
 from planaria.runtime.state.transfer import by_dtype, layer_state_tensors
 from planaria.templates.snapshots import Shard, owners, snapshot_placement
@@ -229,7 +230,7 @@ class PeerSnapshots:
                 self._inflight.result()
             except Exception as err:  # the epoch failed; its status says why
                 self.log(f"peer snapshot of step {self._inflight_step} not sent whole: "
-                         f"{str(err).splitlines()[0][:200] if str(err) else type(err).__name__}")
+                         f"{error_line(err)}")
             self._inflight = None
         self._group = None
         if self.enabled and self._epoch >= 0 and self._reported != self._epoch:
@@ -257,7 +258,7 @@ class PeerSnapshots:
     def _log_failed_connect(self) -> None:
         err = self._group.exception()
         self.log(f"peer snapshots' group of epoch {self._epoch} not made: "
-                 f"{str(err).splitlines()[0][:200] if str(err) else type(err).__name__}; "
+                 f"{error_line(err)}; "
                  "no peer snapshots until the next epoch")
 
     # -------------------------------------------------------------- steps
@@ -278,7 +279,7 @@ class PeerSnapshots:
                 # (one that went on past the stop of an earlier epoch says nothing of this one's)
                 self._broken = self._broken or self._inflight_epoch == self._epoch
                 self.log(f"peer snapshot of step {self._inflight_step} not sent whole "
-                         f"({str(err).splitlines()[0][:200] if str(err) else type(err).__name__}); "
+                         f"({error_line(err)}); "
                          "no more peer snapshots until the next epoch")
         return self._inflight is not None or self._broken
 

@@ -55,7 +55,8 @@ from planaria.runtime.contract import env
 from planaria.runtime.contract.epochs import EpochRecord, EpochTiming, Progress
 from planaria.runtime.contract.exits import EXIT_TORN_STEP
 from planaria.runtime.contract.heartbeat import start_beating
-from planaria.runtime.contract.logs import AUDIT, COMMITS, EVALS, AuditEntry, CommitEntry, EvalEntry, append, log_path
+from planaria.runtime.contract.logs import (AUDIT, COMMITS, EVALS, AuditEntry, CommitEntry, EvalEntry, append, error_line,
+                                           log_path)
 from planaria.runtime.data.token_datasets import dataset_for
 from planaria.runtime.parallel.engine import Engine, StepResult, TornStep
 from planaria.runtime.parallel.groups import GroupRetirement, forget_failed_world, set_operation_timeout
@@ -235,7 +236,7 @@ class ElasticWorker:
             seconds = warm_up(self.engine.model, self.engine.optim, self.engine.settings, plan,
                               plan.rank_of_worker()[self.worker], budget_s=self._connect_timeout_s() / 4)
         except Exception as err:  # noqa: BLE001 - (out of memory, say): best effort, the first step will tell
-            self._log(f"epoch {plan.epoch}: the warm-up failed ({str(err).splitlines()[0][:200]}); joining cold")
+            self._log(f"epoch {plan.epoch}: the warm-up failed ({error_line(err)}); joining cold")
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
             return
@@ -364,7 +365,7 @@ class ElasticWorker:
             raise  # past the status below: this worker's state must not be used
         except (RuntimeError, TimeoutError) as err:  # dist errors are RuntimeErrors
             self._mark(failed_s=time.time(),
-                       error=str(err).splitlines()[0][:300] if str(err) else type(err).__name__)
+                       error=error_line(err, 300))
             self._log(f"epoch {epoch} failed on this worker: {self._timing.error}")
             if self.late_writer and self.engine is not None and self.engine.last_commit is not None:
                 self._write_late(epoch)  # (a worker that has committed nothing has nothing to write)
@@ -409,7 +410,7 @@ class ElasticWorker:
         try:
             self.coordinator.mark_trained(epoch, at)
         except Exception as err:  # noqa: BLE001 - a word for the controller; training goes on
-            self._log(f"epoch {epoch}: could not say that it trained ({str(err).splitlines()[0][:200]})")
+            self._log(f"epoch {epoch}: could not say that it trained ({error_line(err)})")
 
     def _check_sent(self) -> None:
         """The status of the last stop, sent while this worker went on into a join's

@@ -14,6 +14,7 @@ from typing import Callable
 from planaria.runtime.contract import keys
 from planaria.runtime.contract.epochs import Progress
 from planaria.runtime.contract.exits import EXIT_STUCK_AFTER_RELEASE
+from planaria.runtime.contract.logs import error_line
 from planaria.runtime.worker.coordination import StoreCoordinator
 
 
@@ -125,7 +126,7 @@ class EpochWatcher(threading.Thread):
             # (A store error reading the prepared record, say: unguarded, it ended this
             # thread, and with it the release of the epoch's collectives at a failure.)
             self.log(f"epoch {self.epoch}: could not connect the next epoch's groups ahead "
-                     f"({str(err).splitlines()[0][:200] if str(err) else type(err).__name__}); stopping without")
+                     f"({error_line(err)}); stopping without")
             return reason
         if connecting is None:
             return reason

@@ -14,6 +14,7 @@ from typing import Callable
 
 from planaria.runtime.contract.epochs import EpochRecord
 from planaria.runtime.contract.exits import EXIT_LEFT
+from planaria.runtime.contract.logs import error_line
 from planaria.runtime.parallel.engine import Engine
 from planaria.runtime.state.checkpoints import AsyncCheckpointer
 from planaria.runtime.state.transfer import Handoff, exchange_handoff
@@ -49,7 +50,7 @@ def leave(engine: Engine | None, handoff: Handoff | None, epoch: int, record: Ep
         try:
             stats = exchange_handoff(engine, handoff, me, stepped=engine.last_stepped >= 0)
         except (RuntimeError, TimeoutError) as err:
-            log(f"epoch {epoch}: handing layers over failed: {str(err).splitlines()[0][:300]}")
+            log(f"epoch {epoch}: handing layers over failed: {error_line(err, 300)}")
             if coordinator.reconfigure_requested(epoch):
                 log(f"epoch {epoch} was given up by the control plane; this node still holds its "
                     "layers and waits for the next epoch")

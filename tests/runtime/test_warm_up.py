@@ -58,3 +58,4 @@ def test_with_wide_gradient_sums_the_optimizer_step_is_warmed_up_too():
     assert all(p.grad is None and p.main_grad is not None for p in layer.parameters())
     _step(layer, optimizer, engine.settings.wide_sums)
     assert all(optimizer.state[p] for p in layer.parameters())
+

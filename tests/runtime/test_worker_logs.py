@@ -31,3 +31,12 @@ def test_a_damaged_log_line_is_named_by_file_and_line(tmp_path):
     path.write_text(commit(0).to_json() + "\n" + '{"step": 1, "loss": 4.9}\n')
     with pytest.raises(RecordError, match=r"commits-n0\.0\.jsonl:2: .*CommitEntry\.grad_norm: missing"):
         read_commits(tmp_path)
+
+
+def test_an_error_is_said_in_one_line_even_when_it_says_nothing():
+    """What log lines and timing records quote of an error (`error_line`)."""
+    from planaria.runtime.contract.logs import error_line
+
+    assert error_line(RuntimeError("CUDA out of memory.\nTried to allocate 2 GiB")) == "CUDA out of memory."
+    assert error_line(TimeoutError()) == "TimeoutError"
+    assert error_line(ValueError("x" * 500), 300) == "x" * 300
