@@ -28,6 +28,12 @@ word that follows (the controller declares the epoch failed on the first status 
 reads) may or may not reach a watcher before the epoch is torn down. So a `get` of it
 is set aside, and only the checks are compared."""
 
+HANDED = re.compile(r"^epoch/(\d+)/handed/")
+"""A leaving worker's word that its layers landed in an epoch (`keys.epoch_handed_off`).
+After it the worker waits for that epoch's first step (`leaving.LEAVE_LINGER_S`) and
+asks for the epoch's end (a `check` of `RECONFIGURE`) only when the step did not come
+in time: whether it does on a loaded machine is timing, so that check is set aside."""
+
 
 RECORD_SIZE_FACTOR = 1.5
 """How far the size of a record's value (anything written outside the rendezvous) may be
@@ -82,16 +88,20 @@ def per_key(ops: list[dict]) -> dict[str, list[str]]:
     unfollowed: those reads are no requests, and how many of them two pollers of the same
     key make (the epoch watcher, a rendezvous's abandonment) is timing, so they are set
     aside; so is `unfollow`, the end of a watch's stream, which a killed process never
-    gets to (its stream ends with its connection)."""
+    gets to (its stream ends with its connection). So are the reads of an epoch's end
+    after the worker's word that it left that epoch (`HANDED`)."""
     sequences: dict[str, list[str]] = {}
     followed: set[str] = set()
+    handed: set[str] = set()  # (the `RECONFIGURE` keys of epochs this worker left: `HANDED`)
     for op in ops:
         for key in op.get("keys") or ([op["key"]] if "key" in op else [""]):
             if op["op"] == "unfollow":
                 followed.discard(key)
                 continue
-            if op["op"] in READS and key in followed:
+            if op["op"] in READS and (key in followed or key in handed):
                 continue
+            if (left := HANDED.match(key)) and op["op"] == "set":
+                handed.add(f"epoch/{left.group(1)}/reconfigure")
             if op["op"] == "follow" and "error" not in op:
                 followed.add(key)
             item = label(op, key)

@@ -260,6 +260,15 @@ def test_whether_a_watcher_read_the_end_of_its_epoch_is_set_aside_and_nothing_el
     assert per_key([op("get", "epoch/0/record")]) == {"epoch/0/record": ["get"]}
 
 
+def test_whether_a_leaving_worker_waited_out_its_linger_is_set_aside():
+    handed = [op("set", "epoch/2/handed/node1.0"), op("get", "epoch/2/trained")]
+    lingered = [*handed, op("check", "epoch/2/reconfigure")]
+    assert per_key(lingered) == per_key(handed) == {"epoch/2/handed/node1.0": ["set"], "epoch/2/trained": ["get"]}
+    # (before the word, the check is the failed handoff's, and counts)
+    assert per_key([op("check", "epoch/2/reconfigure")]) == {"epoch/2/reconfigure": ["check"]}
+    assert per_key([*handed, op("check", "epoch/3/reconfigure")])["epoch/3/reconfigure"] == ["check"]
+
+
 def test_differences_name_the_workers_and_keys_of_one_run_only():
     real = {"node0.0": [op("get", "epoch/0/record")], "node1.0": []}
     simulated = {"node0.0": [op("get", "epoch/0/record"), op("set", "ready/node0.0")], "node2.0": []}
