@@ -16,6 +16,7 @@ import resource
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,6 +32,11 @@ from planaria.elastic.agent_options import POLL_S, etcd_timeouts
 from planaria.elastic.etcd_client import EtcdClient, EtcdSettings
 from planaria.runtime.worker.epoch_watcher import QUIET_S
 from planaria.runtime.contract.epochs import EpochEvent
+
+LOOP_CALL_THREADS = 64
+"""The threads a node process's relay loop hands blocking calls to (`NodeHost`), at most."""
+LOOP_CALLS = "loop-calls"
+"""Their names' prefix."""
 
 
 @dataclass(frozen=True)
@@ -111,6 +117,13 @@ class NodeHost:
         self._relay_loop = asyncio.new_event_loop()
         """Where every node's relay of this process serves (a real node runs its own)."""
         self._relay_loop.set_exception_handler(_quiet_killed_tasks)
+        # What its workers' watch tasks hand to a thread (a join's connection ahead, begun
+        # where a real worker's watcher thread begins it): asyncio's default pool has
+        # cpu_count + 4 threads, 6 on two cores, and at a join 256 workers' calls queued on
+        # them, each reading its node's prepared record on a saturated machine: the plan's
+        # rank 0 began minutes after its peers. Threads are made as calls need them.
+        self._relay_loop.set_default_executor(ThreadPoolExecutor(max_workers=LOOP_CALL_THREADS,
+                                                                 thread_name_prefix=LOOP_CALLS))
         threading.Thread(target=self._relay_loop.run_forever, daemon=True, name="relays").start()
 
     # ------------------------------------------------------------- nodes

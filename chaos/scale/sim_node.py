@@ -17,6 +17,7 @@ import signal
 import threading
 import time
 import traceback
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -31,6 +32,7 @@ from planaria.chaos.scale.sim_worker import Observer, SimulatedProcess, Simulate
 from planaria.elastic.agent import Agent
 from planaria.elastic.etcd_store import EtcdStore
 from planaria.elastic.worker_supervisor import WorkerSupervisor
+from planaria.runtime.config.sections import job_store_timeout_s
 from planaria.runtime.worker.epoch_metrics import EpochMetrics
 from planaria.runtime.worker.epoch_watcher import QUIET_S
 from planaria.runtime.worker.store_trace import TracingStore, trace_path
@@ -128,12 +130,17 @@ class SimulatedAgent(Agent):
         one, over the node's connection to etcd)."""
         own = threading.Event()
         killed = _Either(own, self.cut_client.killed)  # dies with its node: the node's cut cuts it too
+        # Its waits on the job's store as long as a real worker's (not the store's 300 s: at
+        # 1,024 nodes a wait for an epoch's bootstrap store outlasted that, and failed a
+        # join's connection ahead that a real worker would have finished).
+        timeout = timedelta(seconds=job_store_timeout_s(self.cfg.comm))
         if self.relay is not None:
-            store = InProcessRelayStore(self.relay, f"{worker[0]}.{worker[1]}", killed, margin_s=self.relay_margin_s)
+            store = InProcessRelayStore(self.relay, f"{worker[0]}.{worker[1]}", killed, timeout=timeout,
+                                        margin_s=self.relay_margin_s)
         else:
             client = CutClient(self.cut_client._client, self.cut_client._sizes, cut=own)
             client.killed = killed
-            store = EtcdStore(client, self.prefix)
+            store = EtcdStore(client, self.prefix, timeout)
         self.worker_stores.append(store)
         if self.trace_dir is not None:
             store = TracingStore(store, trace_path(self.trace_dir, worker))

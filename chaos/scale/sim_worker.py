@@ -57,6 +57,8 @@ class _Ahead:
     done: threading.Event = field(default_factory=threading.Event)
     connected: bool = False
     followed: bool = False
+    error: str | None = None
+    """Why the connection failed (`PreparedGroups.error`)."""
 
 
 class Observer:
@@ -295,7 +297,8 @@ class SimulatedWorker:
                                 self._connect_timeout)
                 barrier.step(rank, 0, False, timeout_s=self.wait_s)
                 ahead.connected = True
-            except (dist.DistStoreError, RuntimeError, Killed):
+            except (Exception, Killed) as err:  # noqa: BLE001 - any failure means a rendezvous, as a real one's
+                ahead.error = error_line(err, 300)
                 barrier.fail(rank)
             finally:
                 ahead.done.set()
@@ -308,9 +311,13 @@ class SimulatedWorker:
         ahead, self._ahead = self._ahead, None
         if ahead is None:
             return None
-        if (ahead.epoch == epoch and ahead.record.plan.rank_of_worker() == plan.rank_of_worker()
-                and ahead.done.wait(self.wait_s) and ahead.connected):
+        if ahead.epoch != epoch or ahead.record.plan.rank_of_worker() != plan.rank_of_worker():
+            pass
+        elif ahead.done.wait(self._connect_timeout.total_seconds()) and ahead.connected:
             return ahead
+        else:  # (said as `ConnectAhead.take` says it: which workers fell back, and why)
+            self._log(f"epoch {epoch}: its groups could not be connected ahead "
+                      f"({ahead.error or 'still connecting'}); a rendezvous instead")
         if ahead.done.is_set():
             self.coordinator.unfollow_epoch(ahead.epoch)
         return None

@@ -412,6 +412,13 @@ def connect_timeout_s(p: "CommConfig") -> float:
     return min(p.connect_timeout_s, p.timeout_s)
 
 
+def job_store_timeout_s(p: "CommConfig") -> float:
+    """A worker's waits on the job's store (a key another worker publishes: an epoch's
+    bootstrap store address, say): the collective timeout and a minute, so that a wait
+    for a peer's word outlasts the peer's own collectives."""
+    return p.timeout_s + 60.0
+
+
 def status_timeout_s(p: "CommConfig") -> float:
     """How long the leader waits for a live worker's status after a failure before it
     kills the worker as hung: the collective timeout, plus what an epoch's connection to

@@ -50,7 +50,7 @@ import torch.distributed as dist
 from rich.console import Console
 from rich.markup import escape
 
-from planaria.runtime.config.sections import Config, connect_timeout_s, status_timeout_s
+from planaria.runtime.config.sections import Config, connect_timeout_s, job_store_timeout_s, status_timeout_s
 from planaria.runtime.contract import env
 from planaria.runtime.contract.epochs import EpochRecord, EpochTiming, Progress
 from planaria.runtime.contract.exits import EXIT_TORN_STEP
@@ -656,7 +656,7 @@ def run_elastic(cfg: Config, console: Console, device: torch.device, backend: st
         logging.getLogger("torch.distributed.pipelining.schedules").setLevel(logging.CRITICAL)
     # The control plane's warnings (etcd away, back) on this worker's lines, like its own.
     logging.basicConfig(format=f"[{node}.{local_rank}] %(message)s", level=logging.WARNING)
-    store = connect_store(address, timeout_s=cfg.comm.timeout_s + 60)
+    store = connect_store(address, timeout_s=job_store_timeout_s(cfg.comm))
     # (its node's address, where it hosts an epoch's bootstrap store: env.NODE_ADDRESS, read when first needed)
     coordinator = StoreCoordinator(store, (node, local_rank), connect_timeout_s=connect_timeout_s(cfg.comm))
     if backend == "nccl":  # read by torch as each NCCL group is made

@@ -17,6 +17,7 @@ from planaria.chaos.scale.cutoff import Killed
 from planaria.chaos.scale.data_plane import Released, StepBarrier, RankRelease
 from planaria.chaos.scale.loop_watches import LoopAbandonWatch, LoopEpochWatcher, LoopStore
 from planaria.chaos.scale.scale_run import ScaleHarness
+from planaria.chaos.scale.node_host import LOOP_CALLS
 from planaria.chaos.scale.sim_relay import InProcessRelayStore
 from planaria.elastic.etcd_client import EtcdClient, EtcdSettings
 from planaria.elastic.etcd_kv import EtcdKeyValue
@@ -131,5 +132,5 @@ def test_a_simulated_reconfiguration_starts_no_thread_per_worker(tmp_path, start
     # epoch's stores), the harness's own, one of the control plane per node at most (a
     # lease stream reopened), not one per worker. (The peer snapshots' group, off here as
     # at scale, connects on a thread of its own, as a real worker's does.)
-    others = [name for name in during if not name.startswith(("asyncio_", "grpc:"))]
+    others = [name for name in during if not name.startswith(("asyncio_", LOOP_CALLS, "grpc:"))]
     assert len(others) <= 3, during
