@@ -32,7 +32,7 @@ from planaria.chaos.scale.sim_worker import Observer, SimulatedProcess, Simulate
 from planaria.elastic.agent import Agent
 from planaria.elastic.etcd_store import EtcdStore
 from planaria.elastic.worker_supervisor import WorkerSupervisor
-from planaria.runtime.config.sections import job_store_timeout_s
+from planaria.runtime.config.sections import connect_timeout_s, job_store_timeout_s
 from planaria.runtime.worker.epoch_metrics import EpochMetrics
 from planaria.runtime.worker.epoch_watcher import QUIET_S
 from planaria.runtime.worker.store_trace import TracingStore, trace_path
@@ -150,7 +150,10 @@ class SimulatedAgent(Agent):
                                                                  self.cfg.checkpoint.memory_copies),
                                     start_s=self.worker_start_s,
                                     metrics=self._metrics(store), records=self.records,
-                                    quiet_s=self.watcher_quiet_s)
+                                    quiet_s=self.watcher_quiet_s,
+                                    # (as a real worker's: at 1,024 nodes the default 30 s failed a
+                                    # join's connections ahead to its epoch's store on this machine)
+                                    connect_timeout_s=connect_timeout_s(self.cfg.comm))
         return own.set, simulated
 
     def _metrics(self, store) -> MetricsReads | None:

@@ -103,7 +103,7 @@ class SimulatedWorker:
                  tied_layers: tuple[int, ...] = (), wait_s: float = 3600.0,
                  snapshots: SimulatedSnapshots | None = None, start_s: float = 0.0,
                  metrics: MetricsReads | None = None, records: SharedRecords | None = None,
-                 quiet_s: float = QUIET_S):
+                 quiet_s: float = QUIET_S, connect_timeout_s: float = 30.0):
         """`snapshots`: the peer snapshots it keeps (`checkpoint.memory_every`,
         `memory_copies`): its status lists them, and each epoch of two nodes or more makes
         their group (none: neither). `start_s`: the seconds from the
@@ -113,12 +113,14 @@ class SimulatedWorker:
         TensorBoard metrics. `quiet_s`: how long its epoch watcher waits for a word
         before it asks its relay again (`EpochWatcher.quiet_s`; etcd sees none of it), and,
         when not the default, its waits for an epoch and its rendezvous's abandon watch too
-        (`StoreCoordinator.followed_wait_s`)."""
+        (`StoreCoordinator.followed_wait_s`). `connect_timeout_s`: its connection to an
+        epoch's bootstrap store, a real worker's `connect_timeout_s(cfg.comm)`."""
         # Its nodes are threads of one process: their epochs' stores are hosted on loopback.
         # `records`: the parse of each record and its plan's facts, shared by every
         # simulated worker (`shared_records`; none given: its own).
         self.records = records or SharedRecords(tied_layers)
-        self.coordinator = SharedRecordCoordinator(store, worker, node_address="127.0.0.1", records=self.records)
+        self.coordinator = SharedRecordCoordinator(store, worker, node_address="127.0.0.1", records=self.records,
+                                                   connect_timeout_s=connect_timeout_s)
         if quiet_s != QUIET_S:  # its other waits on followed keys as long (`followed_wait_s`)
             self.coordinator.followed_wait_s = self.coordinator.abandon_wait_s = quiet_s
         # Over its relay in this process, its watches are tasks of the relay's loop, not
