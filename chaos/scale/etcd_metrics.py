@@ -13,6 +13,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from prometheus_client.parser import text_string_to_metric_families
+from tenacity import Retrying, retry_if_exception_type, stop_after_delay, wait_exponential
 
 _DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
@@ -36,13 +37,15 @@ class EtcdCounts:
                           self.sent_bytes - earlier.sent_bytes)
 
 
-def scrape(endpoints: list[str]) -> EtcdCounts:
-    """The counters of every member at `endpoints` ("host:port", their client URLs)."""
+def scrape(endpoints: list[str], retry_s: float = 300.0) -> EtcdCounts:
+    """The counters of every member at `endpoints` ("host:port", their client URLs). A
+    member that does not answer is asked again for `retry_s`: at 1,024 simulated nodes
+    the machine ran at a load average of 750 and a 10 s scrape timed out, which ended
+    the harness's run before its last fault."""
     requests: Counter = Counter()
     received = sent = 0.0
     for endpoint in endpoints:
-        with _DIRECT.open(f"http://{endpoint}/metrics", timeout=10) as reply:
-            text = reply.read().decode()
+        text = _metrics_text(endpoint, retry_s)
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
                 if sample.name == "grpc_server_msg_received_total":
@@ -52,3 +55,11 @@ def scrape(endpoints: list[str]) -> EtcdCounts:
                 elif sample.name == "etcd_network_client_grpc_sent_bytes_total":
                     sent += sample.value
     return EtcdCounts(requests, received, sent)
+
+
+def _metrics_text(endpoint: str, retry_s: float) -> str:
+    for attempt in Retrying(retry=retry_if_exception_type(OSError), stop=stop_after_delay(retry_s),
+                            wait=wait_exponential(max=10), reraise=True):
+        with attempt, _DIRECT.open(f"http://{endpoint}/metrics", timeout=30) as reply:
+            return reply.read().decode()
+    raise AssertionError("unreachable: tenacity reraises")
