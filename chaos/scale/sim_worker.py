@@ -41,6 +41,7 @@ from planaria.runtime.contract.epochs import EpochRecord, EpochTiming, Progress
 from planaria.runtime.contract.exactly_once import INCOMPLETE, SYNCED, CommitRecord, WorkerStatus
 from planaria.runtime.contract.exits import EXIT_LEFT
 from planaria.runtime.contract.logs import error_line
+from planaria.runtime.parallel.prepared_groups import GIVEN_UP
 from planaria.runtime.worker.connect_ahead import agree_on_first
 from planaria.runtime.worker.coordination import JobEnded, close_stores
 from planaria.runtime.worker.epoch_watcher import QUIET_S, EpochWatcher
@@ -59,6 +60,10 @@ class _Ahead:
     followed: bool = False
     error: str | None = None
     """Why the connection failed (`PreparedGroups.error`)."""
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    in_barrier: bool = False
+    given_up: bool = False
+    """`PreparedGroups.give_up_short_of_barrier`'s state."""
 
 
 class Observer:
@@ -262,10 +267,37 @@ class SimulatedWorker:
         """`ElasticWorker._planned_in`: a joiner connects a join's prepared epoch's groups
         and enters it once they are."""
         done = self._start_ahead(record.plan.epoch - 1, record)
-        early = done is not None and done.wait(self.wait_s) and self._ahead is not None and self._ahead.connected
+        early = done is not None and self._connected_ahead(done, record.plan.epoch)
         if early:
             self._entry = "early"
         return early
+
+    def _connected_ahead(self, done: threading.Event, epoch: int, poll_s: float = 0.2) -> bool:
+        """`ElasticWorker._connected_ahead`: given up once the epoch is published while it is
+        still short of its barrier."""
+        deadline = time.monotonic() + self._connect_timeout.total_seconds()
+        while not done.wait(poll_s):
+            if time.monotonic() >= deadline:
+                return False
+            ahead = self._ahead
+            if self.coordinator.published(epoch) and ahead is not None and self._give_up(ahead):
+                self._log(f"epoch {epoch}: published while its groups were still connecting ahead, short of "
+                          "their barrier; a rendezvous instead")
+                return False
+        return self._ahead is not None and self._ahead.connected
+
+    def _give_up(self, ahead: _Ahead) -> bool:
+        """`PreparedGroups.give_up_short_of_barrier`: its dropped connections fail the barrier
+        for every rank already in it, as a real rank's do."""
+        with ahead.lock:
+            if ahead.given_up:
+                return True
+            if ahead.done.is_set() or ahead.in_barrier:
+                return False
+            ahead.given_up = True
+        plan = ahead.record.plan
+        self.plane.epoch(connect_barrier(ahead.epoch), plan.world_size).fail(plan.rank_of_worker()[self.worker])
+        return True
 
     def _connect_ahead(self, epoch: int) -> threading.Event | None:
         """`ElasticWorker._connect_ahead`, at a join's word (off the step)."""
@@ -297,6 +329,10 @@ class SimulatedWorker:
                 self.coordinator.epoch_store_port(epoch)
                 replay_prepared(store, record.plan, rank, self.backend, self.tied_layers, facts.groups,
                                 self._connect_timeout)
+                with ahead.lock:
+                    if ahead.given_up:
+                        raise RuntimeError(GIVEN_UP)
+                    ahead.in_barrier = True
                 barrier.step(rank, 0, False, timeout_s=self.wait_s)
                 ahead.connected = True
             except (Exception, Killed) as err:  # noqa: BLE001 - any failure means a rendezvous, as a real one's
@@ -315,6 +351,9 @@ class SimulatedWorker:
             return None
         if ahead.epoch != epoch or ahead.record.plan.rank_of_worker() != plan.rank_of_worker():
             pass
+        elif self._give_up(ahead):
+            self._log(f"epoch {epoch}: its groups were still connecting at the switch, short of their "
+                      "barrier, so no rank connected them; a rendezvous instead, at once")
         elif ahead.done.wait(self._connect_timeout.total_seconds()) and ahead.connected:
             return ahead
         else:  # (said as `ConnectAhead.take` says it: which workers fell back, and why)

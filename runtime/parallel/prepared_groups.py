@@ -22,6 +22,14 @@ Every rank decides alone whether it enters over the prepared groups (they connec
 over a fresh rendezvous, and all decide alike: each stops only once its own connection
 ended, and a barrier completes on every rank or on none (short of a fault during it,
 which fails the epoch it would have run, and the usual recovery follows).
+
+A rank whose connection has not reached the barrier when it enters the epoch (the stop
+came from a peer whose own connection failed) knows that no rank can have connected: the
+barrier needs it. It gives its connection up at once (`give_up_short_of_barrier`), and
+drops what it connected, so that a peer already waiting in the barrier fails there at
+once too (over gloo its connection to this rank closed; NCCL's barrier notices no closed
+peer and waits out its timeout, the connect timeout), instead of both waiting out the
+connect timeout at the switch.
 """
 from __future__ import annotations
 
@@ -41,6 +49,7 @@ from planaria.templates.plan import Plan
 
 PREPARED_BACKEND = "planaria_prepared"
 """The name under which the connected backends are handed to torch (`install`)."""
+GIVEN_UP = "given up short of its barrier: a peer's connection failed"
 PREFIX = "prepared"
 """The key prefix of the prepared groups on the epoch's bootstrap store: a world and
 groups of their own, apart from those of a rendezvous the epoch may fall back to."""
@@ -68,6 +77,10 @@ class PreparedGroups:
         self.error: str | None = None
         self.seconds: float | None = None
         self._backends: list = []
+        self._lock = threading.Lock()
+        self._made: list = []
+        """The backends connected so far (`_add`); handed to `_backends` past the barrier."""
+        self._in_barrier = self._given_up = False
 
     def start(self) -> "PreparedGroups":
         threading.Thread(target=self._connect, daemon=True, name=f"prepared-groups-{self.epoch}").start()
@@ -77,18 +90,47 @@ class PreparedGroups:
         started = time.perf_counter()
         try:
             prepared = dist.PrefixStore(PREFIX, self._store())
-            made = [self._make(dist.PrefixStore("world", prepared), self.rank, self.plan.world_size)]
+            self._add(self._make(dist.PrefixStore("world", prepared), self.rank, self.plan.world_size))
             for index, ranks in enumerate(creation_order(self.plan, self.tied_layers), start=1):
                 if self.rank in ranks:
-                    made.append(self._make(dist.PrefixStore(str(index), prepared), ranks.index(self.rank),
-                                           len(ranks)))
-            self._barrier(made[0])
-            self._backends = made
+                    self._add(self._make(dist.PrefixStore(str(index), prepared), ranks.index(self.rank),
+                                         len(ranks)))
+            with self._lock:
+                if self._given_up:
+                    raise RuntimeError(GIVEN_UP)
+                self._in_barrier, world = True, self._made[0]
+            self._barrier(world)
+            with self._lock:
+                self._backends, self._made = self._made, []
             self.seconds = time.perf_counter() - started
         except Exception as err:  # noqa: BLE001 - any failure means a rendezvous at the switch
             self.error = error_line(err, 300)
+            with self._lock:
+                self._made = []  # (their connections closed: a peer in the barrier fails at once)
         finally:
             self.done.set()
+
+    def _add(self, backend) -> None:
+        """One more backend connected; refused (and dropped) once the connection was given up."""
+        with self._lock:
+            if self._given_up:
+                raise RuntimeError(GIVEN_UP)
+            self._made.append(backend)
+
+    def give_up_short_of_barrier(self) -> bool:
+        """Give the connection up if it has not reached its barrier (module docstring): True
+        if it was given up (now or before), its backends dropped (its thread ends at its
+        next group, or at its connect timeout); False if it ended already or is in the
+        barrier, whose outcome is every rank's."""
+        with self._lock:
+            if self._given_up:
+                return True
+            if self.done.is_set() or self._in_barrier:
+                return False
+            self._given_up = True
+            made, self._made = self._made, []
+        del made  # (the last reference: their destructors close their connections)
+        return True
 
     def _make(self, store: dist.Store, rank: int, size: int):
         """A backend of `size` ranks as `rank`, connected (NCCL: its communicator made now,

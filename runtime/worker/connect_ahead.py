@@ -123,6 +123,12 @@ class ConnectAhead:
         prepared = self._prepared
         return self._record if prepared is not None and prepared.epoch == epoch else None
 
+    def give_up(self, epoch: int) -> bool:
+        """Give up the connection of `epoch` if it has not reached its barrier
+        (`PreparedGroups.give_up_short_of_barrier`): True if given up."""
+        prepared = self._prepared
+        return prepared is not None and prepared.epoch == epoch and prepared.give_up_short_of_barrier()
+
     def connected(self, epoch: int) -> bool:
         """The groups of `epoch` are connected ahead."""
         prepared = self._prepared
@@ -137,6 +143,11 @@ class ConnectAhead:
         if prepared is None:
             return None
         if not prepared.matches(epoch, plan):
+            self._discard(prepared)
+            return None
+        if prepared.give_up_short_of_barrier():
+            self.log(f"epoch {epoch}: its groups were still connecting at the switch, short of their "
+                     "barrier, so no rank connected them; a rendezvous instead, at once")
             self._discard(prepared)
             return None
         if not prepared.done.wait(self.connect_timeout_s) or not prepared.connected:

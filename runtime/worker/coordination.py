@@ -140,6 +140,12 @@ class StoreCoordinator:
         waiting = Waiting.from_json(value)
         return time.time() < waiting.since + waiting.limit_s + timeout_s
 
+    def published(self, epoch: int) -> bool:
+        """The controller has published `epoch` (or a later one): a read of `keys.EPOCH`,
+        a mirror's while `wait_for_epoch` follows it."""
+        current = read_if_present(self.store, keys.EPOCH)
+        return current is not None and int(current) >= epoch
+
     def prepared_record(self, epoch: int) -> EpochRecord | None:
         """The next epoch's record as the controller prepared it before asking `epoch` to
         stop (`keys.epoch_prepared`: a planned leave), or None. Its plan's first iteration

@@ -39,6 +39,7 @@ import logging
 import os
 import statistics
 import sys
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, astuple, replace
@@ -222,10 +223,26 @@ class ElasticWorker:
         if self.faults is not None:  # (chaos: a joiner lost, or slow, as it connects)
             self.faults("connect", 0)
         done = self.ahead.start(record.plan.epoch - 1, record, self.engine.tied_layers)
-        early = done is not None and done.wait(self._connect_timeout_s()) and self.ahead.connected(record.plan.epoch)
+        early = done is not None and self._connected_ahead(done, record.plan.epoch)
         if early:
             self._entry = "early"
         return early
+
+    def _connected_ahead(self, done: threading.Event, epoch: int, poll_s: float = 0.2) -> bool:
+        """A joiner's wait for its connection ahead to `epoch` (`done`), within the connect
+        timeout. The epoch published while it is still short of its barrier means the
+        survivors stopped without it (their stop comes after a connection that ended,
+        and none can have passed the barrier without this rank): it is given up then,
+        and the joiner meets them in the epoch's rendezvous, not its connect timeout later."""
+        deadline = time.monotonic() + self._connect_timeout_s()
+        while not done.wait(poll_s):
+            if time.monotonic() >= deadline:
+                return False
+            if self.coordinator.published(epoch) and self.ahead.give_up(epoch):
+                self._log(f"epoch {epoch}: published while its groups were still connecting ahead, short of "
+                          "their barrier; a rendezvous instead")
+                return False
+        return self.ahead.connected(epoch)
 
     def _warm_up(self, plan) -> None:
         """A new worker's cold start, taken before it connects: the job trains meanwhile,

@@ -7,14 +7,16 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import socket
+import threading
+import time
 from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from planaria.runtime.parallel.groups import EpochGroups
-from planaria.runtime.parallel.prepared_groups import PREPARED_BACKEND, PreparedGroups
+from planaria.runtime.parallel.groups import EpochGroups, creation_order
+from planaria.runtime.parallel.prepared_groups import GIVEN_UP, PREPARED_BACKEND, PreparedGroups
 from planaria.templates.plan import PipelinePlan, Plan, StagePlan
 
 TIMEOUT = timedelta(seconds=60)
@@ -94,3 +96,56 @@ def test_torch_asking_for_a_group_that_was_not_prepared_is_a_clear_error():
     create = dist.Backend._plugins[PREPARED_BACKEND.upper()].creator_fn
     with pytest.raises(RuntimeError, match="more process groups than were prepared"):
         create(None, 0, 3, TIMEOUT)
+
+
+def _held_short_of_barrier(prepared: PreparedGroups, groups: int):
+    """`prepared`'s connection held once its `groups` backends are connected, short of its
+    barrier: (held, release) events."""
+    held, release = threading.Event(), threading.Event()
+    add = prepared._add
+
+    def holding(backend) -> None:
+        add(backend)
+        if len(prepared._made) == groups:
+            held.set()
+            release.wait(60)
+    prepared._add = holding
+    return held, release
+
+
+@pytest.mark.timeout(120)
+def test_a_connection_short_of_its_barrier_is_given_up_and_its_peers_in_the_barrier_fail_at_once():
+    """Three ranks on threads of one process: ranks 0 and 1 connect every group and wait in
+    the barrier; rank 2 has connected its groups too but not reached the barrier. Rank 0
+    cannot give up (the barrier is every rank's), rank 2 can: its connections dropped, the
+    others' barrier fails at once, not at the connect timeout."""
+    plan, store, timeout = _plan(), dist.HashStore(), timedelta(seconds=90)
+    ranks = [PreparedGroups(1, plan, r, lambda: store, "gloo", torch.device("cpu"), timeout) for r in range(3)]
+    held, release = _held_short_of_barrier(ranks[2], 1 + sum(2 in g for g in creation_order(plan, ())))
+    for prepared in ranks:
+        prepared.start()
+    try:
+        assert held.wait(30)
+        deadline = time.monotonic() + 30
+        while not (ranks[0]._in_barrier and ranks[1]._in_barrier):
+            assert time.monotonic() < deadline, "ranks 0 and 1 did not reach the barrier"
+            time.sleep(0.01)
+        assert not ranks[0].give_up_short_of_barrier()
+        given_up = time.monotonic()
+        assert ranks[2].give_up_short_of_barrier()
+        assert ranks[0].done.wait(20) and ranks[1].done.wait(20)
+        assert time.monotonic() - given_up < 20  # (the connect timeout is 90 s)
+        assert not ranks[0].connected and not ranks[1].connected, (ranks[0].error, ranks[1].error)
+    finally:
+        release.set()
+    assert ranks[2].done.wait(20) and ranks[2].error == GIVEN_UP
+
+
+@pytest.mark.timeout(60)
+def test_a_connection_waiting_for_an_absent_peer_is_given_up_at_once():
+    plan, store = _plan(), dist.HashStore()
+    prepared = PreparedGroups(1, plan, 0, lambda: store, "gloo", torch.device("cpu"), timedelta(seconds=5)).start()
+    time.sleep(0.3)
+    assert not prepared.done.is_set()  # (waiting for ranks 1 and 2, which never come)
+    assert prepared.give_up_short_of_barrier() and prepared.give_up_short_of_barrier()
+    assert prepared.done.wait(30) and not prepared.connected
