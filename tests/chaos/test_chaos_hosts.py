@@ -164,6 +164,26 @@ def test_an_isolated_node_is_fenced_then_comes_back_as_a_new_one(tmp_path, cache
     assert_fenced(tmp_path / "out" / "run", "node1.0")
 
 
+@pytest.mark.slow  # ~3 min with its reference; docs/chaos.md ("A cut while an epoch is being planned")
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+@AS_ROOT
+def test_a_cut_while_an_epoch_is_being_planned_loses_nothing(tmp_path, cache):
+    """--hosts, 6 nodes, f=1: node4 killed and node1 cut off from the others in the same
+    moment (the kill is seen in about 0.1 s and planned in 0.07 s more, over node1, whose
+    cut no probe has seen yet), then node5 killed and node3 isolated (etcd too) likewise.
+    The epochs planned over a node that was already cut fail and are planned again
+    without it, or the leader waits for the cut to heal where its layers are the only
+    ones left; both nodes join again once back. Nothing lost, losses as without faults."""
+    proc = chaos(["--nodes", "6", "--hosts", "--etcd-members", "3", "--fault-tolerance", "1",
+                  "--fault", "kill-node@300:target=4", "--fault", "partition@300:target=1:for=8",
+                  "--fault", "kill-node@700:target=5", "--fault", "isolate-node@700:target=3:for=8",
+                  "parallel.min_stages=2", "comm.timeout_s=10", "train.steps=1200"], tmp_path, cache, timeout=540)
+    assert_nothing_lost(proc, tmp_path, 1200)
+    logs = "".join(p.read_text() for p in (tmp_path / "out" / "run" / "logs").glob("agent-*.log"))
+    assert "joined ['node1.0']" in logs and "joined ['node3.0']" in logs, logs[-3000:]
+
+
 @pytest.mark.slow  # ~3 min; every network fault kind is in one run in the default suite
 @pytest.mark.multiprocess
 @pytest.mark.timeout(900)
