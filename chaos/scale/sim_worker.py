@@ -41,7 +41,7 @@ from planaria.runtime.contract.epochs import EpochRecord, EpochTiming, Progress
 from planaria.runtime.contract.exactly_once import INCOMPLETE, SYNCED, CommitRecord, WorkerStatus
 from planaria.runtime.contract.exits import EXIT_LEFT
 from planaria.runtime.contract.logs import error_line
-from planaria.runtime.parallel.prepared_groups import GIVEN_UP
+from planaria.runtime.parallel.prepared_groups import BarrierGate
 from planaria.runtime.worker.connect_ahead import agree_on_first
 from planaria.runtime.worker.coordination import JobEnded, close_stores
 from planaria.runtime.worker.epoch_watcher import QUIET_S, EpochWatcher
@@ -60,10 +60,8 @@ class _Ahead:
     followed: bool = False
     error: str | None = None
     """Why the connection failed (`PreparedGroups.error`)."""
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    in_barrier: bool = False
-    given_up: bool = False
-    """`PreparedGroups.give_up_short_of_barrier`'s state."""
+    gate: BarrierGate = field(default_factory=BarrierGate)
+    """Whether it was given up short of its barrier (`PreparedGroups.give_up_short_of_barrier`)."""
 
 
 class Observer:
@@ -289,12 +287,8 @@ class SimulatedWorker:
     def _give_up(self, ahead: _Ahead) -> bool:
         """`PreparedGroups.give_up_short_of_barrier`: its dropped connections fail the barrier
         for every rank already in it, as a real rank's do."""
-        with ahead.lock:
-            if ahead.given_up:
-                return True
-            if ahead.done.is_set() or ahead.in_barrier:
-                return False
-            ahead.given_up = True
+        if not ahead.gate.give_up(ahead.done):
+            return False
         plan = ahead.record.plan
         self.plane.epoch(connect_barrier(ahead.epoch), plan.world_size).fail(plan.rank_of_worker()[self.worker])
         return True
@@ -329,10 +323,7 @@ class SimulatedWorker:
                 self.coordinator.epoch_store_port(epoch)
                 replay_prepared(store, record.plan, rank, self.backend, self.tied_layers, facts.groups,
                                 self._connect_timeout)
-                with ahead.lock:
-                    if ahead.given_up:
-                        raise RuntimeError(GIVEN_UP)
-                    ahead.in_barrier = True
+                ahead.gate.enter()
                 barrier.step(rank, 0, False, timeout_s=self.wait_s)
                 ahead.connected = True
             except (Exception, Killed) as err:  # noqa: BLE001 - any failure means a rendezvous, as a real one's
@@ -349,16 +340,16 @@ class SimulatedWorker:
         ahead, self._ahead = self._ahead, None
         if ahead is None:
             return None
-        if ahead.epoch != epoch or ahead.record.plan.rank_of_worker() != plan.rank_of_worker():
-            pass
-        elif self._give_up(ahead):
-            self._log(f"epoch {epoch}: its groups were still connecting at the switch, short of their "
-                      "barrier, so no rank connected them; a rendezvous instead, at once")
-        elif ahead.done.wait(self._connect_timeout.total_seconds()) and ahead.connected:
-            return ahead
-        else:  # (said as `ConnectAhead.take` says it: which workers fell back, and why)
-            self._log(f"epoch {epoch}: its groups could not be connected ahead "
-                      f"({ahead.error or 'still connecting'}); a rendezvous instead")
+        if ahead.epoch == epoch and ahead.record.plan.rank_of_worker() == plan.rank_of_worker():
+            # (said as `ConnectAhead.take` says it: which workers fell back, and why)
+            if self._give_up(ahead):
+                self._log(f"epoch {epoch}: its groups were still connecting at the switch, short of their "
+                          "barrier, so no rank connected them; a rendezvous instead, at once")
+            elif ahead.done.wait(self._connect_timeout.total_seconds()) and ahead.connected:
+                return ahead
+            else:
+                self._log(f"epoch {epoch}: its groups could not be connected ahead "
+                          f"({ahead.error or 'still connecting'}); a rendezvous instead")
         if ahead.done.is_set():
             self.coordinator.unfollow_epoch(ahead.epoch)
         return None

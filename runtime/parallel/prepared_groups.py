@@ -55,6 +55,32 @@ PREFIX = "prepared"
 groups of their own, apart from those of a rendezvous the epoch may fall back to."""
 
 
+class BarrierGate:
+    """Whether a connection may still enter its barrier, or was given up short of it
+    (module docstring): one lock between the connecting thread and the one that gives
+    up. The simulated workers of the scale harness use it too."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.in_barrier = self.given_up = False
+
+    def enter(self) -> None:
+        """The connecting thread, before its barrier: RuntimeError once given up."""
+        with self.lock:
+            if self.given_up:
+                raise RuntimeError(GIVEN_UP)
+            self.in_barrier = True
+
+    def give_up(self, done: threading.Event) -> bool:
+        """Give up unless the connection ended (`done`) or is in its barrier: True if given
+        up, now or before."""
+        with self.lock:
+            if not self.given_up and (done.is_set() or self.in_barrier):
+                return False
+            self.given_up = True
+            return True
+
+
 class PreparedGroups:
     """One rank's groups of a prepared epoch, connected on a thread (module docstring)."""
 
@@ -77,10 +103,10 @@ class PreparedGroups:
         self.error: str | None = None
         self.seconds: float | None = None
         self._backends: list = []
-        self._lock = threading.Lock()
+        self._gate = BarrierGate()
         self._made: list = []
-        """The backends connected so far (`_add`); handed to `_backends` past the barrier."""
-        self._in_barrier = self._given_up = False
+        """The backends connected so far (`_add`, under the gate's lock); handed to
+        `_backends` past the barrier."""
 
     def start(self) -> "PreparedGroups":
         threading.Thread(target=self._connect, daemon=True, name=f"prepared-groups-{self.epoch}").start()
@@ -95,25 +121,21 @@ class PreparedGroups:
                 if self.rank in ranks:
                     self._add(self._make(dist.PrefixStore(str(index), prepared), ranks.index(self.rank),
                                          len(ranks)))
-            with self._lock:
-                if self._given_up:
-                    raise RuntimeError(GIVEN_UP)
-                self._in_barrier, world = True, self._made[0]
-            self._barrier(world)
-            with self._lock:
-                self._backends, self._made = self._made, []
+            self._gate.enter()  # (past it, nothing gives the connection up: `_made` is this thread's)
+            self._barrier(self._made[0])
+            self._backends, self._made = self._made, []
             self.seconds = time.perf_counter() - started
         except Exception as err:  # noqa: BLE001 - any failure means a rendezvous at the switch
             self.error = error_line(err, 300)
-            with self._lock:
+            with self._gate.lock:
                 self._made = []  # (their connections closed: a peer in the barrier fails at once)
         finally:
             self.done.set()
 
     def _add(self, backend) -> None:
         """One more backend connected; refused (and dropped) once the connection was given up."""
-        with self._lock:
-            if self._given_up:
+        with self._gate.lock:
+            if self._gate.given_up:
                 raise RuntimeError(GIVEN_UP)
             self._made.append(backend)
 
@@ -122,12 +144,9 @@ class PreparedGroups:
         if it was given up (now or before), its backends dropped (its thread ends at its
         next group, or at its connect timeout); False if it ended already or is in the
         barrier, whose outcome is every rank's."""
-        with self._lock:
-            if self._given_up:
-                return True
-            if self.done.is_set() or self._in_barrier:
-                return False
-            self._given_up = True
+        if not self._gate.give_up(self.done):
+            return False
+        with self._gate.lock:  # (given up: `_add` appends no more)
             made, self._made = self._made, []
         del made  # (the last reference: their destructors close their connections)
         return True

@@ -127,7 +127,7 @@ def test_a_connection_short_of_its_barrier_is_given_up_and_its_peers_in_the_barr
     try:
         assert held.wait(30)
         deadline = time.monotonic() + 30
-        while not (ranks[0]._in_barrier and ranks[1]._in_barrier):
+        while not (ranks[0]._gate.in_barrier and ranks[1]._gate.in_barrier):
             assert time.monotonic() < deadline, "ranks 0 and 1 did not reach the barrier"
             time.sleep(0.01)
         assert not ranks[0].give_up_short_of_barrier()
