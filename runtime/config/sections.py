@@ -160,6 +160,15 @@ class TrainConfig:
     """'float32' or 'float64' (CPU exactness), 'bfloat16' (autocast over float32 master weights)."""
     recompute: bool = False
     """Recompute each block's activations in the backward pass instead of storing them."""
+    compile: bool = False
+    """Compile each transformer block with torch.compile (regional compilation, as
+    torchtitan does): one graph serves every block of every stage and epoch, so a
+    reconfiguration does not recompile. Inside a compiled block the operations are
+    PyTorch's and the compiler fuses them; the head's kernels stay as `model.kernels` says."""
+    optimizer_impl: Literal["for-loop", "foreach", "fused"] = "for-loop"
+    """How each layer's AdamW runs (torch.optim's `foreach` and `fused` flags): a kernel
+    per tensor and operation, one per operation over the layer's tensors, or one fused
+    kernel. Each layer keeps its own optimizer whatever this is."""
     exact_reduction: bool = True
     """Accumulate gradients over microbatches and pipelines in float64 (and the gradient
     norm too), so that the step does not depend on how the batch is spread over

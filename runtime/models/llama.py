@@ -15,7 +15,9 @@ a parameter is split over tp ranks; and a loss over the last layer's output.
 """
 from __future__ import annotations
 
+import functools
 import math
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -136,8 +138,11 @@ class Block(nn.Module):
     """Split by key/value heads (`HeadParallelLinear`): replicated where tp exceeds them."""
 
     def __init__(self, cfg: ModelConfig, gen: torch.Generator | None, tp: TensorParallel,
-                 recompute: bool = False):
+                 recompute: bool = False, compiled: bool = False):
+        """`compiled`: the block's forward runs as `compiled_block_forward` (build it from a
+        config whose kernels are PyTorch's: the compiler fuses those)."""
         super().__init__()
+        self.compiled = compiled
         # GPT-2's scaling of the residual projections keeps the stream's variance flat in depth.
         out_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.kernels)
@@ -155,10 +160,22 @@ class Block(nn.Module):
         x = x + self.attn(self.attn_norm(x), self.rope_cos, self.rope_sin)
         return x + self.mlp(self.mlp_norm(x))
 
+    def _run(self, x: torch.Tensor) -> torch.Tensor:
+        return compiled_block_forward()(self, x) if self.compiled else self._forward(x)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.recompute and torch.is_grad_enabled():
-            return checkpoint(self._forward, x, use_reentrant=False)
-        return self._forward(x)
+            return checkpoint(self._run, x, use_reentrant=False)
+        return self._run(x)
+
+
+@functools.cache
+def compiled_block_forward():
+    """`Block._forward` under torch.compile, made once per process. The block is an
+    argument, and torch.compile traces modules' parameters as inputs (its default
+    `inline_inbuilt_nn_modules`), so one graph serves every block of the same shape:
+    whichever layers a stage holds, in any epoch, nothing recompiles."""
+    return torch.compile(Block._forward)
 
 
 class Head(nn.Module):
@@ -194,10 +211,12 @@ class Head(nn.Module):
 class LayerModel:
     """The layer protocol the runtime uses: build layer i for a tp rank, and the loss."""
 
-    def __init__(self, cfg: ModelConfig, seed: int, recompute: bool = False):
+    def __init__(self, cfg: ModelConfig, seed: int, recompute: bool = False, compile: bool = False):
+        """`compile`: blocks run compiled (`train.compile`, `compiled_block_forward`)."""
         self.cfg = cfg
         self.seed = seed
         self.recompute = recompute
+        self.compile = compile
 
     @property
     def num_layers(self) -> int:
@@ -272,7 +291,8 @@ class LayerModel:
         from_checkpoint = initialised and pretrained and bool(self.cfg.init_from)
         gen = None if from_checkpoint or not initialised else self._generator(index)
         if cls is Block:
-            layer = Block(self.cfg, gen, tp, recompute=self.recompute)
+            cfg = replace(self.cfg, kernels="reference") if self.compile else self.cfg
+            layer = Block(cfg, gen, tp, recompute=self.recompute, compiled=self.compile)
         elif cls is Head and self.cfg.tie_embeddings:
             tied_gen = None if from_checkpoint or not initialised else self._generator(0)
             layer = Head(self.cfg, gen, tp, tied=embedding_init(self.cfg, tied_gen))

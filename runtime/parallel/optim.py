@@ -28,6 +28,8 @@ class OptimizerSettings:
     weight_decay: float
     betas: tuple[float, float] = (0.9, 0.95)
     eps: float = 1e-8
+    impl: str = "for-loop"
+    """`train.optimizer_impl`: "for-loop", "foreach" or "fused"."""
 
 
 def optimizer_settings(train: "TrainConfig") -> OptimizerSettings:
@@ -35,7 +37,8 @@ def optimizer_settings(train: "TrainConfig") -> OptimizerSettings:
     return OptimizerSettings(lr=train.lr, min_lr=train.final_lr, warmup_steps=train.warmup_steps,
                              lr_schedule=train.lr_schedule, total_steps=train.steps,
                              weight_decay=train.weight_decay,
-                             betas=(train.adam_beta1, train.adam_beta2), eps=train.adam_eps)
+                             betas=(train.adam_beta1, train.adam_beta2), eps=train.adam_eps,
+                             impl=train.optimizer_impl)
 
 
 def learning_rate(iteration: int, s: OptimizerSettings) -> float:
@@ -56,9 +59,14 @@ def build_optimizer(module: nn.Module, s: OptimizerSettings) -> torch.optim.Adam
     groups = [{"params": decay, "weight_decay": s.weight_decay}]
     if no_decay:
         groups.append({"params": no_decay, "weight_decay": 0.0})
-    # foreach=False: the same per-tensor arithmetic whatever the set of layers on a
-    # worker, so an update does not depend on which other layers share the optimizer call.
-    return torch.optim.AdamW(groups, lr=s.lr, betas=s.betas, eps=s.eps, foreach=False)
+    # One optimizer per layer whatever the implementation: an update never depends on
+    # which other layers share the worker. "for-loop" is torch's reference arithmetic;
+    # "foreach" and "fused" batch a layer's tensors into fewer kernels.
+    return torch.optim.AdamW(groups, lr=s.lr, betas=s.betas, eps=s.eps, **IMPLEMENTATIONS[s.impl])
+
+
+IMPLEMENTATIONS = {"for-loop": {"foreach": False}, "foreach": {"foreach": True}, "fused": {"fused": True}}
+"""torch.optim's flags for each `train.optimizer_impl`."""
 
 
 def empty_adam_state(optimizer: torch.optim.Optimizer, param: nn.Parameter) -> dict[str, torch.Tensor]:

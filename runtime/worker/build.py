@@ -46,7 +46,8 @@ def build_engine(cfg: Config, device: torch.device, *, phase: Callable[[str, int
     """A new Engine of `cfg` on `device`, holding nothing yet: its first `enter_epoch`
     gives it a plan and its layers. `phase`: the engine's phase hook (fault injection,
     progress); `layer_phases`: with each layer's forward and backward (`Engine`)."""
-    model = LayerModel(cfg.model, seed=cfg.train.seed, recompute=cfg.train.recompute)
+    model = LayerModel(cfg.model, seed=cfg.train.seed, recompute=cfg.train.recompute,
+                       compile=cfg.train.compile)
     return Engine(model, optimizer_settings(cfg.train), engine_settings(cfg, device, connect_timeout_s),
                   phase=phase, layer_phases=layer_phases)
 

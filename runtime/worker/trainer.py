@@ -165,6 +165,9 @@ def train(cfg: Config, plan, rank: int, device: torch.device, console: Console,
         engine, cfg.checkpoint_dir, cfg.checkpoint.keep, data_source=cfg.data.source)))
     try:
         run_steps(engine, dataset, cfg.data.seed, plan.first_iteration, cfg.train.steps, components)
+        if rank == 0 and device.type == "cuda":
+            console.print(f"peak GPU memory: {torch.cuda.max_memory_allocated(device) / 2**30:.2f} GiB allocated, "
+                          f"{torch.cuda.max_memory_reserved(device) / 2**30:.2f} GiB reserved")
         if cfg.output.save_final:
             save_model_shards(engine, out_dir / "final", data_source=cfg.data.source)
             if rank == 0:
