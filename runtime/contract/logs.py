@@ -77,6 +77,9 @@ class CommitEntry(EpochStep):
     rolled_forward: bool = False
     step_time_s: float | None = None
     """None for a rolled-forward step: it was not timed."""
+    compiled_graphs: int | None = None
+    """With `train.compile`: the graphs the worker's process had compiled by this commit
+    (the same in every epoch when a reconfiguration recompiles nothing); None without."""
 
 
 @dataclass(frozen=True)

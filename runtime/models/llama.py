@@ -178,6 +178,14 @@ def compiled_block_forward():
     return torch.compile(Block._forward)
 
 
+def compiled_graphs() -> int:
+    """Graphs torch.compile has compiled in this process so far (recompilations
+    included): what a worker reports so that a reconfiguration is seen not to recompile."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
 class Head(nn.Module):
     """Final norm and output projection: (B, T, C) -> logits (B, T, V/tp), split by
     vocabulary; with `fused_head_loss`, (B, T, C) normalised, and `loss` projects."""

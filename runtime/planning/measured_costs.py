@@ -84,7 +84,7 @@ def profile_model(cfg: Config, *, device: torch.device | str | None = None,
     m, t = cfg.model, cfg.train
     shape = model_shape(m)
     param_dtype, _ = torch_dtypes(t.dtype)
-    model = LayerModel(m, seed=t.seed, recompute=t.recompute)
+    model = LayerModel(m, seed=t.seed, recompute=t.recompute, compile=t.compile)  # as the workers run them
     solo = TensorParallel()  # tp = 1: the only degree one process can run
     gen = torch.Generator().manual_seed(t.seed)
     tokens = torch.randint(m.vocab_size, (t.micro_batch, m.seq_len), generator=gen)
@@ -126,6 +126,7 @@ def profile_model(cfg: Config, *, device: torch.device | str | None = None,
                           cache_key={"model": "planaria-llama", "norm_eps": m.norm_eps,
                                      "rope_theta": m.rope_theta,
                                      "grad_accum": str(wide).removeprefix("torch."),
+                                     "compile": t.compile, "optimizer_impl": t.optimizer_impl,
                                      "concurrent_workers": concurrent_workers,
                                      "runtime_probe": "1f1b-2-stages" if measure_links else None},
                           loss_fn=loss_fn, num_threads=num_threads, make_optimizer=make_optimizer,

@@ -59,6 +59,7 @@ from planaria.runtime.contract.heartbeat import start_beating
 from planaria.runtime.contract.logs import (AUDIT, COMMITS, EVALS, AuditEntry, CommitEntry, EvalEntry, append, error_line,
                                            log_path)
 from planaria.runtime.data.token_datasets import dataset_for
+from planaria.runtime.models.llama import compiled_graphs
 from planaria.runtime.parallel.engine import Engine, StepResult, TornStep
 from planaria.runtime.parallel.groups import GroupRetirement, forget_failed_world, set_operation_timeout
 from planaria.runtime.parallel.loop import Call, Evaluation, Every, run_steps
@@ -605,7 +606,8 @@ class ElasticWorker:
         append(self.commits, CommitEntry(
             step=result.iteration, loss=result.loss, grad_norm=result.grad_norm, epoch=epoch,
             time=time.time(), rolled_forward=rolled_forward,
-            step_time_s=result.step_time_s if isinstance(result, StepResult) else None))
+            step_time_s=result.step_time_s if isinstance(result, StepResult) else None,
+            compiled_graphs=compiled_graphs() if self.cfg.train.compile else None))
         if self.worker[1] == 0 and (result.iteration % self.cfg.train.log_every == 0
                                     or result.iteration == self.cfg.train.steps - 1):
             self._log(f"step {result.iteration + 1}/{self.cfg.train.steps} | loss {result.loss:.4f}"

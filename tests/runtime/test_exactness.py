@@ -41,6 +41,16 @@ CASES = {
     "planner-4-nodes-min-stages-2": (4, ["fault_tolerance.f=1", "parallel.min_stages=2"]),
 }
 
+# Every case again with compiled blocks (train.compile): compilation is a speed choice,
+# never an exactness one. Two in the default suite, with the batched AdamWs.
+COMPILED = {f"{name}-compiled": (nproc, [*overrides, "train.compile=true"]) for name, (nproc, overrides) in CASES.items()}
+COMPILED["pp2-1f1b-compiled"][1].append("train.optimizer_impl=fused")
+COMPILED["pp2-interleaved-v2-compiled"][1].append("train.optimizer_impl=foreach")
+COMPILED_IN_DEFAULT_SUITE = {"pp2-1f1b-compiled", "pp2-interleaved-v2-compiled"}
+SLOW = {"tp2", "tp2-pp2", "planner-4-nodes-min-stages-2", "tp2-pp2-zb1f1b-recompute", "pp2-gpipe",
+        "heterogeneous-[[4],[2,2]]-mb[3,5]", *(set(COMPILED) - COMPILED_IN_DEFAULT_SUITE)}
+CASES.update(COMPILED)
+
 
 @pytest.fixture(scope="module")
 def reference():
@@ -64,17 +74,16 @@ def profile_cache(tmp_path_factory):
 @pytest.mark.timeout(300)
 # heterogeneous-[[4],[2,2]]-mb[3,5] runs in the default suite as tests/runtime/test_tied_embeddings.py's
 # case of the same plan (tied embeddings on top); here under `make test-slow`.
-@pytest.mark.parametrize("case", cases_with_slow(CASES, {"tp2", "tp2-pp2", "planner-4-nodes-min-stages-2",
-                                                             "tp2-pp2-zb1f1b-recompute", "pp2-gpipe",
-                                                             "heterogeneous-[[4],[2,2]]-mb[3,5]"}))
+@pytest.mark.parametrize("case", cases_with_slow(CASES, SLOW))
 def test_parallel_plan_matches_single_process(case, reference, tmp_path, profile_cache):
     nproc, overrides = CASES[case]
+    cache = profile_cache / ("compiled" if "compiled" in case else "plain")  # profiled as they run
     if case.startswith("planner"):
-        overrides = [*overrides, f"parallel.profile_cache={profile_cache}"]
+        overrides = [*overrides, f"parallel.profile_cache={cache}"]
     proc = torchrun_train(nproc, JOB + overrides, tmp_path)
     if case.startswith("planner"):
         assert "planner: n0=" in proc.stdout
-        assert len(list(profile_cache.glob("profile-*.json"))) == 1
+        assert len(list(cache.glob("profile-*.json"))) == 1
     if "min-stages-2" in case:
         assert "stages [2, 2]" in proc.stdout
 

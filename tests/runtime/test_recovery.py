@@ -187,6 +187,33 @@ def test_node_joining_mid_run_receives_its_layers(reference, tmp_path):
     assert joiner and joiner[0] == event.first_iteration >= 2 and joiner[-1] == STEPS - 1
 
 
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_a_kill_and_a_join_recompile_no_block(reference, tmp_path):
+    """Compiled blocks (`train.compile`): node3 is killed in iteration 2, and a fifth node
+    joins once the survivors have committed iteration 3. The losses and the final
+    parameters are the reference's (compilation is never an exactness choice), and every
+    worker's process compiled as many graphs by its last commit as by its first: the
+    survivors, which re-built their stages over other layers twice, and the joiner alike,
+    which is what a run without faults compiles."""
+    added = []
+    straggler = "node0.0:commit@4!slow=10"  # holds the window open for the joiner
+
+    def add_after_iteration_3(job, elapsed):
+        log = tmp_path / "commits-node0.0.jsonl"
+        if not added and log.exists() and len(log.read_text().splitlines()) >= 4:
+            added.append(job.add_node())
+
+    job, result = run_job(tmp_path, nodes=4, faults=f"node3.0:commit@2,{straggler}",
+                          extra=["train.compile=true"], actions=add_after_iteration_3)
+    logs = check_against_reference(tmp_path, reference, job)
+    assert [e.reason for e in result.controller.events] == ["failure", "join"], result.controller.events
+    counts = {worker: {e.compiled_graphs for e in entries} for worker, entries in logs.items() if entries}
+    assert "node4.0" in counts and len(counts) == 5, counts
+    assert all(len(c) == 1 for c in counts.values()), counts  # no worker compiled after its first commit
+    assert len(set.union(*counts.values())) == 1 and min(set.union(*counts.values())) >= 1, counts
+
+
 @pytest.mark.slow  # the default suite's time (~15 min on 2 cores): `make test-slow`
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
