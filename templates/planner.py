@@ -337,13 +337,17 @@ class Planner(JobTemplates):
             left -= m
         return counts[::-1]
 
-    def _sync_time(self, sizes: list[int]) -> float:
-        """Ring all-reduce of the largest stage's gradients across the pipelines."""
+    def sync_bytes(self, sizes: list[int]) -> float:
+        """Bytes a worker of the largest stage sends in a step's ring all-reduce of its
+        gradients across `sizes`' pipelines (received alike): 2(k−1)/k of them."""
         k = len(sizes)
         if k == 1:
             return 0.0
-        grad_bytes = max(self._gradient_bytes(s) for s in set(sizes))
-        return 2 * (k - 1) / k * grad_bytes / self.costs.hardware.inter_node_bandwidth
+        return 2 * (k - 1) / k * max(self._gradient_bytes(s) for s in set(sizes))
+
+    def _sync_time(self, sizes: list[int]) -> float:
+        """Ring all-reduce of the largest stage's gradients across the pipelines."""
+        return self.sync_bytes(sizes) / self.costs.hardware.inter_node_bandwidth
 
     def _build_plan(self, sizes, counts, node_ids, current, epoch, first_iteration) -> Plan:
         gpus = self.costs.tp

@@ -3,6 +3,7 @@ and what the planner makes of them; the tp split of key/value heads and its inve
 No processes: the multi-process exactness of these models is test_gqa_exactness.py."""
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -146,3 +147,25 @@ def test_plan_prints_and_checks_the_host_memory_of_peer_snapshots(capsys):
         plan_job(cfg, small, nodes=16, fault_tolerance=1).check_host_memory()
     off = load_config(CONFIGS / "llama3-8b.yaml", ["checkpoint.memory_every=0"])
     assert plan_job(off, small, nodes=16, fault_tolerance=1).snapshot_host_bytes == 0
+
+
+def test_the_plan_states_what_the_exact_reduction_costs_the_gradient_sync(capsys):
+    """`train.exact_reduction` sums gradients across pipelines in float64: the planner
+    costs twice float32's bytes for the sync, and `planaria plan` prints them."""
+    from planaria.runtime.planning.job_plans import cost_model, plan_job
+
+    plans = {}
+    for exact in (True, False):
+        cfg = load_config(CONFIGS / "llama3-8b.yaml", [f"train.exact_reduction={str(exact).lower()}"])
+        costs = cost_model(cfg, hardware_name="h100", gpus_per_node=8)
+        plans[exact] = plan_job(cfg, costs, nodes=16, fault_tolerance=1)
+    wide, narrow = plans[True], plans[False]
+    assert len(narrow.choice.plan.pipelines) > 1 and narrow.sync_bytes > 0
+    assert (wide.sync_dtype, narrow.sync_dtype) == ("float64", "float32")
+    assert wide.sync_bytes == pytest.approx(2 * narrow.sync_bytes)
+    # The same plan, slower by the float64 sync's extra time, which the estimate includes.
+    assert wide.choice.iteration_time_s > narrow.choice.iteration_time_s
+    assert main(["plan", str(CONFIGS / "llama3-8b.yaml"), "--nodes", "16", "--gpus-per-node", "8",
+                 "--hardware", "h100"]) == 0
+    assert re.search(r"gradient sync across pipelines: [\d.]+ GiB sent per worker per step in float64 "
+                     r"\(train.exact_reduction", capsys.readouterr().out)
