@@ -78,9 +78,6 @@ class PlannerSettings:
     depth: int = 4
     """Templates have up to depth·n0 − 1 stages (module docstring); 2 keeps only the
     sizes needed to cover every node count."""
-    wide_gradients: bool = False
-    """The sync across pipelines sums float64 gradients of narrower parameters
-    (`train.exact_reduction`): twice the bytes of the parameters' own dtype."""
 
     def __post_init__(self) -> None:
         if self.fault_tolerance < 0:
@@ -146,11 +143,9 @@ class JobTemplates:
 
     def _gradient_bytes(self, size: int) -> float:
         """Gradient bytes of the template's largest model stage: what the sync across
-        pipelines all-reduces. A gradient is a quarter of a parameter's state (4 of the 16
-        bytes of float32 or bf16 training, 8 of float64's 32), twice that when summed wide."""
+        pipelines all-reduces (fp32 gradients: 4 of the 16 bytes of state per parameter)."""
         return max(self.costs.state_bytes(start, stop)
-                   for start, stop in self.template(size).partition.model_stages) / 4 \
-            * (2 if self.settings.wide_gradients else 1)
+                   for start, stop in self.template(size).partition.model_stages) / 4
 
     def _fill_time(self, size: int) -> float:
         """A pipeline's time beyond its microbatches' own, m × its slowest stage: the same

@@ -337,13 +337,16 @@ class Planner(JobTemplates):
             left -= m
         return counts[::-1]
 
+    def stage_gradient_bytes(self, sizes: list[int]) -> float:
+        """The gradient bytes of the largest stage of pipelines of `sizes` (float32: what
+        the cost model counts, `_gradient_bytes`)."""
+        return max(self._gradient_bytes(s) for s in set(sizes))
+
     def sync_bytes(self, sizes: list[int]) -> float:
         """Bytes a worker of the largest stage sends in a step's ring all-reduce of its
         gradients across `sizes`' pipelines (received alike): 2(k−1)/k of them."""
         k = len(sizes)
-        if k == 1:
-            return 0.0
-        return 2 * (k - 1) / k * max(self._gradient_bytes(s) for s in set(sizes))
+        return 0.0 if k == 1 else 2 * (k - 1) / k * self.stage_gradient_bytes(sizes)
 
     def _sync_time(self, sizes: list[int]) -> float:
         """Ring all-reduce of the largest stage's gradients across the pipelines."""

@@ -40,9 +40,12 @@ class PlanReport:
     0 when they are off."""
     sync_bytes: float = 0.0
     """What a worker of the largest stage sends per step to sum gradients across the
-    pipelines (`Planner.sync_bytes`); 0 with one pipeline."""
+    pipelines, in `sync_dtype`; 0 with one pipeline."""
     sync_dtype: str = "float32"
-    """The dtype of those sums: float64 with `train.exact_reduction` (or float64 training)."""
+    """float64 with `train.exact_reduction` (or float64 training)."""
+    wide_sum_bytes: float = 0.0
+    """Per device, the float64 sums `train.exact_reduction` keeps of a float32 or bf16
+    job's gradients (the largest stage's); 0 without them."""
 
     def check_host_memory(self) -> None:
         """ValueError, with the figures, when peer snapshots need more host memory on a
@@ -81,10 +84,19 @@ def plan_job(cfg: Config, costs: CostModel, *, nodes: int, fault_tolerance: int)
     if cfg.checkpoint.memory_every:
         snapshots = max(snapshot_host_bytes(choice.plan, cfg.checkpoint.memory_copies,
                                             lambda layer: costs.layers[layer].state_bytes).values())
+    # The cost model counts float32 gradients (docs/planner.md, "The gradient sync"): what
+    # float64 sums add is reported beside the estimate, not yet in it.
     sizes = [len(p.stages) for p in choice.plan.pipelines]
-    sync_dtype = "float64" if wide_gradients(cfg) or cfg.train.dtype == "float64" else "float32"
+    widen = 2 if wide_gradients(cfg) else 1
     return PlanReport(planner, choice, planning_time, tokens / choice.iteration_time_s, mfu, peak, snapshots,
-                      sync_bytes=planner.sync_bytes(sizes), sync_dtype=sync_dtype)
+                      sync_bytes=widen * planner.sync_bytes(sizes),
+                      sync_dtype="float64" if widen == 2 or cfg.train.dtype == "float64" else "float32",
+                      wide_sum_bytes=2 * planner.stage_gradient_bytes(sizes) if widen == 2 else 0.0)
+
+
+def wide_gradients(cfg: Config) -> bool:
+    """Whether the job sums a float32 or bf16 job's gradients in float64 (`train.exact_reduction`)."""
+    return cfg.train.exact_reduction and cfg.train.dtype != "float64"
 
 
 def build_planner(cfg: Config, costs: CostModel, *, fault_tolerance: int | None = None) -> Planner:
@@ -93,15 +105,8 @@ def build_planner(cfg: Config, costs: CostModel, *, fault_tolerance: int | None 
     settings = PlannerSettings(
         fault_tolerance=cfg.fault_tolerance.f if fault_tolerance is None else fault_tolerance,
         global_batch=cfg.train.global_batch, micro_batch=cfg.train.micro_batch,
-        schedule=p.schedule, virtual_stages=p.virtual_stages, min_stages=p.min_stages,
-        wide_gradients=wide_gradients(cfg))
+        schedule=p.schedule, virtual_stages=p.virtual_stages, min_stages=p.min_stages)
     return Planner(costs, settings)
-
-
-def wide_gradients(cfg: Config) -> bool:
-    """Whether the job sums gradients across pipelines in float64 while its parameters
-    are narrower (`train.exact_reduction`, not float64 training)."""
-    return cfg.train.exact_reduction and cfg.train.dtype != "float64"
 
 
 def model_flops_per_token(shape: ModelShape) -> float:
@@ -133,6 +138,7 @@ def report_json(report: PlanReport) -> str:
                      "mfu": report.mfu, "peak_memory_bytes": report.peak_memory_bytes,
                      "snapshot_host_bytes": report.snapshot_host_bytes,
                      "gradient_sync_bytes": report.sync_bytes, "gradient_sync_dtype": report.sync_dtype,
+                     "float64_gradient_sum_bytes": report.wide_sum_bytes,
                      "replicas": choice.replicas, "degraded": choice.degraded},
         "idle_nodes": list(choice.idle_nodes),
         "idle_reason": choice.idle_reason,
@@ -174,10 +180,16 @@ def print_report(report: PlanReport, console: Console) -> None:
                   f"MFU {report.mfu:.1%} | peak memory per device {report.peak_memory_bytes / 2**30:.2f} GiB "
                   f"of {hw.device_memory_bytes / 2**30:.1f} | planned in {report.planning_time_s:.3f} s")
     if report.sync_bytes:
-        doubled = " (train.exact_reduction: twice float32's bytes, for sums that do not depend on the plan)" \
-            if planner.settings.wide_gradients else ""
         console.print(f"gradient sync across pipelines: {report.sync_bytes / 2**30:.2f} GiB sent per worker "
-                      f"per step in {report.sync_dtype}{doubled}")
+                      f"per step in {report.sync_dtype}")
+    if report.wide_sum_bytes:
+        total = report.peak_memory_bytes + report.wide_sum_bytes
+        over = (f": {total / 2**30:.2f} GiB in all, over the device's {hw.device_memory_bytes / 2**30:.1f}; "
+                "set train.exact_reduction false, or plan more nodes or a higher tp") \
+            if total > hw.device_memory_bytes else ""
+        console.print(f"[yellow]train.exact_reduction:[/] the float64 gradient sums take "
+                      f"{report.wide_sum_bytes / 2**30:.2f} GiB more per device{over}; and the sync above is twice "
+                      "float32's bytes. The estimates above count neither (docs/planner.md, \"The gradient sync\")")
     if report.snapshot_host_bytes:
         room = f" of {hw.host_memory_bytes / 2**30:.1f}" if hw.host_memory_bytes else ""
         console.print(f"peer snapshots: {report.snapshot_host_bytes / 2**30:.2f} GiB of host memory per node "

@@ -149,9 +149,11 @@ def test_plan_prints_and_checks_the_host_memory_of_peer_snapshots(capsys):
     assert plan_job(off, small, nodes=16, fault_tolerance=1).snapshot_host_bytes == 0
 
 
-def test_the_plan_states_what_the_exact_reduction_costs_the_gradient_sync(capsys):
-    """`train.exact_reduction` sums gradients across pipelines in float64: the planner
-    costs twice float32's bytes for the sync, and `planaria plan` prints them."""
+def test_the_plan_states_what_the_exact_reduction_costs(capsys):
+    """`train.exact_reduction` sums gradients in float64: `planaria plan` states the
+    sync's bytes in float64 (twice float32's) and the memory the sums take, and says when
+    the plan would not fit the device with them (which its estimates do not count yet:
+    docs/planner.md, "The gradient sync")."""
     from planaria.runtime.planning.job_plans import cost_model, plan_job
 
     plans = {}
@@ -163,9 +165,14 @@ def test_the_plan_states_what_the_exact_reduction_costs_the_gradient_sync(capsys
     assert len(narrow.choice.plan.pipelines) > 1 and narrow.sync_bytes > 0
     assert (wide.sync_dtype, narrow.sync_dtype) == ("float64", "float32")
     assert wide.sync_bytes == pytest.approx(2 * narrow.sync_bytes)
-    # The same plan, slower by the float64 sync's extra time, which the estimate includes.
-    assert wide.choice.iteration_time_s > narrow.choice.iteration_time_s
+    # 8 bytes per parameter of a worker's largest stage: an 8B model over 8 tp ranks.
+    assert narrow.wide_sum_bytes == 0 and wide.wide_sum_bytes == pytest.approx(8 * 8.03e9 / 8, rel=0.02)
     assert main(["plan", str(CONFIGS / "llama3-8b.yaml"), "--nodes", "16", "--gpus-per-node", "8",
                  "--hardware", "h100"]) == 0
-    assert re.search(r"gradient sync across pipelines: [\d.]+ GiB sent per worker per step in float64 "
-                     r"\(train.exact_reduction", capsys.readouterr().out)
+    out = capsys.readouterr().out
+    assert re.search(r"gradient sync across pipelines: [\d.]+ GiB sent per worker per step in float64", out)
+    assert re.search(r"the float64 gradient sums take [\d.]+ GiB more per device; and the sync", out)
+    assert main(["plan", str(CONFIGS / "llama3-70b.yaml"), "--nodes", "16", "--gpus-per-node", "8",
+                 "--hardware", "h100"]) == 0
+    assert re.search(r"GiB in all, over the device's [\d.]+; set train.exact_reduction false",
+                     " ".join(capsys.readouterr().out.split()))
