@@ -26,7 +26,12 @@ random tokens. The sides, each in a fresh process, one after another:
             skipped with the reason when torchtitan is not importable.
 
 Each side discards its first `--warmup` steps (compilation, the allocator's growth) and
-reports the median step time of the rest, tokens/s from it, MFU, and peak memory.
+reports the median step time of the rest (Planaria's and the plain loop's from the wall
+clock between steps, torchtitan's from its own tokens/s lines), tokens/s from it, MFU, and
+peak memory reserved by the caching allocator (what torchtitan reports). `--launches`
+adds, for each Planaria variant, the kernels one step launches (a profiled step in a
+process of its own; the plain loop's is counted after its timed steps); on CPU the
+count is a proxy (`count_launches`).
 MFU's formula is torchtitan's (the anchors' published MFU use it): FLOPs per token =
 6 (N - N_embedding) + 12 L H Q T (L blocks, H heads, Q head dim, T sequence length,
 attention counted as if not causal), over 989 TFLOP/s, the H100 SXM's dense BF16 peak
