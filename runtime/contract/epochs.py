@@ -32,6 +32,55 @@ PlanField = Annotated[Plan, PlainValidator(_plan_from_json), PlainSerializer(Pla
 """A Plan in a record, in `Plan.to_dict`'s form (the plan contract owns its JSON)."""
 
 
+def _transfers_to_json(transfers: tuple[Transfer, ...]) -> dict:
+    """{"workers": each worker once, "shards": [layer, tp rank, source, destination] with
+    the workers as indexes into it}: a third of the bytes of an object per transfer. A
+    re-plan that moves nearly every layer of a thousand nodes lists tens of thousands of
+    transfers, in a record that etcd takes in one request of at most 1.5 MiB."""
+    index: dict = {}
+    for t in transfers:
+        index.setdefault(t.src, len(index))
+        index.setdefault(t.dst, len(index))
+    return {"workers": [list(w) for w in index],
+            "shards": [[t.layer, t.tp_rank, index[t.src], index[t.dst]] for t in transfers]}
+
+
+def _transfers_from_json(value) -> tuple[Transfer, ...]:
+    """`_transfers_to_json`'s form, or the earlier one of an object per transfer."""
+    if isinstance(value, (tuple, list)) and all(isinstance(t, Transfer) for t in value):
+        return tuple(value)
+    try:
+        if isinstance(value, list):
+            return tuple(Transfer(layer=_int(t["layer"]), tp_rank=_int(t["tp_rank"]), src=_worker(t["src"]),
+                                  dst=_worker(t["dst"])) for t in value)
+        if not isinstance(value, dict) or set(value) != {"workers", "shards"}:
+            raise RecordError('transfers must be {"workers": [...], "shards": [...]}')
+        workers = [_worker(w) for w in value["workers"]]
+        return tuple(Transfer(layer=_int(layer), tp_rank=_int(tp), src=workers[_int(src)], dst=workers[_int(dst)])
+                     for layer, tp, src, dst in value["shards"])
+    except RecordError:
+        raise
+    except (KeyError, IndexError, TypeError, ValueError) as err:
+        raise RecordError(f"transfers: not a list of transfers ({type(err).__name__}: {err})") from None
+
+
+def _int(value) -> int:
+    if type(value) is not int:
+        raise RecordError(f"transfers: expected an integer, got {value!r}")
+    return value
+
+
+def _worker(value) -> tuple[str, int]:
+    if not isinstance(value, (list, tuple)) or len(value) != 2 or not isinstance(value[0], str):
+        raise RecordError(f"transfers: a worker is [node, local rank], got {value!r}")
+    return value[0], _int(value[1])
+
+
+TransfersField = Annotated[tuple[Transfer, ...], PlainValidator(_transfers_from_json),
+                           PlainSerializer(_transfers_to_json)]
+"""An epoch's transfers in a record, in `_transfers_to_json`'s compact form."""
+
+
 @dataclass(frozen=True)
 class EpochRecord(JsonRecord):
     """An epoch's plan and what survivors do before it starts."""
@@ -39,7 +88,7 @@ class EpochRecord(JsonRecord):
     plan: PlanField
     roll_forward: CommitRecord | None = None
     """Workers one step behind apply this committed step first (exactly-once rule)."""
-    transfers: tuple[Transfer, ...] = field(default=())
+    transfers: TransfersField = field(default=())
     """Layer shards to copy from holders to the workers that lack them."""
     restore: str | None = None
     """A checkpoint directory every worker loads its layers from (some layer lost every
