@@ -2,7 +2,8 @@
 
 The record of an epoch (`EpochRecord`: the plan, and the transfers after a loss) is one
 etcd key, written in one request, and grows with the job: 475 KiB at 4,096 nodes of 8
-GPUs of LLaMA 3 70B, 486 KiB after a node is lost (docs/control_plane.md, "etcd's
+GPUs of LLaMA 3 70B, 486 KiB after a node is lost, 601 KiB at 1,024 nodes, whose re-plan
+re-cuts the pipelines (docs/control_plane.md, "etcd's
 limits"). etcd refuses a request over `--max-request-bytes` (1.5 MiB by default). The
 client would refuse it too, before sending (`planaria.elastic.etcd_limits`), but only
 with the key's name; here the controller learns it first, with what makes the record

@@ -36,6 +36,7 @@ DTYPE_NAMES = ("float32", "bfloat16", "float64")
 # Parameters, gradients and both Adam moments are kept in the master dtype: float32
 # for "float32" and "bfloat16" (autocast keeps float32 masters), float64 for "float64".
 _BYTES_PER_PARAMETER = {"float32": 16, "bfloat16": 16, "float64": 32}
+_WIDE_SUM_BYTES = 8  # a float64 gradient sum per parameter (train.exact_reduction)
 # Element size of matmul outputs (the activations autocast produces).
 _ACTIVATION_BYTES = {"float32": 4, "bfloat16": 2, "float64": 8}
 # Element size of the residual stream and of the master weights.
@@ -215,11 +216,19 @@ def check_job(shape: ModelShape, *, tp: int, micro_batch: int, dtype: str) -> No
     check_kv_heads(shape.n_heads, shape.kv_heads, tp)
 
 
-def bytes_per_parameter(dtype: str) -> int:
-    """State bytes per parameter: master weight, gradient and two Adam moments."""
+def bytes_per_parameter(dtype: str, wide_gradients: bool = False) -> int:
+    """State bytes per parameter: master weight, gradient and two Adam moments, and with
+    `wide_gradients` (`train.exact_reduction` below float64) the float64 sum the
+    gradients accumulate in."""
     if dtype not in _BYTES_PER_PARAMETER:
         raise ValueError(f"train.dtype {dtype!r} is unknown; use one of {list(DTYPE_NAMES)}")
-    return _BYTES_PER_PARAMETER[dtype]
+    return _BYTES_PER_PARAMETER[dtype] + (_WIDE_SUM_BYTES if wide_gradients else 0)
+
+
+def gradient_element_bytes(dtype: str, wide_gradients: bool = False) -> int:
+    """Bytes per element of the gradients summed across pipelines: float64 sums with
+    `wide_gradients` or float64 training, the float32 master gradients otherwise."""
+    return _WIDE_SUM_BYTES if wide_gradients or dtype == "float64" else 4
 
 
 def activation_element_bytes(dtype: str) -> int:
@@ -232,15 +241,28 @@ def hidden_element_bytes(dtype: str) -> int:
     return _HIDDEN_BYTES[dtype]
 
 
-def layer_state_bytes(shape: ModelShape, index: int, tp: int, dtype: str) -> int:
-    """Bytes one worker pins for layer `index`: sharded matrices / tp, norm gains whole."""
+def layer_parameters_per_rank(shape: ModelShape, index: int, tp: int) -> int:
+    """Parameters one worker holds of layer `index`: sharded matrices / tp, norm gains whole."""
     kind = shape.layer_kind(index)
-    d = shape.d_model
     if kind == "block":
-        return shape.block_parameters_per_rank(tp) * bytes_per_parameter(dtype)
-    replicated = {"embedding": 0, "head": d}[kind]
-    sharded = shape.layer_parameters(index) - replicated
-    return (sharded // tp + replicated) * bytes_per_parameter(dtype)
+        return shape.block_parameters_per_rank(tp)
+    replicated = {"embedding": 0, "head": shape.d_model}[kind]
+    return (shape.layer_parameters(index) - replicated) // tp + replicated
+
+
+def layer_state_bytes(shape: ModelShape, index: int, tp: int, dtype: str, wide_gradients: bool = False) -> int:
+    """Bytes one worker pins for layer `index` (`bytes_per_parameter`)."""
+    return layer_parameters_per_rank(shape, index, tp) * bytes_per_parameter(dtype, wide_gradients)
+
+
+def layer_wide_sum_bytes(shape: ModelShape, index: int, tp: int, wide_gradients: bool) -> int:
+    """Bytes of one worker's float64 gradient sums of layer `index` (none without)."""
+    return layer_parameters_per_rank(shape, index, tp) * _WIDE_SUM_BYTES if wide_gradients else 0
+
+
+def layer_gradient_bytes(shape: ModelShape, index: int, tp: int, dtype: str, wide_gradients: bool = False) -> int:
+    """Bytes of one worker's summed gradients of layer `index` (`gradient_element_bytes`)."""
+    return layer_parameters_per_rank(shape, index, tp) * gradient_element_bytes(dtype, wide_gradients)
 
 
 def layer_output_bytes(shape: ModelShape, index: int, micro_batch: int, dtype: str) -> int:
@@ -370,14 +392,16 @@ def tp_step_communication_time(shape: ModelShape, index: int, hw: Hardware, *, t
 
 
 def analytic_cost_model(shape: ModelShape, hw: Hardware, *, tp: int = 1, micro_batch: int = 1,
-                        dtype: str = "bfloat16", recompute: bool = False) -> CostModel:
+                        dtype: str = "bfloat16", recompute: bool = False,
+                        wide_gradients: bool = False) -> CostModel:
     """Per-layer costs from FLOPs and bytes on the hardware `hw`.
 
     Compute time is FLOPs / (peak · matmul_efficiency); the backward is 2x the forward's
     FLOPs (input and weight gradients), 3x for a recomputed block, plus the layer's
     tensor-parallel all-reduces; once per step, the sum of replicated key/value heads'
     gradients (`optimizer_s`). Memory per worker as in `layer_state_bytes` and
-    `layer_activation_bytes`.
+    `layer_activation_bytes`; `wide_gradients`: `train.exact_reduction` below float64 (a
+    float64 sum per parameter pinned, and summed across pipelines).
     """
     check_job(shape, tp=tp, micro_batch=micro_batch, dtype=dtype)
     if tp > hw.gpus_per_node:
@@ -393,7 +417,9 @@ def analytic_cost_model(shape: ModelShape, hw: Hardware, *, tp: int = 1, micro_b
         layers.append(LayerCost(
             forward_s=flops / rate + comm_f,
             backward_s=(3 if recomputed else 2) * flops / rate + comm_b,
-            state_bytes=layer_state_bytes(shape, i, tp, dtype),
+            state_bytes=layer_state_bytes(shape, i, tp, dtype, wide_gradients),
+            gradient_bytes=layer_gradient_bytes(shape, i, tp, dtype, wide_gradients),
+            wide_sum_bytes=layer_wide_sum_bytes(shape, i, tp, wide_gradients),
             activation_bytes=layer_activation_bytes(shape, i, tp=tp, micro_batch=micro_batch,
                                                     dtype=dtype, recompute=recompute),
             output_bytes=layer_output_bytes(shape, i, micro_batch, dtype),

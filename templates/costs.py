@@ -191,7 +191,8 @@ class LayerCost:
     backward_s: float
     """Input and weight gradients together."""
     state_bytes: int
-    """Bytes pinned for the whole run: parameters, gradients, optimizer state (this worker's shard)."""
+    """Bytes pinned for the whole run: parameters, gradients, optimizer state (this worker's
+    shard), and `wide_sum_bytes`."""
     activation_bytes: int
     """Bytes kept from forward to backward, per microbatch in flight."""
     output_bytes: int
@@ -201,10 +202,25 @@ class LayerCost:
     update on one worker (gradient norm, clipping, the optimizer step, zeroing the
     gradients), and its once-per-step tensor-parallel sums. The analytic model counts
     only the latter (`analytic.tp_step_communication_time`)."""
+    gradient_bytes: int | None = None
+    """Bytes of this worker's summed gradients: what the sync across pipelines all-reduces.
+    None: a quarter of `held_bytes` (float32 gradients of float32 or bf16 training, summed
+    in float32)."""
+    wide_sum_bytes: int = 0
+    """Of `state_bytes`, the float64 sums the gradients accumulate in (`train.exact_reduction`
+    below float64): pinned, but neither moved nor snapshotted."""
+
+    @property
+    def held_bytes(self) -> int:
+        """The layer's state proper: parameters, gradients and moments (what a move copies,
+        and a snapshot three quarters of)."""
+        return self.state_bytes - self.wide_sum_bytes
 
     def __post_init__(self) -> None:
         if self.optimizer_s < 0:
             raise ValueError(f"optimizer_s must not be negative, got {self.optimizer_s}")
+        if self.gradient_bytes is None:
+            object.__setattr__(self, "gradient_bytes", self.held_bytes // 4)
 
 
 @dataclass(frozen=True)
@@ -228,6 +244,7 @@ class CostModel:
         object.__setattr__(self, "_state", prefix(l.state_bytes for l in self.layers))
         object.__setattr__(self, "_activation", prefix(l.activation_bytes for l in self.layers))
         object.__setattr__(self, "_update", prefix(l.optimizer_s for l in self.layers))
+        object.__setattr__(self, "_gradient", prefix(l.gradient_bytes for l in self.layers))
 
     @property
     def num_layers(self) -> int:
@@ -243,6 +260,10 @@ class CostModel:
 
     def state_bytes(self, start: int, stop: int) -> int:
         return int(self._state[stop] - self._state[start])
+
+    def gradient_bytes(self, start: int, stop: int) -> int:
+        """The summed gradients of layers [start, stop) on one worker (`LayerCost.gradient_bytes`)."""
+        return int(self._gradient[stop] - self._gradient[start])
 
     def activation_bytes(self, start: int, stop: int) -> int:
         return int(self._activation[stop] - self._activation[start])

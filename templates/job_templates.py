@@ -143,9 +143,9 @@ class JobTemplates:
 
     def _gradient_bytes(self, size: int) -> float:
         """Gradient bytes of the template's largest model stage: what the sync across
-        pipelines all-reduces (fp32 gradients: 4 of the 16 bytes of state per parameter)."""
-        return max(self.costs.state_bytes(start, stop)
-                   for start, stop in self.template(size).partition.model_stages) / 4
+        pipelines all-reduces (`CostModel.gradient_bytes`: float64 with wide sums)."""
+        return max(self.costs.gradient_bytes(start, stop)
+                   for start, stop in self.template(size).partition.model_stages)
 
     def _fill_time(self, size: int) -> float:
         """A pipeline's time beyond its microbatches' own, m × its slowest stage: the same

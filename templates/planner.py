@@ -151,7 +151,7 @@ class Planner(JobTemplates):
         return sorted(sizes, reverse=True)
 
     def _layer_bytes(self, layer: int) -> int:
-        return self.costs.layers[layer].state_bytes
+        return self.costs.layers[layer].held_bytes
 
     def _target_pipelines(self, num_nodes: int) -> int:
         return min(self.settings.fault_tolerance + 1, num_nodes // self.n0)

@@ -54,6 +54,7 @@ import torch
 
 from planaria.templates.analytic import (
     bytes_per_parameter,
+    gradient_element_bytes,
     check_job,
     layer_activation_bytes,
     tp_communication_times,
@@ -75,6 +76,7 @@ _AUTOCAST = {"bfloat16": torch.bfloat16}
 def profile_layers(build_layer: Callable[[int], torch.nn.Module],
                    make_input: Callable[[int], torch.Tensor], shape: ModelShape, hw: Hardware, *,
                    tp: int = 1, micro_batch: int, dtype: str, recompute: bool = False,
+                   wide_gradients: bool = False,
                    repeats: int = 5, warmup: int = 2, cache_dir: Path | None = None,
                    cache_key: dict | None = None,
                    loss_fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
@@ -140,7 +142,7 @@ def profile_layers(build_layer: Callable[[int], torch.nn.Module],
     if links is not None:
         hw = links.apply(hw)
     return _assemble(measured, shape, hw, tp=tp, micro_batch=micro_batch, dtype=dtype,
-                     recompute=recompute)
+                     recompute=recompute, wide_gradients=wide_gradients)
 
 
 @contextmanager
@@ -313,7 +315,7 @@ def _sync(device: torch.device) -> None:
 
 
 def _assemble(measured: dict[str, Measurement], shape: ModelShape, hw: Hardware, *, tp: int,
-              micro_batch: int, dtype: str, recompute: bool) -> CostModel:
+              micro_batch: int, dtype: str, recompute: bool, wide_gradients: bool = False) -> CostModel:
     """The CostModel for `tp` from tp = 1 measurements (see the module docstring)."""
     layers = []
     for index in range(shape.num_layers):
@@ -324,13 +326,16 @@ def _assemble(measured: dict[str, Measurement], shape: ModelShape, hw: Hardware,
             shape, index, tp=t, micro_batch=micro_batch, dtype=dtype, recompute=recompute)
         activation = m.activation_bytes if tp == 1 else round(
             m.activation_bytes * estimate(tp) / max(estimate(1), 1))
-        state = (m.sharded_parameters // tp + m.replicated_parameters) * bytes_per_parameter(dtype)
+        parameters = m.sharded_parameters // tp + m.replicated_parameters
+        state = parameters * bytes_per_parameter(dtype, wide_gradients)
         # The update's work is per element, so its time shrinks with this worker's share.
         total = m.sharded_parameters + m.replicated_parameters
         share = (m.sharded_parameters / tp + m.replicated_parameters) / total if total else 1.0
         layers.append(LayerCost(forward_s=m.forward_s / tp + comm_f,
                                 backward_s=m.backward_s / tp + comm_b,
                                 state_bytes=state, activation_bytes=activation,
+                                gradient_bytes=parameters * gradient_element_bytes(dtype, wide_gradients),
+                                wide_sum_bytes=state - parameters * bytes_per_parameter(dtype),
                                 output_bytes=m.output_bytes, optimizer_s=m.optimizer_s * share))
     return CostModel(shape=shape, hardware=hw, tp=tp, micro_batch=micro_batch,
                      layers=tuple(layers), source="profiled")

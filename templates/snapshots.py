@@ -77,7 +77,7 @@ def owners(plan: Plan) -> dict[Shard, Worker]:
 
 SNAPSHOT_SHARE = 3 / 4
 """Of a layer's state (master weight, gradient, two Adam moments, all as wide as the
-master weight: `LayerCost.state_bytes`), a snapshot keeps the weight and the moments."""
+master weight: `LayerCost.held_bytes`), a snapshot keeps the weight and the moments."""
 
 ROUNDS_KEPT = 2
 """Rounds a worker keeps at once: the newest one whole everywhere, and the one after it

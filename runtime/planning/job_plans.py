@@ -44,8 +44,8 @@ class PlanReport:
     sync_dtype: str = "float32"
     """float64 with `train.exact_reduction` (or float64 training)."""
     wide_sum_bytes: float = 0.0
-    """Per device, the float64 sums `train.exact_reduction` keeps of a float32 or bf16
-    job's gradients (the largest stage's); 0 without them."""
+    """Of the peak memory, the float64 sums `train.exact_reduction` keeps of a float32 or
+    bf16 job's gradients (the largest stage's, per device); 0 without them."""
 
     def check_host_memory(self) -> None:
         """ValueError, with the figures, when peer snapshots need more host memory on a
@@ -64,7 +64,8 @@ def cost_model(cfg: Config, *, hardware_name: str, gpus_per_node: int) -> CostMo
     a computing process may profile instead: `planaria.runtime.planning.measured_costs.profiled_cost_model`)."""
     hw = hardware(hardware_name, gpus_per_node=gpus_per_node)
     return analytic_cost_model(model_shape(cfg.model), hw, tp=gpus_per_node, micro_batch=cfg.train.micro_batch,
-                               dtype=cfg.train.dtype, recompute=cfg.train.recompute)
+                               dtype=cfg.train.dtype, recompute=cfg.train.recompute,
+                               wide_gradients=wide_gradients(cfg))
 
 
 def plan_job(cfg: Config, costs: CostModel, *, nodes: int, fault_tolerance: int) -> PlanReport:
@@ -83,15 +84,13 @@ def plan_job(cfg: Config, costs: CostModel, *, nodes: int, fault_tolerance: int)
     snapshots = 0
     if cfg.checkpoint.memory_every:
         snapshots = max(snapshot_host_bytes(choice.plan, cfg.checkpoint.memory_copies,
-                                            lambda layer: costs.layers[layer].state_bytes).values())
-    # The cost model counts float32 gradients (docs/planner.md, "The gradient sync"): what
-    # float64 sums add is reported beside the estimate, not yet in it.
+                                            lambda layer: costs.layers[layer].held_bytes).values())
     sizes = [len(p.stages) for p in choice.plan.pipelines]
-    widen = 2 if wide_gradients(cfg) else 1
+    wide = wide_gradients(cfg)  # the cost model's gradients are then float64 sums
     return PlanReport(planner, choice, planning_time, tokens / choice.iteration_time_s, mfu, peak, snapshots,
-                      sync_bytes=widen * planner.sync_bytes(sizes),
-                      sync_dtype="float64" if widen == 2 or cfg.train.dtype == "float64" else "float32",
-                      wide_sum_bytes=2 * planner.stage_gradient_bytes(sizes) if widen == 2 else 0.0)
+                      sync_bytes=planner.sync_bytes(sizes),
+                      sync_dtype="float64" if wide or cfg.train.dtype == "float64" else "float32",
+                      wide_sum_bytes=planner.stage_gradient_bytes(sizes) if wide else 0.0)
 
 
 def wide_gradients(cfg: Config) -> bool:
@@ -183,13 +182,9 @@ def print_report(report: PlanReport, console: Console) -> None:
         console.print(f"gradient sync across pipelines: {report.sync_bytes / 2**30:.2f} GiB sent per worker "
                       f"per step in {report.sync_dtype}")
     if report.wide_sum_bytes:
-        total = report.peak_memory_bytes + report.wide_sum_bytes
-        over = (f": {total / 2**30:.2f} GiB in all, over the device's {hw.device_memory_bytes / 2**30:.1f}; "
-                "set train.exact_reduction false, or plan more nodes or a higher tp") \
-            if total > hw.device_memory_bytes else ""
-        console.print(f"[yellow]train.exact_reduction:[/] the float64 gradient sums take "
-                      f"{report.wide_sum_bytes / 2**30:.2f} GiB more per device{over}; and the sync above is twice "
-                      "float32's bytes. The estimates above count neither (docs/planner.md, \"The gradient sync\")")
+        console.print(f"train.exact_reduction: the float64 gradient sums take {report.wide_sum_bytes / 2**30:.2f} "
+                      "GiB of the peak memory per device, and the sync twice float32's bytes (both counted "
+                      "above: docs/planner.md, \"The gradient sync\")")
     if report.snapshot_host_bytes:
         room = f" of {hw.host_memory_bytes / 2**30:.1f}" if hw.host_memory_bytes else ""
         console.print(f"peer snapshots: {report.snapshot_host_bytes / 2**30:.2f} GiB of host memory per node "

@@ -121,7 +121,7 @@ def profile_model(cfg: Config, *, device: torch.device | str | None = None,
     hw = hardware(hardware_name, gpus_per_node=cfg.parallel.tp)
     return profile_layers(build_layer, make_input, shape, hw,
                           tp=cfg.parallel.tp, micro_batch=t.micro_batch, dtype=t.dtype,
-                          recompute=t.recompute, repeats=repeats, warmup=warmup,
+                          recompute=t.recompute, wide_gradients=wide is not None, repeats=repeats, warmup=warmup,
                           cache_dir=None if cache_dir is None else Path(cache_dir),
                           cache_key={"model": "planaria-llama", "norm_eps": m.norm_eps,
                                      "rope_theta": m.rope_theta,

@@ -43,14 +43,16 @@ def _layers(cfg):
 def test_profile_tiny_model_on_cpu(tmp_path):
     cfg = tiny()
     profiled = profile_model(cfg, cache_dir=tmp_path)
-    analytic = analytic_cost_model(model_shape(cfg.model), hardware("cpu"),
-                                   micro_batch=cfg.train.micro_batch, dtype="float32")
+    analytic = analytic_cost_model(model_shape(cfg.model), hardware("cpu"), micro_batch=cfg.train.micro_batch,
+                                   dtype="float32", wide_gradients=cfg.train.exact_reduction)
     assert profiled.source == "profiled" and profiled.num_layers == 6
     assert all(l.forward_s > 0 and l.backward_s > 0 for l in profiled.layers)
     assert len({profiled.layers[i] for i in range(1, 5)}) == 1  # one block measured, reused
     for p, a in zip(profiled.layers, analytic.layers):
         assert a.activation_bytes / 2 <= p.activation_bytes <= 2 * a.activation_bytes
-        assert p.state_bytes == a.state_bytes
+        assert (p.state_bytes, p.gradient_bytes, p.wide_sum_bytes) == (a.state_bytes, a.gradient_bytes,
+                                                                         a.wide_sum_bytes)
+        assert p.wide_sum_bytes == p.gradient_bytes == p.held_bytes / 2  # float64 sums of float32
         assert p.output_bytes == a.output_bytes
     assert profiled.layers[0].activation_bytes == 2 * 64 * 8  # the token ids, nothing else
 
