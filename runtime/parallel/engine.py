@@ -384,7 +384,7 @@ class Engine:
         count = self.pipeline.num_microbatches * plan.micro_batch
         inputs, targets = dataset.batch(iteration, plan.global_batch, data_seed,
                                         start=self.pipeline.sample_offset, count=count)
-        losses = self._forward_backward(inputs.to(self.device), targets.to(self.device))
+        losses = self._forward_backward(self._on_device(inputs), self._on_device(targets))
         self._phase("sync", iteration)
         self._sync_gradients()
         self.synced = True
@@ -418,12 +418,21 @@ class Engine:
                                                 start=self.pipeline.sample_offset, count=count)
                 with torch.no_grad():
                     losses = self._run_schedule(self._eval_schedule.eval, self._eval_stages,
-                                                inputs.to(self.device), targets.to(self.device))
+                                                self._on_device(inputs), self._on_device(targets))
                 total += self._local_loss(losses)
         finally:
             self._evaluating = False
         dist.all_reduce(total, group=self.groups.world)
         return float(total) / batches
+
+    def _on_device(self, batch: torch.Tensor) -> torch.Tensor:
+        """A batch on the engine's device. On a GPU from pinned memory without blocking: a
+        copy from pageable memory holds the host until the stream reaches it, that is
+        until the last step's optimizer kernels ran, and only then would the host start
+        queueing this step's kernels; a pinned copy queues behind them instead."""
+        if self.device.type != "cuda":
+            return batch.to(self.device)
+        return batch.pin_memory().to(self.device, non_blocking=True)
 
     def _step(self, record: CommitRecord) -> float:
         lr = learning_rate(record.iteration, self.optim)
