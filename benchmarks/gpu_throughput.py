@@ -4,11 +4,12 @@ compiled PyTorch loop, on the same job, side by side in one run.
     python benchmarks/gpu_throughput.py [--shape 1b|8b] [--layers N] [--batch B] [--seq T]
                                         [--steps S] [--warmup W] [--sides plain,planaria,...]
                                         [--planaria-variant NAME=key=value,key=value ...]
-                                        [--json out.json] [--timeout-s 300]
+                                        [--launches] [--device cuda|cpu] [--json out.json]
+                                        [--log out.log] [--timeout-s 300]
 
 The job: a LLaMA 3.2 1B shape (16 blocks, d_model 2048, 32 heads, 8 key/value heads,
-FFN 8192, vocabulary 128,256, rotary base 500,000; embeddings untied, as torchtitan's
-Llama 3 builds them) or the LLaMA 3 8B shape with `--layers` of its 32 blocks; `--batch`
+FFN 8192, vocabulary 128,256, rotary base 500,000; embeddings tied, as in torchtitan's
+"1B" flavor) or the LLaMA 3 8B shape (untied) with `--layers` of its 32 blocks; `--batch`
 sequences of `--seq` tokens per step, one microbatch (no gradient accumulation), no
 activation recomputation, bf16 compute over float32 parameters (autocast: the recipe
 torchtitan itself runs on one GPU, where it applies no FSDP), AdamW, clipping at 1.0,
@@ -32,9 +33,10 @@ peak memory reserved by the caching allocator (what torchtitan reports). `--laun
 adds, for each Planaria variant, the kernels one step launches (a profiled step in a
 process of its own; the plain loop's is counted after its timed steps); on CPU the
 count is a proxy (`count_launches`).
-MFU's formula is torchtitan's (the anchors' published MFU use it): FLOPs per token =
-6 (N - N_embedding) + 12 L H Q T (L blocks, H heads, Q head dim, T sequence length,
-attention counted as if not causal), over 989 TFLOP/s, the H100 SXM's dense BF16 peak
+MFU's formula is torchtitan 0.3.0's (the anchors' published MFU use it): FLOPs per token
+= 6 N + 12 L H Q T, N the parameters the matrix products use (all of them, a tied weight
+once; an untied embedding's left out), L blocks, H heads, Q head dim, T sequence length
+(attention counted as if not causal), over 989 TFLOP/s, the H100 SXM's dense BF16 peak
 (the H200 has the same compute), whatever the GPU; the GPU's own name is printed.
 """
 from __future__ import annotations
@@ -88,12 +90,14 @@ class Job:
         return self.batch * self.seq
 
     def flops_per_token(self) -> float:
-        """torchtitan's: 6 N + 12 L H Q T, N every distinct parameter (a tied weight once)."""
+        """torchtitan's: 6 N + 12 L H Q T, N the parameters of the matrix products: the
+        blocks, the final norm and the head (tied: the embedding's weight, counted once;
+        untied: the embedding's own left out)."""
         s = self.shape
         d, ffn, v, layers = s["d_model"], s["ffn_hidden"], s["vocab_size"], s["n_layers"]
         kv = d // s["n_heads"] * s["n_kv_heads"]
         block = 2 * d * d + 2 * d * kv + 3 * d * ffn + 2 * d  # q, o; k, v; SwiGLU; two norm gains
-        parameters = layers * block + d + v * d * (1 if s.get("tie_embeddings") else 2)
+        parameters = layers * block + d + v * d
         return 6 * parameters + 12 * layers * s["n_heads"] * (d // s["n_heads"]) * self.seq
 
 

@@ -13,14 +13,14 @@ built here (`job_config`): torchtitan 0.3.0 has the LLaMA 3.2 1B flavor ("1B": t
 embeddings, FFN 8192) but no config that trains it, and a model cannot be chosen from its
 command line. The 8B shape with fewer blocks is its "8B" flavor cut to `n_layers`.
 
-Offline (the GPU machine has no network): the tokenizer is made here with Hugging Face
+Offline (a GPU machine may have no network): the tokenizer is made here with Hugging Face
 `tokenizers` (a word-level vocabulary with LLaMA 3's begin and end of text tokens) and the
 data is a JSON-lines file of generated text that torchtitan's `c4_test` loader reads from
 `--dataloader.dataset-path`. Token ids stay below the model's vocabulary; the model's
 vocabulary, not the tokenizer's, sets the head's size and so the step's work.
 
-torchtitan 0.3.0 is written against torch 2.14. On an older torch (the GPU machine's is
-2.11) `--trainer` first adds the two names it uses that torch lacks, and changes nothing
+torchtitan 0.3.0 is written against torch 2.14. On an older torch (2.11, say) `--trainer`
+first adds the two names it uses that torch lacks, and changes nothing
 else:
 - `torch.distributed.fsdp.DataParallelMeshDims`, imported at module level (a frozen pair
   of mesh dimension names; on one GPU torchtitan's mesh is of size 1 and never passes it);
@@ -33,7 +33,7 @@ a newer torch.
 
 `--cpu-smoke`: the same command line on CPU, the "debugmodel" flavor with PyTorch's
 attention (FlexAttention has no CPU backward), no CUDA graphs: a check of the launch, the
-data and the tokenizer before a GPU is lent. Not a timing.
+data and the tokenizer without a GPU. Not a timing.
 """
 from __future__ import annotations
 
@@ -190,10 +190,21 @@ def command(args, out: Path) -> list[str]:
             __file__, "--trainer", "--", *flags]
 
 
-def flavor_of(shape: dict) -> tuple[str, int]:
-    """torchtitan's flavor for a shape of gpu_throughput.py, and its blocks."""
-    flavor = "8B" if shape.get("d_model") == 4096 else "1B"
-    return flavor, int(shape.get("n_layers", 0))
+FLAVORS = {"1B": dict(d_model=2048, n_heads=32, n_kv_heads=8, ffn_hidden=8192, vocab_size=128256),
+           "8B": dict(d_model=4096, n_heads=32, n_kv_heads=8, ffn_hidden=14336, vocab_size=128256)}
+"""The widths of torchtitan's flavors that a shape of gpu_throughput.py can be."""
+
+
+def flavor_of(shape: dict, cpu_smoke: bool = False) -> tuple[str, int]:
+    """torchtitan's flavor of a shape of gpu_throughput.py, and its blocks; a ValueError for
+    a shape no flavor has (torchtitan would train another model than the other sides)."""
+    if cpu_smoke:
+        return "debugmodel", 0
+    for flavor, widths in FLAVORS.items():
+        if all(shape.get(key) == value for key, value in widths.items()):
+            return flavor, int(shape.get("n_layers", 0))
+    raise ValueError(f"torchtitan has no flavor of this shape's widths ({shape}); its flavors here: "
+                     f"{sorted(FLAVORS)}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -216,8 +227,8 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     write_tokenizer(out / "tokenizer")
     write_text(out / "data")
-    flavor, layers = flavor_of(json.loads(args.shape))
-    job = {"flavor": "debugmodel" if args.cpu_smoke else flavor, "n_layers": layers, "attention": args.attention,
+    flavor, layers = flavor_of(json.loads(args.shape), args.cpu_smoke)
+    job = {"flavor": flavor, "n_layers": layers, "attention": args.attention,
            "loss": args.loss, "batch": args.batch, "seq": args.seq, "steps": args.steps,
            "assets": str(out / "tokenizer"), "cpu_smoke": args.cpu_smoke}
     env = dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",

@@ -71,7 +71,7 @@ def build(job: Job, hardware_name: str, depth: int) -> tuple[Planner, float]:
     """(the planner, its cold construction time)."""
     hw = hardware(hardware_name, gpus_per_node=job.gpus_per_node)
     costs = analytic_cost_model(job.shape, hw, tp=job.gpus_per_node, micro_batch=1, dtype="bfloat16",
-                                recompute=job.recompute)
+                                recompute=job.recompute, wide_gradients=True)  # train.exact_reduction
     started = time.perf_counter()
     planner = Planner(costs, PlannerSettings(fault_tolerance=1, global_batch=job.global_batch,
                                              micro_batch=1, depth=depth))

@@ -130,7 +130,7 @@ DEFAULT_SAMPLES = (8, 18, 37, 64, 256, 1024)
 def make_costs(args):
     hw = hardware(args.hardware, gpus_per_node=args.gpus_per_node)
     return analytic_cost_model(SHAPE, hw, tp=args.gpus_per_node, micro_batch=MICRO_BATCH,
-                               dtype=DTYPE, recompute=RECOMPUTE)
+                               dtype=DTYPE, recompute=RECOMPUTE, wide_gradients=True)  # train.exact_reduction
 
 
 def make_settings(args) -> PlannerSettings:

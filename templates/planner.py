@@ -338,8 +338,8 @@ class Planner(JobTemplates):
         return counts[::-1]
 
     def stage_gradient_bytes(self, sizes: list[int]) -> float:
-        """The gradient bytes of the largest stage of pipelines of `sizes` (float32: what
-        the cost model counts, `_gradient_bytes`)."""
+        """The gradient bytes of the largest stage of pipelines of `sizes`, in the dtype
+        they are summed in (`_gradient_bytes`)."""
         return max(self._gradient_bytes(s) for s in set(sizes))
 
     def sync_bytes(self, sizes: list[int]) -> float:

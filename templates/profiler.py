@@ -19,7 +19,7 @@ What is measured, for one microbatch at tp = 1 in this process:
   preempted core, a busy neighbour), and the median leaves that out.
 - the parameter update, once per iteration (`optimizer_s`): the layer's gradient norm,
   clipping with it, the optimizer's step (`make_optimizer(layer)`, default
-  `AdamW(foreach=False)`, one optimizer per layer as Planaria's engine runs it) and
+  `AdamW(foreach=False)`; Planaria's profile passes its engine's, one optimizer per layer) and
   zeroing the gradients, on the gradients the backward runs left.
 - activation bytes: the unique storages autograd saves for backward
   (`saved_tensors_hooks`), minus parameters, buffers and autocast's casts of them,

@@ -29,6 +29,10 @@ class SimJob:
     schedule: str = "1f1b"
     virtual_stages: int = 1
     min_stages: int = 1
+    exact_reduction: bool = False
+    """Float64 gradient sums (`train.exact_reduction`, the cost model's `wide_gradients`):
+    off for the jobs of the published comparisons, which sum in float32; a config's
+    (`load_job`) says its own."""
 
     @property
     def tokens_per_step(self) -> int:
@@ -72,4 +76,4 @@ def load_job(spec: str) -> SimJob:
     return SimJob(path.stem, model_shape(cfg.model), global_batch=cfg.train.global_batch,
                   micro_batch=cfg.train.micro_batch, dtype=cfg.train.dtype, recompute=cfg.train.recompute,
                   schedule=cfg.parallel.schedule, virtual_stages=cfg.parallel.virtual_stages,
-                  min_stages=cfg.parallel.min_stages)
+                  min_stages=cfg.parallel.min_stages, exact_reduction=cfg.train.exact_reduction)

@@ -66,7 +66,7 @@ def node_state_bytes(costs: CostModel, plan: Plan, pipelines=None) -> dict[str, 
     out: dict[str, int] = {}
     for pipeline in plan.pipelines if pipelines is None else pipelines:
         for stage in pipeline.stages:
-            out[stage.node] = sum(costs.layers[i].state_bytes for i in stage.layers()) * plan.tp
+            out[stage.node] = sum(costs.layers[i].held_bytes for i in stage.layers()) * plan.tp
     return out
 
 
@@ -91,7 +91,7 @@ def transfer_seconds(costs: CostModel, old: Plan, new: Plan, calibration: Calibr
     for pipeline in new.pipelines:
         for stage in pipeline.stages:
             missing = set(stage.layers()) - held[stage.node]
-            worst = max(worst, sum(costs.layers[i].state_bytes for i in missing))
+            worst = max(worst, sum(costs.layers[i].held_bytes for i in missing))
     bandwidth = costs.hardware.inter_node_bandwidth * calibration.transfer_efficiency
     return worst / bandwidth
 
@@ -305,6 +305,8 @@ class RedundancyPolicy:
 
 def redundancy_costs(costs: CostModel) -> CostModel:
     """The cost model of a Bamboo node: every layer's state counted twice (its own copy
-    and the copy it keeps for its neighbour), so the planner cuts deeper pipelines."""
-    layers = tuple(replace(layer, state_bytes=2 * layer.state_bytes) for layer in costs.layers)
+    and the copy it keeps for its neighbour), so the planner cuts deeper pipelines; its
+    gradients too (both copies' are synced)."""
+    layers = tuple(replace(layer, state_bytes=2 * layer.state_bytes, gradient_bytes=2 * layer.gradient_bytes,
+                           wide_sum_bytes=2 * layer.wide_sum_bytes) for layer in costs.layers)
     return replace(costs, layers=layers)

@@ -60,7 +60,8 @@ def _planner(job: SimJob, hw_name: str, gpus_per_node: int | None, f: int, *,
              redundant: bool = False) -> Planner:
     hw = hardware(hw_name, gpus_per_node=gpus_per_node)
     costs = analytic_cost_model(job.shape, hw, tp=hw.gpus_per_node, micro_batch=job.micro_batch,
-                                dtype=job.dtype, recompute=job.recompute)
+                                dtype=job.dtype, recompute=job.recompute,
+                                wide_gradients=job.exact_reduction and job.dtype != "float64")
     if redundant:
         costs = redundancy_costs(costs)
     settings = PlannerSettings(fault_tolerance=f, global_batch=job.global_batch, micro_batch=job.micro_batch,

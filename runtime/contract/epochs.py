@@ -51,12 +51,15 @@ def _transfers_from_json(value) -> tuple[Transfer, ...]:
         return tuple(value)
     try:
         if isinstance(value, list):
+            if any(set(t) != {"layer", "tp_rank", "src", "dst"} for t in value):
+                raise RecordError("transfers: each is {layer, tp_rank, src, dst}")
             return tuple(Transfer(layer=_int(t["layer"]), tp_rank=_int(t["tp_rank"]), src=_worker(t["src"]),
                                   dst=_worker(t["dst"])) for t in value)
         if not isinstance(value, dict) or set(value) != {"workers", "shards"}:
             raise RecordError('transfers must be {"workers": [...], "shards": [...]}')
         workers = [_worker(w) for w in value["workers"]]
-        return tuple(Transfer(layer=_int(layer), tp_rank=_int(tp), src=workers[_int(src)], dst=workers[_int(dst)])
+        at = lambda i: workers[_int(i, below=len(workers))]  # noqa: E731
+        return tuple(Transfer(layer=_int(layer), tp_rank=_int(tp), src=at(src), dst=at(dst))
                      for layer, tp, src, dst in value["shards"])
     except RecordError:
         raise
@@ -64,9 +67,11 @@ def _transfers_from_json(value) -> tuple[Transfer, ...]:
         raise RecordError(f"transfers: not a list of transfers ({type(err).__name__}: {err})") from None
 
 
-def _int(value) -> int:
-    if type(value) is not int:
-        raise RecordError(f"transfers: expected an integer, got {value!r}")
+def _int(value, below: int | None = None) -> int:
+    """A non-negative integer (below `below`, an index into the workers, when given)."""
+    if type(value) is not int or value < 0 or (below is not None and value >= below):
+        raise RecordError(f"transfers: expected an integer from 0{f' to {below - 1}' if below is not None else ''}, "
+                          f"got {value!r}")
     return value
 
 

@@ -79,7 +79,8 @@ class CommitEntry(EpochStep):
     """None for a rolled-forward step: it was not timed."""
     compiled_graphs: int | None = None
     """With `train.compile`: the graphs the worker's process had compiled by this commit
-    (the same in every epoch when a reconfiguration recompiles nothing); None without."""
+    (the same in every epoch when a reconfiguration recompiles nothing, but for those of
+    its first evaluation, which runs without gradients); None without."""
 
 
 @dataclass(frozen=True)

@@ -72,11 +72,13 @@ IMPLEMENTATIONS = {"for-loop": {"foreach": False}, "foreach": {"foreach": True},
 def empty_adam_state(optimizer: torch.optim.Optimizer, param: nn.Parameter) -> dict[str, torch.Tensor]:
     """AdamW's state for `param`, zeroed, laid out where AdamW itself would lay it out:
     the moments beside the parameter; the step count a 0-d tensor of AdamW's scalar dtype
-    (float64 when that is the default dtype, float32 otherwise), on the parameter's
+    (float64 when that is the default dtype and AdamW is not fused, float32 otherwise), on the parameter's
     device only when the optimizer is capturable or fused and on the CPU otherwise (a GPU
     step count would cost a device synchronisation per parameter at every step)."""
     beside_param = optimizer.defaults.get("capturable") or optimizer.defaults.get("fused")
-    dtype = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+    # torch keeps a fused AdamW's step count in float32 whatever the default dtype.
+    fused = bool(optimizer.defaults.get("fused"))
+    dtype = torch.float64 if torch.get_default_dtype() == torch.float64 and not fused else torch.float32
     return {"step": torch.zeros((), dtype=dtype, device=param.device if beside_param else "cpu"),
             "exp_avg": torch.zeros_like(param, memory_format=torch.preserve_format),
             "exp_avg_sq": torch.zeros_like(param, memory_format=torch.preserve_format)}

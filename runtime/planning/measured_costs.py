@@ -58,8 +58,9 @@ def profile_model(cfg: Config, *, device: torch.device | str | None = None,
     One microbatch of `train.micro_batch` sequences, `train.dtype` (bf16 autocast over
     float32 weights), `train.recompute`, and `parallel.tp` derived from tp = 1 as the
     profiler documents. The head is profiled with the training loss; each layer's
-    update with the engine's optimizer (`build_optimizer`: one AdamW(foreach=False) per
-    layer, weight decay on matrices). `hardware_name` names the preset whose links cost
+    update with the engine's optimizer (`build_optimizer`: one AdamW per layer, of
+    `train.optimizer_impl`, weight decay on matrices); the blocks compiled with
+    `train.compile`. `hardware_name` names the preset whose links cost
     the tensor-parallel all-reduces and the sends between stages. `num_threads=1`
     profiles as the workers run under torchrun. With `train.exact_reduction` the
     layers sum their gradients wide, as the engine's do (`engine.accumulate_wide`),

@@ -283,7 +283,9 @@ def test_the_records_of_llama3_70b_on_4096_nodes_of_8_gpus_are_within_etcds_limi
                           if key == store.prefix + keys.epoch_record(epoch)) for epoch in (0, 1)}
     transfers = len(EpochRecord.from_json(store.get(keys.epoch_record(1))).transfers)
     assert transfers > 0 and record[1] > record[0]
-    assert record[1] < 0.5 * MAX_REQUEST_BYTES and not [line for line in logs if "warning" in line]  # not even near
+    # Under half the limit, where the controller would warn: at 1,024 nodes the re-plan
+    # re-cuts the pipelines (17,392 transfers, docs/planner.md), and still is.
+    assert record[1] < 0.5 * MAX_REQUEST_BYTES and not [line for line in logs if "warning" in line]
     statuses = client.items_with_prefix(store.prefix + keys.epoch_statuses(0))  # read whole (over 4 MiB at 4,096)
     assert len(statuses) == len(alive)
     print(f"\n{nodes} nodes x 8: epoch 0's record {record[0]} bytes ({record[0] / 2**10:.1f} KiB), after a node "

@@ -238,11 +238,15 @@ def test_transfers_are_written_compactly_and_the_earlier_form_is_still_read():
 
 @pytest.mark.parametrize("transfers, message", [
     ({"workers": [["node0", 0]]}, "transfers must be"),
-    ({"workers": [["node0", 0]], "shards": [[1, 0, 0, 3]]}, "not a list of transfers"),
+    ({"workers": [["node0", 0]], "shards": [[1, 0, 0, 3]]}, "expected an integer from 0 to 0"),
+    ({"workers": [["node0", 0], ["node1", 0]], "shards": [[1, 0, -1, 0]]}, "expected an integer from 0 to 1"),
+    ({"workers": [["node0", 0]], "shards": [[-1, 0, 0, 0]]}, "expected an integer"),
+    ({"workers": [["node0", 0]], "shards": [[1, 0, 0]]}, "not a list of transfers"),
+    ([{"layer": 1, "tp_rank": 0, "src": ["node0", 0], "dst": ["node1", 0], "bytes": 9}], "each is"),
     ({"workers": [["node0", "0"]], "shards": [[1, 0, 0, 0]]}, "expected an integer"),
     ({"workers": [[0, 0]], "shards": []}, "a worker is"),
     ({"workers": [["node0", 0]], "shards": [[1.5, 0, 0, 0]]}, "expected an integer"),
-    ([{"layer": 1, "tp_rank": 0, "src": ["node0", 0]}], "not a list of transfers"),
+    ([{"layer": 1, "tp_rank": 0, "src": ["node0", 0]}], "each is"),
 ])
 def test_malformed_transfers_are_refused(transfers, message):
     written = json.loads(_record_moving_every_layer(1).to_json())

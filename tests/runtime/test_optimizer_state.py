@@ -1,6 +1,7 @@
 """AdamW state that Planaria makes itself (a received layer's, a restored checkpoint's)
-is laid out as AdamW's own: same keys, dtypes, shapes and devices. On a GPU AdamW keeps
-the step count on the CPU beside CUDA parameters; state that put it elsewhere would
+is laid out as AdamW's own, whichever `train.optimizer_impl`: same keys, dtypes, shapes and
+devices. On a GPU the for-loop and foreach AdamWs keep the step count on the CPU beside
+CUDA parameters (the fused one beside them, always in float32); state that put it elsewhere would
 break the next transfer (NCCL moves GPU tensors only) or slow every step."""
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import torch
 from torch import nn
 
 from planaria.runtime.parallel.engine import LayerState
-from planaria.runtime.parallel.optim import empty_adam_state
+from planaria.runtime.parallel.optim import IMPLEMENTATIONS, empty_adam_state
 from planaria.runtime.state.checkpoints import load_layer, snapshot_layer
 from planaria.runtime.state.transfer import on_device
 
@@ -17,10 +18,10 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.i
                                                                    reason="no CUDA device"))]
 
 
-def stepped_layer(device: str, seed: int) -> LayerState:
+def stepped_layer(device: str, seed: int, impl: str = "for-loop") -> LayerState:
     torch.manual_seed(seed)
     module = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8)).to(device)
-    optimizer = torch.optim.AdamW(module.parameters(), lr=0.1, foreach=False)
+    optimizer = torch.optim.AdamW(module.parameters(), lr=0.1, **IMPLEMENTATIONS[impl])
     for _ in range(2):
         module(torch.randn(4, 8, device=device)).square().sum().backward()
         optimizer.step()
@@ -34,11 +35,12 @@ def layout(state: dict[str, torch.Tensor]) -> dict[str, tuple]:
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("default_dtype", [torch.float32, torch.float64])
-def test_empty_adam_state_is_laid_out_as_adamw_lays_it_out(device, default_dtype):
+@pytest.mark.parametrize("impl", sorted(IMPLEMENTATIONS))  # train.optimizer_impl
+def test_empty_adam_state_is_laid_out_as_adamw_lays_it_out(device, default_dtype, impl):
     previous = torch.get_default_dtype()
     torch.set_default_dtype(default_dtype)
     try:
-        layer = stepped_layer(device, seed=0)
+        layer = stepped_layer(device, seed=0, impl=impl)
         for param in layer.module.parameters():
             native = layer.optimizer.state[param]
             assert layout(empty_adam_state(layer.optimizer, param)) == layout(native)
