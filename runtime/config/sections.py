@@ -163,9 +163,10 @@ class TrainConfig:
     compile: bool = False
     """Compile each transformer block with torch.compile (regional compilation, as
     torchtitan does): one graph serves every block of every stage and epoch, so a
-    reconfiguration does not recompile (checked with tp = 1; with tp > 1 the block's
-    all-reduces take each epoch's new group, which may cost a compilation per epoch: not
-    yet counted). Inside a compiled block the operations are PyTorch's and the compiler
+    reconfiguration does not recompile (with tp > 1 the block is compiled in pieces
+    around its all-reduces, which run outside: each epoch's group is a new object).
+    Refused with the zb1f1b schedule (`check_config`).
+    Inside a compiled block the operations are PyTorch's and the compiler
     fuses them; the head's kernels stay as `model.kernels` says."""
     optimizer_impl: Literal["for-loop", "foreach", "fused"] = "for-loop"
     """How each layer's AdamW runs (torch.optim's `foreach` and `fused` flags): a kernel

@@ -40,6 +40,13 @@ def check_config(cfg: Config) -> Config:
     if t.warmup_steps < 0 or t.weight_decay < 0 or t.grad_clip < 0:
         raise ConfigError("train.warmup_steps, train.weight_decay and train.grad_clip must not be negative "
                           f"(grad_clip 0: off); got {t.warmup_steps}, {t.weight_decay}, {t.grad_clip}")
+    if t.compile and cfg.parallel.schedule == "zb1f1b":
+        # zb1f1b runs a stage's backward in two passes (input, then weight gradients) over
+        # one graph; through a compiled block the weight gradients came out wrong (a float64
+        # run's gradient norm off by 1.6e-4) or the second pass failed on donated buffers.
+        raise ConfigError("train.compile does not go with parallel.schedule zb1f1b: its split backward does not "
+                          "give exact gradients through compiled blocks; use 1f1b, interleaved or gpipe, or leave "
+                          "train.compile false")
     if cfg.audit.every < 0:
         raise ConfigError(f"audit.every must be 0 (off) or more, got {cfg.audit.every}")
     if cfg.checkpoint.memory_every < 0 or cfg.checkpoint.memory_copies < 0:

@@ -134,11 +134,25 @@ class _ReduceFromTensorParallel(torch.autograd.Function):
 
 
 def copy_to_tp(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
-    return _CopyToTensorParallel.apply(x, tp) if tp.size > 1 else x
+    return _copy_to_tp(x, tp) if tp.size > 1 else x
 
 
 def reduce_from_tp(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
-    return _ReduceFromTensorParallel.apply(x, tp) if tp.size > 1 else x
+    return _reduce_from_tp(x, tp) if tp.size > 1 else x
+
+
+# Outside any compiled graph (`train.compile`): each epoch's tensor-parallel group is a
+# new object, and a graph that called a collective on it would be guarded on it, so
+# every epoch would compile the blocks again (measured with tp = 2: one compilation per
+# epoch). The compiler runs a block in pieces around these calls instead.
+@torch.compiler.disable
+def _copy_to_tp(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    return _CopyToTensorParallel.apply(x, tp)
+
+
+@torch.compiler.disable
+def _reduce_from_tp(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    return _ReduceFromTensorParallel.apply(x, tp)
 
 
 class ColumnParallelLinear(nn.Module):

@@ -98,6 +98,12 @@ def test_settings_that_would_be_ignored_are_refused():
     load_config(TINY, ["parallel.layout=[[2,2],[4]]", "parallel.dp=2"])  # agreeing is fine
 
 
+def test_compiled_blocks_under_the_zero_bubble_schedule_are_refused():
+    message = refused(["train.compile=true", "parallel.schedule=zb1f1b"])
+    assert "train.compile does not go with parallel.schedule zb1f1b" in message and "use 1f1b" in message
+    load_config(TINY, ["train.compile=true", "parallel.schedule=interleaved"])  # the others compile
+
+
 def test_world_size_that_does_not_match_the_plan():
     message = refused(["parallel.pp=2", "parallel.dp=1"], world_size=3)
     assert "needs 2 processes" in message and "--nproc-per-node=2" in message

@@ -216,6 +216,25 @@ def test_a_kill_and_a_join_recompile_no_block(reference, tmp_path):
 
 @pytest.mark.slow  # the default suite's time (~15 min on 2 cores): `make test-slow`
 @pytest.mark.multiprocess
+@pytest.mark.timeout(400)
+def test_tensor_parallel_blocks_compiled_once_through_a_re_cut(reference, tmp_path):
+    """tp = 2 with compiled blocks: each epoch has a new tensor-parallel group, which a
+    graph calling its collectives would be guarded on; the collectives run outside the
+    compiled pieces (`tensor_parallel._copy_to_tp`), so the re-cut after node3.0's death
+    compiles nothing (before that, every worker compiled its blocks again in epoch 1)."""
+    job = LocalJob(TINY, [*JOB, "fault_tolerance.f=1", "parallel.tp=2", "train.compile=true"], nodes=4,
+                   gpus_per_node=2, out_dir=tmp_path, faults="node3.0:backward@2#2", log=lambda message: None)
+    result = job.run(350)
+    assert result.outcome == "ok", job.logs()
+    logs = check_against_reference(tmp_path, reference, job)
+    counts = {worker: {e.compiled_graphs for e in entries} for worker, entries in logs.items() if entries}
+    survivors = [w for w in counts if not w.startswith("node3")]
+    assert all(max(e.epoch for e in logs[w]) == 1 for w in survivors), logs
+    assert all(len(c) == 1 for c in counts.values()) and len(set.union(*counts.values())) == 1, counts
+
+
+@pytest.mark.slow  # the default suite's time (~15 min on 2 cores): `make test-slow`
+@pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 def test_more_failures_than_replicas_resumes_from_the_last_checkpoint(reference, tmp_path):
     """Both replicas of layers 3-5 (node1 and node3) die in iteration 4. The job goes back
