@@ -272,7 +272,6 @@ def run_planaria(job: Job, overrides: list[str], timeout_s: float, log) -> dict:
     # engine's own step_time_s ends at the optimizer's launch, before its kernels ran.
     times = [m["time"] for m in metrics]
     return {"step_times_s": [b - a for a, b in zip(times, times[1:])], "losses": [m["loss"] for m in metrics],
-            "engine_step_times_s": [m["step_time_s"] for m in metrics],
             "peak_memory_gib": float(peak[1]) if peak else None}
 
 
@@ -374,7 +373,7 @@ def main(argv: list[str] | None = None) -> int:
     for side in args.sides.split(","):
         runs = []
         if side == "plain":
-            runs = [("plain (compiled loop)", lambda: _plain_subprocess(job, args.timeout_s, log))]
+            runs = [("plain (compiled loop)", lambda: _worker("plain", job, args.timeout_s, log))]
         elif side == "torchtitan":
             runs = [("torchtitan", lambda: run_torchtitan(job, args.timeout_s, log))]
         elif side == "planaria":
@@ -404,10 +403,6 @@ def _planaria_side(job: Job, overrides: list[str], args, log) -> dict:
     if args.launches:
         result["launches"] = _worker("launches", job, args.timeout_s, log, overrides)
     return result
-
-
-def _plain_subprocess(job: Job, timeout_s: float, log) -> dict:
-    return _worker("plain", job, timeout_s, log)
 
 
 def _worker(mode: str, job: Job, timeout_s: float, log, overrides: list[str] = ()):

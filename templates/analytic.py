@@ -225,6 +225,12 @@ def bytes_per_parameter(dtype: str, wide_gradients: bool = False) -> int:
     return _BYTES_PER_PARAMETER[dtype] + (_WIDE_SUM_BYTES if wide_gradients else 0)
 
 
+def sums_wide(dtype: str, exact_reduction: bool) -> bool:
+    """Whether a job sums its gradients in float64 apart from its parameters' dtype
+    (`train.exact_reduction` in a float32 or bf16 job): the `wide_gradients` of a cost model."""
+    return exact_reduction and dtype != "float64"
+
+
 def gradient_element_bytes(dtype: str, wide_gradients: bool = False) -> int:
     """Bytes per element of the gradients summed across pipelines: float64 sums with
     `wide_gradients` or float64 training, the float32 master gradients otherwise."""

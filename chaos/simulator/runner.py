@@ -20,7 +20,7 @@ from planaria.chaos.simulator.models import SimJob
 from planaria.chaos.simulator.policies import (CheckpointPolicy, Job, PlanariaPolicy, RedundancyPolicy,
                                                checkpoint_seconds, redundancy_costs)
 from planaria.chaos.simulator.simulation import SimResult, simulate
-from planaria.templates.analytic import analytic_cost_model, hardware
+from planaria.templates.analytic import analytic_cost_model, hardware, sums_wide
 from planaria.templates.job_templates import PlannerSettings
 from planaria.templates.partition_cost import InfeasiblePartition
 from planaria.templates.planner import Planner
@@ -61,7 +61,7 @@ def _planner(job: SimJob, hw_name: str, gpus_per_node: int | None, f: int, *,
     hw = hardware(hw_name, gpus_per_node=gpus_per_node)
     costs = analytic_cost_model(job.shape, hw, tp=hw.gpus_per_node, micro_batch=job.micro_batch,
                                 dtype=job.dtype, recompute=job.recompute,
-                                wide_gradients=job.exact_reduction and job.dtype != "float64")
+                                wide_gradients=sums_wide(job.dtype, job.exact_reduction))
     if redundant:
         costs = redundancy_costs(costs)
     settings = PlannerSettings(fault_tolerance=f, global_batch=job.global_batch, micro_batch=job.micro_batch,

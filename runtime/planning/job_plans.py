@@ -19,7 +19,7 @@ from rich.console import Console
 from rich.table import Table
 
 from planaria.runtime.config.sections import Config, model_shape
-from planaria.templates.analytic import analytic_cost_model, hardware
+from planaria.templates.analytic import analytic_cost_model, gradient_element_bytes, hardware, sums_wide
 from planaria.templates.costs import CostModel, ModelShape
 from planaria.templates.job_templates import PlannerSettings
 from planaria.templates.partition_cost import pipeline_iteration_time
@@ -86,16 +86,17 @@ def plan_job(cfg: Config, costs: CostModel, *, nodes: int, fault_tolerance: int)
         snapshots = max(snapshot_host_bytes(choice.plan, cfg.checkpoint.memory_copies,
                                             lambda layer: costs.layers[layer].held_bytes).values())
     sizes = [len(p.stages) for p in choice.plan.pipelines]
-    wide = wide_gradients(cfg)  # the cost model's gradients are then float64 sums
+    wide = wide_gradients(cfg)
+    synced = gradient_element_bytes(cfg.train.dtype, wide)
+    # With wide sums, the float64 gradients kept in memory are the very ones synced.
     return PlanReport(planner, choice, planning_time, tokens / choice.iteration_time_s, mfu, peak, snapshots,
-                      sync_bytes=planner.sync_bytes(sizes),
-                      sync_dtype="float64" if wide or cfg.train.dtype == "float64" else "float32",
+                      sync_bytes=planner.sync_bytes(sizes), sync_dtype="float64" if synced == 8 else "float32",
                       wide_sum_bytes=planner.stage_gradient_bytes(sizes) if wide else 0.0)
 
 
 def wide_gradients(cfg: Config) -> bool:
     """Whether the job sums a float32 or bf16 job's gradients in float64 (`train.exact_reduction`)."""
-    return cfg.train.exact_reduction and cfg.train.dtype != "float64"
+    return sums_wide(cfg.train.dtype, cfg.train.exact_reduction)
 
 
 def build_planner(cfg: Config, costs: CostModel, *, fault_tolerance: int | None = None) -> Planner:

@@ -27,7 +27,7 @@ from planaria.runtime.models.tensor_parallel import TensorParallel
 from planaria.runtime.parallel.engine import accumulate_wide
 from planaria.runtime.parallel.optim import build_optimizer, optimizer_settings
 from planaria.runtime.planning.pipeline_probe import measure_links_and_runtime
-from planaria.templates.analytic import hardware
+from planaria.templates.analytic import hardware, sums_wide
 from planaria.templates.costs import CostModel
 from planaria.templates.profiler import profile_layers
 
@@ -96,7 +96,7 @@ def profile_model(cfg: Config, *, device: torch.device | str | None = None,
 
     # Summing gradients wide costs a cast or an add per parameter per microbatch: a
     # tenth of a small model's backward on CPU. Time backward and the update with it.
-    wide = torch.float64 if t.exact_reduction and param_dtype != torch.float64 else None
+    wide = torch.float64 if sums_wide(t.dtype, t.exact_reduction) else None
 
     def build_layer(index: int) -> torch.nn.Module:
         # Timing needs the shapes, not the values: model.init_from is not read for it.
