@@ -19,7 +19,7 @@ from __future__ import annotations
 from datetime import timedelta
 
 from planaria.runtime.parallel.groups import creation_order
-from planaria.runtime.parallel.prepared_groups import PREFIX as PREPARED
+from planaria.runtime.parallel.prepared_groups import PREFIX as PREPARED, SNAPSHOTS as PREPARED_SNAPSHOTS
 from planaria.templates.plan import Plan
 
 GLOO_WORLD = "0//cpu//0/"
@@ -79,12 +79,14 @@ def unique_id(store, key: str, rank: int, timeout: timedelta | None = None) -> N
 
 
 def replay_prepared(store, plan: Plan, rank: int, backend: str, tied_layers: tuple[int, ...] = (),
-                    groups: list[tuple[int, ...]] | None = None, timeout: timedelta | None = None) -> None:
+                    groups: list[tuple[int, ...]] | None = None, timeout: timedelta | None = None,
+                    snapshots: bool = False) -> None:
     """The groups of a join's next epoch connected ahead (`PreparedGroups`), as `rank`:
     the world and every group of the rank, each made directly on `PrefixStore(<prefix>,
     PrefixStore("prepared", store))` (c10d joins prefixes with "/"; gloo's own keys are
-    "0/<rank>", an NCCL communicator's unique id "0"). The barrier that ends it is a
-    collective: no store operation."""
+    "0/<rank>", an NCCL communicator's unique id "0"), then, with `snapshots`, the peer
+    snapshots' gloo group over the world. The barrier that ends it is a collective: no
+    store operation."""
     groups = creation_order(plan, tied_layers) if groups is None else groups
     mine = [("world", rank, plan.world_size)] + [
         (str(index), ranks.index(rank), len(ranks)) for index, ranks in enumerate(groups, start=1) if rank in ranks]
@@ -93,6 +95,8 @@ def replay_prepared(store, plan: Plan, rank: int, backend: str, tied_layers: tup
             mesh(store, f"{PREPARED}/{name}/0/", group_rank, size, timeout)
         else:
             unique_id(store, f"{PREPARED}/{name}/0", group_rank, timeout)
+    if snapshots:
+        mesh(store, f"{PREPARED}/{PREPARED_SNAPSHOTS}/0/", rank, plan.world_size, timeout)
 
 
 def replay(store, plan: Plan, rank: int, backend: str, tied_layers: tuple[int, ...] = (),

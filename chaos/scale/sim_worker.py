@@ -208,7 +208,8 @@ class SimulatedWorker:
             self._enter(plan, rank)
             if self.snapshots is not None:
                 self.snapshots.begin_epoch(plan, rank)
-                self._connect_snapshots(epoch, plan, rank)
+                if ahead is None:  # (connected ahead with the epoch's groups otherwise)
+                    self._connect_snapshots(epoch, plan, rank)
             self.observer.note(self.observer.bootstrapped, epoch, self.worker)
             self._mark(rendezvous_s=time.time(), transfer_s=time.time(), transfer_seconds=0.0)
             finished = self._train(epoch, plan.first_iteration, barrier, rank, watcher)
@@ -322,7 +323,7 @@ class SimulatedWorker:
                 store = self.coordinator.rendezvous_store(epoch, host=rank == 0, close_older=False)
                 self.coordinator.epoch_store_port(epoch)
                 replay_prepared(store, record.plan, rank, self.backend, self.tied_layers, facts.groups,
-                                self._connect_timeout)
+                                self._connect_timeout, snapshots=self._snapshot_group(record.plan))
                 ahead.gate.enter()
                 barrier.step(rank, 0, False, timeout_s=self.wait_s)
                 ahead.connected = True
@@ -403,11 +404,15 @@ class SimulatedWorker:
         mesh(self.coordinator.rendezvous_store(epoch), gloo_direct(HANDOFF), ranks.index(self.worker), len(ranks))
         return True
 
+    def _snapshot_group(self, plan) -> bool:
+        """`PeerSnapshots.wants_group`: an epoch of `plan` has a peer-snapshot group."""
+        return self.snapshots is not None and self.snapshots.every > 0 and len(plan.nodes()) >= 2
+
     def _connect_snapshots(self, epoch: int, plan, rank: int) -> None:
         """The epoch's peer-snapshot group (`PeerSnapshots.begin_epoch`): gloo over every
         rank, on a thread of its own that nobody waits for; one that fails (the epoch was
         given up while it connected) is left behind, as the real one is."""
-        if self.snapshots.every <= 0 or len(plan.nodes()) < 2:
+        if not self._snapshot_group(plan):
             return
 
         def connect() -> None:

@@ -23,6 +23,10 @@ over a fresh rendezvous, and all decide alike: each stops only once its own conn
 ended, and a barrier completes on every rank or on none (short of a fault during it,
 which fails the epoch it would have run, and the usual recovery follows).
 
+The peer snapshots' gloo group of the epoch (`PeerSnapshots.group_maker`) is made with
+them, before the barrier, when the epoch has one: made at the switch, its connection took
+the CPU of the epoch's first steps on every worker (a join's longest gap).
+
 A rank whose connection has not reached the barrier when it enters the epoch (the stop
 came from a peer whose own connection failed) knows that no rank can have connected: the
 barrier needs it. It gives its connection up at once (`give_up_short_of_barrier`), and
@@ -55,6 +59,10 @@ PREFIX = "prepared"
 groups of their own, apart from those of a rendezvous the epoch may fall back to."""
 
 
+SNAPSHOTS = "peer-snapshots"
+"""The prefix, under `PREFIX`, of the peer snapshots' group connected ahead."""
+
+
 class BarrierGate:
     """Whether a connection may still enter its barrier, or was given up short of it
     (module docstring): one lock between the connecting thread and the one that gives
@@ -85,13 +93,20 @@ class PreparedGroups:
     """One rank's groups of a prepared epoch, connected on a thread (module docstring)."""
 
     def __init__(self, epoch: int, plan: Plan, rank: int, store: Callable[[], dist.Store], backend: str,
-                 device: torch.device, connect_timeout: timedelta, tied_layers: tuple[int, ...] = ()):
+                 device: torch.device, connect_timeout: timedelta, tied_layers: tuple[int, ...] = (),
+                 snapshot_group: Callable[[dist.Store, int, int], object] | None = None):
         """`store`: the epoch's bootstrap store, asked for on the connecting thread (over
-        etcd, finding it can wait for its host to publish it)."""
+        etcd, finding it can wait for its host to publish it). `snapshot_group`: what
+        makes the epoch's peer-snapshot group, on a store, as a rank of a world's size
+        (`PeerSnapshots.group_maker`), or None; what it made is `snapshots` once
+        connected."""
         self.epoch, self.plan, self.rank = epoch, plan, rank
         self.backend, self.device, self.connect_timeout = backend, device, connect_timeout
         self.tied_layers = tied_layers
         self._store = store
+        self._snapshot_group = snapshot_group
+        self.snapshots = None
+        """The peer snapshots' group, connected with the others (None without)."""
         self.release = None
         """The release of the epoch's collectives, made before its first connection (the
         caller's: `epoch_release`)."""
@@ -121,9 +136,15 @@ class PreparedGroups:
                 if self.rank in ranks:
                     self._add(self._make(dist.PrefixStore(str(index), prepared), ranks.index(self.rank),
                                          len(ranks)))
+            if self._snapshot_group is not None:
+                self._add(self._snapshot_group(dist.PrefixStore(SNAPSHOTS, prepared), self.rank,
+                                               self.plan.world_size))
             self._gate.enter()  # (past it, nothing gives the connection up: `_made` is this thread's)
             self._barrier(self._made[0])
-            self._backends, self._made = self._made, []
+            made, self._made = self._made, []
+            if self._snapshot_group is not None:
+                self.snapshots = made.pop()
+            self._backends = made
             self.seconds = time.perf_counter() - started
         except Exception as err:  # noqa: BLE001 - any failure means a rendezvous at the switch
             self.error = error_line(err, 300)
@@ -197,4 +218,4 @@ class PreparedGroups:
 
     def discard(self) -> None:
         """Drop the connected backends (their destructors close their connections)."""
-        self._backends = []
+        self._backends, self.snapshots = [], None

@@ -86,6 +86,15 @@ def flatten_shard(engine: "Engine", layer: int, into: FlatShard | None = None) -
     return tuple(torch.cat(g) for g in groups)
 
 
+@dataclass(frozen=True)
+class ConnectedGroup:
+    """A snapshot group made ahead of its epoch (`PeerSnapshots.group_maker`), and the
+    inodes of its connections (shut down should an exchange outlive a failed epoch)."""
+
+    group: object
+    sockets: set[int]
+
+
 @dataclass
 class SnapshotRound:
     """One step's snapshot as this worker keeps it."""
@@ -144,19 +153,29 @@ class PeerSnapshots:
         return self.every > 0
 
     # ------------------------------------------------------------- epochs
-    def begin_epoch(self, engine: "Engine", epoch: int, store: dist.Store | None = None) -> None:
+    def begin_epoch(self, engine: "Engine", epoch: int, store: dist.Store | None = None, *,
+                    connected: "ConnectedGroup | None" = None) -> None:
         """After the epoch's layers are in place (collective: every worker of the epoch
         makes the snapshot group, over `store`: the epoch's rendezvous store, given up
-        when the epoch is; the world's when None). Rounds of steps the plan runs again
-        (it went back to an older step) are of a timeline the job left: dropped."""
+        when the epoch is; the world's when None). `connected`: the group made with the
+        epoch's groups connected ahead (`group_maker`), taken as it is. Rounds of steps
+        the plan runs again (it went back to an older step) are of a timeline the job
+        left: dropped."""
         plan = engine.plan
         with self._lock:
             self.rounds = {s: r for s, r in self.rounds.items() if s < plan.first_iteration}
         self._epoch, self._first, self._group = epoch, plan.first_iteration, None
         self._outgoing, self._incoming, self._broken = {}, {}, False
         self.taken = self.skipped = 0
-        if not self.enabled or len(plan.nodes()) < 2:
+        if not self.wants_group(plan):
             return  # one node: its own copies only (nowhere else to keep them)
+        self._place(engine.rank, plan)
+        if connected is not None:
+            # A join's epoch: its group connected ahead, while the epoch before trained. Made
+            # here, its connection took the CPU of the epoch's first steps on every worker.
+            self._group, self._sockets = Future(), connected.sockets
+            self._group.set_result(connected.group)
+            return
         # Not waited for: its connection (20-30 ms on 2 busy cores) is off the pause
         # between two epochs; until it is up this worker is `busy` and no round is taken.
         # Made through `dist.new_group` on another thread it had to be waited for at the
@@ -169,8 +188,22 @@ class PeerSnapshots:
         self._sockets = set()
         self._group = _on_thread(self._connect, dist.PrefixStore("peer-snapshots/", store),
                                  engine.rank, plan.world_size, self._sockets, name=f"peer-snapshots-connect-{epoch}")
+
+    def wants_group(self, plan) -> bool:
+        """Whether an epoch of `plan` exchanges snapshots (more than one node)."""
+        return self.enabled and len(plan.nodes()) >= 2
+
+    def group_maker(self, plan) -> "Callable[[dist.Store, int, int], ConnectedGroup] | None":
+        """For an epoch of `plan` whose groups are connected ahead
+        (`planaria.runtime.parallel.prepared_groups`): what makes its snapshot group
+        with them, given their store, the rank and the world's size; None when the epoch
+        has no snapshot group. The group goes to `begin_epoch(connected=...)`."""
+        return self._make_group if self.wants_group(plan) else None
+
+    def _place(self, rank: int, plan) -> None:
+        """The shards this worker sends to and receives from which ranks in this epoch."""
         rank_of = plan.rank_of_worker()
-        me = plan.worker(engine.rank)
+        me = plan.worker(rank)
         owner_of = owners(plan)
         for shard, holders in sorted(snapshot_placement(plan, self.copies).items()):
             for holder in holders:
@@ -187,13 +220,20 @@ class PeerSnapshots:
         idle priority (`busy` raises it if it takes long); gloo's threads for the group
         are left at idle priority. `sockets` receives the inodes of the sockets opened
         meanwhile, the group's connections (`end_epoch` shuts them down after a failure)."""
-        before, opened = _threads(), set(socket_inodes())
         _idle_priority()
+        made = self._make_group(store, rank, size)
+        sockets.update(made.sockets)
+        return made.group
+
+    def _make_group(self, store: dist.Store, rank: int, size: int) -> "ConnectedGroup":
+        """The snapshot group connected on the calling thread, its gloo threads at idle
+        priority, with the inodes of the sockets opened meanwhile (its connections)."""
+        before, opened = _threads(), set(socket_inodes())
         group = dist.ProcessGroupGloo(store, rank, size, timedelta(seconds=self.connect_timeout_s))
         group._set_default_timeout(timedelta(seconds=self.timeout_s))  # what torch's _set_pg_timeout calls
-        sockets.update(set(socket_inodes()) - opened)
+        sockets = set(socket_inodes()) - opened
         _idle_priority(_gloo_threads(_threads() - before))
-        return group
+        return ConnectedGroup(group, sockets)
 
     def _hurry_connection(self) -> None:
         """The group still connecting `CONNECT_AT_IDLE_S` after it began: its thread and

@@ -82,12 +82,13 @@ class ConnectAhead:
         """The prepared record `_prepared` was connected for."""
 
     def start(self, before: int, record: EpochRecord, tied_layers: tuple[int, ...],
-              current_release=None) -> threading.Event | None:
+              current_release=None, snapshot_group=None) -> threading.Event | None:
         """Connect the groups of epoch `before + 1`, prepared as `record`, when it asks for
         that and this worker is in its plan: an event set once they connected or failed
         to, else None. `current_release`: the release of the epoch this worker trains in,
         told to spare the next epoch's bootstrap store, which that epoch needs whether or
-        not this one fails."""
+        not this one fails. `snapshot_group`: what makes the epoch's peer-snapshot group
+        with the others (`PeerSnapshots.group_maker`), or None."""
         worker = self.coordinator.worker
         ranks = record.plan.rank_of_worker()
         if not record.connect_ahead or worker not in ranks:
@@ -111,7 +112,7 @@ class ConnectAhead:
             return found
 
         prepared = PreparedGroups(epoch, record.plan, rank, store, self.backend, self.device,
-                                  timedelta(seconds=self.connect_timeout_s), tied_layers)
+                                  timedelta(seconds=self.connect_timeout_s), tied_layers, snapshot_group)
         prepared.release = release
         self._prepared, self._record = prepared.start(), record
         return prepared.done

@@ -223,7 +223,8 @@ class ElasticWorker:
             self._warm_up(record.plan)
         if self.faults is not None:  # (chaos: a joiner lost, or slow, as it connects)
             self.faults("connect", 0)
-        done = self.ahead.start(record.plan.epoch - 1, record, self.engine.tied_layers)
+        done = self.ahead.start(record.plan.epoch - 1, record, self.engine.tied_layers,
+                                snapshot_group=self.snapshots.group_maker(record.plan))
         early = done is not None and self._connected_ahead(done, record.plan.epoch)
         if early:
             self._entry = "early"
@@ -285,7 +286,8 @@ class ElasticWorker:
             self._log(f"epoch {epoch}: a join's word, but no prepared record: stopping without connecting ahead")
         if record is None or self.engine is None:
             return None
-        return self.ahead.start(epoch, record, self.engine.tied_layers, current_release=self._watcher.release)
+        return self.ahead.start(epoch, record, self.engine.tied_layers, current_release=self._watcher.release,
+                                snapshot_group=self.snapshots.group_maker(record.plan))
 
     def _leave(self, epoch: int, record: EpochRecord) -> int | None:
         """This node leaves with notice (`leaving.leave`): the exit code, or None when the
@@ -335,8 +337,8 @@ class ElasticWorker:
         self._watcher.start(followed=ahead.followed if ahead is not None else None)
         try:
             if ahead is not None:
-                self._log(f"epoch {epoch}: its groups were connected ahead ({ahead.seconds:.2f} s, while the "
-                          "epoch before trained)")
+                self._log(f"epoch {epoch}: its groups{' and its peer-snapshot group' if ahead.snapshots else ''} "
+                          f"were connected ahead ({ahead.seconds:.2f} s, while the epoch before trained)")
             dist.init_process_group(ahead.install() if ahead is not None else self.backend,
                                     store=self.coordinator.rendezvous_store(epoch, host=rank == 0),
                                     rank=rank, world_size=plan.world_size, timeout=timedelta(seconds=self._connect_timeout_s()),
@@ -351,7 +353,8 @@ class ElasticWorker:
                 # copy is timed from there, as a rendezvous lines the ranks up (without it, a
                 # worker's copy counted its wait for the last worker's teardown).
                 self._mark(rendezvous_s=self.engine.agreed_s)
-            self.snapshots.begin_epoch(self.engine, epoch, self.coordinator.rendezvous_store(epoch))
+            self.snapshots.begin_epoch(self.engine, epoch, self.coordinator.rendezvous_store(epoch),
+                                       connected=ahead.snapshots if ahead is not None else None)
             self._mark(transfer_s=time.time())
             if moved is not None:
                 self._mark(bytes_received=moved.bytes_received, bytes_sent=moved.bytes_sent,

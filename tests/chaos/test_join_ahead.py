@@ -31,7 +31,8 @@ def test_a_join_connects_ahead_and_a_joiner_lost_while_connecting_costs_nothing(
                       agents)
     assert first, agents[-3000:]
     epoch = int(first[1])
-    ahead = [name for name, text in workers.items() if f"epoch {epoch}: its groups were connected ahead" in text]
+    ahead = [name for name, text in workers.items()
+             if f"epoch {epoch}: its groups and its peer-snapshot group were connected ahead" in text]
     assert len(ahead) == 5 and any(name.startswith("node4") for name in ahead), (ahead, agents[-3000:])
     # The second: its joiner was killed as it connected; the epoch was given up at once
     # and planned again from the survivors' statuses (nothing of it was trained).

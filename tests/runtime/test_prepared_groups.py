@@ -10,6 +10,7 @@ import socket
 import threading
 import time
 from datetime import timedelta
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ import torch.distributed as dist
 
 from planaria.runtime.parallel.groups import EpochGroups, creation_order
 from planaria.runtime.parallel.prepared_groups import GIVEN_UP, PREPARED_BACKEND, PreparedGroups
+from planaria.runtime.state.peer_snapshots import PeerSnapshots
 from planaria.templates.plan import PipelinePlan, Plan, StagePlan
 
 TIMEOUT = timedelta(seconds=60)
@@ -42,8 +44,9 @@ def _rank(rank: int, port: int, out) -> None:
     dist.init_process_group("gloo", store=dist.PrefixStore("epoch0", store), rank=rank, world_size=3,
                             timeout=TIMEOUT)
     plan = _plan()
+    snapshots = PeerSnapshots(1, 1, timeout_s=60, connect_timeout_s=60)
     prepared = PreparedGroups(1, plan, rank, lambda: dist.PrefixStore("epoch1", store), "gloo",
-                              torch.device("cpu"), TIMEOUT).start()
+                              torch.device("cpu"), TIMEOUT, snapshot_group=snapshots.group_maker(plan)).start()
     steps = 0
     while not prepared.done.is_set() or steps < 20:  # the old epoch trains meanwhile
         total = torch.ones(1)
@@ -62,8 +65,14 @@ def _rank(rank: int, port: int, out) -> None:
         sums[str(bucket.ranks)] = value.item()
     world = torch.ones(1)
     dist.all_reduce(world)
+    # The peer snapshots' group, connected with them: the epoch's snapshots use it at once.
+    snapshots.begin_epoch(SimpleNamespace(plan=plan, rank=rank), 1, connected=prepared.snapshots)
+    busy = snapshots.busy()
+    mine = torch.tensor([float(rank + 1)])
+    prepared.snapshots.group.allreduce([mine]).wait()
     out.put({"rank": rank, "steps": steps, "backend": dist.get_backend(), "world": world.item(), "sums": sums,
-             "pipeline_rank": dist.get_rank(groups.pipeline), "pipeline_size": dist.get_world_size(groups.pipeline)})
+             "pipeline_rank": dist.get_rank(groups.pipeline), "pipeline_size": dist.get_world_size(groups.pipeline),
+             "snapshots_busy": busy, "snapshots_sum": mine.item(), "snapshot_sockets": len(prepared.snapshots.sockets)})
     dist.destroy_process_group()
 
 
@@ -87,6 +96,10 @@ def test_groups_connected_while_the_old_world_trains_are_the_next_epochs_groups(
     assert results[0]["sums"] == {"(0, 2)": 4.0} and results[1]["sums"] == {"(1, 2)": 5.0}
     assert results[2]["sums"] == {"(0, 2)": 4.0, "(1, 2)": 5.0}
     assert [(results[r]["pipeline_rank"], results[r]["pipeline_size"]) for r in range(3)] == [(0, 2), (1, 2), (0, 1)]
+    # Every rank's snapshot group spans the world, its connections known (to be shut down
+    # should an exchange outlive a failed epoch), and the epoch's first step can take a round.
+    assert all(r["snapshots_sum"] == 6.0 and r["snapshot_sockets"] >= 2 and not r["snapshots_busy"]
+               for r in results.values()), results
 
 
 def test_torch_asking_for_a_group_that_was_not_prepared_is_a_clear_error():
