@@ -179,8 +179,11 @@ class Engine:
         After a source filled them, a barrier; only then are the layers the plan no
         longer gives this rank dropped: once the barrier completed anywhere, every worker
         had its layers, so a failure at any earlier point leaves every layer with the
-        holders it had (`held()` says which). Layers still missing are built from their
-        seeds, which is allowed only before the first step."""
+        holders it had (`held()` says which). When no rank drops a layer (a join that
+        only adds replicas) and nothing is restored, there is nothing for it to guard,
+        and it is left out: every rank learns whether any drops in the agreed-start
+        check, so all decide alike. Layers still missing are built from their seeds,
+        which is allowed only before the first step."""
         restoring = layers is not None and layers.restores
         self.agreed_s = None
         if not restoring:
@@ -193,32 +196,38 @@ class Engine:
             # layers (never a mix of the old step's and the restored one's).
             self._shards.clear()
         self._build_epoch(plan, world)
-        self._check_agreed_start(plan)
+        kept = set(plan.layers_of(rank))
+        dropped = [i for i in self._shards if i not in kept]  # (a source fills only layers of the plan)
+        guarded = self._check_agreed_start(plan, guard=bool(dropped) or restoring)
         if layers is not None:
             layers.fill(self)
-            dist.barrier(group=self.groups.world)
-        for index in [i for i in self._shards if i not in set(plan.layers_of(rank))]:
+            if guarded:
+                dist.barrier(group=self.groups.world)
+        for index in dropped:
             self.drop_shard(index)
         self._add_fresh_layers()
         self.iteration, self.synced = plan.first_iteration, False
         self._build_pipeline()
 
-    def _check_agreed_start(self, plan: Plan) -> None:
+    def _check_agreed_start(self, plan: Plan, guard: bool) -> bool:
         """Every rank of the epoch starts it at the same iteration, checked before any
         layer moves: ranks whose plans disagree on it would otherwise train on, their
         collectives lining up step for step, each on its own iteration's data (a
         joiner told a wrong first iteration did: docs/recovery.md). The sum of the
         iteration and of its square over the ranks equals the world's size times this
         rank's only if every rank has the same (taken modulo 2^16, exact in float64 up
-        to millions of ranks)."""
+        to millions of ranks). The same all-reduce counts the ranks that want the
+        barrier after the copy (`guard`): True if any does."""
         first = float(plan.first_iteration % 65536)
-        found = torch.tensor([first, first * first], dtype=torch.float64, device=self.device)
+        found = torch.tensor([first, first * first, float(guard)], dtype=torch.float64, device=self.device)
         dist.all_reduce(found, group=self.groups.world)
         size = dist.get_world_size(self.groups.world)
-        if found.tolist() != [size * first, size * first * first]:
+        *iterations, guards = found.tolist()
+        if iterations != [size * first, size * first * first]:
             raise RuntimeError(f"the ranks of epoch {plan.epoch} disagree on its first iteration (this rank's: "
                                f"{plan.first_iteration}); the epoch is given up before any layer moves")
         self.agreed_s = time.time()
+        return guards > 0
 
     def _check_continues(self, plan: Plan) -> None:
         """A plan must start right after this worker's last step; a new engine (no step

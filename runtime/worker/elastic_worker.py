@@ -221,6 +221,9 @@ class ElasticWorker:
         if self.engine is None:
             self.engine = self._new_engine()
             self._warm_up(record.plan)
+        # Its data's shuffle at about where the job is (the prepared plan's first iteration,
+        # a few steps behind the stop's): made now, not in the join's first step.
+        self.dataset.prepare(record.plan.first_iteration, record.plan.global_batch, self.cfg.data.seed)
         if self.faults is not None:  # (chaos: a joiner lost, or slow, as it connects)
             self.faults("connect", 0)
         done = self.ahead.start(record.plan.epoch - 1, record, self.engine.tied_layers,

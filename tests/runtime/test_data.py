@@ -250,3 +250,21 @@ def test_the_largest_token_is_computed_once_per_version_of_the_file(tmp_path):
     (tmp_path / "train.bin.maxtoken").write_text("garbage")
     with pytest.raises(ValueError, match=r"token id 700"):
         build_dataset(str(path), seq_len=4, vocab_size=512, seed=0, dtype="uint16")
+
+
+def test_a_shuffle_prepared_ahead_is_the_one_the_batch_then_reads(monkeypatch):
+    """A joiner prepares its data's shuffle while it waits (`TokenDataset.prepare`): the
+    batch of that iteration then shuffles nothing more, and is the batch a dataset that
+    prepared nothing reads."""
+    tokens = np.arange(10_000) % 251
+    prepared = TokenDataset(tokens, seq_len=8, description="prepared")
+    fresh = TokenDataset(tokens, seq_len=8, description="fresh")
+    iteration, batch = 700, 4  # data epoch 2 of 1,249 samples
+    prepared.prepare(iteration, batch, seed=3)
+    shuffles = []
+    real = np.random.default_rng
+    monkeypatch.setattr(np.random, "default_rng", lambda *a, **k: (shuffles.append(a), real(*a, **k))[1])
+    got = prepared.batch(iteration, batch, 3)
+    assert shuffles == []
+    want = fresh.batch(iteration, batch, 3)
+    assert len(shuffles) == 1 and all(torch.equal(a, b) for a, b in zip(got, want))

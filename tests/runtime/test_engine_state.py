@@ -87,3 +87,19 @@ def test_the_loop_hands_each_step_to_its_components_in_order(world):
                                                     ("after", 2, False), ("after", 3, True)]
     assert evaluated == [1, 3] and saved == [2]
     engine.destroy()
+
+
+@pytest.mark.timeout(120)
+def test_an_epoch_whose_ranks_drop_no_layer_enters_without_the_barrier_after_the_copy(world, monkeypatch):
+    """The barrier after a copy guards the layers a rank drops (none is dropped before every
+    rank has what it needs); an epoch in which no rank drops any, restoring nothing,
+    leaves it out, and trains on as it would have."""
+    cfg, engine, data = engine_and_data()
+    engine.train_step(0, data, cfg.data.seed)
+    barriers = []
+    real = dist.barrier
+    monkeypatch.setattr(dist, "barrier", lambda *args, **kw: (barriers.append(kw.get("group")), real(*args, **kw)))
+    engine.enter_epoch(replace(engine.plan, epoch=1, first_iteration=1), 0, layers=FromReplicas([]))
+    assert barriers == [] and engine.held_layers() == list(range(cfg.model.n_layers + 2))
+    assert engine.train_step(1, data, cfg.data.seed).loss > 0
+    engine.destroy()
