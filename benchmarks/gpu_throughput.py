@@ -21,7 +21,9 @@ random tokens. The sides, each in a fresh process, one after another:
   planaria  `python -m planaria.train` on a generated config, as a user runs it; each
             `--planaria-variant` adds a run with those `--set` overrides (default
             variants: as configured by default, and with `train.compile`,
-            `train.optimizer_impl=fused`, and without `train.exact_reduction`);
+            `train.optimizer_impl=fused`, without `train.exact_reduction`, and
+            with `train.mixed_precision=bf16-params`: the two mixed-precision recipes
+            side by side);
   torchtitan  torchtitan's own Llama 3 trainer under torchrun, `compile` on, its
             `--model.flavor` built from the same shape (`benchmarks/gpu_torchtitan.py`);
             skipped with the reason when torchtitan is not importable.
@@ -73,6 +75,8 @@ DEFAULT_VARIANTS = [
     "default=",
     "compiled=train.compile=true,train.optimizer_impl=fused",
     "compiled-no-f64=train.compile=true,train.optimizer_impl=fused,train.exact_reduction=false",
+    "compiled-no-f64-bf16-params=train.compile=true,train.optimizer_impl=fused,train.exact_reduction=false,"
+    "train.mixed_precision=bf16-params",
 ]
 
 

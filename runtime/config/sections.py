@@ -157,7 +157,17 @@ class TrainConfig:
     seed: int = 0
     """Seed of the parameter initialisation."""
     dtype: TrainDtype = "float32"
-    """'float32' or 'float64' (CPU exactness), 'bfloat16' (autocast over float32 master weights)."""
+    """'float32' or 'float64' (CPU exactness), 'bfloat16' (mixed precision over float32
+    master weights, as `mixed_precision` says)."""
+    mixed_precision: Literal["autocast", "bf16-params"] = "autocast"
+    """How a bfloat16 job computes (`planaria.runtime.parallel.precision`): 'autocast'
+    (float32 parameters, each matmul under torch.autocast reading a bfloat16 cast of its
+    weight, made once per step; torchtitan's recipe on one GPU), or 'bf16-params' (the
+    forward reads bfloat16 copies of every parameter, made once per step from the
+    float32 masters, so activations and the residual stream are bfloat16; gradients
+    summed in float32 or wider; FSDP's and Megatron's recipe). The masters, AdamW's
+    state and everything that moves or saves them are float32 either way. Only with
+    dtype 'bfloat16'."""
     recompute: bool = False
     """Recompute each block's activations in the backward pass instead of storing them."""
     compile: bool = False

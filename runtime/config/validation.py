@@ -47,6 +47,15 @@ def check_config(cfg: Config) -> Config:
         raise ConfigError("train.compile does not go with parallel.schedule zb1f1b: its split backward does not "
                           "give exact gradients through compiled blocks; use 1f1b, interleaved or gpipe, or leave "
                           "train.compile false")
+    if t.mixed_precision == "bf16-params" and t.dtype != "bfloat16":
+        raise ConfigError(f"train.mixed_precision=bf16-params is how a bfloat16 job computes; train.dtype is "
+                          f"{t.dtype!r}: set train.dtype=bfloat16, or leave train.mixed_precision as autocast")
+    if t.mixed_precision == "bf16-params" and cfg.parallel.schedule == "zb1f1b":
+        # zb1f1b's weight pass differentiates a stage's parameters(): the bf16 copies the
+        # step reads, not the masters (`planaria.runtime.parallel.precision`).
+        raise ConfigError("train.mixed_precision=bf16-params does not go with parallel.schedule zb1f1b: its "
+                          "split backward would compute the bfloat16 copies' gradients, not the float32 masters'; "
+                          "use 1f1b, interleaved or gpipe, or train.mixed_precision=autocast")
     if cfg.audit.every < 0:
         raise ConfigError(f"audit.every must be 0 (off) or more, got {cfg.audit.every}")
     if cfg.checkpoint.memory_every < 0 or cfg.checkpoint.memory_copies < 0:

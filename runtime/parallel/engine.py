@@ -39,6 +39,7 @@ from torch import nn
 from planaria.runtime.contract.exactly_once import INCOMPLETE, SYNCED, CommitRecord, WorkerStatus
 from planaria.runtime.models.llama import LayerModel
 from planaria.runtime.parallel.grad_sync import accumulate_wide, sync_gradients
+from planaria.runtime.parallel.precision import compute_params
 from planaria.runtime.parallel.groups import EpochGroups
 from planaria.runtime.parallel.optim import OptimizerSettings, build_optimizer, learning_rate, set_learning_rate
 from planaria.runtime.parallel.pipeline import PlanSchedule, stage_schedule
@@ -91,6 +92,9 @@ class EngineSettings:
     param_dtype: torch.dtype
     autocast_dtype: torch.dtype | None = None
     """Mixed precision: the forward runs under autocast to this dtype (None: off)."""
+    compute_dtype: torch.dtype | None = None
+    """Mixed precision: the forward reads copies of the parameters in this dtype, made
+    once per step (`precision.compute_params`; None: the parameters themselves)."""
     grad_clip: float = 1.0
     """The global gradient norm is clipped to this (0: no clipping)."""
     grad_accum_dtype: torch.dtype | None = None
@@ -101,6 +105,11 @@ class EngineSettings:
     collective_timeout: timedelta | None = None
     connect_timeout: timedelta | None = None
     """How long an epoch's process groups may take to connect (None: `collective_timeout`)."""
+
+    @property
+    def read_dtype(self) -> torch.dtype:
+        """The dtype of the parameters the forward reads."""
+        return self.compute_dtype or self.param_dtype
 
     @property
     def wide_sums(self) -> torch.dtype | None:
@@ -361,7 +370,7 @@ class Engine:
     def _stage_examples(self, chunks, tp, forward_only: bool):
         """Each chunk's input and output of one microbatch, for `build_stages`'s static
         metadata (`LayerModel.stage_examples`)."""
-        return [self.model.stage_examples(start, stop, self.plan.micro_batch, tp.size, self.settings.param_dtype,
+        return [self.model.stage_examples(start, stop, self.plan.micro_batch, tp.size, self.settings.read_dtype,
                                           self.settings.autocast_dtype, requires_grad=not forward_only)
                 for start, stop in chunks]
 
@@ -469,13 +478,14 @@ class Engine:
 
     def _run_schedule(self, run: Callable, stages: list, inputs: torch.Tensor,
                       targets: torch.Tensor) -> list[torch.Tensor]:
-        """Run a schedule's `step` or `eval` on this rank's `stages` under autocast: the
-        first stage takes the inputs, the last the targets and returns its microbatches'
-        losses (empty elsewhere)."""
+        """Run a schedule's `step` or `eval` on this rank's `stages` in the job's mixed
+        precision (`precision`): the first stage takes the inputs, the last the targets
+        and returns its microbatches' losses (empty elsewhere)."""
         is_first = any(s.is_first for s in stages)
         is_last = any(s.is_last for s in stages)
         losses: list[torch.Tensor] = []
-        with self._autocast():
+        modules = [self._shards[index].module for index in self.plan.layers_of(self.rank)]
+        with self._autocast(), compute_params(modules, self.settings.compute_dtype):
             run(*((inputs,) if is_first else ()), target=targets if is_last else None,
                 losses=losses if is_last else None, return_outputs=False)
         return losses

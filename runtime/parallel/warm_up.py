@@ -29,6 +29,7 @@ from planaria.runtime.models.llama import LayerModel
 from planaria.runtime.models.tensor_parallel import TensorParallel
 from planaria.runtime.parallel.grad_sync import accumulate_wide, local_grad
 from planaria.runtime.parallel.optim import OptimizerSettings, build_optimizer
+from planaria.runtime.parallel.precision import compute_params
 from planaria.templates.plan import Plan
 
 ITERATIONS = 3
@@ -95,7 +96,7 @@ def _forward_backward(model: LayerModel, settings, layers: list[torch.nn.Module]
     """One microbatch through layers start..stop-1 and back, as a pipeline stage runs them:
     the stage's input made as `stage_examples` describes it, the loss where the last
     layer is the head, else the output's gradient taken as ones."""
-    example, _ = model.stage_examples(start, stop, micro_batch, tp.size, settings.param_dtype,
+    example, _ = model.stage_examples(start, stop, micro_batch, tp.size, settings.read_dtype,
                                       settings.autocast_dtype, requires_grad=True)
     shape, device = tuple(example.shape), settings.device
     # Its own generator: the process's random state is the job's, untouched here.
@@ -106,7 +107,7 @@ def _forward_backward(model: LayerModel, settings, layers: list[torch.nn.Module]
         x = torch.randn(shape, generator=gen).to(device=device, dtype=example.dtype).requires_grad_()
     autocast = (contextlib.nullcontext() if settings.autocast_dtype is None
                 else torch.autocast(device.type, dtype=settings.autocast_dtype))
-    with autocast:
+    with autocast, compute_params(layers, settings.compute_dtype):
         out = x
         for layer in layers:
             out = layer(out)

@@ -33,8 +33,11 @@ def engine_settings(cfg: Config, device: torch.device,
     after the rendezvous fails the epoch in seconds); the collectives' own timeout is
     `comm.timeout_s`."""
     param_dtype, autocast_dtype = torch_dtypes(cfg.train.dtype)
+    compute_dtype = None
+    if autocast_dtype is not None and cfg.train.mixed_precision == "bf16-params":
+        autocast_dtype, compute_dtype = None, torch.bfloat16
     return EngineSettings(
-        device=device, param_dtype=param_dtype, autocast_dtype=autocast_dtype,
+        device=device, param_dtype=param_dtype, autocast_dtype=autocast_dtype, compute_dtype=compute_dtype,
         grad_clip=cfg.train.grad_clip,
         grad_accum_dtype=torch.float64 if cfg.train.exact_reduction else None,
         collective_timeout=timedelta(seconds=cfg.comm.timeout_s),
