@@ -102,6 +102,10 @@ class EngineSettings:
     replicas in this dtype, in `main_grad`, and rounded to the parameters' dtype once,
     after the sync, so that the sum does not depend on the plan's split of the batch.
     None, or the parameters' own dtype: summed in `grad`."""
+    fetch_ahead: bool | None = None
+    """Read the next iteration's batch and start its copy to the device while this one's
+    computation runs (`Engine._fetch_ahead`); None: on GPUs, whose kernels run while the
+    host is free; on a CPU the read would only take the step's own cores."""
     collective_timeout: timedelta | None = None
     connect_timeout: timedelta | None = None
     """How long an epoch's process groups may take to connect (None: `collective_timeout`)."""
@@ -140,6 +144,8 @@ class Engine:
 
     _eval_schedule: PlanSchedule | None = None
     _evaluating = False
+    _ahead: tuple | None = None
+    """The next iteration's batch, fetched ahead (`_fetch_ahead`): (what it is, tensors)."""
 
     def __init__(self, model: LayerModel, optim: OptimizerSettings, settings: EngineSettings, *,
                  phase: Callable[[str, int], None] | None = None, layer_phases: bool | None = None):
@@ -322,6 +328,7 @@ class Engine:
         holds sockets, buffers and pending work of the epoch's communication."""
         self.groups, self.schedule, self.stages = None, None, []
         self._eval_schedule, self._eval_stages = None, []
+        self._ahead = None
         if self.tp is not None:
             self.tp.group = None
 
@@ -399,10 +406,10 @@ class Engine:
         plan = self.plan
         self.iteration, self.synced = iteration, False
         self._phase("begin", iteration)
-        count = self.pipeline.num_microbatches * plan.micro_batch
-        inputs, targets = dataset.batch(iteration, plan.global_batch, data_seed,
-                                        start=self.pipeline.sample_offset, count=count)
-        losses = self._forward_backward(self._on_device(inputs), self._on_device(targets))
+        inputs, targets = self._batch(dataset, iteration, data_seed)
+        losses = self._forward_backward(inputs, targets)
+        if self._fetches_ahead:
+            self._fetch_ahead(dataset, iteration + 1, data_seed)
         self._phase("sync", iteration)
         self._sync_gradients()
         self.synced = True
@@ -442,6 +449,39 @@ class Engine:
             self._evaluating = False
         dist.all_reduce(total, group=self.groups.world)
         return float(total) / batches
+
+    @property
+    def _fetches_ahead(self) -> bool:
+        ahead = self.settings.fetch_ahead
+        return self.device.type == "cuda" if ahead is None else ahead
+
+    def _batch_of(self, dataset, iteration: int, data_seed: int) -> tuple:
+        """What identifies `iteration`'s batch for this rank: its pipeline's slice of the
+        plan's global batch."""
+        count = self.pipeline.num_microbatches * self.plan.micro_batch
+        return dataset, iteration, self.plan.global_batch, data_seed, self.pipeline.sample_offset, count
+
+    def _batch(self, dataset, iteration: int, data_seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """`iteration`'s inputs and targets for this rank, on the device: fetched ahead during
+        the step before when they are that batch (the same dataset, plan and slice), else
+        read now."""
+        wanted = self._batch_of(dataset, iteration, data_seed)
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and ahead[0][0] is dataset and ahead[0][1:] == wanted[1:]:
+            return ahead[1]
+        _, _, global_batch, seed, start, count = wanted
+        inputs, targets = dataset.batch(iteration, global_batch, seed, start=start, count=count)
+        return self._on_device(inputs), self._on_device(targets)
+
+    def _fetch_ahead(self, dataset, iteration: int, data_seed: int) -> None:
+        """Read `iteration`'s batch and start its copy to the device now, while the kernels
+        of this step's forward and backward run: the next step then starts at once after
+        the commit, which waits for the device (docs/gpu.md). Dropped unused when the
+        next step is not that batch's (the epoch ended; another plan)."""
+        wanted = self._batch_of(dataset, iteration, data_seed)
+        _, _, global_batch, seed, start, count = wanted
+        inputs, targets = dataset.batch(iteration, global_batch, seed, start=start, count=count)
+        self._ahead = (wanted, (self._on_device(inputs), self._on_device(targets)))
 
     def _on_device(self, batch: torch.Tensor) -> torch.Tensor:
         """A batch on the engine's device. On a GPU from pinned memory without blocking: a

@@ -103,3 +103,37 @@ def test_an_epoch_whose_ranks_drop_no_layer_enters_without_the_barrier_after_the
     assert barriers == [] and engine.held_layers() == list(range(cfg.model.n_layers + 2))
     assert engine.train_step(1, data, cfg.data.seed).loss > 0
     engine.destroy()
+
+
+class CountedReads:
+    """A dataset that records which iteration's batch was read, and when (during which of
+    the engine's steps)."""
+
+    def __init__(self, dataset):
+        self.dataset, self.reads, self.step = dataset, [], None
+
+    def batch(self, iteration, *args, **kw):
+        self.reads.append((iteration, self.step))
+        return self.dataset.batch(iteration, *args, **kw)
+
+
+@pytest.mark.timeout(120)
+def test_the_next_batch_is_fetched_during_the_step_before_and_trains_the_same(world):
+    """`EngineSettings.fetch_ahead` (on by default on GPUs): each step reads the next
+    iteration's batch while its own computation runs, once, and the losses are those of
+    an engine that reads each batch in its own step."""
+    losses = {}
+    for ahead in (False, True):
+        cfg, engine, data = engine_and_data()
+        engine.settings = replace(engine.settings, fetch_ahead=ahead)
+        counted = CountedReads(data)
+        losses[ahead] = []
+        for iteration in range(3):
+            counted.step = iteration
+            losses[ahead].append(engine.train_step(iteration, counted, cfg.data.seed).loss)
+        engine.destroy()
+        if ahead:
+            assert counted.reads == [(0, 0), (1, 0), (2, 1), (3, 2)]
+        else:
+            assert counted.reads == [(0, 0), (1, 1), (2, 2)]
+    assert losses[True] == losses[False]
