@@ -42,6 +42,7 @@ from planaria.runtime.contract.exactly_once import INCOMPLETE, SYNCED, CommitRec
 from planaria.runtime.contract.exits import EXIT_LEFT
 from planaria.runtime.contract.logs import error_line
 from planaria.runtime.parallel.prepared_groups import BarrierGate
+from planaria.runtime.state.peer_snapshots import exchanges_snapshots
 from planaria.runtime.worker.connect_ahead import agree_on_first
 from planaria.runtime.worker.coordination import JobEnded, close_stores
 from planaria.runtime.worker.epoch_watcher import QUIET_S, EpochWatcher
@@ -406,7 +407,7 @@ class SimulatedWorker:
 
     def _snapshot_group(self, plan) -> bool:
         """`PeerSnapshots.wants_group`: an epoch of `plan` has a peer-snapshot group."""
-        return self.snapshots is not None and self.snapshots.every > 0 and len(plan.nodes()) >= 2
+        return self.snapshots is not None and exchanges_snapshots(self.snapshots.every, plan)
 
     def _connect_snapshots(self, epoch: int, plan, rank: int) -> None:
         """The epoch's peer-snapshot group (`PeerSnapshots.begin_epoch`): gloo over every

@@ -145,7 +145,7 @@ class Engine:
     _eval_schedule: PlanSchedule | None = None
     _evaluating = False
     _ahead: tuple | None = None
-    """The next iteration's batch, fetched ahead (`_fetch_ahead`): (what it is, tensors)."""
+    """The next iteration's batch, fetched ahead (`_fetch_ahead`): (dataset, which batch, tensors)."""
 
     def __init__(self, model: LayerModel, optim: OptimizerSettings, settings: EngineSettings, *,
                  phase: Callable[[str, int], None] | None = None, layer_phases: bool | None = None):
@@ -455,33 +455,34 @@ class Engine:
         ahead = self.settings.fetch_ahead
         return self.device.type == "cuda" if ahead is None else ahead
 
-    def _batch_of(self, dataset, iteration: int, data_seed: int) -> tuple:
+    def _batch_of(self, iteration: int, data_seed: int) -> tuple[int, int, int, int, int]:
         """What identifies `iteration`'s batch for this rank: its pipeline's slice of the
-        plan's global batch."""
+        plan's global batch (`TokenDataset.batch`'s arguments)."""
         count = self.pipeline.num_microbatches * self.plan.micro_batch
-        return dataset, iteration, self.plan.global_batch, data_seed, self.pipeline.sample_offset, count
+        return iteration, self.plan.global_batch, data_seed, self.pipeline.sample_offset, count
+
+    def _read(self, dataset, which: tuple[int, int, int, int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+        iteration, global_batch, seed, start, count = which
+        inputs, targets = dataset.batch(iteration, global_batch, seed, start=start, count=count)
+        return self._on_device(inputs), self._on_device(targets)
 
     def _batch(self, dataset, iteration: int, data_seed: int) -> tuple[torch.Tensor, torch.Tensor]:
         """`iteration`'s inputs and targets for this rank, on the device: fetched ahead during
         the step before when they are that batch (the same dataset, plan and slice), else
         read now."""
-        wanted = self._batch_of(dataset, iteration, data_seed)
+        which = self._batch_of(iteration, data_seed)
         ahead, self._ahead = self._ahead, None
-        if ahead is not None and ahead[0][0] is dataset and ahead[0][1:] == wanted[1:]:
-            return ahead[1]
-        _, _, global_batch, seed, start, count = wanted
-        inputs, targets = dataset.batch(iteration, global_batch, seed, start=start, count=count)
-        return self._on_device(inputs), self._on_device(targets)
+        if ahead is not None and ahead[0] is dataset and ahead[1] == which:
+            return ahead[2]
+        return self._read(dataset, which)
 
     def _fetch_ahead(self, dataset, iteration: int, data_seed: int) -> None:
         """Read `iteration`'s batch and start its copy to the device now, while the kernels
         of this step's forward and backward run: the next step then starts at once after
         the commit, which waits for the device (docs/gpu.md). Dropped unused when the
         next step is not that batch's (the epoch ended; another plan)."""
-        wanted = self._batch_of(dataset, iteration, data_seed)
-        _, _, global_batch, seed, start, count = wanted
-        inputs, targets = dataset.batch(iteration, global_batch, seed, start=start, count=count)
-        self._ahead = (wanted, (self._on_device(inputs), self._on_device(targets)))
+        which = self._batch_of(iteration, data_seed)
+        self._ahead = (dataset, which, self._read(dataset, which))
 
     def _on_device(self, batch: torch.Tensor) -> torch.Tensor:
         """A batch on the engine's device. On a GPU from pinned memory without blocking: a
@@ -524,8 +525,9 @@ class Engine:
         is_first = any(s.is_first for s in stages)
         is_last = any(s.is_last for s in stages)
         losses: list[torch.Tensor] = []
-        modules = [self._shards[index].module for index in self.plan.layers_of(self.rank)]
-        with self._autocast(), compute_params(modules, self.settings.compute_dtype):
+        compute = self.settings.compute_dtype
+        modules = [self._shards[index].module for index in self.plan.layers_of(self.rank)] if compute else ()
+        with self._autocast(), compute_params(modules, compute):
             run(*((inputs,) if is_first else ()), target=targets if is_last else None,
                 losses=losses if is_last else None, return_outputs=False)
         return losses

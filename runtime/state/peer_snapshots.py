@@ -86,6 +86,12 @@ def flatten_shard(engine: "Engine", layer: int, into: FlatShard | None = None) -
     return tuple(torch.cat(g) for g in groups)
 
 
+def exchanges_snapshots(every: int, plan) -> bool:
+    """Whether an epoch of `plan` exchanges peer snapshots taken every `every` steps (0:
+    none), over a group of its own: only across more than one node."""
+    return every > 0 and len(plan.nodes()) >= 2
+
+
 @dataclass(frozen=True)
 class ConnectedGroup:
     """A snapshot group made ahead of its epoch (`PeerSnapshots.group_maker`), and the
@@ -190,8 +196,8 @@ class PeerSnapshots:
                                  engine.rank, plan.world_size, self._sockets, name=f"peer-snapshots-connect-{epoch}")
 
     def wants_group(self, plan) -> bool:
-        """Whether an epoch of `plan` exchanges snapshots (more than one node)."""
-        return self.enabled and len(plan.nodes()) >= 2
+        """Whether an epoch of `plan` exchanges snapshots (`exchanges_snapshots`)."""
+        return exchanges_snapshots(self.every, plan)
 
     def group_maker(self, plan) -> "Callable[[dist.Store, int, int], ConnectedGroup] | None":
         """For an epoch of `plan` whose groups are connected ahead

@@ -34,8 +34,8 @@ def engine_settings(cfg: Config, device: torch.device,
     `comm.timeout_s`."""
     param_dtype, autocast_dtype = torch_dtypes(cfg.train.dtype)
     compute_dtype = None
-    if autocast_dtype is not None and cfg.train.mixed_precision == "bf16-params":
-        autocast_dtype, compute_dtype = None, torch.bfloat16
+    if cfg.train.mixed_precision == "bf16-params":  # (only with dtype bfloat16: `check_config`)
+        autocast_dtype, compute_dtype = None, autocast_dtype
     return EngineSettings(
         device=device, param_dtype=param_dtype, autocast_dtype=autocast_dtype, compute_dtype=compute_dtype,
         grad_clip=cfg.train.grad_clip,
